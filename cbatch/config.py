@@ -1,0 +1,55 @@
+"""Engine settings: one dataclass, validated once; the CLI maps its flags onto it."""
+
+import os
+from dataclasses import dataclass
+
+from cbatch.errors import CbatchError, INVALID_CONFIG
+
+MAX_PARALLEL = 64  # llama.cpp's per-context limit on sequence ids (LLAMA_MAX_SEQ)
+DEFAULT_CTX_PER_SEQ = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None  # None = the embedded default model
+    parallel: int = 4  # sequences decoded together = KV sequence slots
+    ctx_size: int = 0  # total context shared by all slots, as llama.cpp's server; 0 = 4096 per slot
+    batch_size: int = 512  # tokens per step: decode tokens first, prompt chunks fill the rest
+    threads: int = 0  # 0 = all cores
+    n_gpu_layers: int = 0
+    max_queue: int = 1024  # waiting requests beyond `parallel`; more are rejected with queue_full
+    kv_unified: bool = False  # one KV pool for all slots instead of one stream per slot
+    seed: int = 0xFFFFFFFF  # base seed for requests without one; default random
+
+    def __post_init__(self):
+        def check(ok: bool, message: str):
+            if not ok:
+                raise CbatchError(INVALID_CONFIG, message)
+
+        check(1 <= self.parallel <= MAX_PARALLEL, f"--parallel must be in [1, {MAX_PARALLEL}], got {self.parallel}")
+        check(self.ctx_size >= 0, f"--ctx-size must be >= 0, got {self.ctx_size}")
+        check(
+            self.ctx_size == 0 or self.ctx_size // self.parallel >= 16,
+            f"--ctx-size {self.ctx_size} leaves {self.ctx_size // self.parallel} tokens per sequence "
+            f"for --parallel {self.parallel}; raise --ctx-size or lower --parallel",
+        )
+        check(
+            self.batch_size >= self.parallel,
+            f"--batch-size {self.batch_size} must be at least --parallel {self.parallel}: "
+            "every step carries one token for each generating sequence",
+        )
+        check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
+        check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
+        check(self.max_queue >= 0, f"--max-queue must be >= 0, got {self.max_queue}")
+
+    @property
+    def total_ctx(self) -> int:
+        return self.ctx_size or DEFAULT_CTX_PER_SEQ * self.parallel
+
+    @property
+    def ctx_per_seq(self) -> int:
+        return self.total_ctx // self.parallel
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads or os.cpu_count() or 1

@@ -1,0 +1,29 @@
+"""The one exception type users catch, and the stable error codes it carries.
+
+Codes are part of the public contract: clients branch on them, so they never change
+meaning. Messages are for people and say which setting or field to change.
+"""
+
+INVALID_REQUEST = "invalid_request"
+QUEUE_FULL = "queue_full"
+PROMPT_TOO_LONG = "prompt_too_long"
+CANCELLED = "cancelled"
+WORKER_RESTARTED = "worker_restarted"
+UNAVAILABLE = "unavailable"
+DECODE_FAILED = "decode_failed"
+SHUTTING_DOWN = "shutting_down"
+NOT_FOUND = "not_found"
+INTERNAL = "internal"
+INVALID_CONFIG = "invalid_config"
+
+
+class CbatchError(Exception):
+    """An error with a stable machine-readable `code` and a human `message`."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "message": self.message}

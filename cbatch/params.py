@@ -1,0 +1,162 @@
+"""Per-request parameters: the schema, its defaults, and validation done once at the edge.
+
+Everything a caller sends is checked here (type, range, unknown fields) before it can
+reach a queue, so the decode loop only ever sees well-formed requests.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from cbatch.errors import CbatchError, INVALID_REQUEST
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_PROMPT_CHARS = 1 << 20
+MAX_GRAMMAR_CHARS = 1 << 16
+MAX_MESSAGES = 1024
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = disabled
+    top_p: float = 0.95  # 1 = disabled
+    min_p: float = 0.05  # 0 = disabled
+    repeat_penalty: float = 1.0  # 1 = disabled
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = -1  # -1 = random
+    stop: tuple[str, ...] = ()
+    grammar: str | None = None
+    ignore_eos: bool = False
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that needs llama.cpp's sampler chain: a plain argmax."""
+        return (
+            self.temperature == 0.0
+            and self.grammar is None
+            and self.repeat_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: exactly one of `prompt` or `messages`."""
+
+    request_id: int
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+def _fail(message: str) -> CbatchError:
+    return CbatchError(INVALID_REQUEST, message)
+
+
+def _int(name, value, lo, hi):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(f"{name} must be an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise _fail(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _float(name, value, lo, hi, *, lo_open=False):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _fail(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise _fail(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+    return value
+
+
+def _bool(name, value):
+    if not isinstance(value, bool):
+        raise _fail(f"{name} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _text(name, value, max_chars, *, allow_empty=False):
+    if not isinstance(value, str):
+        raise _fail(f"{name} must be a string, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise _fail(f"{name} must not be empty")
+    if len(value) > max_chars:
+        raise _fail(f"{name} is longer than {max_chars} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _fail(f"{name} is not valid UTF-8 (lone surrogate)") from None
+    return value
+
+
+def _stop(value):
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise _fail("stop must be a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise _fail(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}")
+    return tuple(_text("stop[]", s, MAX_STOP_CHARS) for s in value)
+
+
+_PARAM_CHECKS = {
+    "max_tokens": lambda v: _int("max_tokens", v, 1, MAX_TOKENS_LIMIT),
+    "temperature": lambda v: _float("temperature", v, 0.0, 100.0),
+    "top_k": lambda v: _int("top_k", v, 0, 1 << 20),
+    "top_p": lambda v: _float("top_p", v, 0.0, 1.0, lo_open=True),
+    "min_p": lambda v: _float("min_p", v, 0.0, 1.0),
+    "repeat_penalty": lambda v: _float("repeat_penalty", v, 0.0, 10.0, lo_open=True),
+    "presence_penalty": lambda v: _float("presence_penalty", v, -2.0, 2.0),
+    "frequency_penalty": lambda v: _float("frequency_penalty", v, -2.0, 2.0),
+    "seed": lambda v: _int("seed", v, -1, MAX_SEED),
+    "stop": _stop,
+    "grammar": lambda v: None if v is None else _text("grammar", v, MAX_GRAMMAR_CHARS),
+    "ignore_eos": lambda v: _bool("ignore_eos", v),
+}
+PARAM_NAMES = frozenset(_PARAM_CHECKS)
+
+
+def parse_params(raw: dict) -> SamplingParams:
+    unknown = sorted(set(raw) - PARAM_NAMES)
+    if unknown:
+        raise _fail(f"unknown parameter(s) {unknown}; known: {sorted(PARAM_NAMES)}")
+    return SamplingParams(**{name: _PARAM_CHECKS[name](value) for name, value in raw.items()})
+
+
+def _messages(value):
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _fail("messages must be a non-empty list of {role, content} objects")
+    if len(value) > MAX_MESSAGES:
+        raise _fail(f"messages takes at most {MAX_MESSAGES} entries")
+    parsed = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise _fail(f"messages[{i}] must be an object with exactly 'role' and 'content'")
+        role = message["role"]
+        if role not in CHAT_ROLES:
+            raise _fail(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+        parsed.append((role, _text(f"messages[{i}].content", message["content"], MAX_PROMPT_CHARS, allow_empty=True)))
+    return tuple(parsed)
+
+
+def parse_request(request_id: int, raw: dict) -> Request:
+    """Validate one request body: `prompt` or `messages`, plus any sampling parameter."""
+    if not isinstance(raw, dict):
+        raise _fail("a request must be an object")
+    body = dict(raw)
+    prompt, messages = body.pop("prompt", None), body.pop("messages", None)
+    if (prompt is None) == (messages is None):
+        raise _fail("give exactly one of 'prompt' or 'messages'")
+    params = parse_params(body)
+    if prompt is not None:
+        return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params)
+    return Request(request_id, messages=_messages(messages), params=params)

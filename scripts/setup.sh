@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository and installs cbatch (editable) with its test extras.
+#
+# llama-cpp-python is compiled from source. The build is native (-DGGML_NATIVE=ON) but
+# with AMX code generation switched off: some virtual machines advertise AMX in cpuid
+# yet trap its instructions, and ggml's AMX kernels then die with SIGILL/SIGSEGV.
+# Set CBATCH_ALLOW_AMX=1 on a CPU whose OS really lets you use AMX to keep it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python_bin="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$python_bin" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+
+no_amx_flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}"
+llama_pin="$(python -c 'import re,sys; print(re.search(r"\"(llama-cpp-python==[^\"]+)\"", open("pyproject.toml").read()).group(1))')"
+if [ "${CBATCH_ALLOW_AMX:-0}" = "1" ]; then
+    # pip's wheel cache does not key on compiler flags: rebuild instead of reusing the
+    # AMX-free wheel, and keep this build out of the cache.
+    python -m pip install --no-cache-dir --force-reinstall --no-deps "$llama_pin"
+else
+    export CFLAGS="${CFLAGS:-} $no_amx_flags" CXXFLAGS="${CXXFLAGS:-} $no_amx_flags"
+fi
+python -m pip install --quiet -e ".[test]"
+python -c "import llama_cpp, cbatch; print('cbatch ready: llama-cpp-python', llama_cpp.__version__)"

@@ -1,0 +1,27 @@
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """Import a module from scripts/ (they are thin entry points, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("models") / "tiny-llama.gguf"
+    return load_script("make_tiny_model").make_tiny_model(str(path))
+
+
+@pytest.fixture(scope="session")
+def gemma_model_path() -> str:
+    from cbatch.model import resolve_model_path
+
+    return resolve_model_path(None)

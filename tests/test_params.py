@@ -1,0 +1,62 @@
+"""Request validation: every bad value is rejected with invalid_request and a clear message."""
+
+import math
+
+import pytest
+
+from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.params import SamplingParams, parse_request
+
+BAD_BODIES = [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**12}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "temperature": math.nan}, "temperature"),
+    ({"prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -1}, "top_k"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "repeat_penalty": 0}, "repeat_penalty"),
+    ({"prompt": "x", "presence_penalty": math.inf}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
+    ({"prompt": "x", "seed": -2}, "seed"),
+    ({"prompt": "x", "seed": 2**40}, "seed"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
+    ({"prompt": "x", "grammar": 5}, "grammar"),
+    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ({"prompt": "x", "temprature": 0.5}, "unknown parameter"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "\ud800"}, "UTF-8"),
+    ({"prompt": 42}, "prompt"),
+    ({}, "exactly one"),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "exactly one"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "y"}]}, "role"),
+    ({"messages": [{"role": "user"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": None}]}, "content"),
+    ({"messages": ["hi"]}, "messages[0]"),
+]
+
+
+@pytest.mark.parametrize("body,mentions", BAD_BODIES)
+def test_bad_request_rejected_with_field_named(body, mentions):
+    with pytest.raises(CbatchError) as err:
+        parse_request(1, body)
+    assert err.value.code == INVALID_REQUEST
+    assert mentions in err.value.message
+
+
+def test_good_request_gets_defaults_and_values():
+    request = parse_request(9, {"prompt": "hi", "max_tokens": 3, "temperature": 0, "stop": "END", "seed": 5})
+    assert request.request_id == 9 and request.prompt == "hi" and request.messages is None
+    assert request.params == SamplingParams(max_tokens=3, temperature=0.0, stop=("END",), seed=5)
+    assert request.params.is_plain_greedy
+    chat = parse_request(10, {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
+    assert chat.messages == (("system", "be brief"), ("user", "hi"))
+    assert not chat.params.is_plain_greedy

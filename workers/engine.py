@@ -1,0 +1,195 @@
+"""The continuous-batching engine: many requests, one llama.cpp context, one decode per step.
+
+    add_request() / cancel()  ->  step(): schedule -> llama_decode -> sample -> postprocess
+                                  returns SeqOutput events for the caller to publish
+
+It owns no sockets and no threads; the decode worker process drives it with
+`run_engine_loop`, and tests and the benchmark drive it in-process.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from cbatch.config import EngineConfig
+from cbatch.errors import CbatchError, PROMPT_TOO_LONG
+from cbatch.model import resolve_model_path
+from cbatch.params import Request
+from cbatch.workers.llama_runner import LlamaRunner
+from cbatch.workers.sampling import free_sampler_chain, greedy_rows, make_sampler_chain, sample_with_chain
+from cbatch.workers.scheduler import Chunk, Scheduler
+from cbatch.workers.sequence import FinishReason, Sequence, SequenceStatus
+from cbatch.workers.stats import EngineStats
+
+LLAMA_DECODE_NO_KV_ROOM = 1
+
+
+@dataclass
+class SeqOutput:
+    """What one step produced for one request. The last event of a request carries
+    `finish_reason` and `usage` (and `error` when the reason is "error")."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = LlamaRunner(config, resolve_model_path(config.model_path))
+        self.scheduler = Scheduler(config.parallel, config.batch_size, config.max_queue)
+        self.stats = EngineStats()
+        self._seqs: dict[int, Sequence] = {}
+        self._cancel_ids: set[int] = set()
+        self._eog_set = frozenset(int(t) for t in self.runner.eog_ids)
+
+    @property
+    def ctx_per_seq(self) -> int:
+        return self.runner.ctx_per_seq
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, request: Request) -> None:
+        """Tokenize and queue a validated request; raises CbatchError if it cannot run."""
+        if request.request_id in self._seqs:
+            raise ValueError(f"request id {request.request_id} is already in use")
+        text = request.prompt if request.messages is None else self.runner.render_chat(request.messages)
+        prompt_ids = self.runner.tokenize(text)
+        if len(prompt_ids) >= self.ctx_per_seq:
+            raise CbatchError(
+                PROMPT_TOO_LONG,
+                f"the prompt is {len(prompt_ids)} tokens; a sequence holds {self.ctx_per_seq} "
+                "(shorten the prompt or raise --ctx-size)",
+            )
+        sampler = make_sampler_chain(self.runner.vocab, self.runner.eog_ids, request.params, prompt_ids)
+        seq = Sequence(request.request_id, prompt_ids, request.params, sampler=sampler)
+        try:
+            self.scheduler.add(seq)
+        except CbatchError:
+            free_sampler_chain(sampler)
+            raise
+        self._seqs[seq.request_id] = seq
+
+    def cancel(self, request_id: int) -> bool:
+        """Mark a request cancelled; it ends at the start of the next step. False if unknown."""
+        if request_id not in self._seqs:
+            return False
+        self._cancel_ids.add(request_id)
+        return True
+
+    def step(self) -> list[SeqOutput]:
+        started = time.perf_counter()
+        outputs = [self._finish(self._seqs[i], FinishReason.CANCELLED) for i in self._cancel_ids]
+        self._cancel_ids.clear()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return outputs
+        chunks, llama_decode_s, status = self._decode(chunks)
+        if status != 0:
+            message = (
+                "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
+                if status == LLAMA_DECODE_NO_KV_ROOM
+                else f"llama_decode failed with status {status}"
+            )
+            outputs += [self._finish(c.seq, FinishReason.ERROR, message) for c in chunks]
+            return outputs
+        num_decode_seqs = sum(1 for c in chunks if c.num_tokens == 1 and c.wants_logits)
+        num_prompt_tokens = sum(c.num_tokens for c in chunks)
+        sampled = self._sample(chunks)
+        outputs += self._postprocess(chunks, sampled)
+        self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_prompt_tokens, num_decode_seqs, len(sampled))
+        return outputs
+
+    def _decode(self, chunks: list[Chunk]) -> tuple[list[Chunk], float, int]:
+        """llama_decode; when the KV cache has no room, preempt the newest sequence
+        back to the queue and retry with the rest."""
+        decode_s = 0.0
+        while True:
+            t0 = time.perf_counter()
+            status = self.runner.decode(chunks)
+            decode_s += time.perf_counter() - t0
+            if status != LLAMA_DECODE_NO_KV_ROOM or len(self.scheduler.running) < 2:
+                return chunks, decode_s, status
+            seq, slot = self.scheduler.preempt_newest()
+            self.runner.clear_slot(slot)
+            chunks = [c for c in chunks if c.seq is not seq]
+            if not chunks:
+                return chunks, decode_s, 0
+
+    def _sample(self, chunks: list[Chunk]) -> list[tuple[Sequence, int]]:
+        batch_index, logit_rows = -1, []  # (seq, row in logits, batch index)
+        for chunk in chunks:
+            batch_index += chunk.num_tokens
+            chunk.seq.num_cached += chunk.num_tokens
+            if chunk.wants_logits:
+                logit_rows.append((chunk.seq, len(logit_rows), batch_index))
+        greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None]
+        sampled = []
+        if greedy:
+            logits = self.runner.logits(len(logit_rows))
+            masked = [row for seq, row in greedy if seq.params.ignore_eos]
+            token_ids = greedy_rows(logits, [row for _, row in greedy], masked, self.runner.eog_ids)
+            sampled += [(seq, int(t)) for (seq, _), t in zip(greedy, token_ids)]
+        for seq, _, index in logit_rows:
+            if seq.sampler is not None:
+                sampled.append((seq, sample_with_chain(seq.sampler, self.runner.ctx, index)))
+        return sampled
+
+    def _postprocess(self, chunks: list[Chunk], sampled: list[tuple[Sequence, int]]) -> list[SeqOutput]:
+        outputs = []
+        for seq, token in sampled:
+            if token in self._eog_set and not seq.params.ignore_eos:
+                outputs.append(self._finish(seq, FinishReason.STOP, text=seq.text.finish()))
+                continue
+            seq.output_ids.append(token)
+            text = seq.text.push(self.runner.token_piece(token))
+            if seq.text.is_stopped:
+                outputs.append(self._finish(seq, FinishReason.STOP, token_ids=[token], text=text))
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.ctx_per_seq:
+                outputs.append(self._finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish()))
+            else:
+                outputs.append(SeqOutput(seq.request_id, [token], text))
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
+                token_ids: list[int] | None = None, text: str | None = None) -> SeqOutput:
+        was_running = seq.status is SequenceStatus.RUNNING
+        slot = self.scheduler.finish(seq)
+        if slot is not None:
+            self.runner.clear_slot(slot)
+        free_sampler_chain(seq.sampler)
+        seq.sampler, seq.finish_reason, seq.error_message = None, reason, error
+        del self._seqs[seq.request_id]
+        self.stats.requests_completed += 1
+        if text is None:
+            # A cancelled or failed sequence keeps what it produced: text held back for
+            # stop-string matching can no longer become a stop string.
+            text = seq.text.finish() if was_running else ""
+        usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens}
+        return SeqOutput(seq.request_id, token_ids or [], text, reason.value, usage, error)
+
+    def close(self) -> None:
+        for seq in list(self._seqs.values()):
+            free_sampler_chain(seq.sampler)
+        self._seqs.clear()
+        self.runner.close()
+
+
+def run_engine_loop(engine: Engine, take_commands: Callable[[bool], bool],
+                    publish: Callable[[list[SeqOutput]], None]) -> None:
+    """Drive the engine until `take_commands` returns False.
+
+    `take_commands(block)` applies pending add/cancel commands to the engine (waiting
+    for one when `block` is true, i.e. the engine is idle) and says whether to go on.
+    """
+    while take_commands(not engine.has_work):
+        if engine.has_work:
+            outputs = engine.step()
+            if outputs:
+                publish(outputs)

@@ -1,0 +1,157 @@
+"""The only code that touches llama.cpp: model, context, tokenizer, batch and decode.
+
+Uses llama-cpp-python's low-level ctypes bindings (not its high-level `Llama`, which
+owns a single sequence). ctypes releases the GIL inside every call, so other Python
+threads of the worker (socket I/O) run while llama_decode computes.
+"""
+
+import ctypes
+
+import llama_cpp.llama_cpp as lc
+import numpy as np
+
+from cbatch.config import EngineConfig
+from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST
+from cbatch.workers.scheduler import Chunk
+
+MAX_PIECE_BYTES = 256
+
+
+@lc.llama_log_callback
+def _quiet_log(level, text, user_data):
+    # llama.cpp logs every load and context detail to stderr; the worker reports what
+    # matters itself. Errors still surface as return codes.
+    return None
+
+
+class BatchBuffer:
+    """A llama_batch whose arrays are numpy buffers we own, filled by slice assignment
+    instead of per-token ctypes stores. Each token carries exactly one sequence id:
+    seq_id[i] points at seq_ids[i]."""
+
+    def __init__(self, max_tokens: int):
+        self.tokens = np.zeros(max_tokens, np.int32)
+        self.positions = np.zeros(max_tokens, np.int32)
+        self.num_seq_ids = np.ones(max_tokens, np.int32)
+        self.seq_ids = np.zeros(max_tokens, np.int32)
+        self.wants_logits = np.zeros(max_tokens, np.int8)
+        int32_p = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq_ids.ctypes.data
+        self._seq_id_ptrs = (int32_p * max_tokens)(*(ctypes.cast(base + 4 * i, int32_p) for i in range(max_tokens)))
+        self.batch = lc.llama_batch()
+        self.batch.token = self.tokens.ctypes.data_as(int32_p)
+        self.batch.embd = None
+        self.batch.pos = self.positions.ctypes.data_as(int32_p)
+        self.batch.n_seq_id = self.num_seq_ids.ctypes.data_as(int32_p)
+        self.batch.seq_id = self._seq_id_ptrs
+        self.batch.logits = self.wants_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, chunks: list[Chunk]) -> None:
+        n = 0
+        for chunk in chunks:
+            end = n + chunk.num_tokens
+            self.tokens[n:end] = chunk.seq.token_slice(chunk.start, chunk.start + chunk.num_tokens)
+            self.positions[n:end] = np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int32)
+            self.seq_ids[n:end] = chunk.seq.slot
+            self.wants_logits[n:end] = 0
+            self.wants_logits[end - 1] = chunk.wants_logits
+            n = end
+        self.batch.n_tokens = n
+
+
+class LlamaRunner:
+    def __init__(self, config: EngineConfig, model_path: str):
+        lc.llama_log_set(_quiet_log, None)
+        lc.llama_backend_init()
+        model_params = lc.llama_model_default_params()
+        model_params.n_gpu_layers = config.n_gpu_layers
+        self.model = lc.llama_model_load_from_file(model_path.encode(), model_params)
+        if not self.model:
+            raise CbatchError(INVALID_CONFIG, f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
+        ctx_params = lc.llama_context_default_params()
+        ctx_params.n_ctx = config.total_ctx
+        ctx_params.n_batch = ctx_params.n_ubatch = config.batch_size
+        ctx_params.n_seq_max = config.parallel
+        ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
+        ctx_params.kv_unified = config.kv_unified
+        ctx_params.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, ctx_params)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise CbatchError(
+                INVALID_CONFIG,
+                f"llama.cpp could not create a context of {config.total_ctx} tokens for "
+                f"{config.parallel} sequences; lower --ctx-size or --parallel",
+            )
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.ctx_per_seq = lc.llama_n_ctx_seq(self.ctx)
+        self.eog_ids = np.array([t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)], np.int32)
+        self._batch = BatchBuffer(config.batch_size)
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(MAX_PIECE_BYTES)
+        self.description = self._describe(model_path)
+
+    def _describe(self, model_path: str) -> str:
+        buf = ctypes.create_string_buffer(256)
+        lc.llama_model_desc(self.model, buf, len(buf))
+        return f"{buf.value.decode(errors='replace')} ({model_path})"
+
+    def tokenize(self, text: str) -> list[int]:
+        """BOS is added as the model asks; special tokens in the text are parsed, so a
+        rendered chat template keeps its turn markers."""
+        data = text.encode("utf-8")
+        max_tokens = len(data) + 8
+        tokens = (lc.llama_token * max_tokens)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), tokens, max_tokens, True, True)
+        if n < 0:
+            raise CbatchError(INVALID_REQUEST, "the prompt could not be tokenized")
+        return tokens[:n]
+
+    def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
+        template = lc.llama_model_chat_template(self.model, None)
+        if not template:
+            raise CbatchError(INVALID_REQUEST, "this model has no chat template: send 'prompt' instead of 'messages'")
+        encoded = [(role.encode(), content.encode()) for role, content in messages]
+        chat = (lc.llama_chat_message * len(encoded))(*(lc.llama_chat_message(r, c) for r, c in encoded))
+        size = 2 * sum(len(c) for _, c in encoded) + 1024
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_chat_apply_template(template, chat, len(encoded), True, buf, size)
+            if n < 0:
+                raise CbatchError(INVALID_REQUEST, "llama.cpp does not support this model's chat template: send 'prompt'")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n + 1
+        raise CbatchError(INVALID_REQUEST, "the chat template output kept growing")
+
+    def token_piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, MAX_PIECE_BYTES, 0, False)
+            piece = self._piece_buf.raw[: max(n, 0)]
+            self._pieces[token] = piece
+        return piece
+
+    def decode(self, chunks: list[Chunk]) -> int:
+        """One llama_decode over the chunks; returns llama.cpp's status (0 = ok)."""
+        self._batch.fill(chunks)
+        return lc.llama_decode(self.ctx, self._batch.batch)
+
+    def logits(self, num_outputs: int) -> np.ndarray:
+        """The last decode's logits, one row per chunk that wanted them, in batch order.
+        A view into llama.cpp's buffer: valid (and writable) until the next decode."""
+        ptr = lc.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(num_outputs, self.n_vocab))
+
+    def clear_slot(self, slot: int) -> None:
+        lc.llama_memory_seq_rm(self.memory, slot, -1, -1)
+
+    def close(self) -> None:
+        if self.ctx:
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            lc.llama_model_free(self.model)
+            self.model = None

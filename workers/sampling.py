@@ -1,0 +1,78 @@
+"""Per-sequence token choice.
+
+Plain greedy (temperature 0, no penalties, no grammar) is one numpy argmax over the
+logit rows of all such sequences; no per-sequence object exists. Anything else gets its
+own llama.cpp sampler chain (native code over the full vocabulary), which also keeps
+the state that must live across steps: penalty history, grammar position, RNG.
+"""
+
+import ctypes
+
+import llama_cpp.llama_cpp as lc
+import numpy as np
+
+from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.params import SamplingParams
+
+PENALTY_LAST_N = 64  # tokens of history the repeat/presence/frequency penalties look at
+RANDOM_SEED = lc.LLAMA_DEFAULT_SEED
+
+
+def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, prompt_ids: list[int]):
+    """Build the llama.cpp chain for `params`, or return None for plain greedy."""
+    if params.is_plain_greedy:
+        return None
+    grammar = None
+    if params.grammar is not None:
+        grammar = lc.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
+        if not grammar:
+            raise CbatchError(INVALID_REQUEST, "grammar does not parse as GBNF (it needs a 'root' rule)")
+    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    if params.ignore_eos and len(eog_ids):
+        biases = (lc.llama_logit_bias * len(eog_ids))(*(lc.llama_logit_bias(int(t), float("-inf")) for t in eog_ids))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(lc.llama_vocab_n_tokens(vocab), len(eog_ids), biases))
+    if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        penalties = lc.llama_sampler_init_penalties(
+            PENALTY_LAST_N, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+        )
+        # The prompt counts as history for the penalties, as in llama.cpp's own server.
+        for token in prompt_ids[-PENALTY_LAST_N:]:
+            lc.llama_sampler_accept(penalties, token)
+        lc.llama_sampler_chain_add(chain, penalties)
+    if grammar is not None:
+        lc.llama_sampler_chain_add(chain, grammar)
+    if params.temperature == 0.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        return chain
+    if params.top_k > 0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(params.top_k))
+    if params.top_p < 1.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(params.top_p, 1))
+    if params.min_p > 0.0:
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(params.min_p, 1))
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(params.temperature))
+    seed = RANDOM_SEED if params.seed < 0 else params.seed
+    lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+    return chain
+
+
+def sample_with_chain(chain, ctx, batch_index: int) -> int:
+    # Applies the chain to the logits of that batch row and accepts the result into
+    # the chain's state (penalties, grammar).
+    return lc.llama_sampler_sample(chain, ctx, batch_index)
+
+
+def greedy_rows(logits: np.ndarray, rows: list[int], mask_eog_rows: list[int], eog_ids: np.ndarray) -> np.ndarray:
+    """argmax of each listed row; rows in `mask_eog_rows` (ignore_eos) never pick an
+    end-of-generation token. Masking writes -inf into llama.cpp's logit buffer, which
+    is ours until the next decode."""
+    for row in mask_eog_rows:
+        logits[row, eog_ids] = -np.inf
+    if len(rows) == logits.shape[0]:
+        return logits.argmax(axis=1)
+    return np.array([logits[row].argmax() for row in rows], np.int64)
+
+
+def free_sampler_chain(chain) -> None:
+    if chain is not None:
+        lc.llama_sampler_free(chain)

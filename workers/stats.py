@@ -1,0 +1,51 @@
+"""Engine statistics, timed by the engine itself.
+
+llama.cpp's own perf counters book every multi-token decode as prompt evaluation, so
+they cannot tell batched generation from prefill. Here a step that produced at least
+one generated token counts as a decode step (a mixed step included); a step of prompt
+chunks only counts as prefill.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    step_s: float = 0.0  # wall time of all steps
+    llama_decode_s: float = 0.0  # of which inside llama_decode
+    num_decode_steps: int = 0
+    decode_steps_s: float = 0.0
+    num_generated_tokens: int = 0  # sampled in decode steps
+    seq_decode_steps: int = 0  # sum over decode steps of sequences generating in it
+    prefill_steps_s: float = 0.0
+    num_prefill_tokens: int = 0  # prompt tokens fed in pure-prefill steps
+    requests_completed: int = 0
+
+    def record_step(self, step_s: float, llama_decode_s: float, num_prompt_tokens: int,
+                    num_decode_seqs: int, num_generated: int) -> None:
+        self.num_steps += 1
+        self.step_s += step_s
+        self.llama_decode_s += llama_decode_s
+        if num_decode_seqs:
+            self.num_decode_steps += 1
+            self.decode_steps_s += step_s
+            self.num_generated_tokens += num_generated
+            self.seq_decode_steps += num_decode_seqs
+        else:
+            self.prefill_steps_s += step_s
+            self.num_prefill_tokens += num_prompt_tokens
+
+    def snapshot(self) -> dict:
+        def ratio(a, b):
+            return a / b if b else 0.0
+
+        return {
+            "decode_tokens_per_s": ratio(self.num_generated_tokens, self.decode_steps_s),
+            "prefill_tokens_per_s": ratio(self.num_prefill_tokens, self.prefill_steps_s),
+            "avg_concurrent_seqs": ratio(self.seq_decode_steps, self.num_decode_steps),
+            "decode_fraction": ratio(self.llama_decode_s, self.step_s),
+            "avg_step_ms": 1000 * ratio(self.step_s, self.num_steps),
+            "num_steps": self.num_steps,
+            "requests_completed": self.requests_completed,
+        }

@@ -1,0 +1,55 @@
+"""Turns a sequence's token pieces into released text.
+
+Two things are held back until they are safe to release:
+- bytes of a UTF-8 character that is not complete yet (a token may end mid-character);
+- a tail of text that could still grow into one of the stop strings.
+Invariant: released text never contains a stop string and never splits a character.
+"""
+
+import codecs
+
+
+class TextStream:
+    def __init__(self, stop: tuple[str, ...] = ()):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = stop
+        self._held = ""  # decoded text not yet released
+        self.is_stopped = False
+
+    def push(self, piece: bytes) -> str:
+        """Add a token's bytes; return the text that is now safe to release."""
+        self._held += self._decoder.decode(piece)
+        if not self._stop:
+            released, self._held = self._held, ""
+            return released
+        cut = self._first_stop_index()
+        if cut is not None:
+            self.is_stopped = True
+            released, self._held = self._held[:cut], ""
+            return released
+        keep = self._longest_stop_prefix_suffix()
+        cut = len(self._held) - keep
+        released, self._held = self._held[:cut], self._held[cut:]
+        return released
+
+    def finish(self) -> str:
+        """Release everything still held (the sequence ended without a stop string)."""
+        released = self._held + self._decoder.decode(b"", final=True)
+        self._held = ""
+        return released
+
+    def _first_stop_index(self) -> int | None:
+        # _held never keeps a complete stop string between pushes, so a match found now
+        # is the earliest one in the whole output.
+        hits = [i for i in (self._held.find(s) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _longest_stop_prefix_suffix(self) -> int:
+        """Length of the longest tail of _held that is a proper prefix of some stop string."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(self._held)), best, -1):
+                if self._held.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
