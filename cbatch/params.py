@@ -157,6 +157,8 @@ def parse_request(request_id: int, raw: dict) -> Request:
     if (prompt is None) == (messages is None):
         raise _fail("give exactly one of 'prompt' or 'messages'")
     params = parse_params(body)
+    if params.grammar is not None and params.ignore_eos:
+        raise _fail("grammar and ignore_eos cannot be combined: a completed grammar allows only end-of-generation")
     if prompt is not None:
         return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params)
     return Request(request_id, messages=_messages(messages), params=params)

@@ -35,8 +35,8 @@ def collect(results: dict, outputs) -> None:
             result.finish_reason, result.usage, result.error = out.finish_reason, out.usage, out.error
 
 
-def run_to_completion(engine, max_steps: int = 100_000) -> dict:
-    results: dict = {}
+def run_to_completion(engine, results: dict | None = None, max_steps: int = 100_000) -> dict:
+    results = {} if results is None else results
     for _ in range(max_steps):
         if not engine.has_work:
             return results

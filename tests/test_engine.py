@@ -29,9 +29,10 @@ def test_many_mixed_length_requests_all_complete_past_parallel(make_engine):
     engine = make_engine()
     bodies = [{"prompt": "x" * (1 + 23 * i), "max_tokens": 5 + i, **GREEDY} for i in range(10)]
     ids = [submit(engine, body) for body in bodies]
-    engine.step()
+    results: dict = {}
+    collect(results, engine.step())
     assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 6
-    results = run_to_completion(engine)
+    run_to_completion(engine, results)
     for request_id, body in zip(ids, bodies):
         result = results[request_id]
         assert result.finish_reason == "length"
@@ -91,16 +92,17 @@ def test_cancel_queued_and_running(make_engine):
 
 
 def test_context_cap_finishes_with_length(make_engine):
-    engine = make_engine(ctx_size=4 * 48)
-    result = generate(engine, [{"prompt": "0123456789", "max_tokens": 1000, **GREEDY}])[0]
+    engine = make_engine()  # llama.cpp rounds a sequence's context to a multiple of 256
+    assert engine.ctx_per_seq == 256
+    result = generate(engine, [{"prompt": "0" * 240, "max_tokens": 1000, **GREEDY}])[0]
     assert result.finish_reason == "length"
-    assert result.usage["prompt_tokens"] + result.usage["completion_tokens"] == engine.ctx_per_seq == 48
+    assert result.usage["prompt_tokens"] + result.usage["completion_tokens"] == 256
 
 
 def test_prompt_that_cannot_fit_is_rejected_before_admission(make_engine):
-    engine = make_engine(ctx_size=4 * 48)
+    engine = make_engine()
     with pytest.raises(CbatchError) as err:
-        submit(engine, {"prompt": "y" * 60})
+        submit(engine, {"prompt": "y" * 300})
     assert err.value.code == PROMPT_TOO_LONG and "--ctx-size" in err.value.message
     assert not engine.has_work
 
@@ -108,12 +110,15 @@ def test_prompt_that_cannot_fit_is_rejected_before_admission(make_engine):
 def test_full_queue_rejects_and_keeps_the_others(make_engine):
     engine = make_engine(parallel=1, ctx_size=256, max_queue=1)
     first = submit(engine, {"prompt": "a", "max_tokens": 2, **GREEDY})
+    results: dict = {}
+    collect(results, engine.step())  # first takes the only slot
     second = submit(engine, {"prompt": "b", "max_tokens": 2, **GREEDY})
     with pytest.raises(CbatchError) as err:
         submit(engine, {"prompt": "c", "max_tokens": 2, **GREEDY})
     assert err.value.code == QUEUE_FULL
-    results = run_to_completion(engine)
+    run_to_completion(engine, results)
     assert set(results) == {first, second}
+    assert all(r.finish_reason == "length" for r in results.values())
 
 
 def test_bad_grammar_is_rejected_and_a_good_one_constrains(make_engine):

@@ -30,6 +30,7 @@ BAD_BODIES = [
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
     ({"prompt": "x", "grammar": 5}, "grammar"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ({"prompt": "x", "grammar": "root ::= \"a\"", "ignore_eos": True}, "cannot be combined"),
     ({"prompt": "x", "temprature": 0.5}, "unknown parameter"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "\ud800"}, "UTF-8"),

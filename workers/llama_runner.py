@@ -109,8 +109,27 @@ class LlamaRunner:
             raise CbatchError(INVALID_REQUEST, "the prompt could not be tokenized")
         return tokens[:n]
 
-    def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
+    def _metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    def _chat_template(self) -> bytes | None:
+        """The GGUF's own template; failing that, llama.cpp's built-in template named after
+        the model's architecture (some GGUFs, the embedded gemma-3-270m among them, ship
+        without tokenizer.chat_template)."""
         template = lc.llama_model_chat_template(self.model, None)
+        if template:
+            return template
+        architecture = (self._metadata("general.architecture") or "").encode()
+        num_builtin = lc.llama_chat_builtin_templates(None, 0)
+        names = (ctypes.c_char_p * num_builtin)()
+        lc.llama_chat_builtin_templates(names, num_builtin)
+        matches = [name for name in names if name and architecture.startswith(name)]
+        return max(matches, key=len) if matches else None
+
+    def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
+        template = self._chat_template()
         if not template:
             raise CbatchError(INVALID_REQUEST, "this model has no chat template: send 'prompt' instead of 'messages'")
         encoded = [(role.encode(), content.encode()) for role, content in messages]

@@ -33,7 +33,7 @@ def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, promp
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(lc.llama_vocab_n_tokens(vocab), len(eog_ids), biases))
     if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
         penalties = lc.llama_sampler_init_penalties(
-            PENALTY_LAST_N, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+            lc.llama_vocab_n_tokens(vocab), PENALTY_LAST_N, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
         )
         # The prompt counts as history for the penalties, as in llama.cpp's own server.
         for token in prompt_ids[-PENALTY_LAST_N:]:
