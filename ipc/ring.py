@@ -1,0 +1,455 @@
+"""Shared-memory token ring: one decode worker publishes sampled tokens, many local readers
+each pick the records of their own request ids.
+
+Layout (little-endian; one segment per decode worker, created by the supervisor so that it
+survives a worker restart):
+  header   64 bytes = 8 x uint64: magic, layout_version, capacity (records, power of two),
+           record_size (bytes), write_cursor (records ever published, monotonic),
+           generation (bumped by the supervisor per worker start), heartbeat_ns (writer's
+           time.monotonic_ns(), system-wide on Linux), reserved.
+  records  capacity x 64 bytes (RECORD_DTYPE). The record published at cursor position p
+           lives in slot p % capacity and carries seq = p + 1 (0: never written, or being
+           rewritten right now).
+
+Memory-ordering invariant (one writer, any number of readers, no locks):
+  writer: for the slots of a batch store seq = 0, then the other fields, then seq = p + 1;
+          only after all records of the batch store write_cursor.
+  reader: load write_cursor W, copy records [cursor, W), then check both the copied seq and
+          a fresh load of each slot's seq against p + 1. A slot that a writer one lap ahead
+          touched during the copy fails the check (the writer zeroed seq before touching the
+          body), so it is reported as an overrun and never returned as data.
+  Platform assumption: x86-64 TSO (stores become visible in program order, loads are not
+  reordered with other loads); CPython/numpy finish one statement's stores before the next
+  statement's; aligned 8-byte loads/stores (seq, write_cursor) are single instructions and
+  hence atomic; batches are far below memcpy's non-temporal-store threshold (NT stores are
+  weakly ordered). On weakly ordered CPUs (ARM, POWER) this is not enough: the writer needs a
+  release fence before the seq stores and before the write_cursor store, the reader an
+  acquire fence after loading write_cursor and before re-loading seq (e.g. a tiny C helper
+  calling atomic_thread_fence); numpy offers no fences.
+
+Overrun recovery contract: the writer never waits, so a slow reader can be lapped. Then
+RingReader.poll raises RingOverrun instead of silently losing or duplicating records:
+  * exc.records: the records validated before the gap, in order; use them as poll()'s result.
+  * exc.request_ids: watched, unfinished requests that may have lost records. The reader has
+    already moved its cursor to the current write_cursor, and from now on holds back (does not
+    return) ring records of these ids.
+  * For each such id the caller fetches records [reader.next_index(id), ...) over another
+    channel, then calls reader.resume(id, next_index) with 1 + the last index it recovered.
+    Held and later ring records with a smaller index are dropped as duplicates; the others are
+    returned by the next poll(). If they still do not start at next_index, the next poll
+    raises RingOverrun for that id again.
+  The same happens when a watched request's record arrives with index > next_index (e.g. the
+  request was watched after its first records had been published).
+
+Resource tracker: attach_ring maps /dev/shm/<name> itself instead of using SharedMemory. In
+Python 3.11 SharedMemory(name) registers the segment with the resource tracker as if this
+process owned it, and the tracker unlinks it when this non-creating process exits, destroying
+the ring under the supervisor. Unregistering right after attaching is no cure either:
+multiprocessing children share their parent's tracker, so that would also drop the creator's
+registration. Only create_ring uses SharedMemory, whose registration is wanted there: the
+segment is unlinked if the supervisor dies without unlink().
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import time
+from multiprocessing import resource_tracker, shared_memory
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+MAGIC = int.from_bytes(b"CBRING01", "little")
+LAYOUT_VERSION = 1
+HEADER_SIZE_BYTES = 64
+RECORD_SIZE_BYTES = 64
+MAX_TEXT_BYTES = 32
+MAX_CAPACITY_RECORDS = 1 << 24  # 1 GiB of records; anything bigger is a corrupt header
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory segments
+
+FLAG_FIRST, FLAG_LAST, FLAG_CONTINUED = 1, 2, 4
+_ALL_FLAGS = FLAG_FIRST | FLAG_LAST | FLAG_CONTINUED
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = range(5)
+NO_TOKEN = -1
+
+# Positions of the mutable uint64 header fields (0..3: magic, version, capacity, record_size).
+_H_WRITE_CURSOR, _H_GENERATION, _H_HEARTBEAT_NS = 4, 5, 6
+_NUM_HEADER_FIELDS = 8
+
+RECORD_DTYPE = np.dtype({
+    "names": ["seq", "request_id", "index", "token_id", "flags", "finish", "text_len",
+              "count", "text"],
+    "formats": ["<u8", "<u8", "<u4", "<i4", "<u2", "u1", "u1", "<u4", ("u1", MAX_TEXT_BYTES)],
+    "offsets": [0, 8, 16, 20, 24, 26, 27, 28, 32],
+    "itemsize": RECORD_SIZE_BYTES,
+})
+# Same layout as RECORD_DTYPE, for packing/unpacking whole records in one C call each.
+_RECORD_STRUCT = struct.Struct("<QQIiHBBI32s")
+_SEQ_BYTES = 8  # the writer stores the body (bytes 8..64) and the seq marker separately
+assert _RECORD_STRUCT.size == RECORD_DTYPE.itemsize == RECORD_SIZE_BYTES
+_VALID_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+class RingError(Exception):
+    """Invalid segment, header or record, or a ring that cannot be created/attached."""
+
+
+class RingOverrun(RingError):
+    """The reader was lapped or saw an index gap; see the module docstring for recovery."""
+
+    def __init__(self, request_ids: Iterable[int], records: list[RingRecord]):
+        self.request_ids = frozenset(request_ids)
+        self.records = records
+        super().__init__(f"ring overrun: records of requests {sorted(self.request_ids)} "
+                         "may be missing; recover them and call resume()")
+
+
+class RingRecord(NamedTuple):
+    request_id: int
+    index: int
+    token_id: int  # NO_TOKEN when the record carries only text continuation or the finish
+    flags: int
+    finish: int
+    count: int  # on the LAST record: total records of the request
+    text: bytes
+
+
+class RingEvent(NamedTuple):
+    """One request's output of one decode step, as passed to RingWriter.publish_many."""
+    request_id: int
+    index_start: int
+    token_ids: list[int]
+    text: bytes = b""
+    finish: int = FINISH_NONE
+    is_first: bool = False
+
+
+class TokenRing:
+    """A mapped ring segment. Use create_ring() / attach_ring() to get one."""
+
+    def __init__(self, name: str, buf, owner, shm: shared_memory.SharedMemory | None):
+        self._name, self._owner, self._shm = name, owner, shm  # shm only in the creator
+        self.capacity = _validated_capacity(name, buf)
+        self.header = np.ndarray((_NUM_HEADER_FIELDS,), "<u8", buffer=buf)
+        self.records = np.ndarray((self.capacity,), RECORD_DTYPE, buffer=buf,
+                                  offset=HEADER_SIZE_BYTES)
+        self.raw = np.ndarray((self.capacity, RECORD_SIZE_BYTES), np.uint8, buffer=buf,
+                              offset=HEADER_SIZE_BYTES)
+        # Strided view of just the seq markers: aligned 8-byte loads/stores.
+        self.seqs = np.ndarray((self.capacity,), "<u8", buffer=buf, offset=HEADER_SIZE_BYTES,
+                               strides=(RECORD_SIZE_BYTES,))
+
+    name = property(lambda self: self._name)
+    write_cursor = property(lambda self: int(self.header[_H_WRITE_CURSOR]))
+    generation = property(lambda self: int(self.header[_H_GENERATION]))
+    heartbeat_ns = property(lambda self: int(self.header[_H_HEARTBEAT_NS]))
+
+    def bump_generation(self) -> int:
+        """Supervisor only (the single writer of this field): a new decode worker starts."""
+        generation = self.generation + 1
+        self.header[_H_GENERATION] = generation
+        return generation
+
+    def close(self) -> None:
+        if self._owner is None:
+            return
+        # The numpy views export the buffer; mmap refuses to close while any exists.
+        self.header = self.records = self.raw = self.seqs = None
+        owner, self._owner = self._owner, None
+        try:
+            owner.close()
+        except BufferError as exc:
+            raise RingError(f"ring {self._name!r} still has live views: {exc}") from exc
+
+    def unlink(self) -> None:
+        """Remove the segment (creator only). Existing mappings stay valid until closed."""
+        if self._shm is None:
+            raise RingError("only the process that created the ring may unlink it")
+        try:
+            self._shm.unlink()  # also drops the creator's resource-tracker registration
+        except FileNotFoundError:  # someone else removed it: still forget the registration
+            resource_tracker.unregister("/" + self._name, "shared_memory")
+
+    def __enter__(self) -> TokenRing:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _validated_capacity(name: str, buf) -> int:
+    # struct instead of a numpy view: a view left alive by the exception's traceback
+    # would keep the mapping from being closed.
+    if len(buf) < HEADER_SIZE_BYTES:
+        raise RingError(f"segment {name!r} is {len(buf)} bytes, smaller than a header")
+    magic, version, capacity, record_size = struct.unpack_from("<4Q", buf)
+    if magic != MAGIC:
+        raise RingError(f"segment {name!r} is not a token ring (magic {magic:#x})")
+    if version != LAYOUT_VERSION:
+        raise RingError(f"ring {name!r} has layout version {version}, need {LAYOUT_VERSION}")
+    if record_size != RECORD_SIZE_BYTES:
+        raise RingError(f"ring {name!r} has record size {record_size}")
+    if not 0 < capacity <= MAX_CAPACITY_RECORDS or capacity & (capacity - 1):
+        raise RingError(f"ring {name!r} has invalid capacity {capacity}")
+    if len(buf) < HEADER_SIZE_BYTES + capacity * RECORD_SIZE_BYTES:
+        raise RingError(f"segment {name!r} is too small for {capacity} records")
+    return capacity
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not _VALID_NAME.fullmatch(name):
+        raise RingError(f"invalid segment name {name!r}")
+    return name
+
+
+def create_ring(name: str | None, capacity: int) -> TokenRing:
+    """Create a zeroed segment (mode 0600, SharedMemory's default) and write its header.
+    name None picks a random free name (see .name)."""
+    if not isinstance(capacity, int) or not 0 < capacity <= MAX_CAPACITY_RECORDS \
+            or capacity & (capacity - 1):
+        raise RingError(f"capacity must be a power of two <= {MAX_CAPACITY_RECORDS}")
+    size_bytes = HEADER_SIZE_BYTES + capacity * RECORD_SIZE_BYTES
+    try:
+        shm = shared_memory.SharedMemory(None if name is None else _check_name(name),
+                                         create=True, size=size_bytes)
+    except OSError as exc:
+        raise RingError(f"cannot create ring {name!r}: {exc}") from exc
+    struct.pack_into("<4Q", shm.buf, 0, MAGIC, LAYOUT_VERSION, capacity, RECORD_SIZE_BYTES)
+    return TokenRing(shm.name, shm.buf, shm, shm)
+
+
+def attach_ring(name: str) -> TokenRing:
+    """Map an existing ring and validate its header. Registers nothing with the resource
+    tracker (see the module docstring), so this process's exit never unlinks the ring."""
+    path = os.path.join(SHM_DIR, _check_name(name))
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise RingError(f"cannot open ring {name!r}: {exc}") from exc
+    try:
+        size_bytes = os.fstat(fd).st_size
+        if size_bytes < HEADER_SIZE_BYTES:
+            raise RingError(f"segment {name!r} is {size_bytes} bytes, smaller than a header")
+        mapping = mmap.mmap(fd, size_bytes)
+    except OSError as exc:
+        raise RingError(f"cannot map ring {name!r}: {exc}") from exc
+    finally:
+        os.close(fd)
+    try:
+        return TokenRing(name, mapping, mapping, None)
+    except RingError:
+        mapping.close()
+        raise
+
+
+class RingWriter:
+    """The single writer (decode worker). Continues at the header's write_cursor, so a
+    restarted worker appends after its predecessor's records. Never waits for readers."""
+
+    def __init__(self, ring: TokenRing):
+        self._ring = ring
+        self._cursor = ring.write_cursor
+
+    def publish(self, request_id: int, index_start: int, token_ids: list[int], text: bytes,
+                finish: int = FINISH_NONE, is_first: bool = False) -> int:
+        """Append one request's event; return the index its next record will have."""
+        return self.publish_many(
+            ((request_id, index_start, token_ids, text, finish, is_first),))[0]
+
+    def publish_many(self, events: Iterable[RingEvent | tuple]) -> list[int]:
+        """Append the records of several events (RingEvent or 6-tuples in its field order)
+        and advance write_cursor once. Returns each event's next index. All records are packed
+        before anything is stored, so an invalid event publishes nothing (RingError)."""
+        pack = _RECORD_STRUCT.pack
+        parts: list[bytes] = []
+        next_indices: list[int] = []
+        try:
+            for request_id, index, token_ids, text, finish, is_first in events:
+                if not 0 <= finish <= FINISH_ERROR:
+                    raise RingError(f"invalid finish {finish}")
+                if len(token_ids) == 1 and len(text) <= MAX_TEXT_BYTES:  # the common case
+                    flags = (FLAG_FIRST if is_first else 0) | (FLAG_LAST if finish else 0)
+                    parts.append(pack(0, request_id, index, token_ids[0], flags, finish,
+                                      len(text), index + 1 if finish else 0, text))
+                    next_indices.append(index + 1)
+                    continue
+                # One record per token; the text rides on the event's last token record and
+                # spills into token-less continuation records.
+                pieces = [text[at:at + MAX_TEXT_BYTES]
+                          for at in range(0, len(text), MAX_TEXT_BYTES)]
+                rows = [(token_id, b"") for token_id in token_ids]
+                if rows and pieces:
+                    rows[-1] = (rows[-1][0], pieces[0])
+                    rows += [(NO_TOKEN, piece) for piece in pieces[1:]]
+                else:
+                    rows += [(NO_TOKEN, piece) for piece in pieces]
+                if not rows and finish:
+                    rows.append((NO_TOKEN, b""))
+                first_text_row = len(rows) - len(pieces)
+                for row_number, (token_id, piece) in enumerate(rows):
+                    is_last = finish and row_number == len(rows) - 1
+                    flags = ((FLAG_FIRST if is_first and row_number == 0 else 0)
+                             | (FLAG_LAST if is_last else 0)
+                             | (FLAG_CONTINUED if first_text_row <= row_number < len(rows) - 1
+                                else 0))
+                    parts.append(pack(0, request_id, index, token_id, flags,
+                                      finish if is_last else 0, len(piece),
+                                      index + 1 if is_last else 0, piece))
+                    index += 1
+                next_indices.append(index)
+        except (struct.error, TypeError, ValueError) as exc:
+            raise RingError(f"invalid event: {exc}") from exc
+        if parts:
+            self._store(b"".join(parts), len(parts))
+        self.heartbeat()
+        return next_indices
+
+    def _store(self, packed: bytes, num_records: int) -> None:
+        ring = self._ring
+        capacity = ring.capacity
+        data = np.frombuffer(packed, np.uint8).reshape(num_records, RECORD_SIZE_BYTES)
+        first_position = self._cursor
+        if num_records > capacity:  # the batch laps itself: only its tail survives
+            data = data[num_records - capacity:]
+            first_position += num_records - capacity
+        num_stored = len(data)
+        first_slot = first_position & (capacity - 1)
+        num_before_wrap = min(num_stored, capacity - first_slot)
+        # (slot range, data range) spans: at most two, split where the ring wraps.
+        spans = [(first_slot, first_slot + num_before_wrap, 0, num_before_wrap)]
+        if num_before_wrap < num_stored:
+            spans.append((0, num_stored - num_before_wrap, num_before_wrap, num_stored))
+        seqs, raw = ring.seqs, ring.raw
+        for slot_a, slot_b, _, _ in spans:  # 1. mark slots "being written"
+            seqs[slot_a:slot_b] = 0
+        for slot_a, slot_b, data_a, data_b in spans:  # 2. bodies
+            raw[slot_a:slot_b, _SEQ_BYTES:] = data[data_a:data_b, _SEQ_BYTES:]
+        new_seqs = np.arange(first_position + 1, first_position + num_stored + 1, dtype=np.uint64)
+        for slot_a, slot_b, data_a, data_b in spans:  # 3. commit markers
+            seqs[slot_a:slot_b] = new_seqs[data_a:data_b]
+        self._cursor += num_records
+        ring.header[_H_WRITE_CURSOR] = self._cursor  # 4. publish the batch
+
+    def heartbeat(self) -> None:
+        self._ring.header[_H_HEARTBEAT_NS] = time.monotonic_ns()
+
+
+class RingReader:
+    """Returns the records of watched request ids exactly once, in index order. Watch a
+    request before its first record is published (or pass the index to start from). Records
+    held back after a gap stay in memory until resume() or unwatch()."""
+
+    def __init__(self, ring: TokenRing, start_cursor: int | None = None):
+        self._ring = ring
+        self._cursor = ring.write_cursor if start_cursor is None else start_cursor
+        self._next_index: dict[int, int] = {}  # watched request id -> next expected index
+        self._held: dict[int, list[RingRecord]] = {}  # ids awaiting resume() after a gap
+        self._finished: set[int] = set()  # watched ids whose LAST record was delivered
+        self._released: list[RingRecord] = []  # freed by resume(), returned by the next poll
+        self._regapped: set[int] = set()  # ids that resume() could not close the gap of
+
+    cursor = property(lambda self: self._cursor)
+
+    def watch(self, request_id: int, next_index: int = 0) -> None:
+        """Deliver this request's records from index next_index on (resets its state)."""
+        self.unwatch(request_id)
+        self._next_index[request_id] = next_index
+
+    def unwatch(self, request_id: int) -> None:
+        self._next_index.pop(request_id, None)
+        self._held.pop(request_id, None)
+        self._finished.discard(request_id)
+        self._regapped.discard(request_id)
+
+    def next_index(self, request_id: int) -> int:
+        return self._next_index[request_id]
+
+    def resume(self, request_id: int, next_index: int) -> None:
+        """The caller recovered this request's records up to next_index - 1 elsewhere."""
+        if request_id not in self._next_index:
+            raise RingError(f"request {request_id} is not watched")
+        held = self._held.pop(request_id, [])
+        self._next_index[request_id] = max(next_index, self._next_index[request_id])
+        for record in held:
+            self._accept(record, self._released, self._regapped)
+
+    def _accept(self, record: RingRecord, out: list[RingRecord], gapped: set[int]) -> None:
+        request_id = record.request_id
+        held = self._held.get(request_id)
+        if held is not None:
+            held.append(record)
+            return
+        expected = self._next_index[request_id]
+        if record.index < expected:  # duplicate of a record delivered or recovered before
+            return
+        if record.index > expected:
+            self._held[request_id] = [record]
+            gapped.add(request_id)
+            return
+        self._next_index[request_id] = expected + 1
+        if record.flags & FLAG_LAST:
+            self._finished.add(request_id)
+        out.append(record)
+
+    def _lose_all(self, gapped: set[int]) -> None:
+        for request_id in self._next_index.keys() - self._finished - self._held.keys():
+            self._held[request_id] = []
+            gapped.add(request_id)
+
+    def poll(self) -> list[RingRecord]:
+        """Newly published records of watched requests, in order. Raises RingOverrun (see
+        the module docstring) when records may have been lost, RingError on corrupt data."""
+        write_cursor = int(self._ring.header[_H_WRITE_CURSOR])
+        if write_cursor == self._cursor and not self._released and not self._regapped:
+            return []  # the common idle case: one header load
+        new_records, new_cursor, is_lapped = self._read(write_cursor)  # no state change yet
+        out, self._released = self._released, []
+        gapped, self._regapped = self._regapped, set()
+        for record in new_records:
+            self._accept(record, out, gapped)
+        if is_lapped:
+            self._lose_all(gapped)
+        self._cursor = new_cursor
+        if gapped:
+            raise RingOverrun(gapped, out)
+        return out
+
+    def _read(self, write_cursor: int) -> tuple[list[RingRecord], int, bool]:
+        """Copy and validate [cursor, write_cursor): (watched records, new cursor, is_lapped)."""
+        ring, cursor = self._ring, self._cursor
+        num_new = write_cursor - cursor
+        if num_new < 0:
+            raise RingError(f"write cursor went back from {cursor} to {write_cursor}")
+        if num_new > ring.capacity:
+            return [], write_cursor, True
+        if num_new == 0:
+            return [], cursor, False
+        first_slot = cursor & (ring.capacity - 1)
+        end_slot = first_slot + num_new
+        if end_slot <= ring.capacity:
+            copied = ring.records[first_slot:end_slot].copy()
+            reloaded_seqs = ring.seqs[first_slot:end_slot].copy()  # loaded after the copy
+        else:
+            end_slot -= ring.capacity
+            copied = np.concatenate((ring.records[first_slot:], ring.records[:end_slot]))
+            reloaded_seqs = np.concatenate((ring.seqs[first_slot:], ring.seqs[:end_slot]))
+        expected_seqs = np.arange(cursor + 1, write_cursor + 1, dtype=np.uint64)
+        is_intact = (copied["seq"] == expected_seqs) & (reloaded_seqs == expected_seqs)
+        num_intact = num_new if is_intact.all() else int(np.argmin(is_intact))
+        watched = self._next_index
+        records = []
+        for (_, request_id, index, token_id, flags, finish, text_len, count,
+             text) in _RECORD_STRUCT.iter_unpack(copied[:num_intact].tobytes()):
+            if request_id not in watched:
+                continue
+            if (text_len > MAX_TEXT_BYTES or flags & ~_ALL_FLAGS or finish > FINISH_ERROR
+                    or token_id < NO_TOKEN or bool(finish) != bool(flags & FLAG_LAST)
+                    or (finish and count != index + 1)):
+                raise RingError(f"corrupt record for request {request_id} index {index}")
+            records.append(RingRecord(request_id, index, token_id, flags, finish, count,
+                                      text[:text_len]))
+        if num_intact < num_new:  # a writer lapped us during the copy: skip to the present
+            return records, int(ring.header[_H_WRITE_CURSOR]), True
+        return records, write_cursor, False

@@ -1,0 +1,98 @@
+"""Engine benchmark: continuous batching vs serving the same prompts one after another.
+
+For each parallel level the in-process engine runs max(parallel, 8) requests (prompts of
+about 128 tokens, 64 generated) and the table shows aggregate generated tokens/s, the
+fraction of step time spent inside llama_decode, and the ratio to llama_cpp.Llama
+serving the same prompts in turn, measured in the same run.
+"""
+
+import argparse
+import time
+
+import llama_cpp
+
+from cbatch.config import EngineConfig
+from cbatch.model import resolve_model_path
+from cbatch.params import parse_request
+from cbatch.workers.engine import Engine
+
+SENTENCES = [
+    "The river carried silt from the mountains down to the wide delta.",
+    "Engineers measured the bridge every spring after the floods receded.",
+    "A small bakery on the corner sold bread before the sun came up.",
+    "Migrating birds rested in the marsh for a few days each autumn.",
+    "The library kept its oldest maps in a cool room without windows.",
+    "Farmers rotated their crops to keep the soil rich and loose.",
+    "At night the harbour lights reflected on the still black water.",
+    "The committee argued for hours about the colour of the new trains.",
+    "Children collected smooth stones along the shore after the storm.",
+    "An old clock in the square had not kept the right time for years.",
+]
+MODES = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.0, "seed": 1234},
+}
+
+
+def make_prompts(llm: llama_cpp.Llama, count: int, num_tokens: int) -> list[str]:
+    prompts = []
+    for i in range(count):
+        words, text = [], ""
+        j = i
+        while len(llm.tokenize(text.encode())) < num_tokens:
+            words.append(SENTENCES[j % len(SENTENCES)])
+            j += 3 + i
+            text = f"Story {i}: " + " ".join(words)
+        prompts.append(text)
+    return prompts
+
+
+def run_sequential(llm, prompts, params, max_tokens) -> float:
+    started, num_generated = time.perf_counter(), 0
+    for prompt in prompts:
+        out = llm.create_completion(prompt, max_tokens=max_tokens, repeat_penalty=1.0,
+                                    **{k: v for k, v in params.items() if k != "min_p"}, min_p=params.get("min_p", 0.0))
+        num_generated += out["usage"]["completion_tokens"]
+    return num_generated / (time.perf_counter() - started)
+
+
+def run_engine(model_path, parallel, prompts, params, max_tokens) -> tuple[float, dict]:
+    engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=1024 * parallel))
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(parse_request(i + 1, {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **params}))
+        started, num_generated = time.perf_counter(), 0
+        while engine.has_work:
+            num_generated += sum(len(out.token_ids) for out in engine.step())
+        return num_generated / (time.perf_counter() - started), engine.stats.snapshot()
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    args = parser.parse_args()
+
+    model_path = resolve_model_path(args.model)
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=1024, n_batch=512, verbose=False)
+    prompts = make_prompts(llm, max(max(args.parallel), 8), args.prompt_tokens)
+    print(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, {args.max_tokens} generated each")
+    print(f"{'mode':8} {'parallel':>8} {'requests':>8} {'tok/s':>8} {'in decode':>9} {'x sequential':>12}")
+    for mode in args.modes:
+        params = MODES[mode]
+        sequential = run_sequential(llm, prompts, params, args.max_tokens)
+        print(f"{mode:8} {'in turn':>8} {len(prompts):8d} {sequential:8.1f} {'':>9} {1.0:12.2f}")
+        for parallel in args.parallel:
+            batch = prompts[: max(parallel, 8)]
+            tok_s, stats = run_engine(model_path, parallel, batch, params, args.max_tokens)
+            print(f"{mode:8} {parallel:8d} {len(batch):8d} {tok_s:8.1f} {stats['decode_fraction']:9.3f} {tok_s / sequential:12.2f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
