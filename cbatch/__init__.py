@@ -1,7 +1,9 @@
 """cbatch: serve one GGUF model to many concurrent callers with continuous batching."""
 
+from cbatch.client import AsyncClient, Client
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError
+from cbatch.streams import Chunk, Completion
 
-__all__ = ["CbatchError", "EngineConfig"]
+__all__ = ["AsyncClient", "CbatchError", "Chunk", "Client", "Completion", "EngineConfig"]
 __version__ = "0.1.0"

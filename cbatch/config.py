@@ -53,3 +53,41 @@ class EngineConfig:
     @property
     def num_threads(self) -> int:
         return self.threads or os.cpu_count() or 1
+
+
+RING_CAPACITY_RECORDS = 1 << 16  # 64k records x 64 bytes = 4 MiB of shared memory
+DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
+
+
+def runtime_dir() -> str:
+    """Owner-only directory for ipc:// socket files and lock files."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    path = os.path.join(base, f"cbatch-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.stat(path).st_uid != os.getuid():
+        raise CbatchError(INVALID_CONFIG, f"{path} belongs to another user; set XDG_RUNTIME_DIR")
+    return path
+
+
+def default_endpoint() -> str:
+    """CBATCH_ENDPOINT if set, else an ipc:// socket in the owner-only runtime directory."""
+    return os.environ.get("CBATCH_ENDPOINT") or f"ipc://{os.path.join(runtime_dir(), 'cbatch.sock')}"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    engine: EngineConfig
+    endpoint: str = ""  # "" = default_endpoint()
+    ring_capacity: int = RING_CAPACITY_RECORDS
+    drain_grace_s: float = DRAIN_GRACE_S
+
+    def __post_init__(self):
+        if not self.endpoint:
+            object.__setattr__(self, "endpoint", default_endpoint())
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise CbatchError(INVALID_CONFIG, f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        capacity = self.ring_capacity
+        if capacity < 8 or capacity & (capacity - 1):
+            raise CbatchError(INVALID_CONFIG, f"--ring-capacity must be a power of two >= 8, got {capacity}")
+        if self.drain_grace_s < 0:
+            raise CbatchError(INVALID_CONFIG, f"--drain-grace must be >= 0, got {self.drain_grace_s}")

@@ -15,6 +15,8 @@ SHUTTING_DOWN = "shutting_down"
 NOT_FOUND = "not_found"
 INTERNAL = "internal"
 INVALID_CONFIG = "invalid_config"
+VERSION_MISMATCH = "version_mismatch"
+ENDPOINT_IN_USE = "endpoint_in_use"
 
 
 class CbatchError(Exception):

@@ -73,6 +73,7 @@ FLAG_FIRST, FLAG_LAST, FLAG_CONTINUED = 1, 2, 4
 _ALL_FLAGS = FLAG_FIRST | FLAG_LAST | FLAG_CONTINUED
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = range(5)
 NO_TOKEN = -1
+FINISH_CODES = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "cancelled": FINISH_CANCELLED, "error": FINISH_ERROR}
 
 # Positions of the mutable uint64 header fields (0..3: magic, version, capacity, record_size).
 _H_WRITE_CURSOR, _H_GENERATION, _H_HEARTBEAT_NS = 4, 5, 6
@@ -244,6 +245,33 @@ def attach_ring(name: str) -> TokenRing:
         raise
 
 
+def event_records(request_id: int, index: int, token_ids: list[int], text: bytes,
+                  finish: int = FINISH_NONE, is_first: bool = False) -> list[RingRecord]:
+    """The records one event becomes, numbered from `index`: one per token, the event's
+    text on its last token record and spilling into token-less continuation records; the
+    finish (with the stream's record count) on the final one. The writer publishes exactly
+    these, and the front-end rebuilds them for relay and recovery, so both agree on indices."""
+    pieces = [text[at:at + MAX_TEXT_BYTES] for at in range(0, len(text), MAX_TEXT_BYTES)]
+    rows = [(token_id, b"") for token_id in token_ids]
+    if rows and pieces:
+        rows[-1] = (rows[-1][0], pieces[0])
+        rows += [(NO_TOKEN, piece) for piece in pieces[1:]]
+    else:
+        rows += [(NO_TOKEN, piece) for piece in pieces]
+    if not rows and finish:
+        rows.append((NO_TOKEN, b""))
+    first_text_row = len(rows) - len(pieces)
+    records = []
+    for row_number, (token_id, piece) in enumerate(rows):
+        is_last = bool(finish) and row_number == len(rows) - 1
+        flags = ((FLAG_FIRST if is_first and row_number == 0 else 0)
+                 | (FLAG_LAST if is_last else 0)
+                 | (FLAG_CONTINUED if first_text_row <= row_number < len(rows) - 1 else 0))
+        records.append(RingRecord(request_id, index + row_number, token_id, flags,
+                                  finish if is_last else 0, index + row_number + 1 if is_last else 0, piece))
+    return records
+
+
 class RingWriter:
     """The single writer (decode worker). Continues at the header's write_cursor, so a
     restarted worker appends after its predecessor's records. Never waits for readers."""
@@ -275,28 +303,8 @@ class RingWriter:
                                       len(text), index + 1 if finish else 0, text))
                     next_indices.append(index + 1)
                     continue
-                # One record per token; the text rides on the event's last token record and
-                # spills into token-less continuation records.
-                pieces = [text[at:at + MAX_TEXT_BYTES]
-                          for at in range(0, len(text), MAX_TEXT_BYTES)]
-                rows = [(token_id, b"") for token_id in token_ids]
-                if rows and pieces:
-                    rows[-1] = (rows[-1][0], pieces[0])
-                    rows += [(NO_TOKEN, piece) for piece in pieces[1:]]
-                else:
-                    rows += [(NO_TOKEN, piece) for piece in pieces]
-                if not rows and finish:
-                    rows.append((NO_TOKEN, b""))
-                first_text_row = len(rows) - len(pieces)
-                for row_number, (token_id, piece) in enumerate(rows):
-                    is_last = finish and row_number == len(rows) - 1
-                    flags = ((FLAG_FIRST if is_first and row_number == 0 else 0)
-                             | (FLAG_LAST if is_last else 0)
-                             | (FLAG_CONTINUED if first_text_row <= row_number < len(rows) - 1
-                                else 0))
-                    parts.append(pack(0, request_id, index, token_id, flags,
-                                      finish if is_last else 0, len(piece),
-                                      index + 1 if is_last else 0, piece))
+                for record in event_records(request_id, index, token_ids, text, finish, is_first):
+                    parts.append(pack(0, *record[:5], len(record.text), record.count, record.text))
                     index += 1
                 next_indices.append(index)
         except (struct.error, TypeError, ValueError) as exc:

@@ -1,0 +1,136 @@
+"""Command-line entry points: cbatch-worker (the daemon) and cbatch-submit (a client)."""
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from cbatch.config import DRAIN_GRACE_S, RING_CAPACITY_RECORDS, DaemonConfig, EngineConfig
+from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+def worker_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="cbatch-worker", description="Serve one GGUF model to many clients.")
+    parser.add_argument("-m", "--model", help="GGUF file (default: the embedded gemma-3-270m)")
+    parser.add_argument("-np", "--parallel", type=int, default=4, help="sequences decoded together (default 4)")
+    parser.add_argument("-c", "--ctx-size", type=int, default=0, help="total context for all sequences (default 4096 each)")
+    parser.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per decode step (default 512)")
+    parser.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    parser.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
+    parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond --parallel (default 1024)")
+    parser.add_argument("--kv-unified", action="store_true", help="one KV pool shared by all sequences")
+    parser.add_argument("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
+    parser.add_argument("--ring-capacity", type=int, default=RING_CAPACITY_RECORDS, help="token ring records (power of two)")
+    parser.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S, help="seconds in-flight requests get on SIGTERM")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from cbatch.workers.supervisor import run_daemon
+
+    try:
+        engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
+                              batch_size=args.batch_size, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                              max_queue=args.max_queue, kv_unified=args.kv_unified)
+        config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
+                              drain_grace_s=args.drain_grace)
+    except CbatchError as err:
+        parser.error(err.message)
+    sys.exit(run_daemon(config))
+
+
+def _read_items(path: str):
+    """Yield one request dict per non-blank line, or a CbatchError for a line that is not one."""
+    with open(path, encoding="utf-8", errors="strict") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield number, CbatchError(INVALID_REQUEST, f"line {number} is not valid JSON: {err.msg}")
+                continue
+            if not isinstance(item, dict):
+                yield number, CbatchError(INVALID_REQUEST, f"line {number} must be a JSON object")
+                continue
+            item.setdefault("id", number)
+            yield number, item
+
+
+def submit_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="cbatch-submit", description="Run a JSONL file of prompts through cbatch-worker.")
+    parser.add_argument("prompts", help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line")
+    parser.add_argument("-o", "--output", help="results JSONL (default: stdout)")
+    parser.add_argument("--endpoint", default=None, help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
+    parser.add_argument("--max-in-flight", type=int, default=64, help="requests outstanding at once (default 64)")
+    parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
+    args = parser.parse_args(argv)
+    if args.max_in_flight < 1:
+        parser.error("--max-in-flight must be >= 1")
+    try:
+        with open(args.prompts, encoding="utf-8") as f:
+            num_lines = sum(1 for line in f if line.strip())
+    except OSError as err:
+        print(f"cbatch-submit: cannot read {args.prompts}: {err.strerror}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+    from cbatch.client import Client
+
+    try:
+        client = Client(args.endpoint, use_ring=not args.no_shm)
+    except CbatchError as err:
+        print(f"cbatch-submit: {err.message}", file=sys.stderr)
+        sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        summary = _run_file(client, _read_items(args.prompts), num_lines, out, args.max_in_flight)
+    except CbatchError as err:
+        print(f"cbatch-submit: {err.message}", file=sys.stderr)
+        sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
+    finally:
+        client.close()
+        if out is not sys.stdout:
+            out.close()
+    print(summary["line"], file=sys.stderr)
+    sys.exit(EXIT_SOME_FAILED if summary["num_failed"] else EXIT_OK)
+
+
+def _run_file(client, numbered_items, num_lines: int, out, max_in_flight: int) -> dict:
+    """Stream every item through the daemon; write results in input order."""
+    show_progress = sys.stderr.isatty()
+    ids: list = []
+    texts: dict[int, list[str]] = {}
+    done: dict[int, dict] = {}
+    next_to_write = num_ok = num_failed = num_tokens = 0
+    started = time.monotonic()
+
+    def items():
+        for _, item in numbered_items:
+            ids.append(item.get("id") if isinstance(item, dict) else None)
+            yield item
+
+    for position, chunk in client.stream_batch(items(), max_in_flight):
+        if isinstance(chunk, CbatchError):
+            done[position] = {"id": ids[position], "error": chunk.to_dict()}
+            num_failed += 1
+        else:
+            texts.setdefault(position, []).append(chunk.text)
+            num_tokens += len(chunk.token_ids)
+            if chunk.finish_reason:
+                done[position] = {"id": ids[position], "text": "".join(texts.pop(position)),
+                                  "finish_reason": chunk.finish_reason, "usage": chunk.usage}
+                num_ok += 1
+        while next_to_write in done:
+            out.write(json.dumps(done.pop(next_to_write), ensure_ascii=False) + "\n")
+            next_to_write += 1
+        if show_progress:
+            elapsed = max(time.monotonic() - started, 1e-9)
+            print(f"\r{num_ok + num_failed}/{num_lines} done, {num_tokens / elapsed:.1f} tok/s", end="", file=sys.stderr)
+    out.flush()
+    elapsed = time.monotonic() - started
+    if show_progress:
+        print(file=sys.stderr)
+    return {"num_failed": num_failed, "line": (
+        f"cbatch-submit: {num_ok + num_failed} lines, {num_ok} ok, {num_failed} failed; "
+        f"{num_tokens} tokens in {elapsed:.1f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s)")}

@@ -1,0 +1,372 @@
+"""cbatch.Client (blocking) and cbatch.AsyncClient (asyncio).
+
+A client on the daemon's host reads its tokens straight from the shared-memory ring,
+woken by the worker's ticks; elsewhere (or with use_ring=False) the front-end relays
+the same records over ZeroMQ. Both look the same to the caller.
+
+One Client per thread (ZeroMQ sockets are not thread-safe); one AsyncClient per event loop.
+"""
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from cbatch.config import default_endpoint
+from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+from cbatch.protocol import MsgType
+from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_tick_socket
+from cbatch.streams import Chunk, Completion, RequestStream
+
+DEFAULT_MAX_IN_FLIGHT = 64
+CONNECT_TIMEOUT_S = 10.0
+
+
+def _unreachable(endpoint: str) -> CbatchError:
+    return CbatchError(UNAVAILABLE, f"no cbatch daemon answers at {endpoint}; start cbatch-worker, "
+                                    "or point --endpoint / CBATCH_ENDPOINT at it")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    # An ipc:// endpoint with no socket file cannot answer: fail now instead of after a timeout.
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
+        raise _unreachable(endpoint)
+
+
+def _request_body(prompt, messages, params) -> dict:
+    body = dict(params)
+    if prompt is not None:
+        body["prompt"] = prompt
+    if messages is not None:
+        body["messages"] = messages
+    return body
+
+
+def _split_item(item) -> tuple[object, dict]:
+    """A batch item is a prompts.jsonl line: {"id": ..., "prompt"/"messages": ..., params}."""
+    if isinstance(item, CbatchError):
+        raise item  # the caller already knows this item is bad (e.g. a line that is not JSON)
+    if not isinstance(item, dict):
+        raise CbatchError(INVALID_REQUEST, "each batch item must be a dict")
+    body = dict(item)
+    return body.pop("id", None), body
+
+
+class Client:
+    def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
+        self.endpoint = endpoint or default_endpoint()
+        _check_endpoint(self.endpoint)
+        self._zctx = zmq.Context()
+        self._dealer = self._zctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(self.endpoint)
+        self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
+        self._poller = zmq.Poller()
+        self._poller.register(self._dealer, zmq.POLLIN)
+        self._tick = None
+        try:
+            self._session.hello()
+            self._wait(lambda: self._session.welcome is not None, time.monotonic() + connect_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        if self._session.tick_endpoint:
+            self._tick = make_tick_socket(self._zctx, self._session.tick_endpoint)
+            self._poller.register(self._tick, zmq.POLLIN)
+
+    @property
+    def info(self) -> dict:
+        """The daemon's handshake: model, parallel, ctx_per_seq, use_ring, ring_name."""
+        return dict(self._session.welcome)
+
+    def _wait(self, is_done, deadline: float | None = None) -> None:
+        """Pump messages and ring records until is_done() holds."""
+        session, silent_since = self._session, time.monotonic()
+        while not is_done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise _unreachable(self.endpoint)
+            timeout_s = SAFETY_POLL_S if session.streams or deadline else LIVENESS_S
+            ready = dict(self._poller.poll(int(timeout_s * 1000)))
+            if self._dealer in ready:
+                silent_since = time.monotonic()
+                while self._dealer.poll(0):
+                    session.on_frames(self._dealer.recv_multipart())
+            if self._tick is not None and self._tick in ready:
+                silent_since = time.monotonic()
+                while self._tick.poll(0):
+                    self._tick.recv()
+            session.read_ring()
+            if time.monotonic() - silent_since >= LIVENESS_S:
+                silent_since = time.monotonic()
+                session.ping_if_silent()
+
+    def _chunks(self, stream: RequestStream) -> Iterator[Chunk]:
+        try:
+            while True:
+                self._wait(lambda: stream.pending)
+                item = stream.pending.popleft()
+                if isinstance(item, CbatchError):
+                    raise item
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            if not stream.is_done:
+                self._session.cancel(stream.request_id)  # the caller stopped reading
+            self._session.forget(stream)
+
+    def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
+        return self._session.submit(_request_body(prompt, messages, params))
+
+    def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> Iterator[Chunk]:
+        """Yield chunks as tokens arrive; the last one has finish_reason and usage."""
+        return self._chunks(self.submit(prompt, messages, **params))
+
+    def generate(self, prompt: str | None = None, messages: list | None = None, **params) -> Completion:
+        stream = self.submit(prompt, messages, **params)
+        for _ in self._chunks(stream):
+            pass
+        return stream.completion()
+
+    def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> Iterator[tuple[int, Chunk | CbatchError]]:
+        """Run items with at most max_in_flight outstanding; yield (item position, chunk or
+        error) as they arrive. Each item's last chunk has finish_reason, or is an error."""
+        items = iter(enumerate(items))
+        active: dict[int, RequestStream] = {}
+        exhausted = False
+        try:
+            while active or not exhausted:
+                while not exhausted and len(active) < max_in_flight:
+                    position, item = next(items, (None, None))
+                    if position is None:
+                        exhausted = True
+                        break
+                    try:
+                        label, body = _split_item(item)
+                    except CbatchError as err:
+                        yield position, err
+                        continue
+                    active[position] = self._session.submit(body, label)
+                if not active:
+                    break
+                self._wait(lambda: any(s.pending for s in active.values()))
+                for position, stream in list(active.items()):
+                    while stream.pending:
+                        yield position, stream.pending.popleft()
+                    if stream.is_done:
+                        self._session.forget(active.pop(position))
+        finally:
+            for stream in active.values():
+                self._session.cancel(stream.request_id)
+                self._session.forget(stream)
+
+    def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
+        """Results in input order: a Completion, or the CbatchError that item got."""
+        items = list(items)
+        results: list = [None] * len(items)
+        streams: dict[int, list[Chunk]] = {}
+        for position, chunk in self.stream_batch(items, max_in_flight):
+            if isinstance(chunk, CbatchError):
+                results[position] = chunk
+                continue
+            streams.setdefault(position, []).append(chunk)
+            if chunk.finish_reason:
+                chunks = streams.pop(position)
+                token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+                results[position] = Completion(chunk.id, "".join(c.text for c in chunks), token_ids,
+                                               chunk.finish_reason, chunk.usage)
+        return results
+
+    def cancel(self, request_id: int) -> None:
+        self._session.cancel(request_id)
+
+    def _ask(self, msg_type: MsgType) -> dict:
+        nonce = self._session.ask(msg_type)
+        self._session.replies[nonce] = None
+        self._wait(lambda: self._session.replies[nonce] is not None)
+        reply = self._session.replies.pop(nonce)
+        if isinstance(reply, CbatchError):
+            raise reply
+        reply.pop("nonce", None)
+        return reply
+
+    def health(self) -> dict:
+        return self._ask(MsgType.HEALTH)
+
+    def stats(self) -> dict:
+        return self._ask(MsgType.STATS)
+
+    def close(self) -> None:
+        self._session.close()
+        self._zctx.destroy(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client: `client = await AsyncClient.connect()`; many coroutines may share it.
+
+    One pump task reads the socket and the ring for everyone and wakes waiters after
+    each round; waiting coroutines never spin.
+    """
+
+    def __init__(self, endpoint: str | None = None, *, use_ring: bool = True):
+        self.endpoint = endpoint or default_endpoint()
+        _check_endpoint(self.endpoint)
+        self._zctx = zmq.asyncio.Context()
+        self._dealer = self._zctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(self.endpoint)
+        self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
+        self._round = asyncio.Event()  # replaced after every pump round; waiters await the current one
+        self._failure: BaseException | None = None
+        self._pump_task: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, endpoint: str | None = None, *, use_ring: bool = True,
+                      connect_timeout_s: float = CONNECT_TIMEOUT_S) -> "AsyncClient":
+        client = cls(endpoint, use_ring=use_ring)
+        client._pump_task = asyncio.create_task(client._pump())
+        try:
+            client._session.hello()
+            await asyncio.wait_for(client._wait(lambda: client._session.welcome is not None), connect_timeout_s)
+        except asyncio.TimeoutError:
+            await client.close()
+            raise _unreachable(client.endpoint) from None
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def _pump(self) -> None:
+        session, tick = self._session, None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        silent_since = time.monotonic()
+        try:
+            while True:
+                if tick is None and session.tick_endpoint:
+                    tick = make_tick_socket(self._zctx, session.tick_endpoint)
+                    poller.register(tick, zmq.POLLIN)
+                timeout_s = SAFETY_POLL_S if session.streams else LIVENESS_S
+                ready = dict(await poller.poll(int(timeout_s * 1000)))
+                if self._dealer in ready:
+                    silent_since = time.monotonic()
+                    while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        session.on_frames(await self._dealer.recv_multipart())
+                if tick is not None and tick in ready:
+                    silent_since = time.monotonic()
+                    while tick.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        await tick.recv()
+                session.read_ring()
+                if time.monotonic() - silent_since >= LIVENESS_S and (session.streams or session.replies):
+                    silent_since = time.monotonic()
+                    session.ping_if_silent()
+                self._wake()
+        except BaseException as exc:  # including CancelledError at close()
+            self._failure = exc
+            self._wake()
+            raise
+        finally:
+            if tick is not None:
+                tick.close(linger=0)
+
+    def _wake(self) -> None:
+        self._round.set()
+        self._round = asyncio.Event()
+
+    async def _wait(self, is_done) -> None:
+        while not is_done():
+            if self._failure is not None:
+                if isinstance(self._failure, CbatchError):
+                    raise self._failure
+                raise CbatchError(UNAVAILABLE, f"the client's connection stopped: {self._failure!r}")
+            await self._round.wait()
+
+    async def _chunks(self, stream: RequestStream) -> AsyncIterator[Chunk]:
+        try:
+            while True:
+                await self._wait(lambda: stream.pending)
+                item = stream.pending.popleft()
+                if isinstance(item, CbatchError):
+                    raise item
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            if not stream.is_done:
+                self._session.cancel(stream.request_id)
+            self._session.forget(stream)
+
+    def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
+        return self._session.submit(_request_body(prompt, messages, params))
+
+    def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> AsyncIterator[Chunk]:
+        return self._chunks(self.submit(prompt, messages, **params))
+
+    async def generate(self, prompt: str | None = None, messages: list | None = None, **params) -> Completion:
+        stream = self.submit(prompt, messages, **params)
+        async for _ in self._chunks(stream):
+            pass
+        return stream.completion()
+
+    async def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
+        """Results in input order: a Completion, or the CbatchError that item got."""
+        slots = asyncio.Semaphore(max_in_flight)
+
+        async def run(item):
+            async with slots:
+                try:
+                    label, body = _split_item(item)
+                    stream = self._session.submit(body, label)
+                    async for _ in self._chunks(stream):
+                        pass
+                    return stream.completion()
+                except CbatchError as err:
+                    return err
+
+        return list(await asyncio.gather(*(run(item) for item in items)))
+
+    def cancel(self, request_id: int) -> None:
+        self._session.cancel(request_id)
+
+    async def _ask(self, msg_type: MsgType) -> dict:
+        nonce = self._session.ask(msg_type)
+        self._session.replies[nonce] = None
+        await self._wait(lambda: self._session.replies[nonce] is not None)
+        reply = self._session.replies.pop(nonce)
+        if isinstance(reply, CbatchError):
+            raise reply
+        reply.pop("nonce", None)
+        return reply
+
+    async def health(self) -> dict:
+        return await self._ask(MsgType.HEALTH)
+
+    async def stats(self) -> dict:
+        return await self._ask(MsgType.STATS)
+
+    async def close(self) -> None:
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            try:
+                await self._pump_task
+            except BaseException:
+                pass
+        self._session.close()
+        self._zctx.destroy(linger=0)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info):
+        await self.close()

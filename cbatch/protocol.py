@@ -1,0 +1,95 @@
+"""The wire protocol: multipart ZeroMQ messages of [type byte, msgpack body].
+
+Plain data only (msgpack maps of str, int, float, bytes, lists); no pickle anywhere.
+Unpacking is bounded in size and depth, and every body must be a map. This module
+imports nothing from the project, so any client can vendor it.
+"""
+
+import enum
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 4 << 20  # a body larger than this is rejected before unpacking
+MAX_CONTAINER_LEN = 1 << 16  # longest list or map msgpack may build
+MAX_STR_BYTES = 2 << 20
+
+
+class MsgType(enum.IntEnum):
+    # client -> front-end
+    HELLO = 0x01  # {version, use_ring} -> WELCOME
+    SUBMIT = 0x02  # {request_id, body} -> records..., FINISHED (or ERROR with request_id)
+    CANCEL = 0x03  # {request_id}
+    FETCH = 0x04  # {request_id, from_index} -> RECORDS (ring overrun recovery)
+    HEALTH = 0x05  # {nonce} -> HEALTH_REPLY
+    STATS = 0x06  # {nonce} -> STATS_REPLY
+    # front-end -> client
+    WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring}
+    RECORDS = 0x22  # {request_id, records: [[index, token_id, flags, finish, count, text], ...]}
+    FINISHED = 0x23  # {request_id, finish_reason, usage, num_records, error}
+    ERROR = 0x24  # {code, message, request_id?, nonce?}
+    HEALTH_REPLY = 0x25
+    STATS_REPLY = 0x26
+    # front-end <-> decode worker
+    WORKER_READY = 0x41  # {pid, model, ctx_per_seq}
+    WORKER_SUBMIT = 0x42  # {request_id, body}
+    WORKER_CANCEL = 0x43  # {request_id}
+    WORKER_EVENTS = 0x44  # {events: [[request_id, index, token_ids, text, finish_reason, usage, error], ...], stats}
+    WORKER_REJECT = 0x45  # {request_id, code, message}
+    WORKER_STOP = 0x46  # {}
+    WORKER_FAILED = 0x47  # {message}: the worker cannot start (model, context); it exits next
+
+
+class ProtocolError(Exception):
+    """A frame that is not a well-formed message of this protocol."""
+
+
+def pack(msg_type: MsgType, body: dict) -> list[bytes]:
+    return [bytes((msg_type,)), msgpack.packb(body, use_bin_type=True)]
+
+
+def unpack(frames: list[bytes]) -> tuple[MsgType, dict]:
+    """Parse [type, body]; raise ProtocolError for anything else."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames (type, body), got {len(frames)}")
+    type_frame, body_frame = frames
+    if len(type_frame) != 1:
+        raise ProtocolError("the type frame must be exactly one byte")
+    try:
+        msg_type = MsgType(type_frame[0])
+    except ValueError:
+        raise ProtocolError(f"unknown message type 0x{type_frame[0]:02x}") from None
+    if len(body_frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"body of {len(body_frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        body = msgpack.unpackb(
+            body_frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=MAX_STR_BYTES,
+            max_array_len=MAX_CONTAINER_LEN,
+            max_map_len=MAX_CONTAINER_LEN,
+            max_ext_len=0,
+        )
+    except RecursionError:
+        raise ProtocolError("body nests too deeply") from None
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"body is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("body must be a map")
+    return msg_type, body
+
+
+def field(body: dict, name: str, kind: type | tuple, *, optional: bool = False):
+    """Fetch a typed field; bool is never accepted where an int is asked for."""
+    if name not in body:
+        if optional:
+            return None
+        raise ProtocolError(f"missing field {name!r}")
+    value = body[name]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ProtocolError(f"field {name!r} must be {kind}, got bool")
+    if not isinstance(value, kind):
+        raise ProtocolError(f"field {name!r} has the wrong type {type(value).__name__}")
+    return value

@@ -1,0 +1,163 @@
+"""The connection state both clients share: handshake, request streams, ring reading.
+
+No waiting happens here. Client (blocking) and AsyncClient (asyncio) own the waiting and
+feed this class what arrives: frames from the front-end, and ticks that say the ring has
+new records.
+"""
+
+import secrets
+
+import zmq
+
+from cbatch.errors import CbatchError, INTERNAL, UNAVAILABLE
+from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
+from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
+from cbatch.streams import RequestStream
+
+LIVENESS_S = 5.0  # a waiting client that hears nothing for this long pings the front-end
+MAX_MISSED_PINGS = 3  # then gives up with `unavailable`
+SAFETY_POLL_S = 0.1  # with requests active, also read the ring this often (in case a tick was dropped)
+
+
+class Session:
+    def __init__(self, send, use_ring: bool):
+        self._send_frames = send  # callable(list[bytes]); the driver's socket send
+        self.use_ring = use_ring
+        self.welcome: dict | None = None
+        self.streams: dict[int, RequestStream] = {}
+        self.replies: dict[int, object] = {}  # nonce -> reply body or CbatchError
+        self.reader: RingReader | None = None
+        self._ring = None
+        self._next_nonce = 0
+        self.missed_pings = 0
+
+    # ---- outgoing ---------------------------------------------------------------
+    def send(self, msg_type: MsgType, body: dict) -> None:
+        self._send_frames(pack(msg_type, body))
+
+    def hello(self) -> None:
+        self.send(MsgType.HELLO, {"version": PROTOCOL_VERSION, "use_ring": self.use_ring})
+
+    def submit(self, body: dict, label=None) -> RequestStream:
+        if not isinstance(body, dict):
+            raise CbatchError("invalid_request", "a request must be a dict")
+        request_id = secrets.randbits(63) or 1  # unguessable by other clients
+        stream = RequestStream(request_id, request_id if label is None else label)
+        self.streams[request_id] = stream
+        if self.reader is not None:
+            self.reader.watch(request_id)  # before the worker can publish anything for it
+        self.send(MsgType.SUBMIT, {"request_id": request_id, "body": body})
+        return stream
+
+    def cancel(self, request_id: int) -> None:
+        self.send(MsgType.CANCEL, {"request_id": request_id})
+
+    def ask(self, msg_type: MsgType) -> int:
+        self._next_nonce += 1
+        self.send(msg_type, {"nonce": self._next_nonce})
+        return self._next_nonce
+
+    def ping_if_silent(self) -> None:
+        """Called after LIVENESS_S of silence while waiting."""
+        self.missed_pings += 1
+        if self.missed_pings > MAX_MISSED_PINGS:
+            error = CbatchError(UNAVAILABLE, "the cbatch daemon stopped answering; is cbatch-worker running?")
+            for stream in self.streams.values():
+                if not stream.is_done:
+                    stream.fail(error)
+            for nonce in list(self.replies):
+                if self.replies[nonce] is None:
+                    self.replies[nonce] = error
+            raise error
+        self.ask(MsgType.HEALTH)
+
+    def forget(self, stream: RequestStream) -> None:
+        self.streams.pop(stream.request_id, None)
+        if self.reader is not None:
+            self.reader.unwatch(stream.request_id)
+
+    # ---- incoming ---------------------------------------------------------------
+    def on_frames(self, frames: list[bytes]) -> None:
+        self.missed_pings = 0
+        try:
+            msg_type, body = unpack(frames)
+        except ProtocolError as err:
+            raise CbatchError(INTERNAL, f"malformed message from the daemon: {err}") from None
+        if msg_type is MsgType.WELCOME:
+            self._on_welcome(body)
+        elif msg_type is MsgType.RECORDS:
+            stream = self.streams.get(body["request_id"])
+            if stream is not None:
+                stream.add_records(body["records"])
+                if self.reader is not None:
+                    self.reader.resume(stream.request_id, stream.next_index)
+                    self.read_ring()
+        elif msg_type is MsgType.FINISHED:
+            stream = self.streams.get(body["request_id"])
+            if stream is not None:
+                self.read_ring()  # the worker wrote every record before the finish was sent
+                stream.on_finished(body)
+                if stream.missing_records:
+                    self.send(MsgType.FETCH, {"request_id": stream.request_id, "from_index": stream.next_index})
+        elif msg_type is MsgType.ERROR:
+            error = CbatchError(body.get("code", INTERNAL), body.get("message", ""))
+            stream = self.streams.get(body.get("request_id"))
+            if stream is not None:
+                stream.fail(error)
+            elif body.get("nonce") in self.replies:
+                self.replies[body["nonce"]] = error
+            elif self.welcome is None:
+                raise error  # the handshake itself was refused
+        elif msg_type in (MsgType.HEALTH_REPLY, MsgType.STATS_REPLY):
+            if body.get("nonce") in self.replies:
+                self.replies[body["nonce"]] = body
+
+    def _on_welcome(self, body: dict) -> None:
+        if body.get("use_ring") and self.reader is None:
+            try:
+                self._ring = attach_ring(body["ring_name"])
+                self.reader = RingReader(self._ring)
+            except RingError:
+                # Not on the daemon's host (or no access): take the relayed stream instead.
+                self.use_ring = False
+                self.hello()
+                return
+        self.welcome = body
+
+    def read_ring(self) -> None:
+        if self.reader is None:
+            return
+        try:
+            records = self.reader.poll()
+        except RingOverrun as overrun:
+            records = overrun.records
+            for request_id in overrun.request_ids:
+                stream = self.streams.get(request_id)
+                if stream is not None:
+                    self.send(MsgType.FETCH, {"request_id": request_id, "from_index": stream.next_index})
+        by_request: dict[int, list] = {}
+        for r in records:
+            by_request.setdefault(r.request_id, []).append((r.index, r.token_id, r.flags, r.finish, r.count, r.text))
+        for request_id, rows in by_request.items():
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                stream.add_records(rows)
+
+    @property
+    def tick_endpoint(self) -> str | None:
+        return self.welcome.get("tick_endpoint") if self.welcome and self.reader is not None else None
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+            self.reader = None
+
+
+def make_tick_socket(zctx, endpoint: str):
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 16)  # ticks carry no data: a few queued are as good as many
+    sub.connect(endpoint)
+    return sub

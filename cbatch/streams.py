@@ -1,0 +1,98 @@
+"""Client-side assembly of one request's records into chunks, whatever carried them.
+
+Records come from the shared-memory ring (local clients) or in RECORDS messages (remote
+clients, and recovery after a ring overrun). Either way they are numbered per request,
+so the assembler takes each index exactly once, in order: a duplicate is dropped, and a
+gap stops intake until the missing records arrive.
+"""
+
+import codecs
+from collections import deque
+from dataclasses import dataclass, field
+
+from cbatch.errors import CbatchError, DECODE_FAILED
+
+
+@dataclass
+class Chunk:
+    """Part of a stream. The last chunk of a request carries finish_reason and usage."""
+
+    id: object
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+@dataclass
+class Completion:
+    id: object  # the item's "id" in a batch, else the request id
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict
+    request_id: int = 0
+
+
+@dataclass(eq=False)
+class RequestStream:
+    request_id: int
+    label: object  # what chunks and completions are called: the item id, or request_id
+    next_index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    pending: deque = field(default_factory=deque)  # chunks not yet handed to the caller
+    finished: dict | None = None  # the FINISHED body, once it arrived
+    error: CbatchError | None = None
+    is_done: bool = False
+
+    def __post_init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add_records(self, rows) -> None:
+        """rows: (index, token_id, flags, finish, count, text) in index order."""
+        token_ids, data = [], []
+        for index, token_id, _flags, _finish, _count, text in rows:
+            if index < self.next_index:
+                continue  # already have it (recovered and also seen in the ring)
+            if index > self.next_index:
+                break  # a gap: wait for recovery to fill it
+            self.next_index += 1
+            if token_id >= 0:
+                token_ids.append(token_id)
+            data.append(text)
+        if token_ids or data:
+            self._emit(token_ids, self._decoder.decode(b"".join(data)))
+        self._complete_if_ready()
+
+    def on_finished(self, body: dict) -> None:
+        self.finished = body
+        self._complete_if_ready()
+
+    def fail(self, error: CbatchError) -> None:
+        self.error, self.is_done = error, True
+        self.pending.append(error)
+
+    @property
+    def missing_records(self) -> bool:
+        return self.finished is not None and not self.is_done
+
+    def _emit(self, token_ids: list[int], text: str, **final) -> None:
+        self.token_ids += token_ids
+        self.text_parts.append(text)
+        self.pending.append(Chunk(self.label, text, token_ids, **final))
+
+    def _complete_if_ready(self) -> None:
+        if self.is_done or self.finished is None or self.next_index < self.finished["num_records"]:
+            return
+        self.is_done = True
+        self._emit([], self._decoder.decode(b"", final=True), finish_reason=self.finished["finish_reason"],
+                   usage=self.finished["usage"])
+
+    def completion(self) -> Completion:
+        if self.error is not None:
+            raise self.error
+        if self.finished["finish_reason"] == "error":
+            raise CbatchError(DECODE_FAILED, self.finished.get("error") or "the decode step failed")
+        return Completion(self.label, "".join(self.text_parts), self.token_ids, self.finished["finish_reason"],
+                          self.finished["usage"], self.request_id)

@@ -1,0 +1,191 @@
+"""The decode worker process: the only process that loads the model.
+
+Its main thread runs the engine loop and writes tokens into the shared-memory ring;
+a WorkerIO thread does the socket I/O, so a slow or chatty front-end never stalls a
+decode step. After each step the loop publishes the records, sends a tick on its PUB
+socket (waking local readers), and hands the step's events to the front-end.
+"""
+
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from cbatch.config import EngineConfig
+from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.ipc.ring import FINISH_CODES, RingEvent, RingWriter, attach_ring
+from cbatch.params import parse_request
+from cbatch.protocol import MsgType, ProtocolError, field, pack, unpack
+from cbatch.workers.engine import Engine, SeqOutput, run_engine_loop
+
+IDLE_WAIT_S = 0.5  # an idle engine wakes this often to notice SIGTERM
+IO_POLL_MS = 500
+STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers with
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What the supervisor hands to each worker it starts."""
+
+    engine: EngineConfig
+    control_endpoint: str  # the front-end's ROUTER for workers
+    tick_endpoint: str  # this worker's PUB socket for ring wake-ups
+    ring_name: str
+    generation: int
+
+
+class WorkerIO(threading.Thread):
+    """Receives commands into `inbox`; forwards what the loop thread `send`s."""
+
+    def __init__(self, zctx: zmq.Context, plan: WorkerPlan):
+        super().__init__(name="worker-io", daemon=True)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._zctx, self._plan = zctx, plan
+        self._pipe_address = f"inproc://worker-io-{id(self)}"
+        self._pipe = zctx.socket(zmq.PAIR)  # loop-thread end
+        self._pipe.bind(self._pipe_address)
+
+    def send(self, msg_type: MsgType, body: dict) -> None:
+        self._pipe.send_multipart(pack(msg_type, body))
+
+    def close(self) -> None:
+        if self.is_alive():
+            self._pipe.send_multipart([b""])  # the stop sentinel: not a protocol message
+            self.join(timeout=5)
+        self._pipe.close(linger=0)
+
+    def run(self) -> None:
+        control = self._zctx.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 1000)  # let the last events and the goodbye reach the front-end
+        control.setsockopt(zmq.IDENTITY, f"worker-{self._plan.generation}".encode())
+        control.connect(self._plan.control_endpoint)
+        pipe = self._zctx.socket(zmq.PAIR)
+        pipe.connect(self._pipe_address)
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(pipe, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(IO_POLL_MS))
+                if pipe in ready:
+                    frames = pipe.recv_multipart()
+                    if frames == [b""]:
+                        return
+                    control.send_multipart(frames)
+                if control in ready:
+                    try:
+                        self.inbox.put(unpack(control.recv_multipart()))
+                    except ProtocolError:
+                        pass  # only the front-end talks to this socket, and it sends valid frames
+        finally:
+            pipe.close(linger=0)
+            control.close()
+
+
+class CommandHandler:
+    """Applies front-end commands to the engine between steps."""
+
+    def __init__(self, engine: Engine, io: WorkerIO, stop: threading.Event, publisher: "EventPublisher"):
+        self._engine, self._io, self._stop, self._publisher = engine, io, stop, publisher
+
+    def take(self, block: bool) -> bool:
+        if block:
+            self._publisher.send_stats()  # the engine just went idle: report zero active
+        try:
+            item = self._io.inbox.get(timeout=IDLE_WAIT_S) if block else self._io.inbox.get_nowait()
+            while True:
+                self._apply(*item)
+                item = self._io.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return not self._stop.is_set()
+
+    def _apply(self, msg_type: MsgType, body: dict) -> None:
+        if msg_type is MsgType.WORKER_SUBMIT:
+            request_id = field(body, "request_id", int)
+            try:
+                self._engine.add_request(parse_request(request_id, field(body, "body", dict)))
+            except CbatchError as err:
+                self._io.send(MsgType.WORKER_REJECT, {"request_id": request_id, **err.to_dict()})
+            except ValueError as err:
+                self._io.send(MsgType.WORKER_REJECT, {"request_id": request_id, "code": INVALID_REQUEST, "message": str(err)})
+        elif msg_type is MsgType.WORKER_CANCEL:
+            self._engine.cancel(field(body, "request_id", int))
+        elif msg_type is MsgType.WORKER_STOP:
+            self._stop.set()
+
+
+class EventPublisher:
+    """Writes each step's outputs to the ring, ticks readers, and tells the front-end."""
+
+    def __init__(self, engine: Engine, ring, io: WorkerIO, tick: zmq.Socket):
+        self._engine, self._io, self._tick = engine, io, tick
+        self._writer = RingWriter(ring)
+        self._next_index: dict[int, int] = {}
+        self._stats_sent_at = 0.0
+
+    def publish(self, outputs: list[SeqOutput]) -> None:
+        ring_events, wire_events = [], []
+        for out in outputs:
+            start = self._next_index.get(out.request_id, 0)
+            finish = FINISH_CODES.get(out.finish_reason, 0)
+            ring_events.append(RingEvent(out.request_id, start, out.token_ids, out.text.encode(), finish, start == 0))
+            wire_events.append([out.request_id, start, out.token_ids, out.text, out.finish_reason, out.usage, out.error])
+        for out, next_index in zip(outputs, self._writer.publish_many(ring_events)):
+            if out.finish_reason:
+                self._next_index.pop(out.request_id, None)
+            else:
+                self._next_index[out.request_id] = next_index
+        # Invariant: the records are in the ring before the tick and before the front-end
+        # hears of them, so a reader told of a finish finds every record already there.
+        self._tick.send(b"", zmq.NOBLOCK)
+        body = {"events": wire_events}
+        if time.monotonic() - self._stats_sent_at >= STATS_INTERVAL_S:
+            body["stats"] = self._stats()
+        self._io.send(MsgType.WORKER_EVENTS, body)
+
+    def send_stats(self) -> None:
+        self._io.send(MsgType.WORKER_EVENTS, {"events": [], "stats": self._stats()})
+
+    def _stats(self) -> dict:
+        self._stats_sent_at = time.monotonic()
+        scheduler = self._engine.scheduler
+        return {**self._engine.stats.snapshot(), "num_active": len(scheduler.running), "num_queued": len(scheduler.waiting)}
+
+
+def run_decode_worker(plan: WorkerPlan) -> None:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the process group; the supervisor drains
+    zctx = zmq.Context()
+    io = WorkerIO(zctx, plan)
+    io.start()
+    tick = zctx.socket(zmq.PUB)
+    tick.setsockopt(zmq.LINGER, 0)
+    engine = ring = None
+    try:
+        try:
+            tick.bind(plan.tick_endpoint)
+            ring = attach_ring(plan.ring_name)
+            engine = Engine(plan.engine)
+        except Exception as exc:
+            io.send(MsgType.WORKER_FAILED, {"message": str(exc)})
+            raise SystemExit(1)
+        publisher = EventPublisher(engine, ring, io, tick)
+        io.send(MsgType.WORKER_READY, {
+            "pid": os.getpid(), "model": engine.runner.description, "ctx_per_seq": engine.ctx_per_seq,
+            "generation": plan.generation,
+        })
+        run_engine_loop(engine, CommandHandler(engine, io, stop, publisher).take, publisher.publish)
+    finally:
+        io.close()
+        tick.close()
+        if ring is not None:
+            ring.close()
+        if engine is not None:
+            engine.close()
+        zctx.term()

@@ -1,0 +1,217 @@
+"""The front-end: the one socket clients talk to. It never touches the model.
+
+It validates every message, owns the bounded set of in-flight requests and which client
+owns each, forwards submits and cancels to the decode worker, and relays the worker's
+events: the finish (with usage and the record count) to every owner, and the records
+themselves to clients that do not read the ring. It keeps each request's records until
+a while after it finishes, so a reader that the ring lapped can fetch what it missed.
+"""
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field as dc_field
+
+import zmq
+
+from cbatch.config import DaemonConfig
+from cbatch.errors import (CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, SHUTTING_DOWN, UNAVAILABLE,
+                           VERSION_MISMATCH)
+from cbatch.ipc.ring import FINISH_CODES, RingRecord, event_records
+from cbatch.params import parse_request
+from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, field, pack, unpack
+
+FINISHED_RETENTION_S = 60.0  # how long a finished request's records stay fetchable
+MAX_REQUEST_ID = (1 << 63) - 1
+
+
+@dataclass(eq=False)
+class Job:
+    request_id: int
+    owner: bytes  # the client's ROUTER identity
+    is_relayed: bool  # the owner reads records over ZeroMQ instead of the ring
+    records: list[RingRecord] = dc_field(default_factory=list)
+    finished_at: float | None = None
+
+
+class FrontEnd:
+    def __init__(self, zctx: zmq.Context, config: DaemonConfig, ring_name: str, tick_endpoint: str,
+                 control_endpoint: str):
+        self.config = config
+        self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
+        self.clients = zctx.socket(zmq.ROUTER)
+        self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of queueing
+        self.clients.bind(config.endpoint)
+        self.control = zctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(control_endpoint)
+        self.jobs: dict[int, Job] = {}
+        self._finished: OrderedDict[int, Job] = OrderedDict()
+        self._use_ring: dict[bytes, bool] = {}
+        self.worker: dict | None = None  # the READY body of the live worker; None while (re)starting
+        self.worker_failure: str | None = None
+        self.worker_stats: dict = {}
+        self.is_draining = False
+        self.requests_completed = 0
+
+    # ---- clients ----------------------------------------------------------------
+    def on_client_messages(self) -> None:
+        while self.clients.poll(0):
+            identity, *frames = self.clients.recv_multipart()
+            body: dict = {}
+            try:
+                msg_type, body = unpack(frames)
+                self._CLIENT_HANDLERS[msg_type](self, identity, body)
+            except KeyError:
+                self._error(identity, INVALID_REQUEST, f"message type {msg_type.name} is not sent by clients", body)
+            except ProtocolError as err:
+                self._error(identity, INVALID_REQUEST, str(err), body)
+            except CbatchError as err:
+                self._error(identity, err.code, err.message, body)
+
+    def _send(self, identity: bytes, msg_type: MsgType, body: dict) -> None:
+        try:
+            self.clients.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # the client is gone or not reading; its requests end on their own
+
+    def _error(self, identity: bytes, code: str, message: str, body: dict) -> None:
+        reply = {"code": code, "message": message}
+        for key in ("request_id", "nonce"):
+            if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
+                reply[key] = body[key]
+        self._send(identity, MsgType.ERROR, reply)
+
+    def _hello(self, identity: bytes, body: dict) -> None:
+        version = field(body, "version", int)
+        if version != PROTOCOL_VERSION:
+            raise CbatchError(VERSION_MISMATCH, f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade cbatch")
+        use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://")
+        self._use_ring[identity] = use_ring
+        worker = self.worker or {}
+        self._send(identity, MsgType.WELCOME, {
+            "version": PROTOCOL_VERSION, "model": worker.get("model", ""), "parallel": self.config.engine.parallel,
+            "ctx_per_seq": worker.get("ctx_per_seq", 0), "use_ring": use_ring,
+            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else "",
+        })
+
+    def _submit(self, identity: bytes, body: dict) -> None:
+        request_id = field(body, "request_id", int)
+        if not 1 <= request_id <= MAX_REQUEST_ID:
+            raise ProtocolError(f"request_id must be in [1, 2**63 - 1]")
+        if request_id in self.jobs or request_id in self._finished:
+            raise CbatchError(INVALID_REQUEST, f"request_id {request_id} is already in use")
+        request_body = field(body, "body", dict)
+        parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
+        if self.is_draining:
+            raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
+        if self.worker is None:
+            raise CbatchError(UNAVAILABLE, "the decode worker is (re)starting; retry shortly")
+        max_in_flight = self.config.engine.parallel + self.config.engine.max_queue
+        if len(self.jobs) >= max_in_flight:
+            raise CbatchError(QUEUE_FULL, f"{len(self.jobs)} requests are in flight; retry later or raise --max-queue")
+        self.jobs[request_id] = Job(request_id, identity, is_relayed=not self._use_ring.get(identity, False))
+        self.to_worker(MsgType.WORKER_SUBMIT, {"request_id": request_id, "body": request_body})
+
+    def _owned_job(self, identity: bytes, body: dict) -> Job:
+        request_id = field(body, "request_id", int)
+        job = self.jobs.get(request_id) or self._finished.get(request_id)
+        if job is None or job.owner != identity:
+            raise CbatchError(NOT_FOUND, f"no request {request_id} of yours is known")
+        return job
+
+    def _cancel(self, identity: bytes, body: dict) -> None:
+        job = self._owned_job(identity, body)
+        if job.finished_at is None:
+            self.to_worker(MsgType.WORKER_CANCEL, {"request_id": job.request_id})
+
+    def _fetch(self, identity: bytes, body: dict) -> None:
+        job = self._owned_job(identity, body)
+        from_index = field(body, "from_index", int)
+        self._send_records(job, job.records[max(from_index, 0):])
+
+    def _health(self, identity: bytes, body: dict) -> None:
+        status = "draining" if self.is_draining else "ok" if self.worker else "starting"
+        worker = self.worker or {}
+        self._send(identity, MsgType.HEALTH_REPLY, {
+            "nonce": body.get("nonce", 0), "status": status, "model": worker.get("model", ""),
+            "parallel": self.config.engine.parallel, "worker_pid": worker.get("pid", 0),
+            "ctx_per_seq": worker.get("ctx_per_seq", 0),
+        })
+
+    def _stats(self, identity: bytes, body: dict) -> None:
+        stats = {**self.worker_stats, "parallel": self.config.engine.parallel, "requests_completed": self.requests_completed,
+                 "num_in_flight": len(self.jobs)}
+        stats.setdefault("num_active", 0)
+        stats.setdefault("num_queued", 0)
+        self._send(identity, MsgType.STATS_REPLY, {"nonce": body.get("nonce", 0), **stats})
+
+    _CLIENT_HANDLERS = {
+        MsgType.HELLO: _hello, MsgType.SUBMIT: _submit, MsgType.CANCEL: _cancel, MsgType.FETCH: _fetch,
+        MsgType.HEALTH: _health, MsgType.STATS: _stats,
+    }
+
+    def _send_records(self, job: Job, records: list[RingRecord]) -> None:
+        if records:
+            rows = [[r.index, r.token_id, r.flags, r.finish, r.count, r.text] for r in records]
+            self._send(job.owner, MsgType.RECORDS, {"request_id": job.request_id, "records": rows})
+
+    # ---- decode worker ------------------------------------------------------------
+    def to_worker(self, msg_type: MsgType, body: dict) -> None:
+        if self.worker is not None:
+            self.control.send_multipart([self.worker["identity"], *pack(msg_type, body)], zmq.NOBLOCK)
+
+    def on_worker_messages(self) -> None:
+        while self.control.poll(0):
+            identity, *frames = self.control.recv_multipart()
+            msg_type, body = unpack(frames)  # the worker is ours: a malformed frame is a bug, let it raise
+            if msg_type is MsgType.WORKER_READY:
+                self.worker = {**body, "identity": identity}
+            elif msg_type is MsgType.WORKER_FAILED:
+                self.worker_failure = body["message"]
+            elif msg_type is MsgType.WORKER_REJECT:
+                job = self.jobs.pop(body["request_id"], None)
+                if job is not None:
+                    self._error(job.owner, body["code"], body["message"], body)
+            elif msg_type is MsgType.WORKER_EVENTS:
+                for event in body["events"]:
+                    self._on_event(*event)
+                self.worker_stats = body.get("stats", self.worker_stats)
+
+    def _on_event(self, request_id, index, token_ids, text, finish_reason, usage, error) -> None:
+        job = self.jobs.get(request_id)
+        if job is None:
+            return  # already failed (worker restart) or rejected
+        finish = FINISH_CODES.get(finish_reason, 0)
+        records = event_records(request_id, index, token_ids, text.encode(), finish, index == 0)
+        job.records += records
+        if job.is_relayed:
+            self._send_records(job, records)
+        if finish_reason:
+            self._send(job.owner, MsgType.FINISHED, {
+                "request_id": request_id, "finish_reason": finish_reason, "usage": usage,
+                "num_records": len(job.records), "error": error,
+            })
+            self._retire(job)
+
+    def _retire(self, job: Job) -> None:
+        del self.jobs[job.request_id]
+        job.finished_at = now = time.monotonic()
+        self.requests_completed += 1
+        self._finished[job.request_id] = job
+        while self._finished and next(iter(self._finished.values())).finished_at < now - FINISHED_RETENTION_S:
+            self._finished.popitem(last=False)
+
+    def fail_all(self, code: str, message: str) -> None:
+        """End every in-flight request with an error (their worker is gone)."""
+        for job in list(self.jobs.values()):
+            self._error(job.owner, code, message, {"request_id": job.request_id})
+            del self.jobs[job.request_id]
+
+    def cancel_all(self) -> None:
+        for request_id in self.jobs:
+            self.to_worker(MsgType.WORKER_CANCEL, {"request_id": request_id})
+
+    def close(self) -> None:
+        self.clients.close()
+        self.control.close()

@@ -1,0 +1,188 @@
+"""The daemon's main process: supervisor of the decode worker, host of the front-end.
+
+run_daemon() creates the ring (so it outlives worker restarts), starts the worker and
+waits for its READY, restarts it when it dies (failing the requests it held), and on
+SIGTERM/SIGINT drains: no new requests, in-flight ones finish within the grace period
+or are cancelled, then everything it created is removed.
+"""
+
+import fcntl
+import logging
+import multiprocessing
+import os
+import signal
+import time
+
+import zmq
+
+from cbatch.config import DaemonConfig, runtime_dir
+from cbatch.errors import CbatchError, ENDPOINT_IN_USE, SHUTTING_DOWN, WORKER_RESTARTED
+from cbatch.ipc.ring import create_ring
+from cbatch.protocol import MsgType
+from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
+from cbatch.workers.frontend import FrontEnd
+
+log = logging.getLogger("cbatch.worker")
+
+LOOP_POLL_MS = 100  # how often the loop looks at signals and deadlines when idle
+READY_TIMEOUT_S = 600.0  # model load, including a first mmap from a cold disk
+MAX_STARTUP_FAILURES = 3  # consecutive worker deaths before READY, then the daemon gives up
+RESTART_BACKOFF_S = 1.0  # doubled after each consecutive start-up failure
+CANCEL_GRACE_S = 5.0  # after cancelling at the end of a drain, wait this long for the finishes
+STOP_TIMEOUT_S = 10.0
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+def _lock_endpoint(endpoint: str) -> int | None:
+    """Hold an exclusive lock beside an ipc:// socket: a second daemon fails fast instead of
+    silently taking the socket file over (ZeroMQ replaces an existing ipc file on bind)."""
+    path = _ipc_path(endpoint)
+    if path is None:
+        return None  # tcp:// bind fails by itself when the port is taken
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CbatchError(ENDPOINT_IN_USE, f"another cbatch-worker is serving {endpoint}; stop it or pass --endpoint") from None
+    return fd
+
+
+class Supervisor:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.stop_requested = False
+        tag = f"cbatch-{os.getpid()}"
+        self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
+        self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
+        self.ring = create_ring(tag, config.ring_capacity)
+        self.zctx = zmq.Context()
+        try:
+            self.frontend = FrontEnd(self.zctx, config, self.ring.name, self.tick_endpoint, self.control_endpoint)
+        except zmq.ZMQError as err:
+            self.zctx.destroy(linger=0)
+            self.ring.close()
+            self.ring.unlink()
+            raise CbatchError(ENDPOINT_IN_USE, f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
+        client_path = _ipc_path(config.endpoint)
+        if client_path:
+            os.chmod(client_path, 0o600)
+            self._files.append(client_path)
+        self.worker: multiprocessing.Process | None = None
+        self._generation = 0
+
+    def _start_worker(self) -> None:
+        self._generation = self.ring.bump_generation()
+        plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
+        self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
+        self.worker.start()
+        self.frontend.worker = None
+
+    def _poll(self, timeout_ms: int) -> bool:
+        """Serve both sockets once; return True if the worker process has exited."""
+        poller = zmq.Poller()
+        poller.register(self.frontend.clients, zmq.POLLIN)
+        poller.register(self.frontend.control, zmq.POLLIN)
+        poller.register(self.worker.sentinel, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if self.frontend.control in ready:
+            self.frontend.on_worker_messages()
+        if self.frontend.clients in ready:
+            self.frontend.on_client_messages()
+        return self.worker.sentinel in ready
+
+    def _start_until_ready(self) -> None:
+        """Start workers until one reports READY; give up after repeated start-up deaths."""
+        for attempt in range(MAX_STARTUP_FAILURES):
+            if attempt:
+                time.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
+            self._start_worker()
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while self.frontend.worker is None and time.monotonic() < deadline and not self.stop_requested:
+                if self._poll(LOOP_POLL_MS):
+                    self.worker.join()
+                    break
+            if self.frontend.worker is not None or self.stop_requested:
+                return
+            if self.worker.is_alive():
+                self.worker.kill()
+                self.worker.join()
+        reason = self.frontend.worker_failure or f"exit code {self.worker.exitcode}"
+        raise CbatchError(WORKER_RESTARTED, f"the decode worker failed to start {MAX_STARTUP_FAILURES} times: {reason}")
+
+    def serve(self) -> None:
+        self._start_until_ready()
+        if self.stop_requested:
+            return
+        ready = self.frontend.worker
+        log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, endpoint %s, ring %s, worker pid %d",
+                 ready["model"], self.config.engine.parallel, ready["ctx_per_seq"], self.config.endpoint, self.ring.name,
+                 ready["pid"])
+        drain_deadline = None
+        while True:
+            if self._poll(LOOP_POLL_MS):
+                self.worker.join()
+                self.frontend.fail_all(WORKER_RESTARTED, f"the decode worker died (exit code {self.worker.exitcode}); "
+                                                         "the request was lost, submit it again")
+                if drain_deadline is not None:
+                    return
+                log.warning("decode worker died (exit code %s); restarting", self.worker.exitcode)
+                self._start_until_ready()
+                continue
+            if self.stop_requested and drain_deadline is None:
+                log.info("draining: %d requests in flight, grace %.0f s", len(self.frontend.jobs), self.config.drain_grace_s)
+                self.frontend.is_draining = True
+                drain_deadline = time.monotonic() + self.config.drain_grace_s
+            if drain_deadline is not None:
+                if not self.frontend.jobs:
+                    return
+                if time.monotonic() > drain_deadline:
+                    self.frontend.cancel_all()
+                    if time.monotonic() > drain_deadline + CANCEL_GRACE_S:
+                        self.frontend.fail_all(SHUTTING_DOWN, "the daemon shut down before the request finished")
+                        return
+
+    def close(self) -> None:
+        if self.worker is not None and self.worker.is_alive():
+            self.frontend.to_worker(MsgType.WORKER_STOP, {})
+            self.worker.terminate()  # SIGTERM: the worker leaves its loop and cleans up
+            self.worker.join(STOP_TIMEOUT_S)
+            if self.worker.is_alive():
+                self.worker.kill()
+                self.worker.join()
+        self.frontend.close()
+        self.zctx.term()
+        self.ring.close()
+        self.ring.unlink()
+        for path in self._files:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit code."""
+    lock_fd = _lock_endpoint(config.endpoint)
+    supervisor = None
+    try:
+        supervisor = Supervisor(config)
+
+        def request_stop(signum, frame):
+            supervisor.stop_requested = True
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+        supervisor.serve()
+        log.info("cbatch-worker stopped")
+        return 0
+    except CbatchError as err:
+        log.error("cbatch-worker: %s", err.message)
+        return 1
+    finally:
+        if supervisor is not None:
+            supervisor.close()
+        if lock_fd is not None:
+            os.unlink(_ipc_path(config.endpoint) + ".lock")
+            os.close(lock_fd)
