@@ -1,0 +1,71 @@
+"""Start and stop a real cbatch-worker daemon (its console script) for tests."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cbatch.client import Client
+
+SCRIPTS_DIR = Path(sys.executable).parent
+START_TIMEOUT_S = 120.0
+
+
+class Daemon:
+    def __init__(self, workdir: Path, model_path: str, *args: str):
+        self.workdir = workdir
+        self.runtime_dir = workdir / "run"
+        self.runtime_dir.mkdir(mode=0o700, exist_ok=True)
+        self.endpoint = f"ipc://{workdir / 'cbatch.sock'}"
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_dir), "CBATCH_ENDPOINT": self.endpoint}
+        self.stderr_path = workdir / "daemon.log"
+        self._stderr = open(self.stderr_path, "w")
+        self.process = subprocess.Popen(
+            [str(SCRIPTS_DIR / "cbatch-worker"), "--model", model_path, *args],
+            env=self.env, stdout=self._stderr, stderr=subprocess.STDOUT,
+        )
+        self.health = self._wait_ready()
+
+    def _wait_ready(self) -> dict:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.process.returncode}: {self.log()}")
+            if (self.workdir / "cbatch.sock").exists():
+                with self.client() as client:
+                    health = client.health()
+                if health["status"] == "ok":
+                    return health
+            time.sleep(0.1)
+        raise RuntimeError(f"daemon not ready: {self.log()}")
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.endpoint, **kwargs)
+
+    def log(self) -> str:
+        return self.stderr_path.read_text()
+
+    def ring_name(self) -> str:
+        with self.client() as client:
+            return client.info["ring_name"]
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._stderr.close()
+        return self.process.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

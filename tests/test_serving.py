@@ -1,0 +1,232 @@
+"""The whole system through real processes, sockets and shared memory (tiny model)."""
+
+import asyncio
+import json
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from cbatch.client import AsyncClient
+from cbatch.config import EngineConfig
+from cbatch.errors import CbatchError
+from cbatch.workers.engine import Engine
+from daemonkit import SCRIPTS_DIR, Daemon, pid_alive
+from enginekit import generate
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_path, tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("daemon"), tiny_model_path, *DAEMON_ARGS)
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    """What the engine generates in-process for the same settings: the ground truth."""
+    engine = Engine(EngineConfig(model_path=tiny_model_path, parallel=4, ctx_size=1024, batch_size=64))
+    yield lambda bodies: generate(engine, bodies)
+    engine.close()
+
+
+BODIES = [{"prompt": f"prompt {i} " + "z" * (7 * i), "max_tokens": 10 + 3 * i, **GREEDY} for i in range(6)]
+
+
+@pytest.mark.parametrize("use_ring", [True, False], ids=["ring", "relayed"])
+def test_client_reads_exactly_what_the_worker_generated(daemon, reference, use_ring):
+    expected = reference(BODIES)
+    with daemon.client(use_ring=use_ring) as client:
+        assert client.info["use_ring"] is use_ring
+        results = client.generate_batch(BODIES)
+    for got, want in zip(results, expected):
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text
+        assert got.usage == want.usage and got.finish_reason == "length"
+
+
+def test_streamed_chunks_add_up_and_end_with_the_finish(daemon, reference):
+    want = reference([BODIES[3]])[0]
+    with daemon.client() as client:
+        chunks = list(client.stream(**BODIES[3]))
+    assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage == want.usage
+    assert sum((c.token_ids for c in chunks), []) == want.token_ids
+    assert "".join(c.text for c in chunks) == want.text
+
+
+def test_tiny_ring_overrun_is_recovered_without_loss_or_duplicates(tiny_model_path, tmp_path, reference):
+    bodies = [{"prompt": f"long {i}", "max_tokens": 120, **GREEDY} for i in range(4)]
+    expected = reference(bodies)
+    d = Daemon(tmp_path, tiny_model_path, *DAEMON_ARGS, "--ring-capacity", "8")
+    try:
+        with d.client() as client:
+            streams = [client.stream(**body) for body in bodies]  # submitted now, read later
+            time.sleep(2.0)  # 480 records go through an 8-record ring meanwhile
+            results = [list(s) for s in streams]
+        for chunks, want in zip(results, expected):
+            assert sum((c.token_ids for c in chunks), []) == want.token_ids
+            assert "".join(c.text for c in chunks) == want.text
+    finally:
+        assert d.stop() == 0
+
+
+def test_generate_batch_applies_per_item_parameters_and_reports_bad_items(daemon):
+    items = [
+        {"id": "short", "prompt": "a", "max_tokens": 3, **GREEDY},
+        {"id": "long", "prompt": "a", "max_tokens": 17, **GREEDY},
+        {"id": "bad", "prompt": "a", "top_p": 7},
+        {"id": "sampled", "prompt": "a", "max_tokens": 9, "temperature": 1.5, "seed": 3, "ignore_eos": True},
+        {"id": "stopped", "prompt": "a", "max_tokens": 40, "stop": ["*"], **GREEDY},
+    ]
+    short, long_, bad, sampled, stopped = daemon.client().generate_batch(items)
+    assert (short.id, len(short.token_ids)) == ("short", 3)
+    assert (long_.id, len(long_.token_ids)) == ("long", 17)
+    assert long_.token_ids[:3] == short.token_ids
+    assert isinstance(bad, CbatchError) and bad.code == "invalid_request" and "top_p" in bad.message
+    assert len(sampled.token_ids) == 9 and sampled.token_ids != long_.token_ids[:9]
+    assert "*" not in stopped.text
+
+
+def test_stream_batch_is_keyed_by_item_id(daemon):
+    items = [{"id": f"item-{i}", "prompt": f"p{i}", "max_tokens": 6 + i, **GREEDY} for i in range(5)]
+    with daemon.client() as client:
+        texts, finished = {}, []
+        for position, chunk in client.stream_batch(items, max_in_flight=2):
+            assert chunk.id == items[position]["id"]
+            texts[chunk.id] = texts.get(chunk.id, "") + chunk.text
+            if chunk.finish_reason:
+                finished.append(chunk.id)
+        batch = client.generate_batch(items)
+    assert sorted(finished) == sorted(texts) == [item["id"] for item in items]
+    assert [texts[c.id] for c in batch] == [c.text for c in batch]
+
+
+def test_concurrent_clients_each_get_only_their_own(daemon, reference):
+    bodies = [{"prompt": f"client {i}", "max_tokens": 25, **GREEDY} for i in range(6)]
+    expected = reference(bodies)
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            with daemon.client(use_ring=i % 2 == 0) as client:
+                results[i] = [client.generate(**bodies[i]) for _ in range(2)]
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for i, completions in results.items():
+        assert all(c.token_ids == expected[i].token_ids for c in completions)
+
+
+def test_cancel_from_the_client_keeps_what_was_produced(daemon):
+    with daemon.client() as client, daemon.client() as other:
+        stream = client.submit(prompt="cancel me", max_tokens=200, **GREEDY)
+        chunks = client._chunks(stream)
+        first = [next(chunks) for _ in range(3)]
+        other.cancel(stream.request_id)  # not the owner: ignored
+        client.cancel(stream.request_id)
+        rest = list(chunks)
+    final = rest[-1]
+    assert final.finish_reason == "cancelled"
+    num_tokens = sum(len(c.token_ids) for c in first + rest)
+    assert 3 <= num_tokens == final.usage["completion_tokens"] < 200
+
+
+def test_health_and_stats(daemon):
+    with daemon.client() as client:
+        health = client.health()
+        assert health["status"] == "ok" and health["parallel"] == 4
+        assert health["worker_pid"] != daemon.process.pid and pid_alive(health["worker_pid"])
+        before = client.stats()["requests_completed"]
+        client.generate_batch([{"prompt": "s", "max_tokens": 30, **GREEDY}] * 4)
+        time.sleep(0.3)  # the worker sends its figures at most every 0.25 s
+        stats = client.stats()
+    assert stats["requests_completed"] == before + 4
+    assert stats["num_active"] == 0 and stats["num_queued"] == 0 and stats["parallel"] == 4
+    assert stats["decode_tokens_per_s"] > 0 and stats["avg_concurrent_seqs"] >= 1
+
+
+def test_async_client_runs_many_coroutines_at_once(daemon, reference):
+    expected = reference(BODIES)
+
+    async def main():
+        client = await AsyncClient.connect(daemon.endpoint)
+        try:
+            singles = await asyncio.gather(*(client.generate(**body) for body in BODIES))
+            batch = await client.generate_batch([{"id": i, **body} for i, body in enumerate(BODIES)], max_in_flight=3)
+            chunks = [c async for c in client.stream(**BODIES[0])]
+            health = await client.health()
+        finally:
+            await client.close()
+        return singles, batch, chunks, health
+
+    singles, batch, chunks, health = asyncio.run(main())
+    assert [c.token_ids for c in singles] == [e.token_ids for e in expected]
+    assert [c.token_ids for c in batch] == [e.token_ids for e in expected] and [c.id for c in batch] == list(range(6))
+    assert sum((c.token_ids for c in chunks), []) == expected[0].token_ids
+    assert health["status"] == "ok"
+
+
+def test_submit_cli_writes_every_line_in_order(daemon, tmp_path):
+    lines = [
+        json.dumps({"id": "a", "prompt": "first", "max_tokens": 5, **GREEDY}),
+        "{not json",
+        json.dumps({"id": "c", "messages": [{"role": "user", "content": "hi"}]}),  # tiny model: no template
+        "",
+        json.dumps({"prompt": "no id", "max_tokens": 7, **GREEDY}),
+        json.dumps({"id": 5, "prompt": "x", "max_tokens": -1}),
+    ] + [json.dumps({"id": f"bulk-{i}", "prompt": "b" * i, "max_tokens": 4, **GREEDY}) for i in range(1, 30)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "results.jsonl"
+    run = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(out), "--max-in-flight", "8"],
+                         env=daemon.env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr  # some lines failed
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in results] == ["a", None, "c", 5, 5] + [f"bulk-{i}" for i in range(1, 30)]
+    assert results[0]["finish_reason"] == "length" and results[0]["usage"]["completion_tokens"] == 5
+    assert results[1]["error"]["code"] == "invalid_request" and "line 2" in results[1]["error"]["message"]
+    assert results[2]["error"]["code"] == "invalid_request" and "chat template" in results[2]["error"]["message"]
+    assert results[3]["usage"]["completion_tokens"] == 7
+    assert results[4]["error"]["code"] == "invalid_request" and "max_tokens" in results[4]["error"]["message"]
+    assert all(r["usage"]["completion_tokens"] == 4 for r in results[5:])
+    assert "34 lines, 31 ok, 3 failed" in run.stderr
+
+
+def test_submit_cli_missing_file_and_unreachable_endpoint(daemon, tmp_path):
+    submit = str(SCRIPTS_DIR / "cbatch-submit")
+    missing = subprocess.run([submit, str(tmp_path / "nope.jsonl")], env=daemon.env, capture_output=True, text=True)
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    prompts = tmp_path / "ok.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x"}) + "\n")
+    nobody = subprocess.run([submit, str(prompts), "--endpoint", f"ipc://{tmp_path}/nobody.sock"],
+                            env=daemon.env, capture_output=True, text=True)
+    assert nobody.returncode == 3 and "no cbatch daemon answers" in nobody.stderr
+
+
+def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, tmp_path):
+    d = Daemon(tmp_path, tiny_model_path, *DAEMON_ARGS)
+    ring_name, worker_pid = d.ring_name(), d.health["worker_pid"]
+    with d.client() as client:
+        client.generate(prompt="x", max_tokens=3)
+    assert os.path.exists(f"/dev/shm/{ring_name}")
+    assert d.stop() == 0
+    deadline = time.monotonic() + 5
+    while pid_alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(worker_pid)
+    assert not os.path.exists(f"/dev/shm/{ring_name}")
+    assert [list(p.iterdir()) for p in d.runtime_dir.iterdir()] == [[]]  # the per-user directory stays, empty
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["daemon.log", "run"]
+    assert "ready" in d.log() and "stopped" in d.log()
