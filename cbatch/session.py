@@ -6,6 +6,7 @@ new records.
 """
 
 import secrets
+import time
 
 import zmq
 
@@ -30,6 +31,9 @@ class Session:
         self._ring = None
         self._next_nonce = 0
         self.missed_pings = 0
+        # When a list: for every ring poll that returned records, nanoseconds from the
+        # writer's publish (the ring's heartbeat stamp) to this read. For benchmarks.
+        self.read_latencies_ns: list[int] | None = None
 
     # ---- outgoing ---------------------------------------------------------------
     def send(self, msg_type: MsgType, body: dict) -> None:
@@ -135,6 +139,8 @@ class Session:
                 stream = self.streams.get(request_id)
                 if stream is not None:
                     self.send(MsgType.FETCH, {"request_id": request_id, "from_index": stream.next_index})
+        if records and self.read_latencies_ns is not None:
+            self.read_latencies_ns.append(time.monotonic_ns() - self._ring.heartbeat_ns)
         by_request: dict[int, list] = {}
         for r in records:
             by_request.setdefault(r.request_id, []).append((r.index, r.token_id, r.flags, r.finish, r.count, r.text))

@@ -311,7 +311,8 @@ class RingWriter:
             raise RingError(f"invalid event: {exc}") from exc
         if parts:
             self._store(b"".join(parts), len(parts))
-        self.heartbeat()
+        else:
+            self.heartbeat()
         return next_indices
 
     def _store(self, packed: bytes, num_records: int) -> None:
@@ -338,6 +339,8 @@ class RingWriter:
         for slot_a, slot_b, data_a, data_b in spans:  # 3. commit markers
             seqs[slot_a:slot_b] = new_seqs[data_a:data_b]
         self._cursor += num_records
+        # Stamped before the cursor moves: a reader that sees the batch sees its publish time.
+        self.heartbeat()
         ring.header[_H_WRITE_CURSOR] = self._cursor  # 4. publish the batch
 
     def heartbeat(self) -> None:

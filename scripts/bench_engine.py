@@ -34,12 +34,13 @@ MODES = {
 }
 
 
-def make_prompts(llm: llama_cpp.Llama, count: int, num_tokens: int) -> list[str]:
+def make_prompts(count_tokens, count: int, num_tokens: int) -> list[str]:
+    """`count` distinct prompts of at least `num_tokens` tokens each."""
     prompts = []
     for i in range(count):
         words, text = [], ""
         j = i
-        while len(llm.tokenize(text.encode())) < num_tokens:
+        while count_tokens(text) < num_tokens:
             words.append(SENTENCES[j % len(SENTENCES)])
             j += 3 + i
             text = f"Story {i}: " + " ".join(words)
@@ -80,7 +81,7 @@ def main() -> None:
 
     model_path = resolve_model_path(args.model)
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=1024, n_batch=512, verbose=False)
-    prompts = make_prompts(llm, max(max(args.parallel), 8), args.prompt_tokens)
+    prompts = make_prompts(lambda text: len(llm.tokenize(text.encode())), max(max(args.parallel), 8), args.prompt_tokens)
     print(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, {args.max_tokens} generated each")
     print(f"{'mode':8} {'parallel':>8} {'requests':>8} {'tok/s':>8} {'in decode':>9} {'x sequential':>12}")
     for mode in args.modes:

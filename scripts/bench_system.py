@@ -1,0 +1,162 @@
+"""Whole-system benchmark: the same workload in-process, through cbatch-submit, and through
+N concurrent Clients, in one run; plus token delivery latency and idle reader CPU.
+
+Latency is measured by the local clients from the ring's publish stamp (written by the
+worker just before it moves the write cursor) to the moment the client has read the
+records; a step's sampling precedes its publish by that step's postprocessing only.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench_engine import make_prompts
+from cbatch.client import Client
+from cbatch.config import EngineConfig
+from cbatch.model import resolve_model_path
+from cbatch.params import parse_request
+from cbatch.workers.engine import Engine
+
+BIN_DIR = Path(sys.executable).parent
+IDLE_WINDOW_S = 5.0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def run_in_process(model_path, parallel, bodies) -> float:
+    engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=1024 * parallel))
+    try:
+        for i, body in enumerate(bodies):
+            engine.add_request(parse_request(i + 1, body))
+        started, num_tokens = time.perf_counter(), 0
+        while engine.has_work:
+            num_tokens += sum(len(out.token_ids) for out in engine.step())
+        return num_tokens / (time.perf_counter() - started)
+    finally:
+        engine.close()
+
+
+def run_submit(env, bodies, workdir: Path) -> float:
+    prompts, results = workdir / "prompts.jsonl", workdir / "results.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, **b}) + "\n" for i, b in enumerate(bodies)))
+    started = time.perf_counter()
+    subprocess.run([str(BIN_DIR / "cbatch-submit"), str(prompts), "-o", str(results), "--max-in-flight", "64"],
+                   env=env, check=True, stderr=subprocess.DEVNULL)
+    elapsed = time.perf_counter() - started
+    num_tokens = sum(json.loads(line)["usage"]["completion_tokens"] for line in results.read_text().splitlines())
+    return num_tokens / elapsed
+
+
+def run_clients(endpoint, bodies, num_clients) -> tuple[float, list[int]]:
+    latencies: list[int] = []
+    counts = [0] * num_clients
+    clients = [Client(endpoint) for _ in range(num_clients)]
+    for client in clients:
+        client._session.read_latencies_ns = latencies
+
+    def work(k):
+        for body in bodies[k::num_clients]:
+            counts[k] += len(clients[k].generate(**body).token_ids)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(num_clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    for client in clients:
+        client.close()
+    return sum(counts) / elapsed, latencies
+
+
+def idle_reader_cpu(env, parallel: int) -> tuple[float, float]:
+    """% of a core used by a client process blocked waiting for a token of its own:
+    with no traffic at all (the worker is paused with SIGSTOP) and while `parallel` other
+    requests stream (its request is queued behind them, woken by every step's tick)."""
+    waiter = "import cbatch; cbatch.Client().generate(prompt='wait', max_tokens=1)"
+    blocker = "import cbatch; cbatch.Client().generate(prompt='busy', max_tokens=400, ignore_eos=True)"
+    with Client(env["CBATCH_ENDPOINT"]) as probe:
+        worker_pid = probe.health()["worker_pid"]
+    results = []
+    for with_traffic in (False, True):
+        blockers = [subprocess.Popen([sys.executable, "-c", blocker], env=env) for _ in range(parallel if with_traffic else 0)]
+        time.sleep(2.0)  # blockers admitted
+        if not with_traffic:
+            os.kill(worker_pid, signal.SIGSTOP)
+        proc = subprocess.Popen([sys.executable, "-c", waiter], env=env)
+        time.sleep(2.0)  # connected and waiting
+        before = cpu_seconds(proc.pid)
+        time.sleep(IDLE_WINDOW_S)
+        results.append(100 * (cpu_seconds(proc.pid) - before) / IDLE_WINDOW_S)
+        if not with_traffic:
+            os.kill(worker_pid, signal.SIGCONT)
+        for p in blockers + [proc]:
+            p.kill()
+            p.wait()
+    return results[0], results[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--parallel", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    model_path = resolve_model_path(args.model)
+    counter = Engine(EngineConfig(model_path=model_path, parallel=1, ctx_size=1024))
+    prompts = make_prompts(lambda text: len(counter.runner.tokenize(text)), args.requests, args.prompt_tokens)
+    counter.close()
+    bodies = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True} for p in prompts]
+
+    workdir = Path(tempfile.mkdtemp(prefix="cbatch-bench-"))
+    endpoint = f"ipc://{workdir / 'bench.sock'}"
+    env = {**os.environ, "CBATCH_ENDPOINT": endpoint, "XDG_RUNTIME_DIR": str(workdir)}
+    daemon = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "--model", model_path, "--parallel", str(args.parallel),
+                               "--ctx-size", str(1024 * args.parallel)], env=env, stderr=subprocess.DEVNULL)
+    try:
+        while not (workdir / "bench.sock").exists():
+            time.sleep(0.1)
+        with Client(endpoint) as probe:
+            while probe.health()["status"] != "ok":
+                time.sleep(0.1)
+        print(f"model {model_path}; parallel {args.parallel}; {args.requests} requests of ~{args.prompt_tokens} prompt "
+              f"tokens, {args.max_tokens} generated, greedy")
+        in_process = run_in_process(model_path, args.parallel, bodies)
+        submit = run_submit(env, bodies, workdir)
+        clients, latencies = run_clients(endpoint, bodies, args.parallel)
+        in_process_again = run_in_process(model_path, args.parallel, bodies)
+        reference = (in_process + in_process_again) / 2
+        print(f"{'path':28} {'tok/s':>8} {'vs in-process':>14}")
+        for name, value in (("in-process engine (mean of 2)", reference), ("cbatch-submit", submit),
+                            (f"{args.parallel} concurrent Clients", clients)):
+            print(f"{name:28} {value:8.1f} {value / reference:14.3f}")
+        print(f"  in-process runs: {in_process:.1f} and {in_process_again:.1f} tok/s")
+        lat_ms = np.array(latencies) / 1e6
+        print(f"delivery latency, ring publish -> client read, {len(lat_ms)} reads: "
+              f"p50 {np.percentile(lat_ms, 50):.3f} ms, p99 {np.percentile(lat_ms, 99):.3f} ms, max {lat_ms.max():.3f} ms")
+        quiet, busy = idle_reader_cpu(env, args.parallel)
+        print(f"idle reader CPU over {IDLE_WINDOW_S:.0f} s: {quiet:.2f}% of a core with no traffic, "
+              f"{busy:.2f}% while {args.parallel} other requests stream")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+
+
+if __name__ == "__main__":
+    main()
