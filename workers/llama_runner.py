@@ -86,7 +86,9 @@ class LlamaRunner:
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.memory = lc.llama_get_memory(self.ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.ctx_per_seq = lc.llama_n_ctx_seq(self.ctx)
+        # With a unified KV pool llama.cpp lets any sequence grow to the whole context; the
+        # engine caps each at its share so the pool can never run out under `parallel` slots.
+        self.ctx_per_seq = min(lc.llama_n_ctx_seq(self.ctx), lc.llama_n_ctx(self.ctx) // config.parallel)
         self.eog_ids = np.array([t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)], np.int32)
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
