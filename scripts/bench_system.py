@@ -59,7 +59,19 @@ def run_submit(env, bodies, workdir: Path) -> float:
     return num_tokens / elapsed
 
 
+def run_one_client(endpoint, bodies) -> tuple[float, list[int]]:
+    """One Client streaming every request (stream_batch): one reader wakes per step."""
+    with Client(endpoint) as client:
+        latencies = client._session.read_latencies_ns = []
+        started, num_tokens = time.perf_counter(), 0
+        for _, chunk in client.stream_batch(bodies, max_in_flight=len(bodies)):
+            num_tokens += len(chunk.token_ids)
+        return num_tokens / (time.perf_counter() - started), latencies
+
+
 def run_clients(endpoint, bodies, num_clients) -> tuple[float, list[int]]:
+    """num_clients Clients in threads of this process, each with its share of requests;
+    all of them wake on every step's tick and take turns on the GIL."""
     latencies: list[int] = []
     counts = [0] * num_clients
     clients = [Client(endpoint) for _ in range(num_clients)]
@@ -139,17 +151,19 @@ def main() -> None:
               f"tokens, {args.max_tokens} generated, greedy")
         in_process = run_in_process(model_path, args.parallel, bodies)
         submit = run_submit(env, bodies, workdir)
+        one, one_latencies = run_one_client(endpoint, bodies)
         clients, latencies = run_clients(endpoint, bodies, args.parallel)
         in_process_again = run_in_process(model_path, args.parallel, bodies)
         reference = (in_process + in_process_again) / 2
-        print(f"{'path':28} {'tok/s':>8} {'vs in-process':>14}")
+        print(f"{'path':34} {'tok/s':>8} {'vs in-process':>14}")
         for name, value in (("in-process engine (mean of 2)", reference), ("cbatch-submit", submit),
-                            (f"{args.parallel} concurrent Clients", clients)):
-            print(f"{name:28} {value:8.1f} {value / reference:14.3f}")
+                            ("1 Client, stream_batch", one), (f"{args.parallel} concurrent Clients (threads)", clients)):
+            print(f"{name:34} {value:8.1f} {value / reference:14.3f}")
         print(f"  in-process runs: {in_process:.1f} and {in_process_again:.1f} tok/s")
-        lat_ms = np.array(latencies) / 1e6
-        print(f"delivery latency, ring publish -> client read, {len(lat_ms)} reads: "
-              f"p50 {np.percentile(lat_ms, 50):.3f} ms, p99 {np.percentile(lat_ms, 99):.3f} ms, max {lat_ms.max():.3f} ms")
+        for name, values in (("1 Client", one_latencies), (f"{args.parallel} Clients", latencies)):
+            lat_ms = np.array(values) / 1e6
+            print(f"delivery latency, ring publish -> read, {name}, {len(lat_ms)} reads: p50 {np.percentile(lat_ms, 50):.3f} ms, "
+                  f"p99 {np.percentile(lat_ms, 99):.3f} ms, max {lat_ms.max():.3f} ms")
         quiet, busy = idle_reader_cpu(env, args.parallel)
         print(f"idle reader CPU over {IDLE_WINDOW_S:.0f} s: {quiet:.2f}% of a core with no traffic, "
               f"{busy:.2f}% while {args.parallel} other requests stream")
