@@ -25,10 +25,6 @@ from cbatch.workers.engine import Engine, SeqOutput, run_engine_loop
 IDLE_WAIT_S = 0.5  # an idle engine wakes this often to notice SIGTERM
 IO_POLL_MS = 500
 STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers with
-# Niceness of the compute threads (this thread and llama.cpp's pool, which inherits it).
-# ZeroMQ's I/O threads, the front-end and local readers stay at normal priority, so a
-# published token's wake-up preempts the decode instead of queueing behind it.
-DECODE_NICE = 5
 
 
 @dataclass(frozen=True)
@@ -165,10 +161,9 @@ def run_decode_worker(plan: WorkerPlan) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the process group; the supervisor drains
-    zctx = zmq.Context()  # its I/O thread starts now, before the nice below
+    zctx = zmq.Context()
     io = WorkerIO(zctx, plan)
     io.start()
-    os.nice(DECODE_NICE)  # on Linux this is per thread: the threads started above keep priority
     tick = zctx.socket(zmq.PUB)
     tick.setsockopt(zmq.LINGER, 0)
     engine = ring = None
