@@ -57,6 +57,7 @@ class EngineConfig:
         return self.threads or os.cpu_count() or 1
 
 
+MAX_IPC_PATH_BYTES = 107  # sun_path of a Unix socket, less its terminating NUL
 RING_CAPACITY_RECORDS = 1 << 16  # 64k records x 64 bytes = 4 MiB of shared memory
 DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
 
@@ -88,6 +89,9 @@ class DaemonConfig:
             object.__setattr__(self, "endpoint", default_endpoint())
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise CbatchError(INVALID_CONFIG, f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        if self.endpoint.startswith("ipc://") and len(self.endpoint[len("ipc://"):].encode()) > MAX_IPC_PATH_BYTES:
+            raise CbatchError(INVALID_CONFIG, f"--endpoint path is longer than {MAX_IPC_PATH_BYTES} bytes, the limit of a "
+                                              "Unix socket path; use a shorter one")
         capacity = self.ring_capacity
         if capacity < 8 or capacity & (capacity - 1):
             raise CbatchError(INVALID_CONFIG, f"--ring-capacity must be a power of two >= 8, got {capacity}")

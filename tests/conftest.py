@@ -25,3 +25,21 @@ def gemma_model_path() -> str:
     from cbatch.model import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture
+def start_daemon():
+    """Start real cbatch-worker daemons; each is stopped and its files removed at teardown."""
+    from daemonkit import Daemon
+
+    started = []
+
+    def start(model_path: str, *args: str):
+        daemon = Daemon(model_path, *args)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+        daemon.remove_workdir()

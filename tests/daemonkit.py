@@ -1,9 +1,11 @@
 """Start and stop a real cbatch-worker daemon (its console script) for tests."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,13 +16,14 @@ START_TIMEOUT_S = 120.0
 
 
 class Daemon:
-    def __init__(self, workdir: Path, model_path: str, *args: str):
-        self.workdir = workdir
-        self.runtime_dir = workdir / "run"
-        self.runtime_dir.mkdir(mode=0o700, exist_ok=True)
-        self.endpoint = f"ipc://{workdir / 'cbatch.sock'}"
+    def __init__(self, model_path: str, *args: str):
+        # Socket paths must fit a Unix socket address (107 bytes): pytest's tmp_path may not.
+        self.workdir = Path(tempfile.mkdtemp(prefix="cbt-"))
+        self.runtime_dir = self.workdir / "run"
+        self.runtime_dir.mkdir(mode=0o700)
+        self.endpoint = f"ipc://{self.workdir / 'cbatch.sock'}"
         self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_dir), "CBATCH_ENDPOINT": self.endpoint}
-        self.stderr_path = workdir / "daemon.log"
+        self.stderr_path = self.workdir / "daemon.log"
         self._stderr = open(self.stderr_path, "w")
         self.process = subprocess.Popen(
             [str(SCRIPTS_DIR / "cbatch-worker"), "--model", model_path, *args],
@@ -61,6 +64,15 @@ class Daemon:
                 self.process.wait()
         self._stderr.close()
         return self.process.returncode
+
+    def leftovers(self) -> list[str]:
+        """Files the daemon left in its directories (the per-user runtime dir itself may stay)."""
+        found = [p.name for p in self.workdir.iterdir() if p.name not in ("daemon.log", "run")]
+        found += [q.name for p in self.runtime_dir.iterdir() for q in p.iterdir()]
+        return found
+
+    def remove_workdir(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def pid_alive(pid: int) -> bool:

@@ -27,13 +27,13 @@ def test_chat_messages_render_with_gemma_turn_markers(gemma):
     assert result.finish_reason in ("stop", "length") and result.usage["completion_tokens"] >= 1
 
 
-def test_greedy_text_is_sensible_and_batched_equals_solo(gemma):
-    prompt = {"prompt": "Water boils at", "max_tokens": 12, "temperature": 0}
-    solo = generate(gemma, [prompt])[0]
-    batched = generate(gemma, [prompt, {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}])
-    assert "100" in solo.text
-    assert "Paris" in batched[1].text or "France" in batched[1].text
-    assert batched[0].text == solo.text
+def test_greedy_text_is_sensible_when_batched(gemma):
+    # No solo-vs-batched equality here: llama.cpp's quantized CPU kernels are not batch
+    # invariant, so a different batch can flip a near-tie many tokens in.
+    water, france = generate(gemma, [{"prompt": "Water boils at", "max_tokens": 12, "temperature": 0},
+                                     {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}])
+    assert "100" in water.text
+    assert "Paris" in france.text or "France" in france.text
 
 
 def test_stop_string_on_real_tokens(gemma):

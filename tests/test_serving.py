@@ -21,10 +21,11 @@ DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_path, tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("daemon"), tiny_model_path, *DAEMON_ARGS)
+def daemon(tiny_model_path):
+    d = Daemon(tiny_model_path, *DAEMON_ARGS)
     yield d
     assert d.stop() == 0, d.log()
+    d.remove_workdir()
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,10 @@ def test_streamed_chunks_add_up_and_end_with_the_finish(daemon, reference):
     assert "".join(c.text for c in chunks) == want.text
 
 
-def test_tiny_ring_overrun_is_recovered_without_loss_or_duplicates(tiny_model_path, tmp_path, reference):
+def test_tiny_ring_overrun_is_recovered_without_loss_or_duplicates(tiny_model_path, start_daemon, reference):
     bodies = [{"prompt": f"long {i}", "max_tokens": 120, **GREEDY} for i in range(4)]
     expected = reference(bodies)
-    d = Daemon(tmp_path, tiny_model_path, *DAEMON_ARGS, "--ring-capacity", "8")
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS, "--ring-capacity", "8")
     try:
         with d.client() as client:
             streams = [client.stream(**body) for body in bodies]  # submitted now, read later
@@ -215,8 +216,8 @@ def test_submit_cli_missing_file_and_unreachable_endpoint(daemon, tmp_path):
     assert nobody.returncode == 3 and "no cbatch daemon answers" in nobody.stderr
 
 
-def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, tmp_path):
-    d = Daemon(tmp_path, tiny_model_path, *DAEMON_ARGS)
+def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
     ring_name, worker_pid = d.ring_name(), d.health["worker_pid"]
     with d.client() as client:
         client.generate(prompt="x", max_tokens=3)
@@ -227,6 +228,5 @@ def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, tmp
         time.sleep(0.05)
     assert not pid_alive(worker_pid)
     assert not os.path.exists(f"/dev/shm/{ring_name}")
-    assert [list(p.iterdir()) for p in d.runtime_dir.iterdir()] == [[]]  # the per-user directory stays, empty
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["daemon.log", "run"]
+    assert d.leftovers() == []
     assert "ready" in d.log() and "stopped" in d.log()

@@ -12,16 +12,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field as dc_field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.ring import FINISH_CODES, RingRecord, event_records
 from cbatch.params import parse_request
-from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, field, pack, unpack
+from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, pack, unpack
 
 FINISHED_RETENTION_S = 60.0  # how long a finished request's records stay fetchable
 MAX_REQUEST_ID = (1 << 63) - 1
 CLOSE_LINGER_MS = 500
+PEER_HEARTBEAT_MS = 1000
 
 
 @dataclass(eq=False)
@@ -42,7 +44,17 @@ class FrontEnd:
         self.clients = zctx.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)  # the last errors still reach clients
         self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of queueing
+        # Over tcp a peer can vanish without closing: libzmq's own PING/PONG notices it.
+        self.clients.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_MS)
+        self.clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
+        # A frame bigger than any valid message drops the connection before it is buffered.
+        self.clients.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         self.clients.bind(config.endpoint)
+        # Dead clients: a disconnect event names the connection's file descriptor, and every
+        # message says which descriptor it came on; a crashed or killed client's requests
+        # are cancelled as soon as the kernel closes its socket.
+        self.disconnects = self.clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._peer_by_fd: dict[int, bytes] = {}
         self.control = zctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.bind(control_endpoint)
@@ -58,7 +70,10 @@ class FrontEnd:
     # ---- clients ----------------------------------------------------------------
     def on_client_messages(self) -> None:
         while self.clients.poll(0):
-            identity, *frames = self.clients.recv_multipart()
+            identity_frame, *message = self.clients.recv_multipart(copy=False)
+            identity, frames = identity_frame.bytes, [frame.bytes for frame in message]
+            if message:
+                self._peer_by_fd[int(message[0].get("__fd"))] = identity
             body: dict = {}
             try:
                 msg_type, body = unpack(frames)
@@ -69,6 +84,19 @@ class FrontEnd:
                 self._error(identity, INVALID_REQUEST, str(err), body)
             except CbatchError as err:
                 self._error(identity, err.code, err.message, body)
+
+    def on_disconnects(self) -> None:
+        """The client went away (closed, crashed, killed): nobody will read its requests."""
+        while self.disconnects.poll(0):
+            identity = self._peer_by_fd.pop(int(recv_monitor_message(self.disconnects)["value"]), None)
+            if identity is not None:
+                self._on_disconnect(identity)
+
+    def _on_disconnect(self, identity: bytes) -> None:
+        self._use_ring.pop(identity, None)
+        for job in list(self.jobs.values()):
+            if job.owner == identity:
+                self._cancel_job(job)
 
     def _send(self, identity: bytes, msg_type: MsgType, body: dict) -> None:
         try:
@@ -228,5 +256,7 @@ class FrontEnd:
             self._cancel_job(job)
 
     def close(self) -> None:
+        self.clients.disable_monitor()
+        self.disconnects.close()
         self.clients.close()
         self.control.close()

@@ -85,11 +85,14 @@ class Supervisor:
         """Serve both sockets once; return True if the worker process has exited."""
         poller = zmq.Poller()
         poller.register(self.frontend.clients, zmq.POLLIN)
+        poller.register(self.frontend.disconnects, zmq.POLLIN)
         poller.register(self.frontend.control, zmq.POLLIN)
         poller.register(self.worker.sentinel, zmq.POLLIN)
         ready = dict(poller.poll(timeout_ms))
         if self.frontend.control in ready:
             self.frontend.on_worker_messages()
+        if self.frontend.disconnects in ready:  # before new messages, which may reuse a closed descriptor
+            self.frontend.on_disconnects()
         if self.frontend.clients in ready:
             self.frontend.on_client_messages()
         return self.worker.sentinel in ready

@@ -1,0 +1,138 @@
+"""Faults survived: dead clients, a killed or failing worker, signals, a taken endpoint."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from cbatch.errors import CbatchError
+from daemonkit import SCRIPTS_DIR, pid_alive
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def wait_until(predicate, timeout_s: float, poll_s: float = 0.05) -> float:
+    """Seconds it took predicate() to hold; fails the test after timeout_s."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, "condition not reached in time"
+        time.sleep(poll_s)
+    return time.monotonic() - started
+
+
+def test_killed_client_has_its_requests_cancelled_and_slots_freed(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "3", "--ctx-size", str(3 * 16384))
+    try:
+        victim = subprocess.Popen([sys.executable, "-c", (
+            "import cbatch; c = cbatch.Client(); "
+            "streams = [c.stream(prompt='Tell a long story', max_tokens=16000, ignore_eos=True) for _ in range(2)]; "
+            "next(streams[0]); print('streaming', flush=True); [list(s) for s in streams]")],
+            env=d.env, stdout=subprocess.PIPE, text=True)
+        assert victim.stdout.readline().strip() == "streaming"
+        with d.client() as client:
+            survivor = client.stream(prompt="survivor", max_tokens=1500, **GREEDY)
+            time.sleep(0.5)
+            assert client.stats()["num_active"] == 3
+            victim.kill()
+            victim.wait()
+            # Only the survivor's sequence is left (the stats are at most 0.25 s stale).
+            freed_s = wait_until(lambda: client.stats()["num_active"] <= 1, timeout_s=5.0)
+            chunks = list(survivor)
+        assert freed_s < 2.0
+        # The survivor ran to the end, every token delivered (exact outputs are not compared:
+        # llama.cpp's kernels are not batch invariant, so a changed batch may flip a near-tie).
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 1500
+        assert len(sum((c.token_ids for c in chunks), [])) == 1500
+    finally:
+        assert d.stop() == 0
+
+
+def test_killed_worker_fails_in_flight_requests_and_is_restarted(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 8192))
+    try:
+        old_pid = d.health["worker_pid"]
+        with d.client() as client:
+            stream = client.stream(prompt="x", max_tokens=8000, **GREEDY)
+            next(stream)
+            os.kill(old_pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(CbatchError) as err:
+                list(stream)
+            assert err.value.code == "worker_restarted"
+            assert time.monotonic() - started < 2.0
+            wait_until(lambda: client.health()["status"] == "ok", timeout_s=60)
+            assert client.health()["worker_pid"] not in (old_pid, 0)
+            again = client.generate(prompt="x", max_tokens=20, **GREEDY)
+            assert len(again.token_ids) == 20
+        assert not pid_alive(old_pid)
+        assert "restarting" in d.log()
+    finally:
+        assert d.stop() == 0
+
+
+def test_worker_that_cannot_start_ends_the_daemon_with_its_reason():
+    tmp_path = Path(tempfile.mkdtemp(prefix="cbt-"))  # short enough for a socket path
+    bad_model = tmp_path / "not-a-model.gguf"
+    bad_model.write_bytes(b"GGUF" + os.urandom(4096))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(run_dir), "CBATCH_ENDPOINT": f"ipc://{tmp_path}/d.sock"}
+    started = time.monotonic()
+    daemon = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), "--model", str(bad_model)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert daemon.returncode == 1
+    assert "failed to start 3 times" in daemon.stderr and "could not load" in daemon.stderr
+    assert time.monotonic() - started >= 3.0  # backed off between attempts, not a tight loop
+    assert [list(p.iterdir()) for p in run_dir.iterdir()] == [[]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-model.gguf", "run"]
+    shutil.rmtree(tmp_path)
+
+
+def test_sigterm_drains_cancels_after_grace_and_refuses_new_work(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 16384), "--drain-grace", "1")
+    ring_name, worker_pid = d.ring_name(), d.health["worker_pid"]
+    with d.client() as client, d.client() as latecomer:
+        stream = client.stream(prompt="x", max_tokens=16000, **GREEDY)
+        next(stream)
+        d.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(CbatchError) as err:
+            latecomer.generate(prompt="late", max_tokens=3)
+        assert err.value.code == "shutting_down"
+        rest = list(stream)
+    assert rest[-1].finish_reason == "cancelled" and 0 < rest[-1].usage["completion_tokens"] < 16000
+    assert d.stop() == 0
+    wait_until(lambda: not pid_alive(worker_pid), 5)
+    assert not os.path.exists(f"/dev/shm/{ring_name}")
+    assert d.leftovers() == []
+
+
+def test_sigint_lets_short_requests_finish(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "2")
+    with d.client() as client:
+        stream = client.stream(prompt="x", max_tokens=200, **GREEDY)
+        next(stream)
+        d.process.send_signal(signal.SIGINT)
+        rest = list(stream)
+    assert rest[-1].finish_reason == "length" and rest[-1].usage["completion_tokens"] == 200
+    assert d.stop() == 0
+
+
+def test_second_daemon_on_the_same_endpoint_fails_fast(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "1")
+    try:
+        started = time.monotonic()
+        second = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), "--model", tiny_model_path], env=d.env,
+                                capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - started < 10
+        assert second.returncode == 1 and "another cbatch-worker is serving" in second.stderr
+        with d.client() as client:  # the first one is untouched
+            assert client.generate(prompt="x", max_tokens=3).finish_reason in ("length", "stop")
+    finally:
+        assert d.stop() == 0
