@@ -1,0 +1,136 @@
+"""Bad input at the front-end: a clear error with a stable code, and nothing else changes."""
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, pack, unpack
+from daemonkit import Daemon
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+REPLY_TIMEOUT_MS = 5000
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_path):
+    d = Daemon(tiny_model_path, "--parallel", "2", "--ctx-size", "1024")
+    yield d
+    assert d.stop() == 0, d.log()
+    d.remove_workdir()
+
+
+@pytest.fixture
+def raw(daemon):
+    """A bare DEALER socket: what a buggy or hostile client can send."""
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+    yield sock
+    zctx.destroy(linger=0)
+
+
+def ask(sock, frames) -> tuple[MsgType, dict]:
+    sock.send_multipart(frames)
+    assert sock.poll(REPLY_TIMEOUT_MS), "no reply"
+    return unpack(sock.recv_multipart())
+
+
+def submit_frames(body, request_id=42) -> list[bytes]:
+    return pack(MsgType.SUBMIT, {"request_id": request_id, "body": body})
+
+
+def nested(depth: int) -> bytes:
+    return b"\x91" * depth + b"\xc0"  # [[[...[nil]...]]]
+
+
+BAD_FRAMES = {
+    "garbage bytes": [b"\x00\xff\x13garbage"],
+    "truncated": [bytes((MsgType.SUBMIT,)), msgpack.packb({"request_id": 1, "body": {"prompt": "x"}})[:-3]],
+    "three frames": [bytes((MsgType.HELLO,)), b"\x80", b"extra"],
+    "unknown type": [b"\x7f", msgpack.packb({})],
+    "server-only type": pack(MsgType.WELCOME, {}),
+    "wrong version": pack(MsgType.HELLO, {"version": PROTOCOL_VERSION + 7, "use_ring": False}),
+    "body not a map": [bytes((MsgType.HEALTH,)), msgpack.packb([1, 2, 3])],
+    "deep nesting": [bytes((MsgType.HEALTH,)), nested(100_000)],
+    "huge declared map": [bytes((MsgType.HEALTH,)), b"\xdf\xff\xff\xff\xff"],
+    "invalid utf-8": [bytes((MsgType.SUBMIT,)), b"\x82\xaarequest_id\x01\xa4body\x81\xa6prompt\xa2\xc3\x28"],
+    "request_id not int": submit_frames({"prompt": "x"}, request_id="seven"),
+    "request_id bool": submit_frames({"prompt": "x"}, request_id=True),
+    "request_id negative": submit_frames({"prompt": "x"}, request_id=-1),
+    "body not a map field": pack(MsgType.SUBMIT, {"request_id": 5, "body": "prompt"}),
+    "negative max_tokens": submit_frames({"prompt": "x", "max_tokens": -1}),
+    "huge max_tokens": submit_frames({"prompt": "x", "max_tokens": 2**62}),
+    "nan temperature": submit_frames({"prompt": "x", "temperature": float("nan")}),
+    "top_p above 1": submit_frames({"prompt": "x", "top_p": 1.01}),
+    "empty prompt": submit_frames({"prompt": ""}),
+    "unknown role": submit_frames({"messages": [{"role": "robot", "content": "hi"}]}),
+    "unknown field": submit_frames({"prompt": "x", "max_new_tokens": 5}),
+    "bad grammar": submit_frames({"prompt": "x", "grammar": "root ::= [unclosed"}),
+    "prompt too long": submit_frames({"prompt": "long " * 1200}),
+    "cancel of unknown id": pack(MsgType.CANCEL, {"request_id": 99}),
+    "fetch of unknown id": pack(MsgType.FETCH, {"request_id": 99, "from_index": 0}),
+}
+EXPECTED_CODES = {
+    "wrong version": "version_mismatch", "prompt too long": "prompt_too_long",
+    "cancel of unknown id": "not_found", "fetch of unknown id": "not_found",
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FRAMES))
+def test_bad_message_gets_a_coded_error_and_changes_nothing(daemon, raw, name):
+    with daemon.client() as other:
+        pid_before = other.health()["worker_pid"]
+        stream = other.stream(prompt="bystander", max_tokens=60, **GREEDY)
+        first = next(stream)
+        msg_type, reply = ask(raw, BAD_FRAMES[name])
+        rest = list(stream)
+        assert other.health()["worker_pid"] == pid_before
+    assert msg_type is MsgType.ERROR
+    assert reply["code"] == EXPECTED_CODES.get(name, "invalid_request") and reply["message"]
+    tokens = first.token_ids + sum((c.token_ids for c in rest), [])
+    assert rest[-1].finish_reason == "length" and len(tokens) == 60
+
+
+def test_oversized_frame_is_dropped_without_harm(daemon, raw):
+    raw.send_multipart([bytes((MsgType.HEALTH,)), b"\x00" * (MAX_FRAME_BYTES + 4096)])
+    with daemon.client() as client:  # the daemon still serves everyone else
+        assert client.generate(prompt="after", max_tokens=5, **GREEDY).finish_reason == "length"
+
+
+def test_a_client_cannot_touch_another_clients_request(daemon):
+    with daemon.client() as owner, daemon.client(use_ring=False) as intruder:
+        stream = owner.submit(prompt="mine", max_tokens=80, **GREEDY)
+        intruder._session.send(MsgType.CANCEL, {"request_id": stream.request_id})
+        intruder._session.send(MsgType.FETCH, {"request_id": stream.request_id, "from_index": 0})
+        nonce = intruder._session.ask(MsgType.HEALTH)
+        intruder._session.replies[nonce] = None
+        intruder._wait(lambda: intruder._session.replies[nonce] is not None)
+        chunks = list(owner._chunks(stream))
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 80
+
+
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)  # msgpack cannot pack lone surrogates
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=st.lists(st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([bytes((t,)) for t in MsgType] + [b"\x00", b"\xff"]),
+    st.builds(msgpack.packb, st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | TEXT | st.binary(max_size=20),
+        lambda children: st.lists(children, max_size=4) | st.dictionaries(TEXT, children, max_size=4),
+        max_leaves=12)),
+), min_size=1, max_size=3))
+def test_fuzzed_frames_never_break_the_daemon(raw, frames):
+    raw.send_multipart(frames)
+    while raw.poll(0):  # replies (errors, or answers to frames that happened to be valid)
+        raw.recv_multipart()
+
+
+def test_after_fuzzing_a_normal_request_still_succeeds(daemon):
+    with daemon.client() as client:
+        health = client.health()
+        result = client.generate(prompt="still fine", max_tokens=12, **GREEDY)
+    assert health["status"] == "ok" and result.finish_reason == "length" and len(result.token_ids) == 12
