@@ -136,3 +136,21 @@ def test_second_daemon_on_the_same_endpoint_fails_fast(tiny_model_path, start_da
             assert client.generate(prompt="x", max_tokens=3).finish_reason in ("length", "stop")
     finally:
         assert d.stop() == 0
+
+
+def test_a_client_that_stops_reading_is_cut_off_without_costing_others(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "3", "--ctx-size", str(3 * 16384))
+    with d.client(use_ring=False) as sleeper, d.client() as bystander:
+        stalled = [sleeper.stream(prompt=f"flood {i}", max_tokens=15000, **GREEDY) for i in range(2)]
+        watch = bystander.stream(prompt="steady", max_tokens=3000, **GREEDY)
+        # The sleeper reads nothing while one RECORDS message per step piles up for it,
+        # until ZeroMQ's queue to it is full and the front-end cancels its requests.
+        freed_s = wait_until(lambda: bystander.stats()["num_active"] <= 1, timeout_s=30.0)
+        chunks = list(watch)
+        results = [list(s) for s in stalled]  # reading again: it recovers what it missed
+    assert freed_s < 30.0
+    assert chunks[-1].finish_reason == "length" and len(sum((c.token_ids for c in chunks), [])) == 3000
+    for result in results:
+        assert result[-1].finish_reason == "cancelled"
+        produced = result[-1].usage["completion_tokens"]
+        assert 0 < produced < 15000 and len(sum((c.token_ids for c in result), [])) == produced

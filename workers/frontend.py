@@ -32,6 +32,7 @@ class Job:
     owner: bytes  # the client's ROUTER identity
     is_relayed: bool  # the owner reads records over ZeroMQ instead of the ring
     body: dict | None = None  # the request, kept only until it reaches a ready worker
+    finish: dict | None = None  # a FINISHED the owner could not be sent (it had stalled)
     records: list[RingRecord] = dc_field(default_factory=list)
     finished_at: float | None = None
 
@@ -61,6 +62,7 @@ class FrontEnd:
         self.jobs: dict[int, Job] = {}
         self._finished: OrderedDict[int, Job] = OrderedDict()
         self._use_ring: dict[bytes, bool] = {}
+        self._stalled: set[bytes] = set()  # clients whose queue filled up; see _stall
         self.worker: dict | None = None  # the READY body of the live worker; None while (re)starting
         self.worker_failure: str | None = None
         self.worker_stats: dict = {}
@@ -74,12 +76,15 @@ class FrontEnd:
             identity, frames = identity_frame.bytes, [frame.bytes for frame in message]
             if message:
                 self._peer_by_fd[int(message[0].get("__fd"))] = identity
+            if identity in self._stalled:
+                self._unstall(identity)
             body: dict = {}
             try:
                 msg_type, body = unpack(frames)
-                self._CLIENT_HANDLERS[msg_type](self, identity, body)
-            except KeyError:
-                self._error(identity, INVALID_REQUEST, f"message type {msg_type.name} is not sent by clients", body)
+                handler = self._CLIENT_HANDLERS.get(msg_type)
+                if handler is None:
+                    raise ProtocolError(f"message type {msg_type.name} is not sent by clients")
+                handler(self, identity, body)
             except ProtocolError as err:
                 self._error(identity, INVALID_REQUEST, str(err), body)
             except CbatchError as err:
@@ -94,15 +99,38 @@ class FrontEnd:
 
     def _on_disconnect(self, identity: bytes) -> None:
         self._use_ring.pop(identity, None)
+        self._stalled.discard(identity)
         for job in list(self.jobs.values()):
             if job.owner == identity:
                 self._cancel_job(job)
 
-    def _send(self, identity: bytes, msg_type: MsgType, body: dict) -> None:
+    def _send(self, identity: bytes, msg_type: MsgType, body: dict) -> bool:
+        """Send without ever blocking the loop; False if the message was dropped."""
         try:
             self.clients.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError):
-            pass  # the client is gone or not reading; its requests end on their own
+            return True
+        except zmq.Again:  # the client's queue is full: it stopped reading
+            self._stall(identity)
+        except zmq.ZMQError:
+            pass  # the client is gone; the disconnect event cancels its requests
+        return False
+
+    def _stall(self, identity: bytes) -> None:
+        """A client that lets ZeroMQ's queue to it fill up (its high-water mark) stops
+        costing the others: its requests are cancelled. What it missed stays fetchable."""
+        if identity not in self._stalled:
+            self._stalled.add(identity)
+            for job in list(self.jobs.values()):
+                if job.owner == identity:
+                    self._cancel_job(job)
+
+    def _unstall(self, identity: bytes) -> None:
+        """The stalled client speaks again: resend the finishes it may have lost, so it
+        can fetch any records it lacks and end those streams."""
+        self._stalled.discard(identity)
+        for job in self._finished.values():
+            if job.owner == identity and job.finish is not None and self._send(identity, MsgType.FINISHED, job.finish):
+                job.finish = None
 
     def _error(self, identity: bytes, code: str, message: str, body: dict) -> None:
         reply = {"code": code, "message": message}
@@ -229,10 +257,10 @@ class FrontEnd:
         if job.is_relayed:
             self._send_records(job, records)
         if finish_reason:
-            self._send(job.owner, MsgType.FINISHED, {
-                "request_id": request_id, "finish_reason": finish_reason, "usage": usage,
-                "num_records": len(job.records), "error": error,
-            })
+            finish = {"request_id": request_id, "finish_reason": finish_reason, "usage": usage,
+                      "num_records": len(job.records), "error": error}
+            if not self._send(job.owner, MsgType.FINISHED, finish):
+                job.finish = finish  # kept for when the owner reads again
             self._retire(job)
 
     def _retire(self, job: Job) -> None:
