@@ -26,6 +26,9 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     parser.add_argument("--ring-capacity", type=int, default=RING_CAPACITY_RECORDS, help="token ring records (power of two)")
     parser.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
+    parser.add_argument("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
+    parser.add_argument("--curve-clients", default="", help="directory of client public certificates allowed in")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from cbatch.workers.supervisor import run_daemon
@@ -35,7 +38,8 @@ def worker_main(argv=None) -> None:
                               batch_size=args.batch_size, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
                               max_queue=args.max_queue, kv_unified=args.kv_unified)
         config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
-                              drain_grace_s=args.drain_grace)
+                              drain_grace_s=args.drain_grace, allow_remote=args.allow_remote,
+                              curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients)
     except CbatchError as err:
         parser.error(err.message)
     sys.exit(run_daemon(config))
@@ -66,6 +70,8 @@ def submit_main(argv=None) -> None:
     parser.add_argument("--endpoint", default=None, help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
     parser.add_argument("--max-in-flight", type=int, default=64, help="requests outstanding at once (default 64)")
     parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
+    parser.add_argument("--curve-server-key", help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
+    parser.add_argument("--curve-client-key", help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
     args = parser.parse_args(argv)
     if args.max_in_flight < 1:
         parser.error("--max-in-flight must be >= 1")
@@ -79,7 +85,8 @@ def submit_main(argv=None) -> None:
     from cbatch.client import Client
 
     try:
-        client = Client(args.endpoint, use_ring=not args.no_shm)
+        client = Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
+                        curve_client_key=args.curve_client_key)
     except CbatchError as err:
         print(f"cbatch-submit: {err.message}", file=sys.stderr)
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)

@@ -19,7 +19,7 @@ import zmq.asyncio
 from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 from cbatch.protocol import MsgType
-from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_tick_socket
+from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_tick_socket, use_curve
 from cbatch.streams import Chunk, Completion, RequestStream
 
 DEFAULT_MAX_IN_FLIGHT = 64
@@ -58,12 +58,14 @@ def _split_item(item) -> tuple[object, dict]:
 
 class Client:
     def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 curve_server_key: str | None = None, curve_client_key: str | None = None):
         self.endpoint = endpoint or default_endpoint()
         _check_endpoint(self.endpoint)
         self._zctx = zmq.Context()
         self._dealer = self._zctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
+        use_curve(self._dealer, curve_server_key, curve_client_key)
         self._dealer.connect(self.endpoint)
         self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
         self._poller = zmq.Poller()
@@ -219,12 +221,14 @@ class AsyncClient:
     each round; waiting coroutines never spin.
     """
 
-    def __init__(self, endpoint: str | None = None, *, use_ring: bool = True):
+    def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
+                 curve_server_key: str | None = None, curve_client_key: str | None = None):
         self.endpoint = endpoint or default_endpoint()
         _check_endpoint(self.endpoint)
         self._zctx = zmq.asyncio.Context()
         self._dealer = self._zctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)
+        use_curve(self._dealer, curve_server_key, curve_client_key)
         self._dealer.connect(self.endpoint)
         self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
         self._round = asyncio.Event()  # replaced after every pump round; waiters await the current one
@@ -233,8 +237,8 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, endpoint: str | None = None, *, use_ring: bool = True,
-                      connect_timeout_s: float = CONNECT_TIMEOUT_S) -> "AsyncClient":
-        client = cls(endpoint, use_ring=use_ring)
+                      connect_timeout_s: float = CONNECT_TIMEOUT_S, **curve_keys) -> "AsyncClient":
+        client = cls(endpoint, use_ring=use_ring, **curve_keys)
         client._pump_task = asyncio.create_task(client._pump())
         try:
             client._session.hello()

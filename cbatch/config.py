@@ -57,6 +57,7 @@ class EngineConfig:
         return self.threads or os.cpu_count() or 1
 
 
+LOOPBACK_HOSTS = ("localhost", "[::1]")  # and 127.0.0.0/8
 MAX_IPC_PATH_BYTES = 107  # sun_path of a Unix socket, less its terminating NUL
 RING_CAPACITY_RECORDS = 1 << 16  # 64k records x 64 bytes = 4 MiB of shared memory
 DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
@@ -83,6 +84,9 @@ class DaemonConfig:
     endpoint: str = ""  # "" = default_endpoint()
     ring_capacity: int = RING_CAPACITY_RECORDS
     drain_grace_s: float = DRAIN_GRACE_S
+    allow_remote: bool = False  # a tcp:// endpoint beyond loopback must be asked for
+    curve_secret_key: str = ""  # the daemon's secret certificate file: clients must speak CurveZMQ
+    curve_clients_dir: str = ""  # public certificates of the only clients let in (needs the above)
 
     def __post_init__(self):
         if not self.endpoint:
@@ -92,6 +96,15 @@ class DaemonConfig:
         if self.endpoint.startswith("ipc://") and len(self.endpoint[len("ipc://"):].encode()) > MAX_IPC_PATH_BYTES:
             raise CbatchError(INVALID_CONFIG, f"--endpoint path is longer than {MAX_IPC_PATH_BYTES} bytes, the limit of a "
                                               "Unix socket path; use a shorter one")
+        host = self.endpoint[len("tcp://"):].rsplit(":", 1)[0] if self.endpoint.startswith("tcp://") else ""
+        if host and host not in LOOPBACK_HOSTS and not host.startswith("127.") and not self.allow_remote:
+            raise CbatchError(INVALID_CONFIG, f"--endpoint {self.endpoint} listens beyond this machine; pass "
+                                              "--allow-remote (and --curve-secret-key to require CurveZMQ)")
+        if self.curve_clients_dir and not self.curve_secret_key:
+            raise CbatchError(INVALID_CONFIG, "--curve-clients needs --curve-secret-key")
+        for path in (self.curve_secret_key, self.curve_clients_dir):
+            if path and not os.path.exists(path):
+                raise CbatchError(INVALID_CONFIG, f"{path} does not exist")
         capacity = self.ring_capacity
         if capacity < 8 or capacity & (capacity - 1):
             raise CbatchError(INVALID_CONFIG, f"--ring-capacity must be a power of two >= 8, got {capacity}")

@@ -5,12 +5,14 @@ feed this class what arrives: frames from the front-end, and ticks that say the 
 new records.
 """
 
+import os
 import secrets
 import time
 
 import zmq
+import zmq.auth
 
-from cbatch.errors import CbatchError, INTERNAL, UNAVAILABLE
+from cbatch.errors import CbatchError, INTERNAL, INVALID_CONFIG, UNAVAILABLE
 from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
 from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
 from cbatch.streams import RequestStream
@@ -158,6 +160,28 @@ class Session:
             self._ring.close()
             self._ring = None
             self.reader = None
+
+
+def use_curve(sock, server_key_file: str | None, client_key_file: str | None) -> None:
+    """Speak CurveZMQ to a daemon that requires it. server_key_file: the daemon's public
+    certificate; client_key_file: this client's secret certificate (without one, a fresh
+    key pair, which a daemon that admits only listed clients refuses). Defaults come from
+    CBATCH_CURVE_SERVER_KEY and CBATCH_CURVE_CLIENT_KEY."""
+    server_key_file = server_key_file or os.environ.get("CBATCH_CURVE_SERVER_KEY")
+    client_key_file = client_key_file or os.environ.get("CBATCH_CURVE_CLIENT_KEY")
+    if not server_key_file:
+        return
+    try:
+        server_public, _ = zmq.auth.load_certificate(server_key_file)
+        if client_key_file:
+            client_public, client_secret = zmq.auth.load_certificate(client_key_file)
+        else:
+            client_public, client_secret = zmq.curve_keypair()
+    except (OSError, ValueError) as err:
+        raise CbatchError(INVALID_CONFIG, f"cannot read a CurveZMQ certificate: {err}") from None
+    if not client_secret:
+        raise CbatchError(INVALID_CONFIG, f"{client_key_file} holds no secret key (use the .key_secret file)")
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, client_public, client_secret
 
 
 def make_tick_socket(zctx, endpoint: str):

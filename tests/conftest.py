@@ -34,8 +34,8 @@ def start_daemon():
 
     started = []
 
-    def start(model_path: str, *args: str):
-        daemon = Daemon(model_path, *args)
+    def start(model_path: str, *args: str, **options):
+        daemon = Daemon(model_path, *args, **options)
         started.append(daemon)
         return daemon
 

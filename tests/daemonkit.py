@@ -10,18 +10,20 @@ import time
 from pathlib import Path
 
 from cbatch.client import Client
+from cbatch.errors import CbatchError
 
 SCRIPTS_DIR = Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
 
 
 class Daemon:
-    def __init__(self, model_path: str, *args: str):
+    def __init__(self, model_path: str, *args: str, endpoint: str | None = None, client_options: dict | None = None):
         # Socket paths must fit a Unix socket address (107 bytes): pytest's tmp_path may not.
         self.workdir = Path(tempfile.mkdtemp(prefix="cbt-"))
         self.runtime_dir = self.workdir / "run"
         self.runtime_dir.mkdir(mode=0o700)
-        self.endpoint = f"ipc://{self.workdir / 'cbatch.sock'}"
+        self.endpoint = endpoint or f"ipc://{self.workdir / 'cbatch.sock'}"
+        self.client_options = client_options or {}
         self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_dir), "CBATCH_ENDPOINT": self.endpoint}
         self.stderr_path = self.workdir / "daemon.log"
         self._stderr = open(self.stderr_path, "w")
@@ -36,16 +38,19 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.process.returncode}: {self.log()}")
-            if (self.workdir / "cbatch.sock").exists():
-                with self.client() as client:
-                    health = client.health()
+            if not self.endpoint.startswith("ipc://") or (self.workdir / "cbatch.sock").exists():
+                try:
+                    with self.client(connect_timeout_s=1.0) as client:
+                        health = client.health()
+                except CbatchError:
+                    continue  # not listening yet
                 if health["status"] == "ok":
                     return health
             time.sleep(0.1)
         raise RuntimeError(f"daemon not ready: {self.log()}")
 
     def client(self, **kwargs) -> Client:
-        return Client(self.endpoint, **kwargs)
+        return Client(self.endpoint, **{**self.client_options, **kwargs})
 
     def log(self) -> str:
         return self.stderr_path.read_text()

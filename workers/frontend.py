@@ -12,10 +12,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field as dc_field
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, SHUTTING_DOWN, VERSION_MISMATCH
+from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.ring import FINISH_CODES, RingRecord, event_records
 from cbatch.params import parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, pack, unpack
@@ -50,7 +52,13 @@ class FrontEnd:
         self.clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
         # A frame bigger than any valid message drops the connection before it is buffered.
         self.clients.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
-        self.clients.bind(config.endpoint)
+        self._authenticator = self._require_curve(zctx) if config.curve_secret_key else None
+        try:
+            self.clients.bind(config.endpoint)
+        except zmq.ZMQError:
+            if self._authenticator is not None:
+                self._authenticator.stop()
+            raise
         # Dead clients: a disconnect event names the connection's file descriptor, and every
         # message says which descriptor it came on; a crashed or killed client's requests
         # are cancelled as soon as the kernel closes its socket.
@@ -68,6 +76,20 @@ class FrontEnd:
         self.worker_stats: dict = {}
         self.is_draining = False
         self.requests_completed = 0
+
+    def _require_curve(self, zctx: zmq.Context) -> ThreadAuthenticator:
+        """Encrypt and authenticate the client socket with CurveZMQ: the daemon's keys from
+        its certificate file; clients admitted by public key (a directory of certificates)
+        or, without one, any client that knows the daemon's public key."""
+        public_key, secret_key = zmq.auth.load_certificate(self.config.curve_secret_key)
+        if not secret_key:
+            raise CbatchError(INVALID_CONFIG, f"{self.config.curve_secret_key} holds no secret key")
+        authenticator = ThreadAuthenticator(zctx)
+        authenticator.start()
+        authenticator.configure_curve(domain="*", location=self.config.curve_clients_dir or zmq.auth.CURVE_ALLOW_ANY)
+        self.clients.curve_server = True
+        self.clients.curve_publickey, self.clients.curve_secretkey = public_key, secret_key
+        return authenticator
 
     # ---- clients ----------------------------------------------------------------
     def on_client_messages(self) -> None:
@@ -284,6 +306,8 @@ class FrontEnd:
             self._cancel_job(job)
 
     def close(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self.clients.disable_monitor()
         self.disconnects.close()
         self.clients.close()

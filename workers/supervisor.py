@@ -62,10 +62,12 @@ class Supervisor:
         self.zctx = zmq.Context()
         try:
             self.frontend = FrontEnd(self.zctx, config, self.ring.name, self.tick_endpoint, self.control_endpoint)
-        except zmq.ZMQError as err:
+        except (zmq.ZMQError, CbatchError) as err:
             self.zctx.destroy(linger=0)
             self.ring.close()
             self.ring.unlink()
+            if isinstance(err, CbatchError):
+                raise
             raise CbatchError(ENDPOINT_IN_USE, f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
         client_path = _ipc_path(config.endpoint)
         if client_path:
