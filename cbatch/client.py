@@ -107,7 +107,8 @@ class Client:
                 silent_since = time.monotonic()
                 session.ping_if_silent()
 
-    def _chunks(self, stream: RequestStream) -> Iterator[Chunk]:
+    def read(self, stream: RequestStream) -> Iterator[Chunk]:
+        """Chunks of a submitted request; leaving early cancels it."""
         try:
             while True:
                 self._wait(lambda: stream.pending)
@@ -127,11 +128,11 @@ class Client:
 
     def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> Iterator[Chunk]:
         """Yield chunks as tokens arrive; the last one has finish_reason and usage."""
-        return self._chunks(self.submit(prompt, messages, **params))
+        return self.read(self.submit(prompt, messages, **params))
 
     def generate(self, prompt: str | None = None, messages: list | None = None, **params) -> Completion:
         stream = self.submit(prompt, messages, **params)
-        for _ in self._chunks(stream):
+        for _ in self.read(stream):
             pass
         return stream.completion()
 
@@ -296,7 +297,7 @@ class AsyncClient:
                 raise CbatchError(UNAVAILABLE, f"the client's connection stopped: {self._failure!r}")
             await self._round.wait()
 
-    async def _chunks(self, stream: RequestStream) -> AsyncIterator[Chunk]:
+    async def read(self, stream: RequestStream) -> AsyncIterator[Chunk]:
         try:
             while True:
                 await self._wait(lambda: stream.pending)
@@ -315,11 +316,11 @@ class AsyncClient:
         return self._session.submit(_request_body(prompt, messages, params))
 
     def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> AsyncIterator[Chunk]:
-        return self._chunks(self.submit(prompt, messages, **params))
+        return self.read(self.submit(prompt, messages, **params))
 
     async def generate(self, prompt: str | None = None, messages: list | None = None, **params) -> Completion:
         stream = self.submit(prompt, messages, **params)
-        async for _ in self._chunks(stream):
+        async for _ in self.read(stream):
             pass
         return stream.completion()
 
@@ -332,7 +333,7 @@ class AsyncClient:
                 try:
                     label, body = _split_item(item)
                     stream = self._session.submit(body, label)
-                    async for _ in self._chunks(stream):
+                    async for _ in self.read(stream):
                         pass
                     return stream.completion()
                 except CbatchError as err:

@@ -107,7 +107,7 @@ def test_a_client_cannot_touch_another_clients_request(daemon):
         nonce = intruder._session.ask(MsgType.HEALTH)
         intruder._session.replies[nonce] = None
         intruder._wait(lambda: intruder._session.replies[nonce] is not None)
-        chunks = list(owner._chunks(stream))
+        chunks = list(owner.read(stream))
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 80
 
 

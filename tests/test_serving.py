@@ -133,7 +133,7 @@ def test_concurrent_clients_each_get_only_their_own(daemon, reference):
 def test_cancel_from_the_client_keeps_what_was_produced(daemon):
     with daemon.client() as client, daemon.client() as other:
         stream = client.submit(prompt="cancel me", max_tokens=200, **GREEDY)
-        chunks = client._chunks(stream)
+        chunks = client.read(stream)
         first = [next(chunks) for _ in range(3)]
         other.cancel(stream.request_id)  # not the owner: ignored
         client.cancel(stream.request_id)

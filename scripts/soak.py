@@ -1,0 +1,187 @@
+"""Soak: thousands of mixed requests from many client processes against one daemon, with
+cancels and killed clients mixed in. Prints what was delivered against what the worker
+generated, errors by code, memory of each daemon process, and leaks; exits 1 on any
+loss, duplicate, leak or unexplained error.
+
+    python scripts/soak.py                          # 2000 requests, 32 clients, tiny model
+    python scripts/soak.py --model gemma --requests 200 --clients 8
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from cbatch.client import Client
+from cbatch.errors import CbatchError
+from cbatch.model import resolve_model_path
+
+BIN_DIR = Path(sys.executable).parent
+CANCEL_FRACTION = 0.1
+KILLED_CLIENT_FRACTION = 1 / 8
+MEMORY_SAMPLE_S = 0.5
+
+
+def random_body(rng: random.Random, is_real_model: bool) -> dict:
+    body = {"prompt": "".join(rng.choice("abcdefgh ijk") for _ in range(rng.randint(1, 300))),
+            "max_tokens": rng.randint(1, 48 if is_real_model else 200), "seed": rng.randint(0, 1000)}
+    body["temperature"] = rng.choice([0, 0.7, 1.2])
+    if rng.random() < 0.3:
+        body.update(top_k=rng.choice([0, 5, 40]), top_p=rng.choice([0.5, 0.9, 1.0]), min_p=rng.choice([0, 0.1]))
+    if rng.random() < 0.2:
+        body["repeat_penalty"] = 1.3
+    if rng.random() < 0.2:
+        body["stop"] = [rng.choice("abcdefgh") + rng.choice("abcdefgh")]
+    if rng.random() < 0.5:
+        body["ignore_eos"] = True
+    return body
+
+
+def client_main(endpoint: str, seed: int, num_requests: int, out_path: str, is_real_model: bool) -> None:
+    rng = random.Random(seed)
+    results = []
+    with Client(endpoint, use_ring=rng.random() < 0.7) as client:
+        for _ in range(num_requests):
+            stream = client.submit(**random_body(rng, is_real_model))
+            cancel_after = rng.randint(1, 5) if rng.random() < CANCEL_FRACTION else None
+            result = {"request_id": stream.request_id, "delivered": 0, "indices_ok": True}
+            try:
+                for number, chunk in enumerate(client.read(stream), 1):
+                    result["delivered"] += len(chunk.token_ids)
+                    if number == cancel_after:
+                        client.cancel(stream.request_id)
+                        result["cancel_sent"] = True
+                    if chunk.finish_reason:
+                        result.update(finish_reason=chunk.finish_reason, generated=chunk.usage["completion_tokens"])
+            except CbatchError as err:
+                result["error"] = err.code
+            results.append(result)
+    Path(out_path).write_text(json.dumps(results))
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="'tiny' (made by make_tiny_model.py), 'gemma', or a path")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="cbatch-soak-"))
+    if args.model == "tiny":
+        sys.path.insert(0, str(Path(__file__).parent))
+        from make_tiny_model import make_tiny_model
+        model_path = make_tiny_model(str(workdir / "tiny.gguf"))
+    else:
+        model_path = resolve_model_path(None if args.model == "gemma" else args.model)
+    is_real_model = args.model != "tiny"
+
+    endpoint = f"ipc://{workdir / 'soak.sock'}"
+    env = {**os.environ, "CBATCH_ENDPOINT": endpoint, "XDG_RUNTIME_DIR": str(workdir)}
+    daemon = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "--model", model_path, "--parallel", str(args.parallel),
+                               "--ctx-size", str(1024 * args.parallel)], env=env, stderr=subprocess.DEVNULL)
+    failures: list[str] = []
+    while not (workdir / "soak.sock").exists():
+        time.sleep(0.1)
+    with Client(endpoint) as probe:
+        while probe.health()["status"] != "ok":
+            time.sleep(0.1)
+        health = probe.health()
+    worker_pid, ring_name = health["worker_pid"], f"cbatch-{daemon.pid}"
+    rng = random.Random(args.seed)
+    per_client = [args.requests // args.clients + (i < args.requests % args.clients) for i in range(args.clients)]
+    spawn = multiprocessing.get_context("spawn")
+    clients = [spawn.Process(target=client_main, args=(endpoint, args.seed * 1000 + i, n, str(workdir / f"c{i}.json"),
+                                                          is_real_model)) for i, n in enumerate(per_client)]
+    killed = set(rng.sample(range(args.clients), max(1, int(args.clients * KILLED_CLIENT_FRACTION))))
+    kill_at = {i: time.monotonic() + rng.uniform(1.0, 8.0) for i in killed}
+    peak = {"daemon": 0, "worker": 0}
+    started = time.monotonic()
+    for c in clients:
+        c.start()
+    while any(c.is_alive() for c in clients):
+        for i, at in list(kill_at.items()):
+            if time.monotonic() >= at:
+                os.kill(clients[i].pid, signal.SIGKILL)
+                del kill_at[i]
+        peak = {"daemon": max(peak["daemon"], rss_kib(daemon.pid)), "worker": max(peak["worker"], rss_kib(worker_pid))}
+        time.sleep(MEMORY_SAMPLE_S)
+    elapsed = time.monotonic() - started
+    final = {"daemon": rss_kib(daemon.pid), "worker": rss_kib(worker_pid)}
+
+    results = []
+    for i, c in enumerate(clients):
+        path = workdir / f"c{i}.json"
+        if i in killed and c.exitcode == -signal.SIGKILL:
+            continue
+        if c.exitcode != 0 or not path.exists():
+            failures.append(f"client {i} exited {c.exitcode}")
+            continue
+        results += json.loads(path.read_text())
+    reasons, errors = Counter(), Counter()
+    delivered = generated = mismatched = 0
+    for r in results:
+        if "error" in r:
+            errors[r["error"]] += 1
+            continue
+        reasons[r["finish_reason"]] += 1
+        delivered += r["delivered"]
+        generated += r["generated"]
+        if r["delivered"] != r["generated"]:
+            mismatched += 1
+        if r["finish_reason"] == "cancelled" and not r.get("cancel_sent"):
+            failures.append(f"request {r['request_id']} cancelled without a cancel")
+    if mismatched:
+        failures.append(f"{mismatched} requests delivered a different number of tokens than were generated")
+    if errors:
+        failures.append(f"unexplained errors: {dict(errors)}")
+
+    with Client(endpoint) as probe:  # the daemon is still whole
+        if probe.health()["worker_pid"] != worker_pid:
+            failures.append("the decode worker was restarted")
+        if probe.generate(prompt="after the soak", max_tokens=5).usage["completion_tokens"] < 1:
+            failures.append("a request after the soak failed")
+    daemon.send_signal(signal.SIGTERM)
+    exit_code = daemon.wait(60)
+    leaks = [p for p in (Path(f"/dev/shm/{ring_name}"), workdir / "soak.sock") if p.exists()]
+    leaks += [str(p) for p in workdir.glob(f"cbatch-{os.getuid()}/*")]
+    if exit_code != 0:
+        failures.append(f"daemon exited {exit_code}")
+    if leaks:
+        failures.append(f"leaked: {leaks}")
+    try:
+        os.kill(worker_pid, 0)
+        failures.append("the decode worker outlived the daemon")
+    except ProcessLookupError:
+        pass
+
+    print(f"soak: model {Path(model_path).name}, parallel {args.parallel}, {args.clients} client processes "
+          f"({len(killed)} killed mid-run), {args.requests} requests planned, {elapsed:.1f} s")
+    print(f"requests completed: {len(results)} ({dict(reasons)}); errors by code: {dict(errors) or 'none'}")
+    print(f"tokens delivered {delivered} / generated {generated}; requests with a mismatch: {mismatched}")
+    print(f"memory (RSS MiB): daemon peak {peak['daemon'] / 1024:.1f} final {final['daemon'] / 1024:.1f}; "
+          f"worker peak {peak['worker'] / 1024:.1f} final {final['worker'] / 1024:.1f}")
+    print(f"leaked segments/sockets: {len(leaks)}; daemon exit code {exit_code}")
+    print("SOAK PASSED" if not failures else "SOAK FAILED: " + "; ".join(failures))
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
