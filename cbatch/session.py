@@ -141,6 +141,9 @@ class Session:
                 stream = self.streams.get(request_id)
                 if stream is not None:
                     self.send(MsgType.FETCH, {"request_id": request_id, "from_index": stream.next_index})
+        except RingError as err:
+            raise CbatchError(INTERNAL, f"the shared-memory token ring is corrupt ({err}); "
+                                        "reconnect with use_ring=False / --no-shm") from None
         if records and self.read_latencies_ns is not None:
             self.read_latencies_ns.append(time.monotonic_ns() - self._ring.heartbeat_ns)
         by_request: dict[int, list] = {}

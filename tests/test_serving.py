@@ -230,3 +230,4 @@ def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, sta
     assert not os.path.exists(f"/dev/shm/{ring_name}")
     assert d.leftovers() == []
     assert "ready" in d.log() and "stopped" in d.log()
+
