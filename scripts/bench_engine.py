@@ -57,14 +57,17 @@ def run_sequential(llm, prompts, params, max_tokens) -> float:
     return num_generated / (time.perf_counter() - started)
 
 
-def run_engine(model_path, parallel, prompts, params, max_tokens) -> tuple[float, dict]:
-    engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=1024 * parallel))
+def run_engine(model_path, parallel, prompts, params, max_tokens, waves=1, kv_unified=True) -> tuple[float, dict]:
+    """Run the prompts `waves` times in a row on one engine (later waves reuse the slots)."""
+    engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=1024 * parallel, kv_unified=kv_unified))
     try:
-        for i, prompt in enumerate(prompts):
-            engine.add_request(parse_request(i + 1, {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **params}))
         started, num_generated = time.perf_counter(), 0
-        while engine.has_work:
-            num_generated += sum(len(out.token_ids) for out in engine.step())
+        for wave in range(waves):
+            for i, prompt in enumerate(prompts):
+                body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **params}
+                engine.add_request(parse_request(wave * len(prompts) + i + 1, body))
+            while engine.has_work:
+                num_generated += sum(len(out.token_ids) for out in engine.step())
         return num_generated / (time.perf_counter() - started), engine.stats.snapshot()
     finally:
         engine.close()
@@ -77,12 +80,15 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--waves", type=int, default=1, help="run each level's prompts this many times in a row")
+    parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     model_path = resolve_model_path(args.model)
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=1024, n_batch=512, verbose=False)
     prompts = make_prompts(lambda text: len(llm.tokenize(text.encode())), max(max(args.parallel), 8), args.prompt_tokens)
-    print(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, {args.max_tokens} generated each")
+    print(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, {args.max_tokens} generated each; "
+          f"{args.waves} wave(s), {'unified KV' if args.kv_unified else 'one KV stream per slot'}")
     print(f"{'mode':8} {'parallel':>8} {'requests':>8} {'tok/s':>8} {'in decode':>9} {'x sequential':>12}")
     for mode in args.modes:
         params = MODES[mode]
@@ -90,8 +96,8 @@ def main() -> None:
         print(f"{mode:8} {'in turn':>8} {len(prompts):8d} {sequential:8.1f} {'':>9} {1.0:12.2f}")
         for parallel in args.parallel:
             batch = prompts[: max(parallel, 8)]
-            tok_s, stats = run_engine(model_path, parallel, batch, params, args.max_tokens)
-            print(f"{mode:8} {parallel:8d} {len(batch):8d} {tok_s:8.1f} {stats['decode_fraction']:9.3f} {tok_s / sequential:12.2f}",
+            tok_s, stats = run_engine(model_path, parallel, batch, params, args.max_tokens, args.waves, args.kv_unified)
+            print(f"{mode:8} {parallel:8d} {len(batch) * args.waves:8d} {tok_s:8.1f} {stats['decode_fraction']:9.3f} {tok_s / sequential:12.2f}",
                   flush=True)
 
 
