@@ -18,7 +18,7 @@ from cbatch.params import Request
 from cbatch.workers.llama_runner import LlamaRunner
 from cbatch.workers.sampling import free_sampler_chain, greedy_rows, make_sampler_chain, sample_with_chain
 from cbatch.workers.scheduler import Chunk, Scheduler
-from cbatch.workers.sequence import FinishReason, Sequence, SequenceStatus
+from cbatch.workers.sequence import FinishReason, Sequence
 from cbatch.workers.stats import EngineStats
 
 LLAMA_DECODE_NO_KV_ROOM = 1
@@ -159,7 +159,6 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
                 token_ids: list[int] | None = None, text: str | None = None) -> SeqOutput:
-        was_running = seq.status is SequenceStatus.RUNNING
         slot = self.scheduler.finish(seq)
         if slot is not None:
             self.runner.clear_slot(slot)
@@ -170,7 +169,7 @@ class Engine:
         if text is None:
             # A cancelled or failed sequence keeps what it produced: text held back for
             # stop-string matching can no longer become a stop string.
-            text = seq.text.finish() if was_running else ""
+            text = seq.text.finish()
         usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens}
         return SeqOutput(seq.request_id, token_ids or [], text, reason.value, usage, error)
 
