@@ -10,6 +10,7 @@ from cbatch.config import DRAIN_GRACE_S, RING_CAPACITY_RECORDS, DaemonConfig, En
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+PROGRESS_INTERVAL_S = 0.2
 
 
 def worker_main(argv=None) -> None:
@@ -111,7 +112,7 @@ def _run_file(client, numbered_items, num_lines: int, out, max_in_flight: int) -
     texts: dict[int, list[str]] = {}
     done: dict[int, dict] = {}
     next_to_write = num_ok = num_failed = num_tokens = 0
-    started = time.monotonic()
+    started = shown_at = time.monotonic()
 
     def items():
         for _, item in numbered_items:
@@ -132,8 +133,9 @@ def _run_file(client, numbered_items, num_lines: int, out, max_in_flight: int) -
         while next_to_write in done:
             out.write(json.dumps(done.pop(next_to_write), ensure_ascii=False) + "\n")
             next_to_write += 1
-        if show_progress:
-            elapsed = max(time.monotonic() - started, 1e-9)
+        if show_progress and time.monotonic() - shown_at >= PROGRESS_INTERVAL_S:
+            shown_at = time.monotonic()
+            elapsed = max(shown_at - started, 1e-9)
             print(f"\r{num_ok + num_failed}/{num_lines} done, {num_tokens / elapsed:.1f} tok/s", end="", file=sys.stderr)
     out.flush()
     elapsed = time.monotonic() - started

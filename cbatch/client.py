@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from cbatch.config import default_endpoint
-from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import CbatchError, DECODE_FAILED, INVALID_REQUEST, UNAVAILABLE
 from cbatch.protocol import MsgType
 from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_tick_socket, use_curve
 from cbatch.streams import Chunk, Completion, RequestStream
@@ -54,6 +54,14 @@ def _split_item(item) -> tuple[object, dict]:
         raise CbatchError(INVALID_REQUEST, "each batch item must be a dict")
     body = dict(item)
     return body.pop("id", None), body
+
+
+def _completion_from_chunks(chunks: list[Chunk]) -> Completion | CbatchError:
+    last = chunks[-1]
+    if last.finish_reason == "error":
+        return CbatchError(DECODE_FAILED, "the decode step of this request failed")
+    token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+    return Completion(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage)
 
 
 class Client:
@@ -179,10 +187,7 @@ class Client:
                 continue
             streams.setdefault(position, []).append(chunk)
             if chunk.finish_reason:
-                chunks = streams.pop(position)
-                token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-                results[position] = Completion(chunk.id, "".join(c.text for c in chunks), token_ids,
-                                               chunk.finish_reason, chunk.usage)
+                results[position] = _completion_from_chunks(streams.pop(position))
         return results
 
     def cancel(self, request_id: int) -> None:
@@ -324,22 +329,46 @@ class AsyncClient:
             pass
         return stream.completion()
 
-    async def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
-        """Results in input order: a Completion, or the CbatchError that item got."""
+    async def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> AsyncIterator[tuple[int, Chunk | CbatchError]]:
+        """Yield (item position, chunk or error) as they arrive, at most max_in_flight
+        requests outstanding. Each item's last chunk has finish_reason, or is an error."""
         slots = asyncio.Semaphore(max_in_flight)
+        arrivals: asyncio.Queue = asyncio.Queue()
 
-        async def run(item):
+        async def run(position, item):
             async with slots:
                 try:
                     label, body = _split_item(item)
-                    stream = self._session.submit(body, label)
-                    async for _ in self.read(stream):
-                        pass
-                    return stream.completion()
+                    async for chunk in self.read(self._session.submit(body, label)):
+                        arrivals.put_nowait((position, chunk))
                 except CbatchError as err:
-                    return err
+                    arrivals.put_nowait((position, err))
 
-        return list(await asyncio.gather(*(run(item) for item in items)))
+        tasks = [asyncio.create_task(run(position, item)) for position, item in enumerate(items)]
+        try:
+            for _ in range(len(tasks)):
+                while True:
+                    position, item = await arrivals.get()
+                    yield position, item
+                    if isinstance(item, CbatchError) or item.finish_reason:
+                        break
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
+        """Results in input order: a Completion, or the CbatchError that item got."""
+        items = list(items)
+        chunks: list[list[Chunk]] = [[] for _ in items]
+        results: list = [None] * len(items)
+        async for position, item in self.stream_batch(items, max_in_flight):
+            if isinstance(item, CbatchError):
+                results[position] = item
+            else:
+                chunks[position].append(item)
+                if item.finish_reason:
+                    results[position] = _completion_from_chunks(chunks[position])
+        return results
 
     def cancel(self, request_id: int) -> None:
         self._session.cancel(request_id)

@@ -167,12 +167,16 @@ def test_async_client_runs_many_coroutines_at_once(daemon, reference):
             singles = await asyncio.gather(*(client.generate(**body) for body in BODIES))
             batch = await client.generate_batch([{"id": i, **body} for i, body in enumerate(BODIES)], max_in_flight=3)
             chunks = [c async for c in client.stream(**BODIES[0])]
+            keyed = [(position, chunk.id) async for position, chunk in
+                     client.stream_batch([{"id": f"k{i}", **body} for i, body in enumerate(BODIES[:3])], max_in_flight=2)]
             health = await client.health()
         finally:
             await client.close()
-        return singles, batch, chunks, health
+        return singles, batch, chunks, keyed, health
 
-    singles, batch, chunks, health = asyncio.run(main())
+    singles, batch, chunks, keyed, health = asyncio.run(main())
+    assert all(label == f"k{position}" for position, label in keyed)
+    assert sorted({position for position, _ in keyed}) == [0, 1, 2]
     assert [c.token_ids for c in singles] == [e.token_ids for e in expected]
     assert [c.token_ids for c in batch] == [e.token_ids for e in expected] and [c.id for c in batch] == list(range(6))
     assert sum((c.token_ids for c in chunks), []) == expected[0].token_ids
