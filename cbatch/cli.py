@@ -60,6 +60,9 @@ def _read_items(path: str):
             if not isinstance(item, dict):
                 yield number, CbatchError(INVALID_REQUEST, f"line {number} must be a JSON object")
                 continue
+            if not all(isinstance(key, str) for key in item):
+                yield number, CbatchError(INVALID_REQUEST, f"line {number} has non-string keys")
+                continue
             item.setdefault("id", number)
             yield number, item
 
@@ -81,6 +84,9 @@ def submit_main(argv=None) -> None:
             num_lines = sum(1 for line in f if line.strip())
     except OSError as err:
         print(f"cbatch-submit: cannot read {args.prompts}: {err.strerror}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except UnicodeDecodeError as err:
+        print(f"cbatch-submit: {args.prompts} is not UTF-8 text (byte {err.start})", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
     from cbatch.client import Client
@@ -115,8 +121,8 @@ def _run_file(client, numbered_items, num_lines: int, out, max_in_flight: int) -
     started = shown_at = time.monotonic()
 
     def items():
-        for _, item in numbered_items:
-            ids.append(item.get("id") if isinstance(item, dict) else None)
+        for number, item in numbered_items:
+            ids.append(item.get("id") if isinstance(item, dict) else number)  # a bad line is named by its number
             yield item
 
     for position, chunk in client.stream_batch(items(), max_in_flight):

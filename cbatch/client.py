@@ -17,9 +17,9 @@ import zmq
 import zmq.asyncio
 
 from cbatch.config import default_endpoint
-from cbatch.errors import CbatchError, DECODE_FAILED, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import CbatchError, DECODE_FAILED, INTERNAL, INVALID_REQUEST, UNAVAILABLE
 from cbatch.protocol import MsgType
-from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_tick_socket, use_curve
+from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_dealer, make_tick_socket
 from cbatch.streams import Chunk, Completion, RequestStream
 
 DEFAULT_MAX_IN_FLIGHT = 64
@@ -71,10 +71,7 @@ class Client:
         self.endpoint = endpoint or default_endpoint()
         _check_endpoint(self.endpoint)
         self._zctx = zmq.Context()
-        self._dealer = self._zctx.socket(zmq.DEALER)
-        self._dealer.setsockopt(zmq.LINGER, 0)
-        use_curve(self._dealer, curve_server_key, curve_client_key)
-        self._dealer.connect(self.endpoint)
+        self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
         self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
         self._poller = zmq.Poller()
         self._poller.register(self._dealer, zmq.POLLIN)
@@ -159,10 +156,9 @@ class Client:
                         break
                     try:
                         label, body = _split_item(item)
+                        active[position] = self._session.submit(body, label)
                     except CbatchError as err:
                         yield position, err
-                        continue
-                    active[position] = self._session.submit(body, label)
                 if not active:
                     break
                 self._wait(lambda: any(s.pending for s in active.values()))
@@ -232,10 +228,7 @@ class AsyncClient:
         self.endpoint = endpoint or default_endpoint()
         _check_endpoint(self.endpoint)
         self._zctx = zmq.asyncio.Context()
-        self._dealer = self._zctx.socket(zmq.DEALER)
-        self._dealer.setsockopt(zmq.LINGER, 0)
-        use_curve(self._dealer, curve_server_key, curve_client_key)
-        self._dealer.connect(self.endpoint)
+        self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
         self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
         self._round = asyncio.Event()  # replaced after every pump round; waiters await the current one
         self._failure: BaseException | None = None
@@ -343,6 +336,8 @@ class AsyncClient:
                         arrivals.put_nowait((position, chunk))
                 except CbatchError as err:
                     arrivals.put_nowait((position, err))
+                except Exception as err:  # every item must end, or the batch would wait forever
+                    arrivals.put_nowait((position, CbatchError(INTERNAL, f"{type(err).__name__}: {err}")))
 
         tasks = [asyncio.create_task(run(position, item)) for position, item in enumerate(items)]
         try:

@@ -7,6 +7,7 @@ from cbatch.errors import CbatchError, INVALID_CONFIG
 
 MAX_PARALLEL = 64  # llama.cpp's per-context limit on sequence ids (LLAMA_MAX_SEQ)
 DEFAULT_CTX_PER_SEQ = 4096
+MAX_QUEUE = 16384  # keeps every message about the queue (a drain's cancels) within the protocol's limits
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,6 @@ class EngineConfig:
     # One KV pool for all slots (each still capped at ctx_per_seq). Per-slot streams were
     # measured 2x slower on every other wave of requests reusing the slots.
     kv_unified: bool = True
-    seed: int = 0xFFFFFFFF  # base seed for requests without one; default random
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -42,7 +42,7 @@ class EngineConfig:
         )
         check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
         check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
-        check(self.max_queue >= 0, f"--max-queue must be >= 0, got {self.max_queue}")
+        check(0 <= self.max_queue <= MAX_QUEUE, f"--max-queue must be in [0, {MAX_QUEUE}], got {self.max_queue}")
 
     @property
     def total_ctx(self) -> int:

@@ -13,7 +13,8 @@ CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20
-MAX_GRAMMAR_CHARS = 1 << 16
+MAX_GRAMMAR_CHARS = 1 << 14
+MAX_GRAMMAR_NESTING = 64  # llama.cpp's GBNF parser recurses per group: deeper input overflows its stack
 MAX_MESSAGES = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
@@ -98,6 +99,38 @@ def _text(name, value, max_chars, *, allow_empty=False):
     return value
 
 
+def _grammar(value):
+    if value is None:
+        return None
+    text = _text("grammar", value, MAX_GRAMMAR_CHARS)
+    depth = max_depth = 0
+    quote = None  # inside "..." or [...], brackets are literal characters
+    escaped = False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif quote:
+            if char == quote:
+                quote = None
+        elif char in "\"[":
+            quote = "\"" if char == "\"" else "]"
+        elif char == "(":
+            depth += 1
+            max_depth = max(max_depth, depth)
+        elif char == ")":
+            depth -= 1
+    if max_depth > MAX_GRAMMAR_NESTING:
+        raise _fail(f"grammar nests groups {max_depth} deep; at most {MAX_GRAMMAR_NESTING}")
+    return text
+
+
+def _keys_are_strings(name: str, raw: dict) -> None:
+    if not all(isinstance(key, str) for key in raw):
+        raise _fail(f"{name} keys must be strings")
+
+
 def _stop(value):
     if isinstance(value, str):
         value = [value]
@@ -119,13 +152,14 @@ _PARAM_CHECKS = {
     "frequency_penalty": lambda v: _float("frequency_penalty", v, -2.0, 2.0),
     "seed": lambda v: _int("seed", v, -1, MAX_SEED),
     "stop": _stop,
-    "grammar": lambda v: None if v is None else _text("grammar", v, MAX_GRAMMAR_CHARS),
+    "grammar": _grammar,
     "ignore_eos": lambda v: _bool("ignore_eos", v),
 }
 PARAM_NAMES = frozenset(_PARAM_CHECKS)
 
 
 def parse_params(raw: dict) -> SamplingParams:
+    _keys_are_strings("parameter", raw)
     unknown = sorted(set(raw) - PARAM_NAMES)
     if unknown:
         raise _fail(f"unknown parameter(s) {unknown}; known: {sorted(PARAM_NAMES)}")
@@ -139,7 +173,7 @@ def _messages(value):
         raise _fail(f"messages takes at most {MAX_MESSAGES} entries")
     parsed = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+        if not isinstance(message, dict) or len(message) != 2 or set(message) != {"role", "content"}:
             raise _fail(f"messages[{i}] must be an object with exactly 'role' and 'content'")
         role = message["role"]
         if role not in CHAT_ROLES:
@@ -152,6 +186,7 @@ def parse_request(request_id: int, raw: dict) -> Request:
     """Validate one request body: `prompt` or `messages`, plus any sampling parameter."""
     if not isinstance(raw, dict):
         raise _fail("a request must be an object")
+    _keys_are_strings("request", raw)
     body = dict(raw)
     prompt, messages = body.pop("prompt", None), body.pop("messages", None)
     if (prompt is None) == (messages is None):

@@ -12,14 +12,15 @@ import time
 import zmq
 import zmq.auth
 
-from cbatch.errors import CbatchError, INTERNAL, INVALID_CONFIG, UNAVAILABLE
+from cbatch.errors import CbatchError, INTERNAL, INVALID_CONFIG, INVALID_REQUEST, UNAVAILABLE
 from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
-from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
+from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
 from cbatch.streams import RequestStream
 
 LIVENESS_S = 5.0  # a waiting client that hears nothing for this long pings the front-end
 MAX_MISSED_PINGS = 3  # then gives up with `unavailable`
-SAFETY_POLL_S = 0.1  # with requests active, also read the ring this often (in case a tick was dropped)
+SAFETY_POLL_S = 0.1
+MAX_PING_REQUEST_IDS = 4096  # with requests active, also read the ring this often (in case a tick was dropped)
 
 
 class Session:
@@ -46,21 +47,29 @@ class Session:
 
     def submit(self, body: dict, label=None) -> RequestStream:
         if not isinstance(body, dict):
-            raise CbatchError("invalid_request", "a request must be a dict")
+            raise CbatchError(INVALID_REQUEST, "a request must be a dict")
         request_id = secrets.randbits(63) or 1  # unguessable by other clients
+        try:
+            frames = pack(MsgType.SUBMIT, {"request_id": request_id, "body": body})
+        except (TypeError, ValueError, OverflowError) as err:
+            raise CbatchError(INVALID_REQUEST, f"the request cannot be encoded: {err}") from None
+        if len(frames[1]) > MAX_FRAME_BYTES:
+            raise CbatchError(INVALID_REQUEST, f"the request is {len(frames[1])} bytes; the limit is {MAX_FRAME_BYTES}")
         stream = RequestStream(request_id, request_id if label is None else label)
-        self.streams[request_id] = stream
         if self.reader is not None:
+            if not self.streams:
+                self.reader = RingReader(self._ring)  # idle until now: start at the ring's present
             self.reader.watch(request_id)  # before the worker can publish anything for it
-        self.send(MsgType.SUBMIT, {"request_id": request_id, "body": body})
+        self.streams[request_id] = stream
+        self._send_frames(frames)
         return stream
 
     def cancel(self, request_id: int) -> None:
         self.send(MsgType.CANCEL, {"request_id": request_id})
 
-    def ask(self, msg_type: MsgType) -> int:
+    def ask(self, msg_type: MsgType, **fields) -> int:
         self._next_nonce += 1
-        self.send(msg_type, {"nonce": self._next_nonce})
+        self.send(msg_type, {"nonce": self._next_nonce, **fields})
         return self._next_nonce
 
     def ping_if_silent(self) -> None:
@@ -75,7 +84,8 @@ class Session:
                 if self.replies[nonce] is None:
                     self.replies[nonce] = error
             raise error
-        self.ask(MsgType.HEALTH)
+        waiting = [request_id for request_id, stream in self.streams.items() if not stream.is_done]
+        self.ask(MsgType.HEALTH, request_ids=waiting[:MAX_PING_REQUEST_IDS])
 
     def forget(self, stream: RequestStream) -> None:
         self.streams.pop(stream.request_id, None)
@@ -115,6 +125,11 @@ class Session:
             elif self.welcome is None:
                 raise error  # the handshake itself was refused
         elif msg_type in (MsgType.HEALTH_REPLY, MsgType.STATS_REPLY):
+            for request_id in body.get("lost_request_ids", ()):
+                stream = self.streams.get(request_id)
+                if stream is not None and not stream.is_done:
+                    stream.fail(CbatchError(UNAVAILABLE, "the daemon no longer knows this request (the connection "
+                                                         "was lost or the daemon restarted); submit it again"))
             if body.get("nonce") in self.replies:
                 self.replies[body["nonce"]] = body
 
@@ -185,6 +200,17 @@ def use_curve(sock, server_key_file: str | None, client_key_file: str | None) ->
     if not client_secret:
         raise CbatchError(INVALID_CONFIG, f"{client_key_file} holds no secret key (use the .key_secret file)")
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, client_public, client_secret
+
+
+def make_dealer(zctx, endpoint: str, server_key_file: str | None, client_key_file: str | None):
+    """The client's socket to the front-end. Its routing id is fixed for the client's life,
+    so after a reconnect the front-end still knows whose requests these are."""
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))  # ids starting 0x00 are libzmq's
+    use_curve(dealer, server_key_file, client_key_file)
+    dealer.connect(endpoint)
+    return dealer
 
 
 def make_tick_socket(zctx, endpoint: str):

@@ -17,7 +17,8 @@ START_TIMEOUT_S = 120.0
 
 
 class Daemon:
-    def __init__(self, model_path: str, *args: str, endpoint: str | None = None, client_options: dict | None = None):
+    def __init__(self, model_path: str, *args: str, endpoint: str | None = None, client_options: dict | None = None,
+                 start_new_session: bool = False):
         # Socket paths must fit a Unix socket address (107 bytes): pytest's tmp_path may not.
         self.workdir = Path(tempfile.mkdtemp(prefix="cbt-"))
         self.runtime_dir = self.workdir / "run"
@@ -29,7 +30,7 @@ class Daemon:
         self._stderr = open(self.stderr_path, "w")
         self.process = subprocess.Popen(
             [str(SCRIPTS_DIR / "cbatch-worker"), "--model", model_path, *args],
-            env=self.env, stdout=self._stderr, stderr=subprocess.STDOUT,
+            env=self.env, stdout=self._stderr, stderr=subprocess.STDOUT, start_new_session=start_new_session,
         )
         self.health = self._wait_ready()
 

@@ -68,6 +68,8 @@ BAD_FRAMES = {
     "unknown role": submit_frames({"messages": [{"role": "robot", "content": "hi"}]}),
     "unknown field": submit_frames({"prompt": "x", "max_new_tokens": 5}),
     "bad grammar": submit_frames({"prompt": "x", "grammar": "root ::= [unclosed"}),
+    "grammar nested to crash a parser": submit_frames({"prompt": "x", "grammar": "root ::= " + "(" * 30000 + '"a"' + ")" * 30000}),
+    "non-string keys": submit_frames({"prompt": "x", b"raw": 1, "max_tokens": 2}),
     "prompt too long": submit_frames({"prompt": "long " * 1200}),
     "cancel of unknown id": pack(MsgType.CANCEL, {"request_id": 99}),
     "fetch of unknown id": pack(MsgType.FETCH, {"request_id": 99, "from_index": 0}),

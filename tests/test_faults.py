@@ -154,3 +154,31 @@ def test_a_client_that_stops_reading_is_cut_off_without_costing_others(tiny_mode
         assert result[-1].finish_reason == "cancelled"
         produced = result[-1].usage["completion_tokens"]
         assert 0 < produced < 15000 and len(sum((c.token_ids for c in result), [])) == produced
+
+
+def test_sigterm_to_the_whole_process_group_still_drains(tiny_model_path):
+    # As systemd's default stop does: the worker gets SIGTERM too and must leave the
+    # shutdown to the supervisor, so the in-flight request still finishes.
+    from daemonkit import Daemon
+
+    d = Daemon(tiny_model_path, "--parallel", "2", start_new_session=True)
+    try:
+        with d.client() as client:
+            stream = client.stream(prompt="x", max_tokens=300, **GREEDY)
+            next(stream)
+            os.killpg(d.process.pid, signal.SIGTERM)
+            rest = list(stream)
+        assert rest[-1].finish_reason == "length" and rest[-1].usage["completion_tokens"] == 300
+        assert d.stop() == 0
+        assert d.leftovers() == []
+    finally:
+        d.stop()
+        d.remove_workdir()
+
+
+def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "1")
+    worker_pid = d.health["worker_pid"]
+    d.process.kill()
+    d.process.wait()
+    wait_until(lambda: not pid_alive(worker_pid), timeout_s=5.0)

@@ -29,6 +29,8 @@ BAD_BODIES = [
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
     ({"prompt": "x", "grammar": 5}, "grammar"),
+    ({"prompt": "x", "grammar": "root ::= " + "(" * 100 + '"a"' + ")" * 100}, "nests groups 100 deep"),
+    ({"prompt": "x", b"raw": 1}, "keys must be strings"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "x", "grammar": "root ::= \"a\"", "ignore_eos": True}, "cannot be combined"),
     ({"prompt": "x", "temprature": 0.5}, "unknown parameter"),

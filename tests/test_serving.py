@@ -90,6 +90,11 @@ def test_generate_batch_applies_per_item_parameters_and_reports_bad_items(daemon
     assert (long_.id, len(long_.token_ids)) == ("long", 17)
     assert long_.token_ids[:3] == short.token_ids
     assert isinstance(bad, CbatchError) and bad.code == "invalid_request" and "top_p" in bad.message
+    unencodable, huge, fine = daemon.client().generate_batch([
+        {"prompt": "a", "stop": {"a"}}, {"prompt": "z" * (5 << 20)}, {"prompt": "a", "max_tokens": 2}])
+    assert isinstance(unencodable, CbatchError) and unencodable.code == "invalid_request"
+    assert isinstance(huge, CbatchError) and huge.code == "invalid_request" and "limit" in huge.message
+    assert len(fine.token_ids) == 2
     assert len(sampled.token_ids) == 9 and sampled.token_ids != long_.token_ids[:9]
     assert "*" not in stopped.text
 
@@ -199,7 +204,7 @@ def test_submit_cli_writes_every_line_in_order(daemon, tmp_path):
                          env=daemon.env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr  # some lines failed
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in results] == ["a", None, "c", 5, 5] + [f"bulk-{i}" for i in range(1, 30)]
+    assert [r["id"] for r in results] == ["a", 2, "c", 5, 5] + [f"bulk-{i}" for i in range(1, 30)]
     assert results[0]["finish_reason"] == "length" and results[0]["usage"]["completion_tokens"] == 5
     assert results[1]["error"]["code"] == "invalid_request" and "line 2" in results[1]["error"]["message"]
     assert results[2]["error"]["code"] == "invalid_request" and "chat template" in results[2]["error"]["message"]

@@ -6,6 +6,7 @@ decode step. After each step the loop publishes the records, sends a tick on its
 socket (waking local readers), and hands the step's events to the front-end.
 """
 
+import multiprocessing
 import os
 import queue
 import signal
@@ -47,6 +48,7 @@ class WorkerIO(threading.Thread):
         self._zctx, self._plan = zctx, plan
         self._pipe_address = f"inproc://worker-io-{id(self)}"
         self._pipe = zctx.socket(zmq.PAIR)  # loop-thread end
+        self._pipe.setsockopt(zmq.SNDHWM, 0)  # a PAIR at its mark would block the decode loop
         self._pipe.bind(self._pipe_address)
 
     def send(self, msg_type: MsgType, body: dict) -> None:
@@ -61,16 +63,26 @@ class WorkerIO(threading.Thread):
     def run(self) -> None:
         control = self._zctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 1000)  # let the last events and the goodbye reach the front-end
+        control.setsockopt(zmq.SNDHWM, 0)  # events are never dropped on the way to the front-end
+        control.setsockopt(zmq.RCVHWM, 0)
         control.setsockopt(zmq.IDENTITY, f"worker-{self._plan.generation}".encode())
         control.connect(self._plan.control_endpoint)
         pipe = self._zctx.socket(zmq.PAIR)
+        pipe.setsockopt(zmq.RCVHWM, 0)
         pipe.connect(self._pipe_address)
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
         poller.register(pipe, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            poller.register(parent.sentinel, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll(IO_POLL_MS))
+                if parent is not None and parent.sentinel in ready:
+                    # The supervisor died (SIGKILL, OOM): nobody will read or stop us.
+                    self.inbox.put((MsgType.WORKER_STOP, {}))
+                    return
                 if pipe in ready:
                     frames = pipe.recv_multipart()
                     if frames == [b""]:
@@ -159,8 +171,10 @@ class EventPublisher:
 
 def run_decode_worker(plan: WorkerPlan) -> None:
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the process group; the supervisor drains
+    # Ctrl-C, and SIGTERM sent to the whole process group (systemd, kill -TERM -PGID), reach
+    # this process too; the supervisor drains and then stops it with WORKER_STOP.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     zctx = zmq.Context()
     io = WorkerIO(zctx, plan)
     io.start()

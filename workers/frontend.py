@@ -7,24 +7,30 @@ themselves to clients that do not read the ring. It keeps each request's records
 a while after it finishes, so a reader that the ring lapped can fetch what it missed.
 """
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field as dc_field
 
+import msgpack
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, SHUTTING_DOWN, VERSION_MISMATCH
+from cbatch.errors import CbatchError, INTERNAL, INVALID_CONFIG, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.ring import FINISH_CODES, RingRecord, event_records
 from cbatch.params import parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, pack, unpack
 
+log = logging.getLogger("cbatch.worker")
+
 FINISHED_RETENTION_S = 60.0  # how long a finished request's records stay fetchable
 MAX_REQUEST_ID = (1 << 63) - 1
 CLOSE_LINGER_MS = 500
+MAX_MESSAGES_PER_TURN = 256
+MAX_RECORDS_PER_MESSAGE = 4096  # RECORDS replies are split to stay far inside the unpack limits
 PEER_HEARTBEAT_MS = 1000
 
 
@@ -34,7 +40,8 @@ class Job:
     owner: bytes  # the client's ROUTER identity
     is_relayed: bool  # the owner reads records over ZeroMQ instead of the ring
     body: dict | None = None  # the request, kept only until it reaches a ready worker
-    finish: dict | None = None  # a FINISHED the owner could not be sent (it had stalled)
+    finish: dict | None = None  # the FINISHED body, once finished (resent on request)
+    is_finish_delivered: bool = False
     records: list[RingRecord] = dc_field(default_factory=list)
     finished_at: float | None = None
 
@@ -47,15 +54,25 @@ class FrontEnd:
         self.clients = zctx.socket(zmq.ROUTER)
         self.clients.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)  # the last errors still reach clients
         self.clients.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of queueing
+        self.clients.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client reconnecting under its id takes it over
         # Over tcp a peer can vanish without closing: libzmq's own PING/PONG notices it.
         self.clients.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_MS)
         self.clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
         # A frame bigger than any valid message drops the connection before it is buffered.
         self.clients.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
-        self._authenticator = self._require_curve(zctx) if config.curve_secret_key else None
+        self.control = zctx.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        # Never drop a submit or cancel on its way to the worker: no high-water mark here
+        # (the in-flight count is bounded by --parallel + --max-queue instead).
+        self.control.setsockopt(zmq.SNDHWM, 0)
+        self.control.setsockopt(zmq.RCVHWM, 0)
+        self._authenticator = None
         try:
+            if config.curve_secret_key:
+                self._authenticator = self._require_curve(zctx)
             self.clients.bind(config.endpoint)
-        except zmq.ZMQError:
+            self.control.bind(control_endpoint)
+        except Exception:
             if self._authenticator is not None:
                 self._authenticator.stop()
             raise
@@ -64,13 +81,11 @@ class FrontEnd:
         # are cancelled as soon as the kernel closes its socket.
         self.disconnects = self.clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._peer_by_fd: dict[int, bytes] = {}
-        self.control = zctx.socket(zmq.ROUTER)
-        self.control.setsockopt(zmq.LINGER, 0)
-        self.control.bind(control_endpoint)
         self.jobs: dict[int, Job] = {}
         self._finished: OrderedDict[int, Job] = OrderedDict()
         self._use_ring: dict[bytes, bool] = {}
         self._stalled: set[bytes] = set()  # clients whose queue filled up; see _stall
+        self._newly_stalled: set[bytes] = set()
         self.worker: dict | None = None  # the READY body of the live worker; None while (re)starting
         self.worker_failure: str | None = None
         self.worker_stats: dict = {}
@@ -93,7 +108,10 @@ class FrontEnd:
 
     # ---- clients ----------------------------------------------------------------
     def on_client_messages(self) -> None:
-        while self.clients.poll(0):
+        for _ in range(MAX_MESSAGES_PER_TURN):  # then let the worker's events through too
+            self.on_disconnects()  # first: a closed descriptor may be reused by the next message
+            if not self.clients.poll(0):
+                break
             identity_frame, *message = self.clients.recv_multipart(copy=False)
             identity, frames = identity_frame.bytes, [frame.bytes for frame in message]
             if message:
@@ -111,6 +129,10 @@ class FrontEnd:
                 self._error(identity, INVALID_REQUEST, str(err), body)
             except CbatchError as err:
                 self._error(identity, err.code, err.message, body)
+            except Exception as err:  # a bug must cost one reply, not the daemon
+                log.exception("front-end failed on a client message")
+                self._error(identity, INTERNAL, f"the front-end failed on this message: {type(err).__name__}", body)
+        self._apply_stalls()
 
     def on_disconnects(self) -> None:
         """The client went away (closed, crashed, killed): nobody will read its requests."""
@@ -139,9 +161,15 @@ class FrontEnd:
 
     def _stall(self, identity: bytes) -> None:
         """A client that lets ZeroMQ's queue to it fill up (its high-water mark) stops
-        costing the others: its requests are cancelled. What it missed stays fetchable."""
+        costing the others: its requests are cancelled (by _apply_stalls, once the message
+        being handled is done). What it missed stays fetchable."""
         if identity not in self._stalled:
             self._stalled.add(identity)
+            self._newly_stalled.add(identity)
+
+    def _apply_stalls(self) -> None:
+        while self._newly_stalled:
+            identity = self._newly_stalled.pop()
             for job in list(self.jobs.values()):
                 if job.owner == identity:
                     self._cancel_job(job)
@@ -150,9 +178,9 @@ class FrontEnd:
         """The stalled client speaks again: resend the finishes it may have lost, so it
         can fetch any records it lacks and end those streams."""
         self._stalled.discard(identity)
-        for job in self._finished.values():
-            if job.owner == identity and job.finish is not None and self._send(identity, MsgType.FINISHED, job.finish):
-                job.finish = None
+        for job in list(self._finished.values()):
+            if job.owner == identity and not job.is_finish_delivered:
+                job.is_finish_delivered = self._send(identity, MsgType.FINISHED, job.finish)
 
     def _error(self, identity: bytes, code: str, message: str, body: dict) -> None:
         reply = {"code": code, "message": message}
@@ -182,6 +210,8 @@ class FrontEnd:
             raise CbatchError(INVALID_REQUEST, f"request_id {request_id} is already in use")
         request_body = field(body, "body", dict)
         parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
+        if len(msgpack.packb(request_body)) > MAX_FRAME_BYTES - 1024:  # floats re-encode wider
+            raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self.is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
         max_in_flight = self.config.engine.parallel + self.config.engine.max_queue
@@ -217,15 +247,24 @@ class FrontEnd:
     def _fetch(self, identity: bytes, body: dict) -> None:
         job = self._owned_job(identity, body)
         from_index = field(body, "from_index", int)
-        self._send_records(job, job.records[max(from_index, 0):])
+        self._send_records(job, job.records[max(from_index, 0):], even_if_empty=True)
 
     def _health(self, identity: bytes, body: dict) -> None:
+        """Also the liveness ping of a waiting client, listing the requests it waits for:
+        their finishes are sent again, and ids this client does not own are named lost."""
         status = "draining" if self.is_draining else "ok" if self.worker else "starting"
         worker = self.worker or {}
+        lost = []
+        for request_id in (field(body, "request_ids", list, optional=True) or [])[:MAX_RECORDS_PER_MESSAGE]:
+            job = (self.jobs.get(request_id) or self._finished.get(request_id)) if isinstance(request_id, int) else None
+            if job is None or job.owner != identity:
+                lost.append(request_id)
+            elif job.finish is not None:
+                job.is_finish_delivered = self._send(identity, MsgType.FINISHED, job.finish)
         self._send(identity, MsgType.HEALTH_REPLY, {
             "nonce": body.get("nonce", 0), "status": status, "model": worker.get("model", ""),
             "parallel": self.config.engine.parallel, "worker_pid": worker.get("pid", 0),
-            "ctx_per_seq": worker.get("ctx_per_seq", 0),
+            "ctx_per_seq": worker.get("ctx_per_seq", 0), "lost_request_ids": lost,
         })
 
     def _stats(self, identity: bytes, body: dict) -> None:
@@ -240,9 +279,13 @@ class FrontEnd:
         MsgType.HEALTH: _health, MsgType.STATS: _stats,
     }
 
-    def _send_records(self, job: Job, records: list[RingRecord]) -> None:
-        if records:
-            rows = [[r.index, r.token_id, r.flags, r.finish, r.count, r.text] for r in records]
+    def _send_records(self, job: Job, records: list[RingRecord], *, even_if_empty: bool = False) -> None:
+        """Even an empty answer matters to a FETCH: it lets the reader resume the ring."""
+        if not records and even_if_empty:
+            self._send(job.owner, MsgType.RECORDS, {"request_id": job.request_id, "records": []})
+        for at in range(0, len(records), MAX_RECORDS_PER_MESSAGE):
+            rows = [[r.index, r.token_id, r.flags, r.finish, r.count, r.text]
+                    for r in records[at:at + MAX_RECORDS_PER_MESSAGE]]
             self._send(job.owner, MsgType.RECORDS, {"request_id": job.request_id, "records": rows})
 
     # ---- decode worker ------------------------------------------------------------
@@ -268,6 +311,7 @@ class FrontEnd:
                 for event in body["events"]:
                     self._on_event(*event)
                 self.worker_stats = body.get("stats", self.worker_stats)
+            self._apply_stalls()
 
     def _on_event(self, request_id, index, token_ids, text, finish_reason, usage, error) -> None:
         job = self.jobs.get(request_id)
@@ -279,14 +323,14 @@ class FrontEnd:
         if job.is_relayed:
             self._send_records(job, records)
         if finish_reason:
-            finish = {"request_id": request_id, "finish_reason": finish_reason, "usage": usage,
-                      "num_records": len(job.records), "error": error}
-            if not self._send(job.owner, MsgType.FINISHED, finish):
-                job.finish = finish  # kept for when the owner reads again
+            job.finish = {"request_id": request_id, "finish_reason": finish_reason, "usage": usage,
+                          "num_records": len(job.records), "error": error}
+            job.is_finish_delivered = self._send(job.owner, MsgType.FINISHED, job.finish)
             self._retire(job)
 
     def _retire(self, job: Job) -> None:
-        del self.jobs[job.request_id]
+        if self.jobs.pop(job.request_id, None) is None:
+            return  # already retired
         job.finished_at = now = time.monotonic()
         self.requests_completed += 1
         self._finished[job.request_id] = job

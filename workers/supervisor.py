@@ -16,8 +16,8 @@ import time
 import zmq
 
 from cbatch.config import DaemonConfig, runtime_dir
-from cbatch.errors import CbatchError, ENDPOINT_IN_USE, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
-from cbatch.ipc.ring import create_ring
+from cbatch.errors import CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
+from cbatch.ipc.ring import RingError, create_ring
 from cbatch.protocol import MsgType
 from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
 from cbatch.workers.frontend import FrontEnd
@@ -42,7 +42,10 @@ def _lock_endpoint(endpoint: str) -> int | None:
     path = _ipc_path(endpoint)
     if path is None:
         return None  # tcp:// bind fails by itself when the port is taken
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        raise CbatchError(INVALID_CONFIG, f"cannot use {endpoint}: {err.strerror} (does its directory exist?)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -58,17 +61,22 @@ class Supervisor:
         tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
-        self.ring = create_ring(tag, config.ring_capacity)
+        try:
+            self.ring = create_ring(tag, config.ring_capacity)
+        except RingError as err:
+            raise CbatchError(INVALID_CONFIG, f"cannot create the token ring: {err}") from None
         self.zctx = zmq.Context()
         try:
             self.frontend = FrontEnd(self.zctx, config, self.ring.name, self.tick_endpoint, self.control_endpoint)
-        except (zmq.ZMQError, CbatchError) as err:
+        except (zmq.ZMQError, CbatchError, ValueError, OSError) as err:
             self.zctx.destroy(linger=0)
             self.ring.close()
             self.ring.unlink()
             if isinstance(err, CbatchError):
                 raise
-            raise CbatchError(ENDPOINT_IN_USE, f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
+            if isinstance(err, zmq.ZMQError):
+                raise CbatchError(ENDPOINT_IN_USE, f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
+            raise CbatchError(INVALID_CONFIG, f"cannot read the CurveZMQ certificates: {err}") from None
         client_path = _ipc_path(config.endpoint)
         if client_path:
             os.chmod(client_path, 0o600)
@@ -155,10 +163,10 @@ class Supervisor:
     def close(self) -> None:
         self.frontend.fail_all(UNAVAILABLE, "the cbatch daemon stopped")
         if self.worker is not None and self.worker.is_alive():
-            self.frontend.to_worker(MsgType.WORKER_STOP, {})
-            self.worker.terminate()  # SIGTERM: the worker leaves its loop and cleans up
-            self.worker.join(STOP_TIMEOUT_S)
-            if self.worker.is_alive():
+            if self.frontend.worker is not None:  # it runs its loop: ask it to leave and clean up
+                self.frontend.to_worker(MsgType.WORKER_STOP, {})
+                self.worker.join(STOP_TIMEOUT_S)
+            if self.worker.is_alive():  # still loading the model, or stuck
                 self.worker.kill()
                 self.worker.join()
         self.frontend.close()
