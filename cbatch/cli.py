@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from cbatch.config import DRAIN_GRACE_S, RING_CAPACITY_RECORDS, DaemonConfig, EngineConfig
+from cbatch.config import DRAIN_GRACE_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -27,6 +27,8 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     parser.add_argument("--ring-capacity", type=int, default=RING_CAPACITY_RECORDS, help="token ring records (power of two)")
     parser.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--worker-timeout", type=float, default=WORKER_TIMEOUT_S,
+                        help="seconds without a step before the decode worker is restarted (0 = never)")
     parser.add_argument("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
     parser.add_argument("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
     parser.add_argument("--curve-clients", default="", help="directory of client public certificates allowed in")
@@ -39,7 +41,8 @@ def worker_main(argv=None) -> None:
                               batch_size=args.batch_size, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
                               max_queue=args.max_queue, kv_unified=args.kv_unified)
         config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
-                              drain_grace_s=args.drain_grace, allow_remote=args.allow_remote,
+                              drain_grace_s=args.drain_grace, worker_timeout_s=args.worker_timeout,
+                              allow_remote=args.allow_remote,
                               curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients)
     except CbatchError as err:
         parser.error(err.message)

@@ -61,6 +61,7 @@ LOOPBACK_HOSTS = ("localhost", "[::1]")  # and 127.0.0.0/8
 MAX_IPC_PATH_BYTES = 107  # sun_path of a Unix socket, less its terminating NUL
 RING_CAPACITY_RECORDS = 1 << 16  # 64k records x 64 bytes = 4 MiB of shared memory
 DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
+WORKER_TIMEOUT_S = 120.0  # longer than any single decode step should take
 
 
 def runtime_dir() -> str:
@@ -84,6 +85,7 @@ class DaemonConfig:
     endpoint: str = ""  # "" = default_endpoint()
     ring_capacity: int = RING_CAPACITY_RECORDS
     drain_grace_s: float = DRAIN_GRACE_S
+    worker_timeout_s: float = WORKER_TIMEOUT_S  # a worker silent this long is killed and restarted; 0 = never
     allow_remote: bool = False  # a tcp:// endpoint beyond loopback must be asked for
     curve_secret_key: str = ""  # the daemon's secret certificate file: clients must speak CurveZMQ
     curve_clients_dir: str = ""  # public certificates of the only clients let in (needs the above)
@@ -108,5 +110,7 @@ class DaemonConfig:
         capacity = self.ring_capacity
         if capacity < 8 or capacity & (capacity - 1):
             raise CbatchError(INVALID_CONFIG, f"--ring-capacity must be a power of two >= 8, got {capacity}")
+        if self.worker_timeout_s < 0:
+            raise CbatchError(INVALID_CONFIG, f"--worker-timeout must be >= 0, got {self.worker_timeout_s}")
         if self.drain_grace_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--drain-grace must be >= 0, got {self.drain_grace_s}")

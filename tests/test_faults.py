@@ -182,3 +182,20 @@ def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemo
     d.process.kill()
     d.process.wait()
     wait_until(lambda: not pid_alive(worker_pid), timeout_s=5.0)
+
+
+def test_hung_worker_is_killed_and_replaced(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 8192), "--worker-timeout", "2")
+    old_pid = d.health["worker_pid"]
+    with d.client() as client:
+        stream = client.stream(prompt="x", max_tokens=8000, **GREEDY)
+        next(stream)
+        os.kill(old_pid, signal.SIGSTOP)  # alive but making no progress
+        started = time.monotonic()
+        with pytest.raises(CbatchError) as err:
+            list(stream)
+        assert err.value.code == "worker_restarted" and time.monotonic() - started < 10
+        wait_until(lambda: client.health()["status"] == "ok", timeout_s=60)
+        assert client.health()["worker_pid"] != old_pid
+        assert len(client.generate(prompt="x", max_tokens=5, **GREEDY).token_ids) == 5
+    assert "no step" in d.log()

@@ -137,10 +137,14 @@ class EventPublisher:
     def __init__(self, engine: Engine, ring, io: WorkerIO, tick: zmq.Socket):
         self._engine, self._io, self._tick = engine, io, tick
         self._writer = RingWriter(ring)
+        self._writer.heartbeat()  # before READY: the previous worker's stamp must not count
         self._next_index: dict[int, int] = {}
         self._stats_sent_at = 0.0
 
     def publish(self, outputs: list[SeqOutput]) -> None:
+        if not outputs:  # a step of prompt chunks only: nothing to tell, but still alive
+            self._writer.heartbeat()
+            return
         ring_events, wire_events = [], []
         for out in outputs:
             start = self._next_index.get(out.request_id, 0)
@@ -161,6 +165,7 @@ class EventPublisher:
         self._io.send(MsgType.WORKER_EVENTS, body)
 
     def send_stats(self) -> None:
+        self._writer.heartbeat()  # idle is alive too: the supervisor's watchdog reads this
         self._io.send(MsgType.WORKER_EVENTS, {"events": [], "stats": self._stats()})
 
     def _stats(self) -> dict:

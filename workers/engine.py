@@ -185,10 +185,9 @@ def run_engine_loop(engine: Engine, take_commands: Callable[[bool], bool],
     """Drive the engine until `take_commands` returns False.
 
     `take_commands(block)` applies pending add/cancel commands to the engine (waiting
-    for one when `block` is true, i.e. the engine is idle) and says whether to go on.
+    for one when `block` is true, i.e. the engine is idle) and says whether to go on;
+    `publish(outputs)` gets every step's outputs, possibly none.
     """
     while take_commands(not engine.has_work):
         if engine.has_work:
-            outputs = engine.step()
-            if outputs:
-                publish(outputs)
+            publish(engine.step())  # even an empty step: publishing is also the liveness beat

@@ -145,6 +145,10 @@ class Supervisor:
                 log.warning("decode worker died (exit code %s); restarting", self.worker.exitcode)
                 self._start_until_ready()
                 continue
+            if self._is_hung():
+                log.warning("decode worker made no step for %.0f s; killing it", self.config.worker_timeout_s)
+                self.worker.kill()  # the next poll sees it gone and takes the restart path
+                continue
             if self.stop_requested and drain_deadline is None:
                 log.info("draining: %d requests in flight, grace %.0f s", len(self.frontend.jobs), self.config.drain_grace_s)
                 self.frontend.is_draining = True
@@ -159,6 +163,13 @@ class Supervisor:
                 if now > drain_deadline + CANCEL_GRACE_S:
                     self.frontend.fail_all(SHUTTING_DOWN, "the daemon shut down before the request finished")
                     return
+
+    def _is_hung(self) -> bool:
+        """The worker stamps the ring after every step and every idle wake-up."""
+        timeout_s = self.config.worker_timeout_s
+        if not timeout_s or self.frontend.worker is None:
+            return False
+        return (time.monotonic_ns() - self.ring.heartbeat_ns) / 1e9 > timeout_s
 
     def close(self) -> None:
         self.frontend.fail_all(UNAVAILABLE, "the cbatch daemon stopped")
