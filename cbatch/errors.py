@@ -7,7 +7,6 @@ meaning. Messages are for people and say which setting or field to change.
 INVALID_REQUEST = "invalid_request"
 QUEUE_FULL = "queue_full"
 PROMPT_TOO_LONG = "prompt_too_long"
-CANCELLED = "cancelled"
 WORKER_RESTARTED = "worker_restarted"
 UNAVAILABLE = "unavailable"
 DECODE_FAILED = "decode_failed"
