@@ -1,6 +1,7 @@
 """cbatch: serve one GGUF model to many concurrent callers with continuous batching."""
 
-from cbatch.client import AsyncClient, Client
+from cbatch.async_client import AsyncClient
+from cbatch.client import Client
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError
 from cbatch.streams import Chunk, Completion

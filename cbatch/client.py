@@ -1,4 +1,4 @@
-"""cbatch.Client (blocking) and cbatch.AsyncClient (asyncio).
+"""cbatch.Client (blocking); cbatch.AsyncClient (asyncio) lives in async_client.py.
 
 A client on the daemon's host reads its tokens straight from the shared-memory ring,
 woken by the worker's ticks; elsewhere (or with use_ring=False) the front-end relays
@@ -7,17 +7,15 @@ the same records over ZeroMQ. Both look the same to the caller.
 One Client per thread (ZeroMQ sockets are not thread-safe); one AsyncClient per event loop.
 """
 
-import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import zmq
-import zmq.asyncio
 
 from cbatch.config import default_endpoint
-from cbatch.errors import CbatchError, DECODE_FAILED, INTERNAL, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import CbatchError, DECODE_FAILED, INVALID_REQUEST, UNAVAILABLE
 from cbatch.protocol import MsgType
 from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_dealer, make_tick_socket
 from cbatch.streams import Chunk, Completion, RequestStream
@@ -215,187 +213,3 @@ class Client:
     def __exit__(self, *exc_info):
         self.close()
 
-
-class AsyncClient:
-    """asyncio client: `client = await AsyncClient.connect()`; many coroutines may share it.
-
-    One pump task reads the socket and the ring for everyone and wakes waiters after
-    each round; waiting coroutines never spin.
-    """
-
-    def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
-                 curve_server_key: str | None = None, curve_client_key: str | None = None):
-        self.endpoint = endpoint or default_endpoint()
-        _check_endpoint(self.endpoint)
-        self._zctx = zmq.asyncio.Context()
-        self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
-        self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
-        self._round = asyncio.Event()  # replaced after every pump round; waiters await the current one
-        self._failure: BaseException | None = None
-        self._pump_task: asyncio.Task | None = None
-
-    @classmethod
-    async def connect(cls, endpoint: str | None = None, *, use_ring: bool = True,
-                      connect_timeout_s: float = CONNECT_TIMEOUT_S, **curve_keys) -> "AsyncClient":
-        client = cls(endpoint, use_ring=use_ring, **curve_keys)
-        client._pump_task = asyncio.create_task(client._pump())
-        try:
-            client._session.hello()
-            await asyncio.wait_for(client._wait(lambda: client._session.welcome is not None), connect_timeout_s)
-        except asyncio.TimeoutError:
-            await client.close()
-            raise _unreachable(client.endpoint) from None
-        except BaseException:
-            await client.close()
-            raise
-        return client
-
-    async def _pump(self) -> None:
-        session, tick = self._session, None
-        poller = zmq.asyncio.Poller()
-        poller.register(self._dealer, zmq.POLLIN)
-        silent_since = time.monotonic()
-        try:
-            while True:
-                if tick is None and session.tick_endpoint:
-                    tick = make_tick_socket(self._zctx, session.tick_endpoint)
-                    poller.register(tick, zmq.POLLIN)
-                timeout_s = SAFETY_POLL_S if session.streams else LIVENESS_S
-                ready = dict(await poller.poll(int(timeout_s * 1000)))
-                if self._dealer in ready:
-                    silent_since = time.monotonic()
-                    while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        session.on_frames(await self._dealer.recv_multipart())
-                if tick is not None and tick in ready:
-                    silent_since = time.monotonic()
-                    while tick.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        await tick.recv()
-                session.read_ring()
-                if time.monotonic() - silent_since >= LIVENESS_S and (session.streams or session.replies):
-                    silent_since = time.monotonic()
-                    session.ping_if_silent()
-                self._wake()
-        except BaseException as exc:  # including CancelledError at close()
-            self._failure = exc
-            self._wake()
-            raise
-        finally:
-            if tick is not None:
-                tick.close(linger=0)
-
-    def _wake(self) -> None:
-        self._round.set()
-        self._round = asyncio.Event()
-
-    async def _wait(self, is_done) -> None:
-        while not is_done():
-            if self._failure is not None:
-                if isinstance(self._failure, CbatchError):
-                    raise self._failure
-                raise CbatchError(UNAVAILABLE, f"the client's connection stopped: {self._failure!r}")
-            await self._round.wait()
-
-    async def read(self, stream: RequestStream) -> AsyncIterator[Chunk]:
-        try:
-            while True:
-                await self._wait(lambda: stream.pending)
-                item = stream.pending.popleft()
-                if isinstance(item, CbatchError):
-                    raise item
-                yield item
-                if item.finish_reason:
-                    return
-        finally:
-            if not stream.is_done:
-                self._session.cancel(stream.request_id)
-            self._session.forget(stream)
-
-    def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
-        return self._session.submit(_request_body(prompt, messages, params))
-
-    def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> AsyncIterator[Chunk]:
-        return self.read(self.submit(prompt, messages, **params))
-
-    async def generate(self, prompt: str | None = None, messages: list | None = None, **params) -> Completion:
-        stream = self.submit(prompt, messages, **params)
-        async for _ in self.read(stream):
-            pass
-        return stream.completion()
-
-    async def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> AsyncIterator[tuple[int, Chunk | CbatchError]]:
-        """Yield (item position, chunk or error) as they arrive, at most max_in_flight
-        requests outstanding. Each item's last chunk has finish_reason, or is an error."""
-        slots = asyncio.Semaphore(max_in_flight)
-        arrivals: asyncio.Queue = asyncio.Queue()
-
-        async def run(position, item):
-            async with slots:
-                try:
-                    label, body = _split_item(item)
-                    async for chunk in self.read(self._session.submit(body, label)):
-                        arrivals.put_nowait((position, chunk))
-                except CbatchError as err:
-                    arrivals.put_nowait((position, err))
-                except Exception as err:  # every item must end, or the batch would wait forever
-                    arrivals.put_nowait((position, CbatchError(INTERNAL, f"{type(err).__name__}: {err}")))
-
-        tasks = [asyncio.create_task(run(position, item)) for position, item in enumerate(items)]
-        try:
-            for _ in range(len(tasks)):
-                while True:
-                    position, item = await arrivals.get()
-                    yield position, item
-                    if isinstance(item, CbatchError) or item.finish_reason:
-                        break
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
-        """Results in input order: a Completion, or the CbatchError that item got."""
-        items = list(items)
-        chunks: list[list[Chunk]] = [[] for _ in items]
-        results: list = [None] * len(items)
-        async for position, item in self.stream_batch(items, max_in_flight):
-            if isinstance(item, CbatchError):
-                results[position] = item
-            else:
-                chunks[position].append(item)
-                if item.finish_reason:
-                    results[position] = _completion_from_chunks(chunks[position])
-        return results
-
-    def cancel(self, request_id: int) -> None:
-        self._session.cancel(request_id)
-
-    async def _ask(self, msg_type: MsgType) -> dict:
-        nonce = self._session.ask(msg_type)
-        self._session.replies[nonce] = None
-        await self._wait(lambda: self._session.replies[nonce] is not None)
-        reply = self._session.replies.pop(nonce)
-        if isinstance(reply, CbatchError):
-            raise reply
-        reply.pop("nonce", None)
-        return reply
-
-    async def health(self) -> dict:
-        return await self._ask(MsgType.HEALTH)
-
-    async def stats(self) -> dict:
-        return await self._ask(MsgType.STATS)
-
-    async def close(self) -> None:
-        if self._pump_task is not None:
-            self._pump_task.cancel()
-            try:
-                await self._pump_task
-            except BaseException:
-                pass
-        self._session.close()
-        self._zctx.destroy(linger=0)
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc_info):
-        await self.close()

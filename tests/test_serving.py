@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cbatch.client import AsyncClient
+from cbatch.async_client import AsyncClient
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError
 from cbatch.workers.engine import Engine

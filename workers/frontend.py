@@ -205,7 +205,7 @@ class FrontEnd:
     def _submit(self, identity: bytes, body: dict) -> None:
         request_id = field(body, "request_id", int)
         if not 1 <= request_id <= MAX_REQUEST_ID:
-            raise ProtocolError(f"request_id must be in [1, 2**63 - 1]")
+            raise ProtocolError("request_id must be in [1, 2**63 - 1]")
         if request_id in self.jobs or request_id in self._finished:
             raise CbatchError(INVALID_REQUEST, f"request_id {request_id} is already in use")
         request_body = field(body, "body", dict)

@@ -6,8 +6,6 @@ own llama.cpp sampler chain (native code over the full vocabulary), which also k
 the state that must live across steps: penalty history, grammar position, RNG.
 """
 
-import ctypes
-
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
