@@ -115,16 +115,12 @@ class Client:
         try:
             while True:
                 self._wait(lambda: stream.pending)
-                item = stream.pending.popleft()
-                if isinstance(item, CbatchError):
-                    raise item
-                yield item
-                if item.finish_reason:
+                chunk = self._session.take(stream)
+                yield chunk
+                if chunk.finish_reason:
                     return
         finally:
-            if not stream.is_done:
-                self._session.cancel(stream.request_id)  # the caller stopped reading
-            self._session.forget(stream)
+            self._session.release(stream)
 
     def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
         return self._session.submit(_request_body(prompt, messages, params))

@@ -87,6 +87,19 @@ class Session:
         waiting = [request_id for request_id, stream in self.streams.items() if not stream.is_done]
         self.ask(MsgType.HEALTH, request_ids=waiting[:MAX_PING_REQUEST_IDS])
 
+    def take(self, stream: RequestStream):
+        """The stream's next chunk (the caller waited until it has one); raises its error."""
+        item = stream.pending.popleft()
+        if isinstance(item, CbatchError):
+            raise item
+        return item
+
+    def release(self, stream: RequestStream) -> None:
+        """The caller is done with the stream: cancel it if it is still running."""
+        if not stream.is_done:
+            self.cancel(stream.request_id)
+        self.forget(stream)
+
     def forget(self, stream: RequestStream) -> None:
         self.streams.pop(stream.request_id, None)
         if self.reader is not None:
