@@ -24,6 +24,10 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond --parallel (default 1024)")
     parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=True,
                         help="one KV pool shared by all sequences (default) or one stream per sequence")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV of cached prompt prefixes (default on; needs the unified pool)")
+    parser.add_argument("--cache-tokens", type=int, default=0,
+                        help="KV cells kept for finished requests' prefixes (default: one sequence's context)")
     parser.add_argument("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     parser.add_argument("--ring-capacity", type=int, default=RING_CAPACITY_RECORDS, help="token ring records (power of two)")
     parser.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S, help="seconds in-flight requests get on SIGTERM")
@@ -39,7 +43,8 @@ def worker_main(argv=None) -> None:
     try:
         engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
                               batch_size=args.batch_size, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
-                              max_queue=args.max_queue, kv_unified=args.kv_unified)
+                              max_queue=args.max_queue, kv_unified=args.kv_unified,
+                              prefix_cache=args.prefix_cache, cache_tokens=args.cache_tokens)
         config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                               drain_grace_s=args.drain_grace, worker_timeout_s=args.worker_timeout,
                               allow_remote=args.allow_remote,

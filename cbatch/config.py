@@ -5,8 +5,10 @@ from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, INVALID_CONFIG
 
-MAX_PARALLEL = 64  # llama.cpp's per-context limit on sequence ids (LLAMA_MAX_SEQ)
+MAX_PARALLEL = 64
 DEFAULT_CTX_PER_SEQ = 4096
+MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: KV sequence ids for running and cached prefixes
+SEQ_IDS_PER_RUNNING = 4  # ids beyond `parallel` hold cached prefixes; each costs a logits row
 MAX_QUEUE = 16384  # keeps every message about the queue (a drain's cancels) within the protocol's limits
 
 
@@ -22,6 +24,12 @@ class EngineConfig:
     # One KV pool for all slots (each still capped at ctx_per_seq). Per-slot streams were
     # measured 2x slower on every other wave of requests reusing the slots.
     kv_unified: bool = True
+    # Reuse the KV of cached prompt prefixes (needs the unified pool); off for A/B runs.
+    prefix_cache: bool = True
+    # Cells kept for finished requests' prefixes beyond what running ones hold; 0 = one
+    # sequence's context. Every token attends over the pool's used range, so idle cached
+    # cells are not free: this bounds what they add.
+    cache_tokens: int = 0
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -42,6 +50,7 @@ class EngineConfig:
         )
         check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
         check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
+        check(self.cache_tokens >= 0, f"--cache-tokens must be >= 0, got {self.cache_tokens}")
         check(0 <= self.max_queue <= MAX_QUEUE, f"--max-queue must be in [0, {MAX_QUEUE}], got {self.max_queue}")
 
     @property
@@ -51,6 +60,14 @@ class EngineConfig:
     @property
     def ctx_per_seq(self) -> int:
         return self.total_ctx // self.parallel
+
+    @property
+    def max_cached_cells(self) -> int:
+        return self.cache_tokens or self.ctx_per_seq
+
+    @property
+    def num_seq_ids(self) -> int:
+        return min(MAX_SEQ_IDS, SEQ_IDS_PER_RUNNING * self.parallel)
 
     @property
     def num_threads(self) -> int:

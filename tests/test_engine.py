@@ -27,7 +27,8 @@ def make_engine(tiny_model_path):
 
 def test_many_mixed_length_requests_all_complete_past_parallel(make_engine):
     engine = make_engine()
-    bodies = [{"prompt": "x" * (1 + 23 * i), "max_tokens": 5 + i, **GREEDY} for i in range(10)]
+    # Distinct first characters: prompts sharing a prefix would wait for each other's blocks.
+    bodies = [{"prompt": "abcdefghij"[i] * (1 + 23 * i), "max_tokens": 5 + i, **GREEDY} for i in range(10)]
     ids = [submit(engine, body) for body in bodies]
     results: dict = {}
     collect(results, engine.step())
@@ -155,7 +156,7 @@ def test_engine_statistics(make_engine):
     engine = make_engine()
     generate(engine, [{"prompt": "s" * 100, "max_tokens": 20, **GREEDY} for _ in range(4)])
     stats = engine.stats.snapshot()
-    assert stats["requests_completed"] == 4
+    assert stats["requests_ended"] == 4
     assert stats["decode_tokens_per_s"] > 0 and stats["prefill_tokens_per_s"] > 0
     assert 3.0 <= stats["avg_concurrent_seqs"] <= 4.0
     assert 0.0 < stats["decode_fraction"] <= 1.0

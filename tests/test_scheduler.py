@@ -1,15 +1,24 @@
-"""Scheduler policy without a model: admission, token budget, chunked prefill, slots."""
+"""Scheduler policy without a model: admission, token budget, chunked prefill, KV ids,
+preemption, and waiting for a prefix another sequence is computing."""
 
 import pytest
 
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.params import SamplingParams
+from cbatch.workers.kv_cache import BLOCK_TOKENS, KVCacheManager
 from cbatch.workers.scheduler import Scheduler
-from cbatch.workers.sequence import Sequence, SequenceStatus
+from cbatch.workers.sequence import Sequence
 
 
-def make_seq(request_id, num_prompt):
-    return Sequence(request_id, list(range(num_prompt)), SamplingParams())
+def make_seq(request_id, num_prompt, first_token=None):
+    # Distinct first tokens unless asked: prompts sharing a block would share KV.
+    start = 1000 * request_id if first_token is None else first_token
+    return Sequence(request_id, list(range(start, start + num_prompt)), SamplingParams())
+
+
+def Sched(num_slots, max_batch_tokens, max_queue, num_cells=4096, prefix_cache=True):
+    kv = KVCacheManager(num_cells, 4 * num_slots, prefix_cache, max_cached_cells=num_cells // 2)
+    return Scheduler(kv, num_slots, max_batch_tokens, max_queue)
 
 
 def feed(chunks):
@@ -21,19 +30,19 @@ def feed(chunks):
 
 
 def test_admits_fifo_up_to_slots_and_queues_the_rest():
-    sched = Scheduler(num_slots=2, max_batch_tokens=64, max_queue=8)
+    sched = Sched(num_slots=2, max_batch_tokens=64, max_queue=8)
     seqs = [make_seq(i, 4) for i in range(5)]
     for s in seqs:
         sched.add(s)
     chunks = sched.schedule()
     assert [c.seq.request_id for c in chunks] == [0, 1]
-    assert sorted(s.slot for s in seqs[:2]) == [0, 1]
-    assert all(s.status is SequenceStatus.WAITING for s in seqs[2:])
+    assert sorted(s.seq_id for s in seqs[:2]) == [0, 1]
+    assert all(s.seq_id is None for s in seqs[2:])
     assert list(sched.waiting) == seqs[2:]
 
 
 def test_queue_full_rejects_with_code():
-    sched = Scheduler(num_slots=1, max_batch_tokens=8, max_queue=2)
+    sched = Sched(num_slots=1, max_batch_tokens=8, max_queue=2)
     sched.add(make_seq(0, 1))
     sched.add(make_seq(1, 1))
     with pytest.raises(CbatchError) as err:
@@ -42,7 +51,7 @@ def test_queue_full_rejects_with_code():
 
 
 def test_decode_tokens_first_then_prefill_chunks_within_budget():
-    sched = Scheduler(num_slots=4, max_batch_tokens=16, max_queue=8)
+    sched = Sched(num_slots=4, max_batch_tokens=16, max_queue=8)
     short = make_seq(0, 3)
     sched.add(short)
     feed(sched.schedule())  # short prefilled, now generating
@@ -63,36 +72,37 @@ def test_decode_tokens_first_then_prefill_chunks_within_budget():
     assert chunks[1].wants_logits and not chunks[2].wants_logits
 
 
-def test_finished_slot_is_reused_by_the_next_waiting_request():
-    sched = Scheduler(num_slots=1, max_batch_tokens=8, max_queue=8)
+def test_a_finished_sequence_frees_its_running_place_for_the_next_waiting_request():
+    sched = Sched(num_slots=1, max_batch_tokens=8, max_queue=8)
     first, second = make_seq(0, 2), make_seq(1, 2)
     sched.add(first)
     sched.add(second)
     feed(sched.schedule())
-    slot = sched.finish(first)
-    assert slot == 0 and first.status is SequenceStatus.FINISHED and first.slot is None
+    sched.finish(first, keep_cached=False)
+    assert first.seq_id is None and sched.kv.num_cells_used == 0
     chunks = sched.schedule()
-    assert [c.seq for c in chunks] == [second] and second.slot == 0
+    assert [c.seq for c in chunks] == [second] and second.seq_id is not None
 
 
 def test_finishing_a_waiting_request_frees_nothing():
-    sched = Scheduler(num_slots=1, max_batch_tokens=8, max_queue=8)
+    sched = Sched(num_slots=1, max_batch_tokens=8, max_queue=8)
     running, queued = make_seq(0, 2), make_seq(1, 2)
     sched.add(running)
     sched.add(queued)
     sched.schedule()
-    assert sched.finish(queued) is None
-    assert not sched.waiting and sched.running == [running]
+    used = sched.kv.num_cells_used
+    sched.finish(queued, keep_cached=True)
+    assert not sched.waiting and sched.running == [running] and sched.kv.num_cells_used == used
 
 
 def test_preempt_newest_requeues_it_at_the_head_for_recompute():
-    sched = Scheduler(num_slots=2, max_batch_tokens=32, max_queue=8)
+    sched = Sched(num_slots=2, max_batch_tokens=32, max_queue=8)
     old, new, queued = make_seq(0, 3), make_seq(1, 3), make_seq(2, 3)
     for s in (old, new, queued):
         sched.add(s)
     feed(sched.schedule())
-    seq, slot = sched.preempt_newest()
-    assert seq is new and slot == 1 and new.slot is None
+    seq = sched.preempt_newest()
+    assert seq is new and new.seq_id is None
     assert new.num_cached == 0 and new.output_ids == [7]
     assert list(sched.waiting) == [new, queued]
     chunks = sched.schedule()
@@ -100,3 +110,41 @@ def test_preempt_newest_requeues_it_at_the_head_for_recompute():
     assert [(c.seq.request_id, c.start, c.num_tokens, c.wants_logits) for c in chunks] == [
         (0, 3, 1, True), (1, 0, 4, True)
     ]
+
+
+def test_a_prompt_waits_while_another_sequence_computes_the_prefix_it_would_reuse():
+    sched = Sched(num_slots=4, max_batch_tokens=40, max_queue=8)
+    shared = 3 * BLOCK_TOKENS
+    first = Sequence(0, list(range(shared)) + [900, 901], SamplingParams())
+    second = Sequence(1, list(range(shared)) + [902, 903], SamplingParams())
+    other = make_seq(2, 5)
+    for s in (first, second, other):
+        sched.add(s)
+    chunks = sched.schedule()
+    # second is passed over, keeping its place; other (nothing shared) is admitted.
+    assert sched.running == [first, other] and list(sched.waiting) == [second]
+    assert [(c.seq, c.num_tokens) for c in chunks] == [(first, 40)]
+    feed(chunks)  # first has computed 40 tokens: two whole blocks are indexed
+    for c in chunks:
+        sched.kv.commit(c.seq.seq_id, c.seq.token_slice, c.seq.num_cached)
+    chunks = sched.schedule()
+    assert second not in [c.seq for c in chunks], "its third block is still being computed"
+    feed(chunks)
+    for c in chunks:
+        sched.kv.commit(c.seq.seq_id, c.seq.token_slice, c.seq.num_cached)
+    chunks = sched.schedule()
+    assert second in sched.running and second.num_cached == shared
+    assert sched.kv.num_tokens_reused == shared
+
+
+def test_out_of_cells_a_generating_sequence_preempts_the_newest():
+    sched = Sched(num_slots=2, max_batch_tokens=64, max_queue=8, num_cells=40, prefix_cache=False)
+    old, new = make_seq(0, 19), make_seq(1, 19)
+    sched.add(old)
+    sched.add(new)
+    feed(sched.schedule())  # 38 of 40 cells reserved; each now needs one more, then another
+    feed(sched.schedule())
+    assert sched.kv.num_cells_used == 40
+    chunks = sched.schedule()
+    assert [c.seq for c in chunks] == [old] and list(sched.waiting) == [new] and new.num_cached == 0
+    assert sched.kv.num_cells_used == 21

@@ -1,9 +1,13 @@
 """The decode worker process: the only process that loads the model.
 
-Its main thread runs the engine loop and writes tokens into the shared-memory ring;
-a WorkerIO thread does the socket I/O, so a slow or chatty front-end never stalls a
-decode step. After each step the loop publishes the records, sends a tick on its PUB
-socket (waking local readers), and hands the step's events to the front-end.
+Three threads, so that nothing but decoding runs on the loop's:
+    WorkerIO (sockets) -> RequestPreparer (tokenize, chat template, grammar) -> engine loop
+The main thread runs the engine loop and writes tokens into the shared-memory ring; a
+slow or chatty front-end, a 1 MB prompt or a large grammar never stalls a decode step
+(ctypes releases the GIL inside llama.cpp's tokenizer). Commands keep their order through
+the preparer, so a cancel never overtakes its submit. After each step the loop publishes
+the records, sends a tick on its PUB socket (waking local readers), and hands the step's
+events to the front-end.
 """
 
 import multiprocessing
@@ -22,6 +26,7 @@ from cbatch.ipc.ring import FINISH_CODES, RingEvent, RingWriter, attach_ring
 from cbatch.params import parse_request
 from cbatch.protocol import MsgType, ProtocolError, field, pack, unpack
 from cbatch.workers.engine import Engine, SeqOutput, run_engine_loop
+from cbatch.workers.sequence import Sequence
 
 IDLE_WAIT_S = 0.5  # an idle engine wakes this often to notice SIGTERM
 IO_POLL_MS = 500
@@ -98,33 +103,64 @@ class WorkerIO(threading.Thread):
             control.close()
 
 
-class CommandHandler:
-    """Applies front-end commands to the engine between steps."""
+class RequestPreparer(threading.Thread):
+    """Turns each SUBMIT from the I/O thread into a prepared Sequence (or a REJECT) and
+    passes every other command through, all in arrival order."""
 
-    def __init__(self, engine: Engine, io: WorkerIO, stop: threading.Event, publisher: "EventPublisher"):
-        self._engine, self._io, self._stop, self._publisher = engine, io, stop, publisher
+    def __init__(self, engine: Engine, source: queue.SimpleQueue):
+        super().__init__(name="worker-prepare", daemon=True)
+        self._engine, self._source = engine, source
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            msg_type, body = self._source.get()
+            if msg_type is MsgType.WORKER_SUBMIT:
+                self.outbox.put(self._prepare(body))
+            else:
+                self.outbox.put((msg_type, body))
+
+    def _prepare(self, body: dict) -> tuple:
+        request_id = field(body, "request_id", int)
+        try:
+            return MsgType.WORKER_SUBMIT, self._engine.prepare(parse_request(request_id, field(body, "body", dict)))
+        except CbatchError as err:
+            return MsgType.WORKER_REJECT, {"request_id": request_id, **err.to_dict()}
+        except ValueError as err:
+            return MsgType.WORKER_REJECT, {"request_id": request_id, "code": INVALID_REQUEST, "message": str(err)}
+
+
+class CommandHandler:
+    """Applies prepared commands to the engine between steps."""
+
+    def __init__(self, engine: Engine, io: WorkerIO, inbox: queue.SimpleQueue, stop: threading.Event,
+                 publisher: "EventPublisher"):
+        self._engine, self._io, self._inbox, self._stop, self._publisher = engine, io, inbox, stop, publisher
 
     def take(self, block: bool) -> bool:
         if block:
             self._publisher.send_stats()  # the engine just went idle: report zero active
         try:
-            item = self._io.inbox.get(timeout=IDLE_WAIT_S) if block else self._io.inbox.get_nowait()
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
             while True:
                 self._apply(*item)
-                item = self._io.inbox.get_nowait()
+                item = self._inbox.get_nowait()
         except queue.Empty:
             pass
         return not self._stop.is_set()
 
-    def _apply(self, msg_type: MsgType, body: dict) -> None:
+    def _apply(self, msg_type: MsgType, body) -> None:
         if msg_type is MsgType.WORKER_SUBMIT:
-            request_id = field(body, "request_id", int)
+            seq: Sequence = body
             try:
-                self._engine.add_request(parse_request(request_id, field(body, "body", dict)))
+                self._engine.add(seq)
             except CbatchError as err:
-                self._io.send(MsgType.WORKER_REJECT, {"request_id": request_id, **err.to_dict()})
+                self._io.send(MsgType.WORKER_REJECT, {"request_id": seq.request_id, **err.to_dict()})
             except ValueError as err:
-                self._io.send(MsgType.WORKER_REJECT, {"request_id": request_id, "code": INVALID_REQUEST, "message": str(err)})
+                self._io.send(MsgType.WORKER_REJECT, {"request_id": seq.request_id, "code": INVALID_REQUEST,
+                                                      "message": str(err)})
+        elif msg_type is MsgType.WORKER_REJECT:
+            self._io.send(MsgType.WORKER_REJECT, body)
         elif msg_type is MsgType.WORKER_CANCEL:
             self._engine.cancel(field(body, "request_id", int))
         elif msg_type is MsgType.WORKER_STOP:
@@ -170,8 +206,7 @@ class EventPublisher:
 
     def _stats(self) -> dict:
         self._stats_sent_at = time.monotonic()
-        scheduler = self._engine.scheduler
-        return {**self._engine.stats.snapshot(), "num_active": len(scheduler.running), "num_queued": len(scheduler.waiting)}
+        return self._engine.snapshot()
 
 
 def run_decode_worker(plan: WorkerPlan) -> None:
@@ -195,11 +230,14 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             io.send(MsgType.WORKER_FAILED, {"message": str(exc)})
             raise SystemExit(1)
         publisher = EventPublisher(engine, ring, io, tick)
+        preparer = RequestPreparer(engine, io.inbox)
+        preparer.start()
         io.send(MsgType.WORKER_READY, {
             "pid": os.getpid(), "model": engine.runner.description, "ctx_per_seq": engine.ctx_per_seq,
-            "generation": plan.generation,
+            "generation": plan.generation, "prefix_cache": engine.prefix_cache_note,
         })
-        run_engine_loop(engine, CommandHandler(engine, io, stop, publisher).take, publisher.publish)
+        handler = CommandHandler(engine, io, preparer.outbox, stop, publisher)
+        run_engine_loop(engine, handler.take, publisher.publish)
     finally:
         io.close()
         tick.close()

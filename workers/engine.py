@@ -1,10 +1,12 @@
 """The continuous-batching engine: many requests, one llama.cpp context, one decode per step.
 
-    add_request() / cancel()  ->  step(): schedule -> llama_decode -> sample -> postprocess
-                                  returns SeqOutput events for the caller to publish
+    prepare() -> add() / cancel()  ->  step(): schedule -> llama_decode -> sample -> postprocess
+                                       returns SeqOutput events for the caller to publish
 
-It owns no sockets and no threads; the decode worker process drives it with
-`run_engine_loop`, and tests and the benchmark drive it in-process.
+`prepare` (tokenize, render chat, compile the grammar) touches no engine state, so the
+decode worker runs it off the decode loop's thread. The engine owns no sockets and no
+threads; the decode worker drives it with `run_engine_loop`, and tests and the benchmarks
+drive it in-process. The runner is handed in, so tests can drive it with a fake one.
 """
 
 import time
@@ -15,6 +17,7 @@ from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, PROMPT_TOO_LONG
 from cbatch.model import resolve_model_path
 from cbatch.params import Request
+from cbatch.workers.kv_cache import KVCacheManager
 from cbatch.workers.llama_runner import LlamaRunner
 from cbatch.workers.sampling import free_sampler_chain, greedy_rows, make_sampler_chain, sample_with_chain
 from cbatch.workers.scheduler import Chunk, Scheduler
@@ -38,10 +41,12 @@ class SeqOutput:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner=None):
         self.config = config
-        self.runner = LlamaRunner(config, resolve_model_path(config.model_path))
-        self.scheduler = Scheduler(config.parallel, config.batch_size, config.max_queue)
+        self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
+        kv = KVCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
+                            config.max_cached_cells)
+        self.scheduler = Scheduler(kv, config.parallel, config.batch_size, config.max_queue)
         self.stats = EngineStats()
         self._seqs: dict[int, Sequence] = {}
         self._cancel_ids: set[int] = set()
@@ -52,13 +57,23 @@ class Engine:
         return self.runner.ctx_per_seq
 
     @property
+    def prefix_cache_note(self) -> str:
+        """For the ready line: whether the prefix cache is on, and why not when it is off."""
+        if self.scheduler.kv.enable_prefix_cache:
+            return "on"
+        if self.runner.is_recurrent:
+            return "off (recurrent or hybrid model: its memory cannot share part of a sequence)"
+        if not self.config.kv_unified:
+            return "off (per-sequence KV streams share no cells)"
+        return "off (--no-prefix-cache)"
+
+    @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def add_request(self, request: Request) -> None:
-        """Tokenize and queue a validated request; raises CbatchError if it cannot run."""
-        if request.request_id in self._seqs:
-            raise ValueError(f"request id {request.request_id} is already in use")
+    def prepare(self, request: Request) -> Sequence:
+        """Tokenize a validated request and build its sampler; raises CbatchError if it
+        cannot run. Reads only the model, never engine state: safe off the loop thread."""
         text = request.prompt if request.messages is None else self.runner.render_chat(request.messages)
         prompt_ids = self.runner.tokenize(text)
         if len(prompt_ids) >= self.ctx_per_seq:
@@ -68,13 +83,21 @@ class Engine:
                 "(shorten the prompt or raise --ctx-size)",
             )
         sampler = make_sampler_chain(self.runner.vocab, self.runner.eog_ids, request.params, prompt_ids)
-        seq = Sequence(request.request_id, prompt_ids, request.params, sampler=sampler)
+        return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a prepared sequence; on error (a full queue, a taken id) its sampler is freed."""
         try:
+            if seq.request_id in self._seqs:
+                raise ValueError(f"request id {seq.request_id} is already in use")
             self.scheduler.add(seq)
-        except CbatchError:
-            free_sampler_chain(sampler)
+        except (CbatchError, ValueError):
+            free_sampler_chain(seq.sampler)
             raise
         self._seqs[seq.request_id] = seq
+
+    def add_request(self, request: Request) -> None:
+        self.add(self.prepare(request))
 
     def cancel(self, request_id: int) -> bool:
         """Mark a request cancelled; it ends at the start of the next step. False if unknown."""
@@ -100,10 +123,12 @@ class Engine:
             outputs += [self._finish(c.seq, FinishReason.ERROR, message) for c in chunks]
             return outputs
         num_decode_seqs = sum(1 for c in chunks if c.num_tokens == 1 and c.wants_logits)
-        num_prompt_tokens = sum(c.num_tokens for c in chunks)
+        num_batch_tokens = sum(c.num_tokens for c in chunks)
+        num_prompt_tokens = sum(max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start) for c in chunks)
         sampled = self._sample(chunks)
         outputs += self._postprocess(chunks, sampled)
-        self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_prompt_tokens, num_decode_seqs, len(sampled))
+        self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_batch_tokens, num_prompt_tokens,
+                               num_decode_seqs, len(sampled))
         return outputs
 
     def _decode(self, chunks: list[Chunk]) -> tuple[list[Chunk], float, int]:
@@ -111,22 +136,25 @@ class Engine:
         back to the queue and retry with the rest."""
         decode_s = 0.0
         while True:
+            self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
             t0 = time.perf_counter()
             status = self.runner.decode(chunks)
             decode_s += time.perf_counter() - t0
+            # The KV manager keeps room for every batch, so this is only a safety net.
             if status != LLAMA_DECODE_NO_KV_ROOM or len(self.scheduler.running) < 2:
                 return chunks, decode_s, status
-            seq, slot = self.scheduler.preempt_newest()
-            self.runner.clear_slot(slot)
+            seq = self.scheduler.preempt_newest()
             chunks = [c for c in chunks if c.seq is not seq]
             if not chunks:
                 return chunks, decode_s, 0
 
     def _sample(self, chunks: list[Chunk]) -> list[tuple[Sequence, int]]:
         batch_index, logit_rows = -1, []  # (seq, row in logits, batch index)
+        kv = self.scheduler.kv
         for chunk in chunks:
             batch_index += chunk.num_tokens
             chunk.seq.num_cached += chunk.num_tokens
+            kv.commit(chunk.seq.seq_id, chunk.seq.token_slice, chunk.seq.num_cached)
             if chunk.wants_logits:
                 logit_rows.append((chunk.seq, len(logit_rows), batch_index))
         greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None]
@@ -159,19 +187,35 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
                 token_ids: list[int] | None = None, text: str | None = None) -> SeqOutput:
-        slot = self.scheduler.finish(seq)
-        if slot is not None:
-            self.runner.clear_slot(slot)
+        # A failed decode may have left this sequence's cells half written: never reuse them.
+        self.scheduler.finish(seq, keep_cached=reason is not FinishReason.ERROR)
         free_sampler_chain(seq.sampler)
-        seq.sampler, seq.finish_reason, seq.error_message = None, reason, error
+        seq.sampler = None
         del self._seqs[seq.request_id]
-        self.stats.requests_completed += 1
+        self.stats.requests_ended += 1
         if text is None:
             # A cancelled or failed sequence keeps what it produced: text held back for
             # stop-string matching can no longer become a stop string.
             text = seq.text.finish()
         usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens}
         return SeqOutput(seq.request_id, token_ids or [], text, reason.value, usage, error)
+
+    def snapshot(self) -> dict:
+        """Statistics: the engine's own, the queue, and the KV pool and prefix cache."""
+        kv = self.scheduler.kv
+        reused, computed = kv.num_tokens_reused, self.stats.num_prompt_tokens_computed
+        return {
+            **self.stats.snapshot(),
+            "num_active": len(self.scheduler.running),
+            "num_queued": len(self.scheduler.waiting),
+            "prefix_cache": kv.enable_prefix_cache,
+            "prompt_tokens_reused": reused,
+            "cache_hit_rate": reused / (reused + computed) if reused + computed else 0.0,
+            "kv_cells_total": kv.num_cells,
+            "kv_cells_used": kv.num_cells_used,
+            "kv_cells_cached": kv.num_cells_evictable,
+            "cached_prefixes": kv.num_cached_holders,
+        }
 
     def close(self) -> None:
         for seq in list(self._seqs.values()):

@@ -12,6 +12,7 @@ import numpy as np
 
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST
+from cbatch.workers.kv_cache import OP_COPY, OP_REMOVE
 from cbatch.workers.scheduler import Chunk
 
 MAX_PIECE_BYTES = 256
@@ -52,7 +53,7 @@ class BatchBuffer:
             end = n + chunk.num_tokens
             self.tokens[n:end] = chunk.seq.token_slice(chunk.start, chunk.start + chunk.num_tokens)
             self.positions[n:end] = np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int32)
-            self.seq_ids[n:end] = chunk.seq.slot
+            self.seq_ids[n:end] = chunk.seq.seq_id
             self.wants_logits[n:end] = 0
             self.wants_logits[end - 1] = chunk.wants_logits
             n = end
@@ -68,12 +69,21 @@ class LlamaRunner:
         self.model = lc.llama_model_load_from_file(model_path.encode(), model_params)
         if not self.model:
             raise CbatchError(INVALID_CONFIG, f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
+        # Sharing part of a sequence's KV needs one unified pool and a model whose memory is
+        # positional (recurrent and hybrid models keep one state per sequence).
+        self.is_recurrent = lc.llama_model_is_recurrent(self.model) or lc.llama_model_is_hybrid(self.model)
+        self.has_prefix_cache = config.prefix_cache and config.kv_unified and not self.is_recurrent
+        self.num_seq_ids = config.num_seq_ids if self.has_prefix_cache else config.parallel
         ctx_params = lc.llama_context_default_params()
         ctx_params.n_ctx = config.total_ctx
         ctx_params.n_batch = ctx_params.n_ubatch = config.batch_size
-        ctx_params.n_seq_max = config.parallel
+        ctx_params.n_seq_max = self.num_seq_ids
         ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
         ctx_params.kv_unified = config.kv_unified
+        # A sliding-window layer normally keeps only each sequence's last window of cells;
+        # a reused prefix longer than the window needs the cells before its end, so with
+        # the cache on those layers keep full-size KV (memory: see the README).
+        ctx_params.swa_full = self.has_prefix_cache and lc.llama_model_n_swa(self.model) > 0
         ctx_params.no_perf = True
         self.ctx = lc.llama_init_from_model(self.model, ctx_params)
         if not self.ctx:
@@ -87,8 +97,9 @@ class LlamaRunner:
         self.memory = lc.llama_get_memory(self.ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         # With a unified KV pool llama.cpp lets any sequence grow to the whole context; the
-        # engine caps each at its share so the pool can never run out under `parallel` slots.
-        self.ctx_per_seq = min(lc.llama_n_ctx_seq(self.ctx), lc.llama_n_ctx(self.ctx) // config.parallel)
+        # engine caps each at its share, so running sequences alone never fill the pool.
+        self.num_cells = lc.llama_n_ctx(self.ctx)
+        self.ctx_per_seq = min(lc.llama_n_ctx_seq(self.ctx), self.num_cells // config.parallel)
         self.eog_ids = np.array([t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)], np.int32)
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
@@ -166,8 +177,16 @@ class LlamaRunner:
         ptr = lc.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(num_outputs, self.n_vocab))
 
-    def clear_slot(self, slot: int) -> None:
-        lc.llama_memory_seq_rm(self.memory, slot, -1, -1)
+    def apply_memory_ops(self, ops: list[tuple]) -> None:
+        """The KV manager's operations, in order (see workers/kv_cache.py)."""
+        for op in ops:
+            if op[0] == OP_COPY:
+                _, src, dst, num_tokens = op
+                lc.llama_memory_seq_cp(self.memory, src, dst, 0, num_tokens)
+            else:
+                assert op[0] == OP_REMOVE
+                _, seq_id, start = op
+                lc.llama_memory_seq_rm(self.memory, seq_id, start, -1)
 
     def close(self) -> None:
         if self.ctx:

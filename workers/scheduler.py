@@ -1,16 +1,27 @@
-"""Decides, each step, which sequences hold KV slots and which tokens go into the batch.
+"""Decides, each step, which sequences run and which tokens go into the batch.
 
-Policy: FIFO admission into free slots; every generating sequence gets its one decode
-token first, then prefilling sequences share the rest of the step's token budget in
-admission order (chunked prefill: a long prompt costs the others at most one chunk
-of latency per step, never a stall). No model here: it is tested on its own.
+Policy:
+- admission is FIFO into at most `max_running` running sequences, each given a KV
+  sequence id holding its longest cached prefix by the KV manager, which reserves cells
+  for the rest of its tokens (evicting cached prefixes first) or says there is no room;
+- fairness: a waiting request is passed over (keeping its place at the head) only while
+  a running sequence is computing the very block of its prompt that it would reuse next,
+  so two requests never prefill the same uncached prefix at the same time; that block is
+  done within a step or two, and the request is then admitted before anything behind it;
+- every generating sequence gets its one decode token first, then prefilling sequences
+  share the rest of the step's token budget in admission order (chunked prefill: a long
+  prompt costs the others at most one chunk of latency per step, never a stall);
+- a generating sequence whose next cell cannot be had even by eviction preempts the
+  newest running sequence back to the head of the queue (recomputed on re-admission).
+No model here: it is tested on its own.
 """
 
 from collections import deque
 from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, QUEUE_FULL
-from cbatch.workers.sequence import Sequence, SequenceStatus
+from cbatch.workers.kv_cache import BLOCK_TOKENS, KVCacheManager
+from cbatch.workers.sequence import Sequence
 
 
 @dataclass
@@ -28,15 +39,15 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_batch_tokens: int, max_queue: int):
-        if max_batch_tokens < num_slots:
-            raise ValueError("max_batch_tokens must cover one token per slot")
+    def __init__(self, kv: KVCacheManager, max_running: int, max_batch_tokens: int, max_queue: int):
+        if max_batch_tokens < max_running:
+            raise ValueError("max_batch_tokens must cover one token per running sequence")
+        self.kv = kv
+        self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
-        self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._num_admitted = 0
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
 
     @property
     def has_work(self) -> bool:
@@ -51,16 +62,12 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> list[Chunk]:
-        while self.waiting and self._free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self._free_slots.pop()
-            seq.status = SequenceStatus.RUNNING
-            self._num_admitted += 1
-            seq.admit_order = self._num_admitted
-            self.running.append(seq)
-
-        decoding = [s for s in self.running if not s.is_prefilling]
-        chunks = [Chunk(s, s.num_cached, 1) for s in decoding]
+        self._admit()
+        for seq in list(self.running):
+            # A generating sequence feeds its last sampled token at position num_tokens - 1.
+            while seq in self.running and not seq.is_prefilling and not self.kv.grow(seq.seq_id, seq.num_tokens):
+                self.preempt_newest()
+        chunks = [Chunk(s, s.num_cached, 1) for s in self.running if not s.is_prefilling]
         budget = self.max_batch_tokens - len(chunks)
         for seq in self.running:
             if budget == 0:
@@ -71,25 +78,47 @@ class Scheduler:
                 budget -= num_tokens
         return chunks
 
-    def finish(self, seq: Sequence) -> int | None:
-        """Drop a sequence from the queue or the running set; return its freed slot."""
-        seq.status = SequenceStatus.FINISHED
+    def finish(self, seq: Sequence, keep_cached: bool) -> None:
+        """Drop a sequence from the queue or the running set. A running one's KV stays
+        cached for later prompts when `keep_cached` (it is known to be sound)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
-            return None
+            return
         self.running.remove(seq)
-        slot, seq.slot = seq.slot, None
-        self._free_slots.append(slot)
-        return slot
+        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
+        seq.seq_id = None
 
-    def preempt_newest(self) -> tuple[Sequence, int]:
-        """Send the most recently admitted running sequence back to the head of the
-        queue and return it with its freed slot (whose KV the caller must clear); its
-        prompt + output so far is recomputed on re-admission."""
-        seq = max(self.running, key=lambda s: s.admit_order)
-        self.running.remove(seq)
-        slot, seq.slot = seq.slot, None
-        self._free_slots.append(slot)
-        seq.status, seq.num_cached = SequenceStatus.WAITING, 0
+    def preempt_newest(self) -> Sequence:
+        """Send the most recently admitted running sequence back to the head of the queue;
+        its prompt + output so far is recomputed on re-admission."""
+        seq = self.running.pop()
+        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, False)
+        seq.seq_id, seq.num_cached = None, 0
         self.waiting.appendleft(seq)
-        return seq, slot
+        return seq
+
+    def _admit(self) -> None:
+        passed_over = []
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting.popleft()
+            if self._is_prefilled_elsewhere(seq):
+                passed_over.append(seq)
+                continue
+            placed = self.kv.admit(seq.token_slice, seq.num_tokens)
+            if placed is None:
+                self.waiting.appendleft(seq)
+                break
+            seq.seq_id, seq.num_cached = placed
+            self.running.append(seq)
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _is_prefilled_elsewhere(self, seq: Sequence) -> bool:
+        """Is a running sequence computing the next block `seq` could reuse right now?"""
+        if not self.kv.enable_prefix_cache:
+            return False
+        end = self.kv.num_reusable(seq.token_slice, seq.num_tokens) + BLOCK_TOKENS
+        if end >= seq.num_tokens:
+            return False  # that block holds the last token, which seq computes itself
+        prefix = seq.token_slice(0, end)
+        return any(other.num_cached < end <= other.num_tokens and other.token_slice(0, end) == prefix
+                   for other in self.running)

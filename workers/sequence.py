@@ -7,12 +7,6 @@ from cbatch.params import SamplingParams
 from cbatch.workers.text_stream import TextStream
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = enum.auto()  # in the queue, holds no KV slot
-    RUNNING = enum.auto()  # holds a slot; prefilling or generating
-    FINISHED = enum.auto()
-
-
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # end-of-generation token or a stop string
     LENGTH = "length"  # max_tokens or the per-sequence context cap
@@ -25,13 +19,9 @@ class Sequence:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    admit_order: int = 0  # increasing; the newest running sequence is preempted first
-    status: SequenceStatus = SequenceStatus.WAITING
-    slot: int | None = None  # KV sequence id while RUNNING
+    seq_id: int | None = None  # KV sequence id while running
     output_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens of `token_ids` already in the KV cache
-    finish_reason: FinishReason | None = None
-    error_message: str | None = None
+    num_cached: int = 0  # leading tokens of prompt + output whose KV is computed
     sampler: object | None = None  # llama.cpp sampler chain, None for plain greedy
     text: TextStream = None  # type: ignore[assignment]
 

@@ -19,12 +19,14 @@ class EngineStats:
     num_generated_tokens: int = 0  # sampled in decode steps
     seq_decode_steps: int = 0  # sum over decode steps of sequences generating in it
     prefill_steps_s: float = 0.0
-    num_prefill_tokens: int = 0  # prompt tokens fed in pure-prefill steps
-    requests_completed: int = 0
+    num_prefill_tokens: int = 0  # tokens fed in pure-prefill steps
+    num_prompt_tokens_computed: int = 0  # prompt tokens fed in any step (not served by the cache)
+    requests_ended: int = 0  # finished for any reason: stop, length, cancelled, error
 
-    def record_step(self, step_s: float, llama_decode_s: float, num_prompt_tokens: int,
+    def record_step(self, step_s: float, llama_decode_s: float, num_batch_tokens: int, num_prompt_tokens: int,
                     num_decode_seqs: int, num_generated: int) -> None:
         self.num_steps += 1
+        self.num_prompt_tokens_computed += num_prompt_tokens
         self.step_s += step_s
         self.llama_decode_s += llama_decode_s
         if num_decode_seqs:
@@ -34,7 +36,7 @@ class EngineStats:
             self.seq_decode_steps += num_decode_seqs
         else:
             self.prefill_steps_s += step_s
-            self.num_prefill_tokens += num_prompt_tokens
+            self.num_prefill_tokens += num_batch_tokens
 
     def snapshot(self) -> dict:
         def ratio(a, b):
@@ -47,5 +49,6 @@ class EngineStats:
             "decode_fraction": ratio(self.llama_decode_s, self.step_s),
             "avg_step_ms": 1000 * ratio(self.step_s, self.num_steps),
             "num_steps": self.num_steps,
-            "requests_completed": self.requests_completed,
+            "requests_ended": self.requests_ended,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
         }

@@ -131,9 +131,9 @@ class Supervisor:
         if self.stop_requested:
             return
         ready = self.frontend.worker
-        log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, endpoint %s, ring %s, worker pid %d",
-                 ready["model"], self.config.engine.parallel, ready["ctx_per_seq"], self.config.endpoint, self.ring.name,
-                 ready["pid"])
+        log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, endpoint %s, "
+                 "ring %s, worker pid %d", ready["model"], self.config.engine.parallel, ready["ctx_per_seq"],
+                 ready["prefix_cache"], self.config.endpoint, self.ring.name, ready["pid"])
         drain_deadline, is_cancelled = None, False
         while True:
             if self._poll(LOOP_POLL_MS):

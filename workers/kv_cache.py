@@ -1,0 +1,247 @@
+"""KV accounting and the automatic prefix cache over one llama.cpp KV pool.
+
+llama.cpp has no public "cells used" call, so the engine keeps its own count here and
+the scheduler admits, evicts and preempts from it before a batch is built.
+
+Terms:
+- holder: a KV sequence id and the positions [0, n) it holds. A running request owns one;
+  a finished request's holder may stay on as a *cached* holder whose cells serve later
+  prompts until they are needed (least recently used first).
+- block: BLOCK_TOKENS consecutive positions of a holder, the unit of sharing. A block is
+  shared only once it is full and computed: then `llama_memory_seq_cp(src, dst, 0, n)`
+  marks its cells as owned by one more sequence too (no copy in a unified pool).
+- the index: a radix tree over token ids with BLOCK_TOKENS-token edges; each node names
+  one physical block holding those tokens after that prefix.
+
+Invariants:
+- a holder's blocks form a chain from position 0 (sharing always copies [0, n));
+- a holder indexes its block i only if its block i-1 is the indexed one, so whoever owns
+  a node's block owns every ancestor's block too: any owner can be the source of a copy,
+  and a block losing its last owner takes only dead descendants' nodes with it;
+- `num_cells_used` is the sum of `size` over blocks with an owner, <= `num_cells`;
+  `num_cells_evictable` is the part of it owned by cached holders only.
+
+The memory operations llama.cpp must apply, in order, before the next decode collect in
+`ops`; nothing here calls llama.cpp, so it is tested without a model.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+BLOCK_TOKENS = 16
+OP_COPY = "copy"  # (OP_COPY, src_seq_id, dst_seq_id, num_tokens): positions [0, num_tokens)
+OP_REMOVE = "remove"  # (OP_REMOVE, seq_id, start): positions [start, end)
+
+TokenSlice = Callable[[int, int], list[int]]  # tokens [start, stop) of a sequence
+
+
+@dataclass(eq=False)
+class Block:
+    size: int = 0  # cells filled; BLOCK_TOKENS once full
+    owner_ids: set[int] = field(default_factory=set)  # seq ids of the holders that own it
+    num_running_owners: int = 0
+    node: "Node | None" = None  # set while the index names this block
+
+
+@dataclass(eq=False)
+class Node:
+    parent: "Node | None"
+    key: tuple[int, ...]
+    block: Block | None
+    children: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Holder:
+    seq_id: int
+    blocks: list[Block] = field(default_factory=list)
+    num_tokens: int = 0  # cells reserved for positions [0, num_tokens)
+    num_indexed: int = 0  # leading blocks the index names
+    can_index: bool = True  # False once another lineage indexed the same tokens first
+    is_running: bool = True
+
+
+class KVCacheManager:
+    def __init__(self, num_cells: int, num_seq_ids: int, enable_prefix_cache: bool, max_cached_cells: int):
+        self.num_cells = num_cells
+        self.enable_prefix_cache = enable_prefix_cache
+        self.max_cached_cells = max_cached_cells
+        self.num_cells_used = 0
+        self.num_cells_evictable = 0
+        self.num_tokens_reused = 0  # prompt tokens served from the cache at admission
+        self.ops: list[tuple] = []
+        self._free_seq_ids = list(range(num_seq_ids - 1, -1, -1))  # pop() hands out 0 first
+        self._holders: dict[int, Holder] = {}
+        self._cached: OrderedDict[int, Holder] = OrderedDict()  # least recently used first
+        self._root = Node(None, (), None)
+
+    @property
+    def num_cells_free(self) -> int:
+        return self.num_cells - self.num_cells_used
+
+    @property
+    def num_cached_holders(self) -> int:
+        return len(self._cached)
+
+    def take_ops(self) -> list[tuple]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def num_reusable(self, token_slice: TokenSlice, num_tokens: int) -> int:
+        """Tokens of a prompt the index holds, in whole blocks, leaving at least the last
+        token to compute (its logits give the first sample)."""
+        return BLOCK_TOKENS * len(self._match(token_slice, num_tokens))
+
+    def admit(self, token_slice: TokenSlice, num_tokens: int) -> tuple[int, int] | None:
+        """Give a sequence of `num_tokens` tokens a KV sequence id holding its longest
+        cached prefix, with cells reserved for the rest. Returns (seq_id, tokens reused),
+        or None (and changes nothing) when the pool cannot make room even by eviction."""
+        path = self._match(token_slice, num_tokens)
+        source = self._owner_of(path[-1].block) if path else None
+        shared = source.blocks[: len(path)] if source else []
+        pinned = sum(b.size for b in shared if b.num_running_owners == 0)
+        num_needed = num_tokens - BLOCK_TOKENS * len(shared)
+        if num_needed > self.num_cells_free + self.num_cells_evictable - pinned:
+            return None
+        if not self._free_seq_ids:
+            victim = next((h for h in self._cached.values() if h is not source), None)
+            if victim is None:
+                return None
+            self._evict(victim)
+        holder = Holder(self._free_seq_ids.pop())
+        self._holders[holder.seq_id] = holder
+        if shared:
+            if not source.is_running:
+                self._cached.move_to_end(source.seq_id)
+            for block in shared:
+                self._change(block, holder, +1)
+            holder.blocks = list(shared)
+            holder.num_indexed = len(shared)
+            holder.num_tokens = BLOCK_TOKENS * len(shared)
+            self.ops.append((OP_COPY, source.seq_id, holder.seq_id, holder.num_tokens))
+        is_reserved = self.grow(holder.seq_id, num_tokens)
+        assert is_reserved, "room was checked above"
+        self.num_tokens_reused += BLOCK_TOKENS * len(shared)
+        return holder.seq_id, BLOCK_TOKENS * len(shared)
+
+    def grow(self, seq_id: int, num_tokens: int) -> bool:
+        """Reserve cells so the holder covers positions [0, num_tokens), evicting cached
+        holders if needed. False (nothing reserved) if even that leaves too little room."""
+        holder = self._holders[seq_id]
+        num_needed = num_tokens - holder.num_tokens
+        if num_needed <= 0:
+            return True
+        while self.num_cells_free < num_needed and self._cached:
+            self._evict(next(iter(self._cached.values())))
+        if self.num_cells_free < num_needed:
+            return False
+        while holder.num_tokens < num_tokens:
+            if not holder.blocks or holder.blocks[-1].size == BLOCK_TOKENS:
+                holder.blocks.append(Block(owner_ids={seq_id}, num_running_owners=1))
+            block = holder.blocks[-1]
+            added = min(BLOCK_TOKENS - block.size, num_tokens - holder.num_tokens)
+            block.size += added
+            holder.num_tokens += added
+            self.num_cells_used += added
+        return True
+
+    def commit(self, seq_id: int, token_slice: TokenSlice, num_computed: int) -> None:
+        """Index the holder's full blocks whose tokens are now computed."""
+        holder = self._holders[seq_id]
+        if not self.enable_prefix_cache:
+            return
+        while holder.can_index and (holder.num_indexed + 1) * BLOCK_TOKENS <= num_computed:
+            i = holder.num_indexed
+            block = holder.blocks[i]
+            parent = holder.blocks[i - 1].node if i else self._root
+            key = tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS))
+            node = parent.children.get(key)
+            if node is None:
+                node = parent.children[key] = Node(parent, key, block)
+                block.node = node
+            elif node.block is not block:
+                # The same tokens were computed by another lineage first (two greedy twins,
+                # say): this holder's later blocks cannot descend from the indexed ones.
+                holder.can_index = False
+                return
+            holder.num_indexed += 1
+
+    def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool) -> None:
+        """A running holder is done. With `keep` (and the cache on) its indexed blocks stay
+        cached if any of them is not held by another holder already; the rest is freed."""
+        holder = self._holders[seq_id]
+        if keep and self.enable_prefix_cache:
+            self.commit(seq_id, token_slice, num_computed)
+            kept = holder.blocks[: holder.num_indexed]
+            if any(len(b.owner_ids) == 1 for b in kept):
+                self._drop_blocks(holder, holder.num_indexed)
+                for block in kept:
+                    self._change(block, holder, 0)
+                holder.is_running = False
+                self._cached[seq_id] = holder
+                while self.num_cells_evictable > self.max_cached_cells and self._cached:
+                    self._evict(next(iter(self._cached.values())))
+                return
+        self._drop_blocks(holder, 0)
+        self._free_holder(holder)
+
+    def clear_cache(self) -> None:
+        """Evict every cached holder (running ones are untouched)."""
+        while self._cached:
+            self._evict(next(iter(self._cached.values())))
+
+    def _match(self, token_slice: TokenSlice, num_tokens: int) -> list[Node]:
+        path: list[Node] = []
+        if not self.enable_prefix_cache:
+            return path
+        node = self._root
+        for i in range((num_tokens - 1) // BLOCK_TOKENS):
+            node = node.children.get(tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def _owner_of(self, block: Block) -> Holder:
+        # Any owner holds the whole chain (see the invariants); a running one is preferred
+        # so that the copy does not keep a cached holder alive for nothing.
+        owners = [self._holders[i] for i in block.owner_ids]
+        return next((h for h in owners if h.is_running), owners[0])
+
+    def _evict(self, holder: Holder) -> None:
+        del self._cached[holder.seq_id]
+        self._drop_blocks(holder, 0)
+        self._free_holder(holder)
+
+    def _free_holder(self, holder: Holder) -> None:
+        del self._holders[holder.seq_id]
+        self._free_seq_ids.append(holder.seq_id)
+
+    def _drop_blocks(self, holder: Holder, num_kept: int) -> None:
+        """Give up the holder's blocks from `num_kept` on (positions after them too)."""
+        if holder.num_tokens > num_kept * BLOCK_TOKENS or num_kept == 0:
+            self.ops.append((OP_REMOVE, holder.seq_id, num_kept * BLOCK_TOKENS))
+        for block in holder.blocks[num_kept:]:
+            self._change(block, holder, -1)
+        del holder.blocks[num_kept:]
+        holder.num_tokens = num_kept * BLOCK_TOKENS
+        holder.num_indexed = min(holder.num_indexed, num_kept)
+
+    def _change(self, block: Block, holder: Holder, owner_delta: int) -> None:
+        """A running `holder` starts owning the block (+1), stops owning it (-1), or stays
+        an owner but stops running (0); cell totals and the index follow."""
+        was_evictable = bool(block.owner_ids) and block.num_running_owners == 0
+        if owner_delta > 0:
+            block.owner_ids.add(holder.seq_id)
+        elif owner_delta < 0:
+            block.owner_ids.discard(holder.seq_id)
+        if holder.is_running:
+            block.num_running_owners += 1 if owner_delta > 0 else -1
+        is_evictable = bool(block.owner_ids) and block.num_running_owners == 0
+        self.num_cells_evictable += block.size * (is_evictable - was_evictable)
+        if not block.owner_ids:
+            self.num_cells_used -= block.size
+            if block.node is not None:
+                del block.node.parent.children[block.node.key]
+                block.node = None
