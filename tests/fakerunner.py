@@ -1,0 +1,68 @@
+"""A runner with no model, for driving the engine through preemption, eviction and
+decode failures.
+
+It keeps what llama.cpp's KV would hold (the token at every position of every sequence
+id, moved by the KV manager's copy and remove operations) and its "model" picks the next
+token from the whole sequence it holds. So any mistake in what the engine reuses, trims or
+recomputes changes the output, as it would with a real model.
+"""
+
+import numpy as np
+
+from cbatch.workers.kv_cache import OP_COPY
+
+NUM_VOCAB = 97
+EOG_ID = 0
+
+
+class FakeRunner:
+    def __init__(self, num_cells=1024, parallel=4, num_seq_ids=16, prefix_cache=True):
+        self.num_cells, self.num_seq_ids, self.has_prefix_cache = num_cells, num_seq_ids, prefix_cache
+        self.ctx_per_seq = num_cells // parallel
+        self.is_recurrent = False
+        self.eog_ids = np.array([EOG_ID], np.int32)
+        self.vocab = self.ctx = None
+        self.description = "fake"
+        self.kv: dict[int, list[int]] = {}
+        self.fail_next: list[int] = []  # statuses the next decodes return instead of 0
+        self.num_decodes = 0
+        self._rows: list[list[int]] = []
+
+    def tokenize(self, text: str) -> list[int]:
+        return [1 + ord(ch) % (NUM_VOCAB - 1) for ch in text]
+
+    def token_piece(self, token: int) -> bytes:
+        return bytes([ord("a") + token % 26])
+
+    def apply_memory_ops(self, ops) -> None:
+        for op in ops:
+            if op[0] == OP_COPY:
+                _, src, dst, n = op
+                assert not self.kv.get(dst)
+                self.kv[dst] = self.kv[src][:n]
+            else:
+                _, seq_id, start = op
+                del self.kv.setdefault(seq_id, [])[start:]
+
+    def decode(self, chunks) -> int:
+        self.num_decodes += 1
+        if self.fail_next:
+            return self.fail_next.pop(0)
+        self._rows = []
+        for chunk in chunks:
+            held = self.kv.setdefault(chunk.seq.seq_id, [])
+            assert len(held) == chunk.start, "a chunk continues exactly where the sequence's KV ends"
+            held += chunk.seq.token_slice(chunk.start, chunk.start + chunk.num_tokens)
+            if chunk.wants_logits:
+                self._rows.append(list(held))
+        return 0
+
+    def logits(self, num_outputs: int) -> np.ndarray:
+        assert num_outputs == len(self._rows)
+        logits = np.zeros((num_outputs, NUM_VOCAB), np.float32)
+        for row, tokens in enumerate(self._rows):
+            logits[row, 1 + (sum(t * (i + 1) for i, t in enumerate(tokens)) % (NUM_VOCAB - 1))] = 1.0
+        return logits
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,140 @@
+"""The engine's prefix cache, eviction, preemption and decode failures, driven through
+the fake runner (no model: every output is exact), then greedy equality on the tiny
+real model through llama.cpp's own KV operations."""
+
+import random
+
+import pytest
+
+from cbatch.config import EngineConfig
+from cbatch.workers.engine import Engine
+from enginekit import collect, generate, run_to_completion, submit
+from fakerunner import FakeRunner
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def fake_engine(prefix_cache=True, num_cells=1024, parallel=4, batch_size=64, cache_tokens=0):
+    config = EngineConfig(parallel=parallel, ctx_size=num_cells, batch_size=batch_size,
+                          prefix_cache=prefix_cache, cache_tokens=cache_tokens)
+    return Engine(config, FakeRunner(num_cells, parallel, config.num_seq_ids, prefix_cache))
+
+
+def shared_prefix_bodies(seed, count, prefix_lengths=(5, 40, 90, 150)):
+    rng = random.Random(seed)
+    prefixes = ["".join(rng.choice("abcdefgh") for _ in range(n)) for n in prefix_lengths]
+    bodies = []
+    for _ in range(count):
+        prompt = rng.choice(prefixes) + "".join(rng.choice("xyz") for _ in range(rng.randrange(0, 20)))
+        bodies.append({"prompt": prompt, "max_tokens": rng.randrange(1, 30), **GREEDY})
+    return bodies
+
+
+def test_outputs_are_the_same_with_the_cache_on_and_off():
+    bodies = shared_prefix_bodies(seed=1, count=40)
+    bodies += bodies[:5]  # wholly cached prompts
+    on, off = fake_engine(), fake_engine(prefix_cache=False)
+    with_cache, without = generate(on, bodies), generate(off, bodies)
+    assert [r.text for r in with_cache] == [r.text for r in without]
+    assert all(r.usage == s.usage for r, s in zip(with_cache, without))
+    stats_on, stats_off = on.snapshot(), off.snapshot()
+    assert stats_on["prompt_tokens_reused"] > 0 and stats_on["cache_hit_rate"] > 0.3
+    assert stats_off["prompt_tokens_reused"] == 0
+    assert stats_on["prompt_tokens_computed"] + stats_on["prompt_tokens_reused"] == stats_off["prompt_tokens_computed"]
+
+
+def test_eviction_under_memory_pressure_never_fails_a_request_nor_changes_an_output():
+    bodies = shared_prefix_bodies(seed=2, count=60, prefix_lengths=(20, 50, 60, 70, 80))
+    tight = fake_engine(num_cells=4 * 128, cache_tokens=4 * 128)  # room for little beyond the running
+    results = generate(tight, bodies)
+    assert all(r.finish_reason == "length" for r in results)
+    assert [r.text for r in results] == [r.text for r in generate(fake_engine(prefix_cache=False), bodies)]
+    stats = tight.snapshot()
+    assert stats["prompt_tokens_reused"] > 0 and stats["kv_cells_used"] <= stats["kv_cells_total"]
+
+
+def test_cancelling_a_sequence_whose_cells_are_shared_leaves_the_others_correct():
+    prefix = "s" * 100
+    bodies = [{"prompt": prefix + tail, "max_tokens": 20, **GREEDY} for tail in ("a", "b", "c")]
+    expected = generate(fake_engine(prefix_cache=False), bodies)
+    engine = fake_engine()
+    ids = [submit(engine, body) for body in bodies]
+    results: dict = {}
+    while not all(results.get(i) and len(results[i].token_ids) >= 3 for i in ids):
+        collect(results, engine.step())
+    engine.cancel(ids[0])
+    run_to_completion(engine, results)
+    assert results[ids[0]].finish_reason == "cancelled"
+    assert [results[i].text for i in ids[1:]] == [r.text for r in expected[1:]]
+    assert engine.snapshot()["prompt_tokens_reused"] >= 2 * 96
+
+
+def test_no_kv_room_preempts_the_newest_and_its_output_continues_exactly():
+    bodies = [{"prompt": f"{i}" * 30, "max_tokens": 25, **GREEDY} for i in range(3)]
+    expected = generate(fake_engine(), bodies)
+    engine = fake_engine()
+    ids = [submit(engine, body) for body in bodies]
+    results: dict = {}
+    for _ in range(8):
+        collect(results, engine.step())
+    newest = engine.scheduler.running[-1]
+    engine.runner.fail_next = [1]  # llama_decode: no KV room
+    collect(results, engine.step())
+    assert newest in engine.scheduler.waiting and newest.num_cached == 0
+    run_to_completion(engine, results)
+    assert [results[i].text for i in ids] == [r.text for r in expected]
+    assert all(results[i].finish_reason == "length" for i in ids)
+
+
+def test_a_failed_decode_ends_only_that_steps_sequences():
+    bodies = [{"prompt": f"{i}" * 10, "max_tokens": 10, **GREEDY} for i in range(4)]
+    expected = generate(fake_engine(parallel=2, num_cells=256), bodies)
+    engine = fake_engine(parallel=2, num_cells=256)
+    ids = [submit(engine, body) for body in bodies]
+    results: dict = {}
+    collect(results, engine.step())
+    engine.runner.fail_next = [-3]
+    collect(results, engine.step())
+    assert [results[i].finish_reason for i in ids[:2]] == ["error", "error"]
+    assert "-3" in results[ids[0]].error
+    run_to_completion(engine, results)
+    assert [results[i].text for i in ids[2:]] == [r.text for r in expected[2:]]
+
+
+@pytest.fixture
+def tiny_engine(tiny_model_path):
+    engines = []
+
+    def make(**overrides):
+        settings = {"model_path": tiny_model_path, "parallel": 4, "ctx_size": 4 * 512, "batch_size": 64, **overrides}
+        engines.append(Engine(EngineConfig(**settings)))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def test_greedy_output_is_the_same_with_the_cache_on_and_off_on_a_real_model(tiny_engine):
+    system = "You answer in one word. " * 6
+    prompts = [system + q for q in ("Sky?", "Grass?", "Snow?")] + ["short", system[:50] + "cut", system + "Sky?"]
+    bodies = [{"prompt": p, "max_tokens": 24, **GREEDY} for p in prompts]
+    on, off = tiny_engine(), tiny_engine(prefix_cache=False)
+    # One request at a time: the batch around each is the same in both engines.
+    with_cache = [generate(on, [body])[0] for body in bodies]
+    without = [generate(off, [body])[0] for body in bodies]
+    assert [r.token_ids for r in with_cache] == [r.token_ids for r in without]
+    stats = on.snapshot()
+    assert stats["prefix_cache"] and stats["prompt_tokens_reused"] >= 3 * 128
+    assert stats["cached_prefixes"] >= 1 and 0 < stats["kv_cells_cached"] <= stats["kv_cells_used"]
+
+
+def test_shared_prefix_side_by_side_on_a_real_model(tiny_engine):
+    system = "Context: the quick brown fox jumps over the lazy dog. " * 4
+    bodies = [{"prompt": system + f"Q{i}", "max_tokens": 16, **GREEDY} for i in range(8)]
+    engine = tiny_engine()
+    results = generate(engine, bodies)
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 16 for r in results)
+    stats = engine.snapshot()
+    # The first request computes the shared blocks once; the seven others reuse them.
+    assert stats["prompt_tokens_reused"] >= 7 * 16 * (len(system) // 16 - 1)
