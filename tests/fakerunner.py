@@ -16,10 +16,10 @@ EOG_ID = 0
 
 
 class FakeRunner:
-    def __init__(self, num_cells=1024, parallel=4, num_seq_ids=16, prefix_cache=True):
+    def __init__(self, num_cells=1024, parallel=4, num_seq_ids=16, prefix_cache=True, has_swa=False):
         self.num_cells, self.num_seq_ids, self.has_prefix_cache = num_cells, num_seq_ids, prefix_cache
         self.ctx_per_seq = num_cells // parallel
-        self.is_recurrent = False
+        self.is_recurrent, self.has_swa = False, has_swa
         self.eog_ids = np.array([EOG_ID], np.int32)
         self.vocab = self.ctx = None
         self.description = "fake"
@@ -37,9 +37,9 @@ class FakeRunner:
     def apply_memory_ops(self, ops) -> None:
         for op in ops:
             if op[0] == OP_COPY:
-                _, src, dst, n = op
-                assert not self.kv.get(dst)
-                self.kv[dst] = self.kv[src][:n]
+                _, src, dst, start, end = op
+                assert len(self.kv.setdefault(dst, [])) == start, "a copy continues where dst ends"
+                self.kv[dst] += self.kv[src][start:end]
             else:
                 _, seq_id, start = op
                 del self.kv.setdefault(seq_id, [])[start:]

@@ -14,10 +14,10 @@ from fakerunner import FakeRunner
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def fake_engine(prefix_cache=True, num_cells=1024, parallel=4, batch_size=64, cache_tokens=0):
+def fake_engine(prefix_cache=True, num_cells=1024, parallel=4, batch_size=64, cache_tokens=0, has_swa=False):
     config = EngineConfig(parallel=parallel, ctx_size=num_cells, batch_size=batch_size,
                           prefix_cache=prefix_cache, cache_tokens=cache_tokens)
-    return Engine(config, FakeRunner(num_cells, parallel, config.num_seq_ids, prefix_cache))
+    return Engine(config, FakeRunner(num_cells, parallel, config.num_seq_ids, prefix_cache, has_swa))
 
 
 def shared_prefix_bodies(seed, count, prefix_lengths=(5, 40, 90, 150)):
@@ -30,10 +30,11 @@ def shared_prefix_bodies(seed, count, prefix_lengths=(5, 40, 90, 150)):
     return bodies
 
 
-def test_outputs_are_the_same_with_the_cache_on_and_off():
+@pytest.mark.parametrize("has_swa", [False, True])
+def test_outputs_are_the_same_with_the_cache_on_and_off(has_swa):
     bodies = shared_prefix_bodies(seed=1, count=40)
     bodies += bodies[:5]  # wholly cached prompts
-    on, off = fake_engine(), fake_engine(prefix_cache=False)
+    on, off = fake_engine(has_swa=has_swa), fake_engine(prefix_cache=False)
     with_cache, without = generate(on, bodies), generate(off, bodies)
     assert [r.text for r in with_cache] == [r.text for r in without]
     assert all(r.usage == s.usage for r, s in zip(with_cache, without))

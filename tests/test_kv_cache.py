@@ -7,6 +7,8 @@ the tests check what llama.cpp would hold, not only the manager's own counts.
 
 import random
 
+import pytest
+
 from cbatch.workers.kv_cache import BLOCK_TOKENS, OP_COPY, KVCacheManager
 
 B = BLOCK_TOKENS
@@ -19,9 +21,9 @@ class FakeKV:
     def apply(self, ops):
         for op in ops:
             if op[0] == OP_COPY:
-                _, src, dst, n = op
-                assert not self.cells.get(dst), "a copy goes into an empty sequence"
-                self.cells[dst] = self.cells[src][:n]
+                _, src, dst, start, end = op
+                assert len(self.cells.setdefault(dst, [])) == start, "a copy continues where dst ends"
+                self.cells[dst] += self.cells[src][start:end]
             else:
                 _, seq_id, start = op
                 self.cells[seq_id] = self.cells.get(seq_id, [])[:start]
@@ -137,10 +139,11 @@ def test_twins_computing_the_same_tokens_keep_separate_cells_and_the_index_stays
     assert kv.num_cells_used == fake.num_live_cells()
 
 
-def test_random_traffic_keeps_the_counts_equal_to_what_llama_cpp_would_hold():
+@pytest.mark.parametrize("pin", [False, True])
+def test_random_traffic_keeps_the_counts_equal_to_what_llama_cpp_would_hold(pin):
     rng = random.Random(1234)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 5 * B))] for _ in range(4)]
-    kv, fake = KVCacheManager(40 * B, 12, True, 12 * B), FakeKV()
+    kv, fake = KVCacheManager(40 * B, 24, True, 12 * B, pin_indexed_cells=pin), FakeKV()
     running: dict[int, list[int]] = {}
     for _ in range(600):
         if running and (len(running) >= 3 or rng.random() < 0.4):
@@ -161,4 +164,11 @@ def test_random_traffic_keeps_the_counts_equal_to_what_llama_cpp_would_hold():
         assert kv.num_cells_used == fake.num_live_cells() <= kv.num_cells
         for seq_id, tokens in running.items():
             assert fake.tokens(seq_id) == tokens
+        if pin:  # no indexed cell is ever owned by one sequence alone
+            owners: dict[int, int] = {}
+            for held in fake.cells.values():
+                for cell in held:
+                    owners[id(cell)] = owners.get(id(cell), 0) + 1
+            for holder in kv._holders.values():
+                assert all(owners[id(c)] >= 2 for c in fake.cells[holder.seq_id][: holder.num_indexed * B])
     assert kv.num_tokens_reused > 0

@@ -45,7 +45,7 @@ class Engine:
         self.config = config
         self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
         kv = KVCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
-                            config.max_cached_cells)
+                            config.max_cached_cells, pin_indexed_cells=self.runner.has_swa)
         self.scheduler = Scheduler(kv, config.parallel, config.batch_size, config.max_queue)
         self.stats = EngineStats()
         self._seqs: dict[int, Sequence] = {}

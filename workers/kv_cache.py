@@ -21,6 +21,12 @@ Invariants:
 - `num_cells_used` is the sum of `size` over blocks with an owner, <= `num_cells`;
   `num_cells_evictable` is the part of it owned by cached holders only.
 
+Sliding-window layers: llama.cpp hands a cell that only one sequence owns to new tokens
+as soon as it falls out of that sequence's window, even with full-size SWA caches. A
+prefix reused from a holder that has moved past it would then miss part of its window.
+With `pin_indexed_cells`, every holder has a twin sequence id (its pin) that owns the
+holder's indexed cells too, so they are never owned by one sequence alone.
+
 The memory operations llama.cpp must apply, in order, before the next decode collect in
 `ops`; nothing here calls llama.cpp, so it is tested without a model.
 """
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 BLOCK_TOKENS = 16
-OP_COPY = "copy"  # (OP_COPY, src_seq_id, dst_seq_id, num_tokens): positions [0, num_tokens)
+OP_COPY = "copy"  # (OP_COPY, src_seq_id, dst_seq_id, start, end): positions [start, end)
 OP_REMOVE = "remove"  # (OP_REMOVE, seq_id, start): positions [start, end)
 
 TokenSlice = Callable[[int, int], list[int]]  # tokens [start, stop) of a sequence
@@ -58,13 +64,16 @@ class Holder:
     blocks: list[Block] = field(default_factory=list)
     num_tokens: int = 0  # cells reserved for positions [0, num_tokens)
     num_indexed: int = 0  # leading blocks the index names
+    pin_id: int | None = None  # owns the indexed cells too (with pin_indexed_cells)
     can_index: bool = True  # False once another lineage indexed the same tokens first
     is_running: bool = True
 
 
 class KVCacheManager:
-    def __init__(self, num_cells: int, num_seq_ids: int, enable_prefix_cache: bool, max_cached_cells: int):
+    def __init__(self, num_cells: int, num_seq_ids: int, enable_prefix_cache: bool, max_cached_cells: int,
+                 pin_indexed_cells: bool = False):
         self.num_cells = num_cells
+        self.pin_indexed_cells = pin_indexed_cells and enable_prefix_cache
         self.enable_prefix_cache = enable_prefix_cache
         self.max_cached_cells = max_cached_cells
         self.num_cells_used = 0
@@ -104,12 +113,15 @@ class KVCacheManager:
         num_needed = num_tokens - BLOCK_TOKENS * len(shared)
         if num_needed > self.num_cells_free + self.num_cells_evictable - pinned:
             return None
-        if not self._free_seq_ids:
+        num_ids = 2 if self.pin_indexed_cells else 1
+        while len(self._free_seq_ids) < num_ids:
             victim = next((h for h in self._cached.values() if h is not source), None)
             if victim is None:
                 return None
             self._evict(victim)
         holder = Holder(self._free_seq_ids.pop())
+        if self.pin_indexed_cells:
+            holder.pin_id = self._free_seq_ids.pop()
         self._holders[holder.seq_id] = holder
         if shared:
             if not source.is_running:
@@ -119,7 +131,9 @@ class KVCacheManager:
             holder.blocks = list(shared)
             holder.num_indexed = len(shared)
             holder.num_tokens = BLOCK_TOKENS * len(shared)
-            self.ops.append((OP_COPY, source.seq_id, holder.seq_id, holder.num_tokens))
+            self.ops.append((OP_COPY, source.seq_id, holder.seq_id, 0, holder.num_tokens))
+            if holder.pin_id is not None:
+                self.ops.append((OP_COPY, source.seq_id, holder.pin_id, 0, holder.num_tokens))
         is_reserved = self.grow(holder.seq_id, num_tokens)
         assert is_reserved, "room was checked above"
         self.num_tokens_reused += BLOCK_TOKENS * len(shared)
@@ -151,6 +165,7 @@ class KVCacheManager:
         holder = self._holders[seq_id]
         if not self.enable_prefix_cache:
             return
+        first_new = holder.num_indexed
         while holder.can_index and (holder.num_indexed + 1) * BLOCK_TOKENS <= num_computed:
             i = holder.num_indexed
             block = holder.blocks[i]
@@ -164,8 +179,10 @@ class KVCacheManager:
                 # The same tokens were computed by another lineage first (two greedy twins,
                 # say): this holder's later blocks cannot descend from the indexed ones.
                 holder.can_index = False
-                return
+                break
             holder.num_indexed += 1
+        if holder.pin_id is not None and holder.num_indexed > first_new:
+            self.ops.append((OP_COPY, seq_id, holder.pin_id, first_new * BLOCK_TOKENS, holder.num_indexed * BLOCK_TOKENS))
 
     def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool) -> None:
         """A running holder is done. With `keep` (and the cache on) its indexed blocks stay
@@ -217,11 +234,15 @@ class KVCacheManager:
     def _free_holder(self, holder: Holder) -> None:
         del self._holders[holder.seq_id]
         self._free_seq_ids.append(holder.seq_id)
+        if holder.pin_id is not None:
+            self._free_seq_ids.append(holder.pin_id)
 
     def _drop_blocks(self, holder: Holder, num_kept: int) -> None:
         """Give up the holder's blocks from `num_kept` on (positions after them too)."""
         if holder.num_tokens > num_kept * BLOCK_TOKENS or num_kept == 0:
             self.ops.append((OP_REMOVE, holder.seq_id, num_kept * BLOCK_TOKENS))
+        if holder.pin_id is not None and holder.num_indexed > num_kept:
+            self.ops.append((OP_REMOVE, holder.pin_id, num_kept * BLOCK_TOKENS))
         for block in holder.blocks[num_kept:]:
             self._change(block, holder, -1)
         del holder.blocks[num_kept:]

@@ -83,7 +83,8 @@ class LlamaRunner:
         # A sliding-window layer normally keeps only each sequence's last window of cells;
         # a reused prefix longer than the window needs the cells before its end, so with
         # the cache on those layers keep full-size KV (memory: see the README).
-        ctx_params.swa_full = self.has_prefix_cache and lc.llama_model_n_swa(self.model) > 0
+        self.has_swa = lc.llama_model_n_swa(self.model) > 0
+        ctx_params.swa_full = self.has_prefix_cache and self.has_swa
         ctx_params.no_perf = True
         self.ctx = lc.llama_init_from_model(self.model, ctx_params)
         if not self.ctx:
@@ -181,8 +182,8 @@ class LlamaRunner:
         """The KV manager's operations, in order (see workers/kv_cache.py)."""
         for op in ops:
             if op[0] == OP_COPY:
-                _, src, dst, num_tokens = op
-                lc.llama_memory_seq_cp(self.memory, src, dst, 0, num_tokens)
+                _, src, dst, start, end = op
+                lc.llama_memory_seq_cp(self.memory, src, dst, start, end)
             else:
                 assert op[0] == OP_REMOVE
                 _, seq_id, start = op

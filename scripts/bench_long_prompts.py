@@ -1,0 +1,241 @@
+"""Long prompts, side by side in one run: cbatch with the prefix cache on and off (and
+per-sequence KV streams), and llama.cpp's own llama-server when it is built
+(scripts/build_llama_server.sh; skipped with a note otherwise).
+
+Workloads (a closed loop: --clients threads each send --requests requests one after
+another; greedy, ignore_eos, so every request generates exactly its max_tokens):
+  short   ~25-token prompts, 64 generated
+  shared  ~815-token prompts sharing an ~800-token instruction, 16 generated
+  unique  ~815-token prompts sharing nothing, 16 generated
+  file    cbatch-submit over --file-lines lines sharing a ~1000-token instruction, 16
+          generated each (cbatch only: cache on vs off)
+Figures are generated tokens per second of wall time (lines per second for the file).
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from llama_cpp import Llama
+
+from cbatch.client import Client
+from cbatch.errors import CbatchError
+from cbatch.model import resolve_model_path
+
+BIN_DIR = Path(sys.executable).parent
+LLAMA_SERVER = Path(__file__).resolve().parent.parent / "build" / "llama-server" / "bin" / "llama-server"
+START_TIMEOUT_S = 300.0
+WORDS = ("river stone light garden window paper music winter market engine story number silver forest "
+         "question answer morning doctor letter summer island bridge planet coffee village animal ocean").split()
+CONFIGS = {  # name -> extra cbatch-worker flags
+    "cache": [],
+    "no-cache": ["--no-prefix-cache"],
+    "streams": ["--no-kv-unified"],
+}
+
+
+class Texts:
+    """Prompt text cut to a number of the model's tokens."""
+
+    def __init__(self, model_path: str, seed: int = 0):
+        self._vocab = Llama(model_path, vocab_only=True, verbose=False)
+        self._rng = random.Random(seed)
+
+    def words(self, num_tokens: int) -> str:
+        text = " ".join(self._rng.choice(WORDS) for _ in range(num_tokens))
+        tokens = self._vocab.tokenize(text.encode(), add_bos=False)[:num_tokens]
+        return self._vocab.detokenize(tokens).decode(errors="ignore")
+
+
+def workload_prompts(texts: Texts, name: str, count: int) -> tuple[list[str], int]:
+    if name == "short":
+        return [f"Note {i}: " + texts.words(20) for i in range(count)], 64
+    if name == "shared":
+        instruction = "Read the text and answer the question.\n" + texts.words(790)
+        return [f"{instruction}\nQuestion {i}: " + texts.words(12) for i in range(count)], 16
+    assert name == "unique"
+    return [f"Document {i}.\n" + texts.words(810) for i in range(count)], 16
+
+
+def closed_loop(prompts: list[str], num_clients: int, send) -> float:
+    """Each client sends its share of prompts one after another; returns tokens/s."""
+    counts = [0] * num_clients
+    errors: list[BaseException] = []
+
+    def client_loop(i):
+        try:
+            counts[i] = sum(send(p) for p in prompts[i::num_clients])
+        except BaseException as exc:  # reported after the run
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(num_clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sum(counts) / (time.perf_counter() - started)
+
+
+class CbatchDaemon:
+    def __init__(self, model_path: str, parallel: int, flags: list[str]):
+        self.workdir = Path(tempfile.mkdtemp(prefix="cbb-"))
+        self.endpoint = f"ipc://{self.workdir / 'cbatch.sock'}"
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.workdir), "CBATCH_ENDPOINT": self.endpoint}
+        self.log = open(self.workdir / "daemon.log", "w")
+        self.process = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "-m", model_path, "-np", str(parallel), *flags],
+                                        env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                with Client(self.endpoint, connect_timeout_s=1.0) as client:
+                    if client.health()["status"] == "ok":
+                        return
+            except CbatchError:
+                time.sleep(0.2)
+        raise RuntimeError(f"cbatch-worker did not start: {(self.workdir / 'daemon.log').read_text()}")
+
+    def send(self, max_tokens: int):
+        local = threading.local()
+
+        def send(prompt: str) -> int:
+            if not hasattr(local, "client"):
+                local.client = Client(self.endpoint)
+            result = local.client.generate(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            return result.usage["completion_tokens"]
+
+        return send
+
+    def stats(self) -> dict:
+        with Client(self.endpoint) as client:
+            return client.stats()
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=60)
+        self.log.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class LlamaServer:
+    def __init__(self, model_path: str, parallel: int, ctx_per_seq: int, threads: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [str(LLAMA_SERVER), "-m", model_path, "-np", str(parallel), "-c", str(parallel * ctx_per_seq),
+             "-t", str(threads), "-b", "512", "--port", str(self.port), "--no-webui"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("llama-server did not start")
+
+    def send(self, max_tokens: int):
+        def send(prompt: str) -> int:
+            body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
+                               "cache_prompt": True}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=3600) as reply:
+                return json.load(reply)["tokens_predicted"]
+
+        return send
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+def run_file(daemon: CbatchDaemon, texts: Texts, num_lines: int) -> float:
+    instruction = "Classify the sentiment of the review below as positive or negative.\n" + texts.words(1000)
+    path = daemon.workdir / "lines.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"{instruction}\nReview {i}: " + texts.words(12),
+                                        "max_tokens": 16, "temperature": 0, "ignore_eos": True}) + "\n"
+                            for i in range(num_lines)))
+    started = time.perf_counter()
+    subprocess.run([str(BIN_DIR / "cbatch-submit"), str(path), "-o", str(daemon.workdir / "out.jsonl")],
+                   env=daemon.env, check=True, stderr=subprocess.DEVNULL)
+    return num_lines / (time.perf_counter() - started)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
+    parser.add_argument("--parallel", type=int, default=16)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=3, help="requests per client")
+    parser.add_argument("--workloads", default="short,shared,unique,file")
+    parser.add_argument("--configs", default="cache,no-cache,streams,llama-server")
+    parser.add_argument("--file-lines", type=int, default=256)
+    parser.add_argument("--ctx-per-seq", type=int, default=4096)
+    args = parser.parse_args(argv)
+    model_path = resolve_model_path(args.model)
+    texts = Texts(model_path)
+    workloads = args.workloads.split(",")
+    configs = args.configs.split(",")
+    if "llama-server" in configs and not LLAMA_SERVER.exists():
+        print(f"note: {LLAMA_SERVER} is not built (scripts/build_llama_server.sh): llama-server skipped")
+        configs.remove("llama-server")
+    count = args.clients * args.requests
+    prompts = {w: workload_prompts(texts, w, count) for w in workloads if w != "file"}
+    table: dict[tuple[str, str], float] = {}
+    for config in configs:
+        if config == "llama-server":
+            server = LlamaServer(model_path, args.parallel, args.ctx_per_seq, os.cpu_count() or 1)
+            try:
+                for w, (ps, max_tokens) in prompts.items():
+                    table[w, config] = closed_loop(ps, args.clients, server.send(max_tokens))
+                    print(f"  {config:12} {w:7} {table[w, config]:8.1f}", flush=True)
+            finally:
+                server.stop()
+            continue
+        for w in workloads:  # a fresh daemon per workload: no workload warms another's cache
+            daemon = CbatchDaemon(model_path, args.parallel, CONFIGS[config])
+            try:
+                if w == "file":
+                    if config != "streams":
+                        table[w, config] = run_file(daemon, texts, args.file_lines)
+                else:
+                    ps, max_tokens = prompts[w]
+                    table[w, config] = closed_loop(ps, args.clients, daemon.send(max_tokens))
+                stats = daemon.stats()
+            finally:
+                daemon.stop()
+            if (w, config) in table:
+                print(f"  {config:12} {w:7} {table[w, config]:8.1f}   cache hit rate {stats['cache_hit_rate']:.2f}",
+                      flush=True)
+    print(f"\nparallel {args.parallel}, {args.clients} clients x {args.requests} requests, "
+          f"file {args.file_lines} lines; tok/s (file: lines/s)")
+    print(f"{'workload':9}" + "".join(f"{c:>14}" for c in configs)
+          + ("   cache/llama-server" if "llama-server" in configs else "") + "   cache/no-cache")
+    for w in workloads:
+        row = f"{w:9}" + "".join(f"{table[w, c]:14.1f}" if (w, c) in table else f"{'-':>14}" for c in configs)
+        if "llama-server" in configs:
+            ratio = table.get((w, "cache"), 0) / table[w, "llama-server"] if (w, "llama-server") in table else None
+            row += f"{ratio:21.2f}" if ratio else f"{'-':>21}"
+        if (w, "no-cache") in table and (w, "cache") in table:
+            row += f"{table[w, 'cache'] / table[w, 'no-cache']:17.2f}"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
