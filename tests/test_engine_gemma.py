@@ -1,10 +1,11 @@
 """What only the real model shows: chat template, stop strings and text, on gemma-3-270m."""
 
+import llama_cpp.llama_cpp as lc
 import pytest
 
 from cbatch.config import EngineConfig
 from cbatch.workers.engine import Engine
-from enginekit import generate
+from enginekit import collect, generate, run_to_completion, submit
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +46,39 @@ def test_stop_string_on_real_tokens(gemma):
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index("8,")]
     assert "8" not in stopped.text
+
+
+def test_a_prefix_longer_than_the_sliding_window_is_reused_exactly(gemma_model_path):
+    # gemma-3 attends over a 512-token window in most layers, and llama.cpp gives a cell
+    # that has left its only owner's window to new tokens. The first request generates on
+    # past the shared prefix while unrelated requests take cells beside it; the second
+    # request then reuses the prefix from it, and its window must still be whole.
+    config = {"model_path": gemma_model_path, "parallel": 3, "ctx_size": 3 * 2048, "cache_tokens": 16}
+    on, off = Engine(EngineConfig(**config)), Engine(EngineConfig(**config, prefix_cache=False))
+    try:
+        assert on.runner.has_swa and on.scheduler.kv.pin_indexed_cells
+        prefix = "The river carries the stone past the old mill and the silent bridge. " * 42
+        greedy = {"temperature": 0, "ignore_eos": True}
+        first_id = submit(on, {"prompt": prefix + "What does the river carry?", "max_tokens": 1300, **greedy})
+        results: dict = {}
+        for i in range(16):  # enough new cells for llama.cpp's slot search to wrap around the pool
+            other_id = submit(on, {"prompt": f"Colour list {i}: red, green, blue," * 30, "max_tokens": 40, **greedy})
+            while other_id not in results or results[other_id].finish_reason is None:
+                collect(results, on.step())
+        first = next(s for s in on.scheduler.running if s.request_id == first_id)
+        while first.num_cached <= first.num_prompt_tokens + 520:  # a whole window past the prefix
+            collect(results, on.step())
+        # The lowest position the sliding-window cache still holds for it: none was taken.
+        assert lc.llama_memory_seq_pos_min(on.runner.memory, first.seq_id) == 0
+        second = {"prompt": prefix + "Where is the mill?", "max_tokens": 24, **greedy}
+        reused_before = on.snapshot()["prompt_tokens_reused"]
+        second_id = submit(on, second)
+        while second_id not in results or results[second_id].finish_reason is None:
+            collect(results, on.step())
+        on.cancel(first_id)
+        run_to_completion(on, results)
+        assert on.snapshot()["prompt_tokens_reused"] - reused_before > 512  # more than a window
+        assert results[second_id].token_ids == generate(off, [second])[0].token_ids
+    finally:
+        on.close()
+        off.close()
