@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from cbatch.client import (CONNECT_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, _check_endpoint, _completion_from_chunks,
+from cbatch.client import (CONNECT_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, _check_endpoint, _choice_items, _raise_any,
                            _request_body, _split_item, _unreachable)
 from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, INTERNAL, UNAVAILABLE
 from cbatch.protocol import MsgType
 from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_dealer, make_tick_socket
-from cbatch.streams import Chunk, Completion, RequestStream
+from cbatch.streams import Chunk, Completion, RequestStream, completion_from_chunks
 
 
 class AsyncClient:
@@ -116,7 +116,11 @@ class AsyncClient:
     def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> AsyncIterator[Chunk]:
         return self.read(self.submit(prompt, messages, **params))
 
-    async def generate(self, prompt: str | None = None, messages: list | None = None, **params) -> Completion:
+    async def generate(self, prompt: str | None = None, messages: list | None = None,
+                       **params) -> Completion | list[Completion]:
+        """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
+        if "n" in params:
+            return _raise_any(await self.generate_batch(_choice_items(prompt, messages, params)))
         stream = self.submit(prompt, messages, **params)
         async for _ in self.read(stream):
             pass
@@ -162,7 +166,7 @@ class AsyncClient:
             else:
                 chunks[position].append(item)
                 if item.finish_reason:
-                    results[position] = _completion_from_chunks(chunks[position])
+                    results[position] = completion_from_chunks(chunks[position])
         return results
 
     def cancel(self, request_id: int) -> None:

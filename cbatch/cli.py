@@ -5,9 +5,12 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 
 from cbatch.config import DRAIN_GRACE_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+from cbatch.params import expand_choices
+from cbatch.streams import completion_from_chunks
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 PROGRESS_INTERVAL_S = 0.2
@@ -119,42 +122,79 @@ def submit_main(argv=None) -> None:
     sys.exit(EXIT_SOME_FAILED if summary["num_failed"] else EXIT_OK)
 
 
+@dataclass
+class _Line:
+    """One input line's results as they complete: one per choice (several with `n`)."""
+
+    id: object
+    num_choices: int
+    has_n: bool
+    chunks: dict = field(default_factory=dict)  # choice -> chunks so far
+    results: dict = field(default_factory=dict)  # choice -> Completion | CbatchError
+
+    def output(self) -> dict:
+        errors = [r for r in self.results.values() if isinstance(r, CbatchError)]
+        if errors:
+            return {"id": self.id, "error": errors[0].to_dict()}
+        choices = [self.results[i] for i in range(self.num_choices)]
+        if not self.has_n:
+            c = choices[0]
+            return {"id": self.id, "text": c.text, "finish_reason": c.finish_reason, "usage": c.usage}
+        usage = {"prompt_tokens": choices[0].usage["prompt_tokens"],
+                 "completion_tokens": sum(c.usage["completion_tokens"] for c in choices)}
+        return {"id": self.id, "usage": usage, "choices": [
+            {"index": i, "text": c.text, "finish_reason": c.finish_reason, "usage": c.usage} for i, c in enumerate(choices)]}
+
+
 def _run_file(client, numbered_items, num_lines: int, out, max_in_flight: int) -> dict:
-    """Stream every item through the daemon; write results in input order."""
+    """Stream every item (each choice of it, with `n`) through the daemon; write one
+    result line per input line, in input order."""
     show_progress = sys.stderr.isatty()
-    ids: list = []
-    texts: dict[int, list[str]] = {}
+    lines: list[_Line] = []
+    owners: list[tuple[int, int]] = []  # batch position -> (line, choice)
     done: dict[int, dict] = {}
-    next_to_write = num_ok = num_failed = num_tokens = 0
+    next_to_write = num_failed = num_tokens = 0
     started = shown_at = time.monotonic()
 
     def items():
         for number, item in numbered_items:
-            ids.append(item.get("id") if isinstance(item, dict) else number)  # a bad line is named by its number
-            yield item
+            try:
+                bodies = [item] if isinstance(item, CbatchError) else expand_choices(item)
+            except CbatchError as err:
+                bodies = [err]
+            has_n = isinstance(item, dict) and "n" in item
+            lines.append(_Line(item.get("id") if isinstance(item, dict) else number, len(bodies), has_n))
+            for choice, body in enumerate(bodies):
+                owners.append((len(lines) - 1, choice))
+                yield body
 
     for position, chunk in client.stream_batch(items(), max_in_flight):
+        line_index, choice = owners[position]
+        line = lines[line_index]
         if isinstance(chunk, CbatchError):
-            done[position] = {"id": ids[position], "error": chunk.to_dict()}
-            num_failed += 1
+            line.results[choice] = chunk
         else:
-            texts.setdefault(position, []).append(chunk.text)
+            line.chunks.setdefault(choice, []).append(chunk)
             num_tokens += len(chunk.token_ids)
             if chunk.finish_reason:
-                done[position] = {"id": ids[position], "text": "".join(texts.pop(position)),
-                                  "finish_reason": chunk.finish_reason, "usage": chunk.usage}
-                num_ok += 1
+                line.results[choice] = completion_from_chunks(line.chunks.pop(choice))
+        if len(line.results) == line.num_choices:
+            done[line_index] = line.output()
+            num_failed += "error" in done[line_index]
         while next_to_write in done:
             out.write(json.dumps(done.pop(next_to_write), ensure_ascii=False) + "\n")
+            lines[next_to_write] = None  # written: keep no more of it
             next_to_write += 1
         if show_progress and time.monotonic() - shown_at >= PROGRESS_INTERVAL_S:
             shown_at = time.monotonic()
             elapsed = max(shown_at - started, 1e-9)
-            print(f"\r{num_ok + num_failed}/{num_lines} done, {num_tokens / elapsed:.1f} tok/s", end="", file=sys.stderr)
+            print(f"\r{next_to_write + len(done)}/{num_lines} done, {num_tokens / elapsed:.1f} tok/s", end="",
+                  file=sys.stderr)
     out.flush()
     elapsed = time.monotonic() - started
     if show_progress:
         print(file=sys.stderr)
+    num_done = next_to_write
     return {"num_failed": num_failed, "line": (
-        f"cbatch-submit: {num_ok + num_failed} lines, {num_ok} ok, {num_failed} failed; "
+        f"cbatch-submit: {num_done} lines, {num_done - num_failed} ok, {num_failed} failed; "
         f"{num_tokens} tokens in {elapsed:.1f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s)")}

@@ -7,7 +7,6 @@ the same records over ZeroMQ. Both look the same to the caller.
 One Client per thread (ZeroMQ sockets are not thread-safe); one AsyncClient per event loop.
 """
 
-import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -15,10 +14,11 @@ from collections.abc import Iterator
 import zmq
 
 from cbatch.config import default_endpoint
-from cbatch.errors import CbatchError, DECODE_FAILED, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+from cbatch.params import expand_choices
 from cbatch.protocol import MsgType
 from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_dealer, make_tick_socket
-from cbatch.streams import Chunk, Completion, RequestStream
+from cbatch.streams import Chunk, Completion, RequestStream, completion_from_chunks
 
 DEFAULT_MAX_IN_FLIGHT = 64
 CONNECT_TIMEOUT_S = 10.0
@@ -54,12 +54,16 @@ def _split_item(item) -> tuple[object, dict]:
     return body.pop("id", None), body
 
 
-def _completion_from_chunks(chunks: list[Chunk]) -> Completion | CbatchError:
-    last = chunks[-1]
-    if last.finish_reason == "error":
-        return CbatchError(DECODE_FAILED, "the decode step of this request failed")
-    token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-    return Completion(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage)
+def _choice_items(prompt, messages, params) -> list[dict]:
+    """The batch items of a request with `n`: one per choice, named by its index."""
+    return [{**body, "id": i} for i, body in enumerate(expand_choices(_request_body(prompt, messages, params)))]
+
+
+def _raise_any(results: list) -> list[Completion]:
+    for result in results:
+        if isinstance(result, CbatchError):
+            raise result
+    return results
 
 
 class Client:
@@ -129,7 +133,11 @@ class Client:
         """Yield chunks as tokens arrive; the last one has finish_reason and usage."""
         return self.read(self.submit(prompt, messages, **params))
 
-    def generate(self, prompt: str | None = None, messages: list | None = None, **params) -> Completion:
+    def generate(self, prompt: str | None = None, messages: list | None = None,
+                 **params) -> Completion | list[Completion]:
+        """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
+        if "n" in params:
+            return _raise_any(self.generate_batch(_choice_items(prompt, messages, params)))
         stream = self.submit(prompt, messages, **params)
         for _ in self.read(stream):
             pass
@@ -177,7 +185,7 @@ class Client:
                 continue
             streams.setdefault(position, []).append(chunk)
             if chunk.finish_reason:
-                results[position] = _completion_from_chunks(streams.pop(position))
+                results[position] = completion_from_chunks(streams.pop(position))
         return results
 
     def cancel(self, request_id: int) -> None:

@@ -197,3 +197,23 @@ def parse_request(request_id: int, raw: dict) -> Request:
     if prompt is not None:
         return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params)
     return Request(request_id, messages=_messages(messages), params=params)
+
+
+MAX_CHOICES = 16
+
+
+def expand_choices(body: dict) -> list[dict]:
+    """A body asking for `n` completions of one prompt becomes n request bodies, each its
+    own sequence and sampler; with a `seed`, the i-th gets `seed + i` (random seeds stay
+    random). They are submitted together, so the engine computes the shared prompt once:
+    the later ones wait for its blocks (cache-aware admission) and reuse them. Without
+    `n`, the body is returned as it is; everything but `n` is checked by the daemon."""
+    if not isinstance(body, dict) or "n" not in body:
+        return [body]
+    rest = dict(body)
+    n = _int("n", rest.pop("n"), 1, MAX_CHOICES)
+    seed = rest.get("seed", -1)
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
+        _int("seed", seed, 0, MAX_SEED - (n - 1))
+        return [{**rest, "seed": seed + i} for i in range(n)]
+    return [dict(rest) for _ in range(n)]

@@ -7,6 +7,7 @@ gap stops intake until the missing records arrive.
 """
 
 import codecs
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -96,3 +97,13 @@ class RequestStream:
             raise CbatchError(DECODE_FAILED, self.finished.get("error") or "the decode step failed")
         return Completion(self.label, "".join(self.text_parts), self.token_ids, self.finished["finish_reason"],
                           self.finished["usage"], self.request_id)
+
+
+def completion_from_chunks(chunks: list[Chunk]) -> Completion | CbatchError:
+    """One request's chunks, as the caller got them, made into its result: a Completion,
+    or the error of a request whose decode failed."""
+    last = chunks[-1]
+    if last.finish_reason == "error":
+        return CbatchError(DECODE_FAILED, "the decode step of this request failed")
+    token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+    return Completion(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage)

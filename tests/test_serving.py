@@ -240,3 +240,38 @@ def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, sta
     assert d.leftovers() == []
     assert "ready" in d.log() and "stopped" in d.log()
 
+
+
+def test_n_choices_share_the_prompt_and_come_back_in_order(daemon, reference):
+    body = {"prompt": "a shared prompt " * 8, "max_tokens": 12}
+    want = reference([{**body, **GREEDY}])[0]
+    with daemon.client() as client:
+        reused_before = client.stats()["prompt_tokens_reused"]
+        greedy = client.generate(**body, **GREEDY, n=3)
+        reused = client.stats()["prompt_tokens_reused"] - reused_before
+        sampled = client.generate(**body, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11, n=4)
+        single = client.generate(**body, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=12)
+    assert [c.id for c in greedy] == [0, 1, 2]
+    assert all(c.token_ids == want.token_ids for c in greedy)
+    # The second and third choices reused every whole block of the first's prompt.
+    num_prompt = want.usage["prompt_tokens"]
+    assert reused >= 2 * ((num_prompt - 1) // 16) * 16 > 0
+    assert len({tuple(c.token_ids) for c in sampled}) > 1, "each choice has its own sampler and seed"
+    assert sampled[1].token_ids == single.token_ids, "choice i is sampled with seed + i"
+
+
+def test_submit_cli_returns_n_choices_per_line(daemon, tmp_path):
+    lines = [{"id": "one", "prompt": "first", "max_tokens": 5, **GREEDY},
+             {"id": "three", "prompt": "several", "max_tokens": 6, "n": 3, **GREEDY},
+             {"id": "bad", "prompt": "x", "n": 0}]
+    prompts = tmp_path / "n.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "n-results.jsonl"
+    run = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(out)],
+                         env=daemon.env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    one, three, bad = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "choices" not in one and one["usage"]["completion_tokens"] == 5
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    assert len({c["text"] for c in three["choices"]}) == 1 and three["usage"]["completion_tokens"] == 18
+    assert bad["error"]["code"] == "invalid_request" and "n must be" in bad["error"]["message"]
