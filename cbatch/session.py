@@ -34,6 +34,7 @@ class Session:
         self._ring = None
         self._next_nonce = 0
         self.missed_pings = 0
+        self.is_closed = False
         # When a list: for every ring poll that returned records, nanoseconds from the
         # writer's publish (the ring's heartbeat stamp) to this read. For benchmarks.
         self.read_latencies_ns: list[int] | None = None
@@ -95,7 +96,10 @@ class Session:
         return item
 
     def release(self, stream: RequestStream) -> None:
-        """The caller is done with the stream: cancel it if it is still running."""
+        """The caller is done with the stream: cancel it if it is still running. After
+        close() (an iterator outliving its client) there is no socket left to tell."""
+        if self.is_closed:
+            return
         if not stream.is_done:
             self.cancel(stream.request_id)
         self.forget(stream)
@@ -187,6 +191,7 @@ class Session:
         return self.welcome.get("tick_endpoint") if self.welcome and self.reader is not None else None
 
     def close(self) -> None:
+        self.is_closed = True
         if self._ring is not None:
             self._ring.close()
             self._ring = None

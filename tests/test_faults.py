@@ -176,12 +176,24 @@ def test_sigterm_to_the_whole_process_group_still_drains(tiny_model_path):
         d.remove_workdir()
 
 
-def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemon):
-    d = start_daemon(tiny_model_path, "--parallel", "1")
-    worker_pid = d.health["worker_pid"]
-    d.process.kill()
-    d.process.wait()
-    wait_until(lambda: not pid_alive(worker_pid), timeout_s=5.0)
+@pytest.mark.parametrize("state", ["idle", "generating", "prefilling"])
+def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemon, state):
+    d = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 8192), "--batch-size", "2")
+    worker_pid, ring_name = d.health["worker_pid"], d.ring_name()
+    with d.client() as client:
+        if state == "generating":
+            streams = [client.stream(prompt="x", max_tokens=8000, **GREEDY) for _ in range(2)]
+            [next(s) for s in streams]
+        elif state == "prefilling":  # 2-token chunks of a long prompt: thousands of steps before a token
+            stream = client.submit(prompt="y" * 8000, max_tokens=5, **GREEDY)
+            time.sleep(0.5)
+            assert client.stats()["num_active"] == 1 and not stream.pending
+        d.process.kill()
+        d.process.wait()
+        killed_at = time.monotonic()
+        wait_until(lambda: not pid_alive(worker_pid), timeout_s=5.0)
+        assert time.monotonic() - killed_at < 2.5
+    wait_until(lambda: not os.path.exists(f"/dev/shm/{ring_name}"), timeout_s=5.0)
 
 
 def test_hung_worker_is_killed_and_replaced(tiny_model_path, start_daemon):

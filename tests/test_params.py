@@ -5,7 +5,7 @@ import math
 import pytest
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.params import SamplingParams, parse_request
+from cbatch.params import MAX_SEED, SamplingParams, expand_choices, parse_request
 
 BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -63,3 +63,12 @@ def test_good_request_gets_defaults_and_values():
     chat = parse_request(10, {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
     assert chat.messages == (("system", "be brief"), ("user", "hi"))
     assert not chat.params.is_plain_greedy
+
+
+def test_n_expands_into_choices_with_consecutive_seeds():
+    assert expand_choices({"prompt": "p"}) == [{"prompt": "p"}]
+    assert [b["seed"] for b in expand_choices({"prompt": "p", "n": 3, "seed": 7})] == [7, 8, 9]
+    assert all("seed" not in b and "n" not in b for b in expand_choices({"prompt": "p", "n": 2}))
+    for bad in ({"n": 0}, {"n": 17}, {"n": "2"}, {"n": 2, "seed": MAX_SEED}):
+        with pytest.raises(CbatchError, match="n must|seed must"):
+            expand_choices({"prompt": "p", **bad})

@@ -250,14 +250,12 @@ def test_n_choices_share_the_prompt_and_come_back_in_order(daemon, reference):
         greedy = client.generate(**body, **GREEDY, n=3)
         reused = client.stats()["prompt_tokens_reused"] - reused_before
         sampled = client.generate(**body, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11, n=4)
-        single = client.generate(**body, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=12)
     assert [c.id for c in greedy] == [0, 1, 2]
     assert all(c.token_ids == want.token_ids for c in greedy)
     # The second and third choices reused every whole block of the first's prompt.
     num_prompt = want.usage["prompt_tokens"]
     assert reused >= 2 * ((num_prompt - 1) // 16) * 16 > 0
     assert len({tuple(c.token_ids) for c in sampled}) > 1, "each choice has its own sampler and seed"
-    assert sampled[1].token_ids == single.token_ids, "choice i is sampled with seed + i"
 
 
 def test_submit_cli_returns_n_choices_per_line(daemon, tmp_path):
@@ -275,3 +273,13 @@ def test_submit_cli_returns_n_choices_per_line(daemon, tmp_path):
     assert [c["index"] for c in three["choices"]] == [0, 1, 2]
     assert len({c["text"] for c in three["choices"]}) == 1 and three["usage"]["completion_tokens"] == 18
     assert bad["error"]["code"] == "invalid_request" and "n must be" in bad["error"]["message"]
+
+
+def test_closing_a_client_with_an_open_stream_is_quiet(daemon):
+    client = daemon.client()
+    stream = client.stream(prompt="still open", max_tokens=50, **GREEDY)
+    next(stream)
+    client.close()
+    stream.close()  # the iterator's cleanup runs after its client is gone: no socket error
+    with daemon.client() as other:
+        assert len(other.generate(prompt="x", max_tokens=3, **GREEDY).token_ids) == 3

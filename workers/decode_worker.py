@@ -16,6 +16,8 @@ import queue
 import signal
 import threading
 import time
+import traceback
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -30,6 +32,7 @@ from cbatch.workers.sequence import Sequence
 
 IDLE_WAIT_S = 0.5  # an idle engine wakes this often to notice SIGTERM
 IO_POLL_MS = 500
+ORPHAN_EXIT_S = 1.5  # a worker whose supervisor died is gone this long after noticing, whatever it was doing
 STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers with
 
 
@@ -81,23 +84,44 @@ class WorkerIO(threading.Thread):
         parent = multiprocessing.parent_process()
         if parent is not None:
             poller.register(parent.sentinel, zmq.POLLIN)
+        outgoing: deque[list[bytes]] = deque()  # for the front-end; a DEALER with no peer would block a send
+        orphaned = False
         try:
             while True:
                 ready = dict(poller.poll(IO_POLL_MS))
-                if parent is not None and parent.sentinel in ready:
-                    # The supervisor died (SIGKILL, OOM): nobody will read or stop us.
+                if parent is not None and parent.sentinel in ready and not orphaned:
+                    # The supervisor died (SIGKILL, OOM): nobody will read or stop us. Ask
+                    # the loop to stop, keep taking its sends (a send to a closed pipe would
+                    # block it forever), and end the process if it is slow to go (a long
+                    # llama_decode, a tokenizer busy with a large prompt).
+                    orphaned = True
+                    poller.unregister(parent.sentinel)
+                    outgoing.clear()
                     self.inbox.put((MsgType.WORKER_STOP, {}))
-                    return
+                    threading.Timer(ORPHAN_EXIT_S, os._exit, (1,)).start()
                 if pipe in ready:
                     frames = pipe.recv_multipart()
                     if frames == [b""]:
                         return
-                    control.send_multipart(frames)
-                if control in ready:
+                    if not orphaned:
+                        outgoing.append(frames)
+                if control in ready and ready[control] & zmq.POLLIN:
                     try:
                         self.inbox.put(unpack(control.recv_multipart()))
                     except ProtocolError:
                         pass  # only the front-end talks to this socket, and it sends valid frames
+                while outgoing:
+                    try:
+                        control.send_multipart(outgoing[0], zmq.NOBLOCK)
+                    except zmq.Again:  # no front-end connected (yet, or any more)
+                        break
+                    outgoing.popleft()
+                poller.modify(control, zmq.POLLIN | (zmq.POLLOUT if outgoing else 0))
+        except BaseException:
+            # Without this thread the worker can neither hear nor answer the front-end while
+            # its heartbeat keeps the watchdog content: end it, and the supervisor restarts it.
+            traceback.print_exc()
+            os._exit(1)
         finally:
             pipe.close(linger=0)
             control.close()
@@ -178,8 +202,11 @@ class EventPublisher:
         self._stats_sent_at = 0.0
 
     def publish(self, outputs: list[SeqOutput]) -> None:
-        if not outputs:  # a step of prompt chunks only: nothing to tell, but still alive
-            self._writer.heartbeat()
+        if not outputs:  # a step of prompt chunks only: nothing to tell but liveness and stats
+            if time.monotonic() - self._stats_sent_at >= STATS_INTERVAL_S:
+                self.send_stats()
+            else:
+                self._writer.heartbeat()
             return
         ring_events, wire_events = [], []
         for out in outputs:

@@ -78,6 +78,9 @@ class LlamaRunner:
         ctx_params.n_ctx = config.total_ctx
         ctx_params.n_batch = ctx_params.n_ubatch = config.batch_size
         ctx_params.n_seq_max = self.num_seq_ids
+        # llama.cpp reserves an output row per sequence id; by default it allows only
+        # n_batch rows, and asserts at the first decode when ids outnumber them.
+        ctx_params.n_outputs_max = max(config.batch_size, self.num_seq_ids)
         ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
         ctx_params.kv_unified = config.kv_unified
         # A sliding-window layer normally keeps only each sequence's last window of cells;

@@ -76,6 +76,11 @@ class Scheduler:
                 num_tokens = min(seq.num_uncached, budget)
                 chunks.append(Chunk(seq, seq.num_cached, num_tokens))
                 budget -= num_tokens
+        # The unified pool takes a batch in any order, but with per-sequence streams
+        # llama.cpp cuts a batch into one micro-batch per run of consecutive seq ids (and
+        # equal token counts): in id order a step stays one or two micro-batches, in
+        # admission order it falls apart once reused slots interleave.
+        chunks.sort(key=lambda c: c.seq.seq_id)
         return chunks
 
     def finish(self, seq: Sequence, keep_cached: bool) -> None:
