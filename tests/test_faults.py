@@ -211,3 +211,27 @@ def test_hung_worker_is_killed_and_replaced(tiny_model_path, start_daemon):
         assert client.health()["worker_pid"] != old_pid
         assert len(client.generate(prompt="x", max_tokens=5, **GREEDY).token_ids) == 5
     assert "no step" in d.log()
+
+
+FLOOD = """
+import sys
+from cbatch.client import Client
+client = Client(sys.argv[1])
+while True:
+    client.submit(prompt="flood " * 20, max_tokens=200, temperature=0)
+"""
+
+
+def test_a_client_that_floods_submits_and_is_killed_cannot_take_the_daemon_down(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "2")
+    for flood_s in (1.0, 2.5, 4.0):  # the abort came at varied points of the backlog
+        flooder = subprocess.Popen([sys.executable, "-c", FLOOD, d.endpoint], env=d.env)
+        time.sleep(flood_s)
+        flooder.kill()
+        flooder.wait()
+        assert d.process.poll() is None, d.log()
+        with d.client() as client:
+            # What it sent before it died, even what was still queued, runs for nobody.
+            wait_until(lambda: client.stats()["num_queued"] == 0, timeout_s=3.0)
+            assert len(client.generate(prompt="x", max_tokens=3, **GREEDY).token_ids) == 3
+    assert "Assertion failed" not in d.log()

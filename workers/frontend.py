@@ -32,6 +32,7 @@ CLOSE_LINGER_MS = 500
 MAX_MESSAGES_PER_TURN = 256
 MAX_RECORDS_PER_MESSAGE = 4096  # RECORDS replies are split to stay far inside the unpack limits
 PEER_HEARTBEAT_MS = 1000
+CLOSED_MEMORY_S = 10.0  # how long messages still queued from a closed connection are recognised
 
 
 @dataclass(eq=False)
@@ -60,6 +61,13 @@ class FrontEnd:
         self.clients.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
         # A frame bigger than any valid message drops the connection before it is buffered.
         self.clients.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        # No receive high-water mark. At the mark libzmq stops reading that connection, and
+        # if the peer dies while it is stopped, resuming the read aborts the whole process
+        # (libzmq 4.3's "!_io_error" assertion): a client that floods submits and is then
+        # killed took the daemon down. The front-end reads faster than a client can write
+        # (each message costs it one validation), so the kernel's socket buffer bounds
+        # what waits.
+        self.clients.setsockopt(zmq.RCVHWM, 0)
         self.control = zctx.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
         # Never drop a submit or cancel on its way to the worker: no high-water mark here
@@ -81,6 +89,9 @@ class FrontEnd:
         # are cancelled as soon as the kernel closes its socket.
         self.disconnects = self.clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._peer_by_fd: dict[int, bytes] = {}
+        # identity -> (descriptor, monotonic time) of connections that closed: what they
+        # sent before closing may still be queued, and must not start work nobody reads.
+        self._closed: dict[bytes, tuple[int, float]] = {}
         self.jobs: dict[int, Job] = {}
         self._finished: OrderedDict[int, Job] = OrderedDict()
         self._use_ring: dict[bytes, bool] = {}
@@ -115,7 +126,13 @@ class FrontEnd:
             identity_frame, *message = self.clients.recv_multipart(copy=False)
             identity, frames = identity_frame.bytes, [frame.bytes for frame in message]
             if message:
-                self._peer_by_fd[int(message[0].get("__fd"))] = identity
+                fd = int(message[0].get("__fd"))
+                closed = self._closed.get(identity)
+                if closed is not None:
+                    if closed[0] == fd:
+                        continue  # sent just before its connection closed
+                    del self._closed[identity]  # the same client, reconnected
+                self._peer_by_fd[fd] = identity
             if identity in self._stalled:
                 self._unstall(identity)
             body: dict = {}
@@ -137,8 +154,12 @@ class FrontEnd:
     def on_disconnects(self) -> None:
         """The client went away (closed, crashed, killed): nobody will read its requests."""
         while self.disconnects.poll(0):
-            identity = self._peer_by_fd.pop(int(recv_monitor_message(self.disconnects)["value"]), None)
+            fd = int(recv_monitor_message(self.disconnects)["value"])
+            identity = self._peer_by_fd.pop(fd, None)
             if identity is not None:
+                now = time.monotonic()
+                self._closed = {i: c for i, c in self._closed.items() if now - c[1] < CLOSED_MEMORY_S}
+                self._closed[identity] = (fd, now)
                 self._on_disconnect(identity)
 
     def _on_disconnect(self, identity: bytes) -> None:
