@@ -186,6 +186,8 @@ def main(argv=None) -> None:
     parser.add_argument("--workloads", default="short,shared,unique,file")
     parser.add_argument("--configs", default="cache,no-cache,streams,llama-server")
     parser.add_argument("--file-lines", type=int, default=256)
+    parser.add_argument("--no-cache-file-lines", type=int, default=64,
+                        help="lines of the file without the cache (lines/s is a rate; 256 would take ~6 min)")
     parser.add_argument("--ctx-per-seq", type=int, default=4096)
     args = parser.parse_args(argv)
     model_path = resolve_model_path(args.model)
@@ -213,7 +215,8 @@ def main(argv=None) -> None:
             try:
                 if w == "file":
                     if config != "streams":
-                        table[w, config] = run_file(daemon, texts, args.file_lines)
+                        num_lines = args.file_lines if config == "cache" else args.no_cache_file_lines
+                        table[w, config] = run_file(daemon, texts, num_lines)
                 else:
                     ps, max_tokens = prompts[w]
                     table[w, config] = closed_loop(ps, args.clients, daemon.send(max_tokens))
@@ -224,7 +227,7 @@ def main(argv=None) -> None:
                 print(f"  {config:12} {w:7} {table[w, config]:8.1f}   cache hit rate {stats['cache_hit_rate']:.2f}",
                       flush=True)
     print(f"\nparallel {args.parallel}, {args.clients} clients x {args.requests} requests, "
-          f"file {args.file_lines} lines; tok/s (file: lines/s)")
+          f"file {args.file_lines} lines ({args.no_cache_file_lines} without the cache); tok/s (file: lines/s)")
     print(f"{'workload':9}" + "".join(f"{c:>14}" for c in configs)
           + ("   cache/llama-server" if "llama-server" in configs else "") + "   cache/no-cache")
     for w in workloads:

@@ -18,16 +18,17 @@ START_TIMEOUT_S = 120.0
 
 class Daemon:
     def __init__(self, model_path: str, *args: str, endpoint: str | None = None, client_options: dict | None = None,
-                 start_new_session: bool = False):
+                 start_new_session: bool = False, workdir: Path | None = None):
         # Socket paths must fit a Unix socket address (107 bytes): pytest's tmp_path may not.
-        self.workdir = Path(tempfile.mkdtemp(prefix="cbt-"))
+        # A given workdir is another daemon's: this one starts where that one ran.
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="cbt-"))
         self.runtime_dir = self.workdir / "run"
-        self.runtime_dir.mkdir(mode=0o700)
+        self.runtime_dir.mkdir(mode=0o700, exist_ok=True)
         self.endpoint = endpoint or f"ipc://{self.workdir / 'cbatch.sock'}"
         self.client_options = client_options or {}
         self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_dir), "CBATCH_ENDPOINT": self.endpoint}
         self.stderr_path = self.workdir / "daemon.log"
-        self._stderr = open(self.stderr_path, "w")
+        self._stderr = open(self.stderr_path, "a")
         self.process = subprocess.Popen(
             [str(SCRIPTS_DIR / "cbatch-worker"), "--model", model_path, *args],
             env=self.env, stdout=self._stderr, stderr=subprocess.STDOUT, start_new_session=start_new_session,

@@ -58,6 +58,10 @@ def test_killed_worker_fails_in_flight_requests_and_is_restarted(tiny_model_path
     try:
         old_pid = d.health["worker_pid"]
         with d.client() as client:
+            cached = {"prompt": "a prompt the cache holds " * 4, "max_tokens": 2, **GREEDY}
+            client.generate(**cached)
+            client.generate(**cached)
+            assert client.stats()["prompt_tokens_reused"] > 0
             stream = client.stream(prompt="x", max_tokens=8000, **GREEDY)
             next(stream)
             os.kill(old_pid, signal.SIGKILL)
@@ -70,6 +74,9 @@ def test_killed_worker_fails_in_flight_requests_and_is_restarted(tiny_model_path
             assert client.health()["worker_pid"] not in (old_pid, 0)
             again = client.generate(prompt="x", max_tokens=20, **GREEDY)
             assert len(again.token_ids) == 20
+            client.generate(**cached)  # a new worker starts with an empty cache
+            stats = client.stats()
+            assert stats["prompt_tokens_reused"] == 0 and stats["prompt_tokens_computed"] > 0
         assert not pid_alive(old_pid)
         assert "restarting" in d.log()
     finally:
@@ -194,6 +201,11 @@ def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemo
         wait_until(lambda: not pid_alive(worker_pid), timeout_s=5.0)
         assert time.monotonic() - killed_at < 2.5
     wait_until(lambda: not os.path.exists(f"/dev/shm/{ring_name}"), timeout_s=5.0)
+    # A daemon started where the killed one ran removes its socket files.
+    assert d.leftovers()
+    again = start_daemon(tiny_model_path, "--parallel", "2", workdir=d.workdir, endpoint=d.endpoint)
+    assert again.stop() == 0
+    assert again.leftovers() == [], again.log()
 
 
 def test_hung_worker_is_killed_and_replaced(tiny_model_path, start_daemon):

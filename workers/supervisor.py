@@ -21,6 +21,7 @@ from cbatch.ipc.ring import RingError, create_ring
 from cbatch.protocol import MsgType
 from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
 from cbatch.workers.frontend import FrontEnd
+from cbatch.workers.leftovers import remove_leftovers
 
 log = logging.getLogger("cbatch.worker")
 
@@ -194,6 +195,9 @@ def run_daemon(config: DaemonConfig) -> int:
     lock_fd = _lock_endpoint(config.endpoint)
     supervisor = None
     try:
+        removed = remove_leftovers(runtime_dir())
+        if removed:
+            log.info("removed %d files left by daemons that are no longer running", len(removed))
         supervisor = Supervisor(config)
 
         def request_stop(signum, frame):
