@@ -10,14 +10,17 @@ recomputes changes the output, as it would with a real model.
 import numpy as np
 
 from cbatch.workers.kv_cache import OP_COPY
+from cbatch.workers.stream_cache import WHOLE_STREAM
 
 NUM_VOCAB = 97
 EOG_ID = 0
 
 
 class FakeRunner:
-    def __init__(self, num_cells=1024, parallel=4, num_seq_ids=16, prefix_cache=True, has_swa=False):
-        self.num_cells, self.num_seq_ids, self.has_prefix_cache = num_cells, num_seq_ids, prefix_cache
+    def __init__(self, num_cells=1024, parallel=4, num_seq_ids=16, prefix_cache=True, has_swa=False, unified=True):
+        self.unified = unified
+        self.num_cells, self.has_prefix_cache = num_cells, prefix_cache
+        self.num_seq_ids = num_seq_ids if unified else parallel
         self.ctx_per_seq = num_cells // parallel
         self.is_recurrent, self.has_swa = False, has_swa
         self.eog_ids = np.array([EOG_ID], np.int32)
@@ -38,6 +41,11 @@ class FakeRunner:
         for op in ops:
             if op[0] == OP_COPY:
                 _, src, dst, start, end = op
+                if end == WHOLE_STREAM:  # per-sequence streams: llama.cpp replaces dst's stream
+                    assert start == 0 and not self.unified
+                    self.kv[dst] = list(self.kv[src])
+                    continue
+                assert self.unified, "only the unified pool copies part of a sequence"
                 assert len(self.kv.setdefault(dst, [])) == start, "a copy continues where dst ends"
                 self.kv[dst] += self.kv[src][start:end]
             else:

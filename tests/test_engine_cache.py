@@ -14,10 +14,11 @@ from fakerunner import FakeRunner
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def fake_engine(prefix_cache=True, num_cells=1024, parallel=4, batch_size=64, cache_tokens=0, has_swa=False):
+def fake_engine(prefix_cache=True, num_cells=1024, parallel=4, batch_size=64, cache_tokens=0, has_swa=False,
+                unified=True):
     config = EngineConfig(parallel=parallel, ctx_size=num_cells, batch_size=batch_size,
-                          prefix_cache=prefix_cache, cache_tokens=cache_tokens)
-    return Engine(config, FakeRunner(num_cells, parallel, config.num_seq_ids, prefix_cache, has_swa))
+                          prefix_cache=prefix_cache, cache_tokens=cache_tokens, kv_unified=unified)
+    return Engine(config, FakeRunner(num_cells, parallel, config.num_seq_ids, prefix_cache, has_swa, unified))
 
 
 def shared_prefix_bodies(seed, count, prefix_lengths=(5, 40, 90, 150)):
@@ -30,11 +31,12 @@ def shared_prefix_bodies(seed, count, prefix_lengths=(5, 40, 90, 150)):
     return bodies
 
 
-@pytest.mark.parametrize("has_swa", [False, True])
-def test_outputs_are_the_same_with_the_cache_on_and_off(has_swa):
+@pytest.mark.parametrize("has_swa, unified", [(False, True), (True, True), (False, False)],
+                         ids=["pool", "pool-swa", "streams"])
+def test_outputs_are_the_same_with_the_cache_on_and_off(has_swa, unified):
     bodies = shared_prefix_bodies(seed=1, count=40)
     bodies += bodies[:5]  # wholly cached prompts
-    on, off = fake_engine(has_swa=has_swa), fake_engine(prefix_cache=False)
+    on, off = fake_engine(has_swa=has_swa, unified=unified), fake_engine(prefix_cache=False)
     with_cache, without = generate(on, bodies), generate(off, bodies)
     assert [r.text for r in with_cache] == [r.text for r in without]
     assert all(r.usage == s.usage for r, s in zip(with_cache, without))
@@ -116,11 +118,12 @@ def tiny_engine(tiny_model_path):
         engine.close()
 
 
-def test_greedy_output_is_the_same_with_the_cache_on_and_off_on_a_real_model(tiny_engine):
+@pytest.mark.parametrize("unified", [True, False], ids=["pool", "streams"])
+def test_greedy_output_is_the_same_with_the_cache_on_and_off_on_a_real_model(tiny_engine, unified):
     system = "You answer in one word. " * 6
     prompts = [system + q for q in ("Sky?", "Grass?", "Snow?")] + ["short", system[:50] + "cut", system + "Sky?"]
     bodies = [{"prompt": p, "max_tokens": 24, **GREEDY} for p in prompts]
-    on, off = tiny_engine(), tiny_engine(prefix_cache=False)
+    on, off = tiny_engine(kv_unified=unified), tiny_engine(prefix_cache=False, kv_unified=unified)
     # One request at a time: the batch around each is the same in both engines.
     with_cache = [generate(on, [body])[0] for body in bodies]
     without = [generate(off, [body])[0] for body in bodies]
@@ -130,12 +133,18 @@ def test_greedy_output_is_the_same_with_the_cache_on_and_off_on_a_real_model(tin
     assert stats["cached_prefixes"] >= 1 and 0 < stats["kv_cells_cached"] <= stats["kv_cells_used"]
 
 
-def test_shared_prefix_side_by_side_on_a_real_model(tiny_engine):
+@pytest.mark.parametrize("unified", [True, False], ids=["pool", "streams"])
+def test_shared_prefix_side_by_side_on_a_real_model(tiny_engine, unified):
     system = "Context: the quick brown fox jumps over the lazy dog. " * 4
     bodies = [{"prompt": system + f"Q{i}", "max_tokens": 16, **GREEDY} for i in range(8)]
-    engine = tiny_engine()
+    engine = tiny_engine(kv_unified=unified)
     results = generate(engine, bodies)
     assert all(r.finish_reason == "length" and len(r.token_ids) == 16 for r in results)
+    # Each request alone, without the cache: the same tokens (in streams, a token's
+    # attention never sees another stream, so batching changes nothing there).
+    if not unified:
+        alone = tiny_engine(kv_unified=False, prefix_cache=False)
+        assert [r.token_ids for r in results] == [generate(alone, [b])[0].token_ids for b in bodies]
     stats = engine.snapshot()
     # The first request computes the shared blocks once; the seven others reuse them.
     assert stats["prompt_tokens_reused"] >= 7 * 16 * (len(system) // 16 - 1)

@@ -48,15 +48,17 @@ def test_stop_string_on_real_tokens(gemma):
     assert "8" not in stopped.text
 
 
-def test_a_prefix_longer_than_the_sliding_window_is_reused_exactly(gemma_model_path):
+@pytest.mark.parametrize("unified", [True, False], ids=["pool", "streams"])
+def test_a_prefix_longer_than_the_sliding_window_is_reused_exactly(gemma_model_path, unified):
     # gemma-3 attends over a 512-token window in most layers, and llama.cpp gives a cell
     # that has left its only owner's window to new tokens. The first request generates on
     # past the shared prefix while unrelated requests take cells beside it; the second
     # request then reuses the prefix from it, and its window must still be whole.
-    config = {"model_path": gemma_model_path, "parallel": 3, "ctx_size": 3 * 2048, "cache_tokens": 16}
+    config = {"model_path": gemma_model_path, "parallel": 3, "ctx_size": 3 * 2048, "cache_tokens": 16,
+              "kv_unified": unified}
     on, off = Engine(EngineConfig(**config)), Engine(EngineConfig(**config, prefix_cache=False))
     try:
-        assert on.runner.has_swa and on.scheduler.kv.pin_indexed_cells
+        assert on.runner.has_swa and on.scheduler.kv.pin_indexed_cells == unified
         prefix = "The river carries the stone past the old mill and the silent bridge. " * 42
         greedy = {"temperature": 0, "ignore_eos": True}
         first_id = submit(on, {"prompt": prefix + "What does the river carry?", "max_tokens": 1300, **greedy})

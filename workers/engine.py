@@ -22,6 +22,7 @@ from cbatch.workers.llama_runner import LlamaRunner
 from cbatch.workers.sampling import free_sampler_chain, greedy_rows, make_sampler_chain, sample_with_chain
 from cbatch.workers.scheduler import Chunk, Scheduler
 from cbatch.workers.sequence import FinishReason, Sequence
+from cbatch.workers.stream_cache import StreamCacheManager
 from cbatch.workers.stats import EngineStats
 
 LLAMA_DECODE_NO_KV_ROOM = 1
@@ -44,8 +45,11 @@ class Engine:
     def __init__(self, config: EngineConfig, runner=None):
         self.config = config
         self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
-        kv = KVCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
-                            config.max_cached_cells, pin_indexed_cells=self.runner.has_swa)
+        if config.kv_unified:
+            kv = KVCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
+                                config.max_cached_cells, pin_indexed_cells=self.runner.has_swa)
+        else:
+            kv = StreamCacheManager(self.runner.num_seq_ids, self.runner.ctx_per_seq, self.runner.has_prefix_cache)
         self.scheduler = Scheduler(kv, config.parallel, config.batch_size, config.max_queue)
         self.stats = EngineStats()
         self._seqs: dict[int, Sequence] = {}
@@ -63,8 +67,6 @@ class Engine:
             return "on"
         if self.runner.is_recurrent:
             return "off (recurrent or hybrid model: its memory cannot share part of a sequence)"
-        if not self.config.kv_unified:
-            return "off (per-sequence KV streams share no cells)"
         return "off (--no-prefix-cache)"
 
     @property

@@ -69,11 +69,12 @@ class LlamaRunner:
         self.model = lc.llama_model_load_from_file(model_path.encode(), model_params)
         if not self.model:
             raise CbatchError(INVALID_CONFIG, f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
-        # Sharing part of a sequence's KV needs one unified pool and a model whose memory is
-        # positional (recurrent and hybrid models keep one state per sequence).
+        # Reusing part of a sequence's KV needs a model whose memory is positional (recurrent
+        # and hybrid models keep one state per sequence). Spare ids hold cached prefixes in
+        # the unified pool only: with per-sequence streams each id is a whole stream.
         self.is_recurrent = lc.llama_model_is_recurrent(self.model) or lc.llama_model_is_hybrid(self.model)
-        self.has_prefix_cache = config.prefix_cache and config.kv_unified and not self.is_recurrent
-        self.num_seq_ids = config.num_seq_ids if self.has_prefix_cache else config.parallel
+        self.has_prefix_cache = config.prefix_cache and not self.is_recurrent
+        self.num_seq_ids = config.num_seq_ids if self.has_prefix_cache and config.kv_unified else config.parallel
         ctx_params = lc.llama_context_default_params()
         ctx_params.n_ctx = config.total_ctx
         ctx_params.n_batch = ctx_params.n_ubatch = config.batch_size
