@@ -1,10 +1,26 @@
-"""cbatch: serve one GGUF model to many concurrent callers with continuous batching."""
+"""cbatch: serve one GGUF model to many concurrent callers with continuous batching.
 
-from cbatch.async_client import AsyncClient
-from cbatch.client import Client
-from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError
-from cbatch.streams import Chunk, Completion
+The public names load on first use, so `import cbatch` (and the daemon's processes, which
+import it first) pull in neither pyzmq nor llama.cpp until they need them. The decode
+worker needs llama.cpp loaded before pyzmq's libzmq: some CUDA builds of the bindings
+crashed at model load the other way round.
+"""
 
-__all__ = ["AsyncClient", "CbatchError", "Chunk", "Client", "Completion", "EngineConfig"]
+import importlib
+
+_EXPORTS = {
+    "AsyncClient": "cbatch.async_client",
+    "Client": "cbatch.client",
+    "EngineConfig": "cbatch.config",
+    "CbatchError": "cbatch.errors",
+    "Chunk": "cbatch.streams",
+    "Completion": "cbatch.streams",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'cbatch' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

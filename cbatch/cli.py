@@ -25,12 +25,12 @@ def worker_main(argv=None) -> None:
     parser.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
     parser.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
     parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond --parallel (default 1024)")
-    parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=True,
-                        help="one KV pool shared by all sequences (default) or one stream per sequence")
+    parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
+                        help="one KV pool shared by all sequences, or one stream per sequence (default)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV of cached prompt prefixes (default on; needs the unified pool)")
+                        help="reuse the KV of cached prompt prefixes (default on)")
     parser.add_argument("--cache-tokens", type=int, default=0,
-                        help="KV cells kept for finished requests' prefixes (default: one sequence's context)")
+                        help="unified pool: KV cells kept for finished requests' prefixes (default: one sequence's context)")
     parser.add_argument("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     parser.add_argument("--ring-capacity", type=int, default=RING_CAPACITY_RECORDS, help="token ring records (power of two)")
     parser.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S, help="seconds in-flight requests get on SIGTERM")

@@ -17,8 +17,9 @@ from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
 from cbatch.streams import RequestStream
 
-LIVENESS_S = 5.0  # a waiting client that hears nothing for this long pings the front-end
-MAX_MISSED_PINGS = 3  # then gives up with `unavailable`
+LIVENESS_S = 2.0  # a waiting client that hears nothing for this long pings the front-end
+MAX_MISSED_PINGS = 2  # then gives up with `unavailable`: a dead daemon is known within ~6 s
+SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
 SAFETY_POLL_S = 0.1
 MAX_PING_REQUEST_IDS = 4096  # with requests active, also read the ring this often (in case a tick was dropped)
 
@@ -41,7 +42,14 @@ class Session:
 
     # ---- outgoing ---------------------------------------------------------------
     def send(self, msg_type: MsgType, body: dict) -> None:
-        self._send_frames(pack(msg_type, body))
+        self._send(pack(msg_type, body))
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self._send_frames(frames)
+        except zmq.Again:
+            raise CbatchError(UNAVAILABLE, f"the daemon took no message from this client for {SEND_TIMEOUT_S:.0f} s "
+                                           "(it stopped reading it, or it is gone); is cbatch-worker running?") from None
 
     def hello(self) -> None:
         self.send(MsgType.HELLO, {"version": PROTOCOL_VERSION, "use_ring": self.use_ring})
@@ -62,7 +70,11 @@ class Session:
                 self.reader = RingReader(self._ring)  # idle until now: start at the ring's present
             self.reader.watch(request_id)  # before the worker can publish anything for it
         self.streams[request_id] = stream
-        self._send_frames(frames)
+        try:
+            self._send(frames)
+        except CbatchError:
+            self.forget(stream)
+            raise
         return stream
 
     def cancel(self, request_id: int) -> None:
@@ -225,6 +237,7 @@ def make_dealer(zctx, endpoint: str, server_key_file: str | None, client_key_fil
     so after a reconnect the front-end still knows whose requests these are."""
     dealer = zctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
     dealer.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))  # ids starting 0x00 are libzmq's
     use_curve(dealer, server_key_file, client_key_file)
     dealer.connect(endpoint)

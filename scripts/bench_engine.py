@@ -57,7 +57,7 @@ def run_sequential(llm, prompts, params, max_tokens) -> float:
     return num_generated / (time.perf_counter() - started)
 
 
-def run_engine(model_path, parallel, prompts, params, max_tokens, waves=1, kv_unified=True) -> tuple[float, dict]:
+def run_engine(model_path, parallel, prompts, params, max_tokens, waves=1, kv_unified=False) -> tuple[float, dict]:
     """Run the prompts `waves` times in a row on one engine (later waves reuse the slots)."""
     engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=1024 * parallel, kv_unified=kv_unified))
     try:
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--waves", type=int, default=1, help="run each level's prompts this many times in a row")
-    parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False)
     args = parser.parse_args()
 
     model_path = resolve_model_path(args.model)

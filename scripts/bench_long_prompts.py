@@ -1,6 +1,7 @@
-"""Long prompts, side by side in one run: cbatch with the prefix cache on and off (and
-per-sequence KV streams), and llama.cpp's own llama-server when it is built
-(scripts/build_llama_server.sh; skipped with a note otherwise).
+"""Long prompts, side by side in one run: cbatch in its KV layouts (per-sequence streams,
+the default, and one unified pool) with the prefix cache on and off, and llama.cpp's own
+llama-server when it is built (scripts/build_llama_server.sh; skipped with a note
+otherwise).
 
 Workloads (a closed loop: --clients threads each send --requests requests one after
 another; greedy, ignore_eos, so every request generates exactly its max_tokens):
@@ -8,7 +9,7 @@ another; greedy, ignore_eos, so every request generates exactly its max_tokens):
   shared  ~815-token prompts sharing an ~800-token instruction, 16 generated
   unique  ~815-token prompts sharing nothing, 16 generated
   file    cbatch-submit over --file-lines lines sharing a ~1000-token instruction, 16
-          generated each (cbatch only: cache on vs off)
+          generated each (cbatch only; --no-cache-file-lines lines without the cache)
 Figures are generated tokens per second of wall time (lines per second for the file).
 """
 
@@ -38,9 +39,10 @@ START_TIMEOUT_S = 300.0
 WORDS = ("river stone light garden window paper music winter market engine story number silver forest "
          "question answer morning doctor letter summer island bridge planet coffee village animal ocean").split()
 CONFIGS = {  # name -> extra cbatch-worker flags
-    "cache": [],
+    "streams": [],  # the default: per-sequence KV streams with the prefix cache
     "no-cache": ["--no-prefix-cache"],
-    "streams": ["--no-kv-unified"],
+    "pool": ["--kv-unified"],  # one unified KV pool with the prefix cache
+    "pool-no-cache": ["--kv-unified", "--no-prefix-cache"],
 }
 
 
@@ -184,7 +186,7 @@ def main(argv=None) -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=3, help="requests per client")
     parser.add_argument("--workloads", default="short,shared,unique,file")
-    parser.add_argument("--configs", default="cache,no-cache,streams,llama-server")
+    parser.add_argument("--configs", default="streams,no-cache,pool,llama-server")
     parser.add_argument("--file-lines", type=int, default=256)
     parser.add_argument("--no-cache-file-lines", type=int, default=64,
                         help="lines of the file without the cache (lines/s is a rate; 256 would take ~6 min)")
@@ -214,9 +216,8 @@ def main(argv=None) -> None:
             daemon = CbatchDaemon(model_path, args.parallel, CONFIGS[config])
             try:
                 if w == "file":
-                    if config != "streams":
-                        num_lines = args.file_lines if config == "cache" else args.no_cache_file_lines
-                        table[w, config] = run_file(daemon, texts, num_lines)
+                    num_lines = args.no_cache_file_lines if "no-cache" in config else args.file_lines
+                    table[w, config] = run_file(daemon, texts, num_lines)
                 else:
                     ps, max_tokens = prompts[w]
                     table[w, config] = closed_loop(ps, args.clients, daemon.send(max_tokens))
@@ -229,14 +230,14 @@ def main(argv=None) -> None:
     print(f"\nparallel {args.parallel}, {args.clients} clients x {args.requests} requests, "
           f"file {args.file_lines} lines ({args.no_cache_file_lines} without the cache); tok/s (file: lines/s)")
     print(f"{'workload':9}" + "".join(f"{c:>14}" for c in configs)
-          + ("   cache/llama-server" if "llama-server" in configs else "") + "   cache/no-cache")
+          + ("  streams/llama-server" if "llama-server" in configs else "") + "  streams/no-cache")
     for w in workloads:
         row = f"{w:9}" + "".join(f"{table[w, c]:14.1f}" if (w, c) in table else f"{'-':>14}" for c in configs)
         if "llama-server" in configs:
-            ratio = table.get((w, "cache"), 0) / table[w, "llama-server"] if (w, "llama-server") in table else None
-            row += f"{ratio:21.2f}" if ratio else f"{'-':>21}"
-        if (w, "no-cache") in table and (w, "cache") in table:
-            row += f"{table[w, 'cache'] / table[w, 'no-cache']:17.2f}"
+            ratio = table.get((w, "streams"), 0) / table[w, "llama-server"] if (w, "llama-server") in table else None
+            row += f"{ratio:22.2f}" if ratio else f"{'-':>22}"
+        if (w, "no-cache") in table and (w, "streams") in table:
+            row += f"{table[w, 'streams'] / table[w, 'no-cache']:18.2f}"
         print(row)
 
 

@@ -200,6 +200,10 @@ def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemo
         killed_at = time.monotonic()
         wait_until(lambda: not pid_alive(worker_pid), timeout_s=5.0)
         assert time.monotonic() - killed_at < 2.5
+        if state == "generating":  # a client waiting on the dead daemon hears so soon
+            with pytest.raises(CbatchError) as err:
+                list(streams[0])
+            assert err.value.code == "unavailable" and time.monotonic() - killed_at < 9.0
     wait_until(lambda: not os.path.exists(f"/dev/shm/{ring_name}"), timeout_s=5.0)
     # A daemon started where the killed one ran removes its socket files.
     assert d.leftovers()
@@ -247,3 +251,18 @@ def test_a_client_that_floods_submits_and_is_killed_cannot_take_the_daemon_down(
             wait_until(lambda: client.stats()["num_queued"] == 0, timeout_s=3.0)
             assert len(client.generate(prompt="x", max_tokens=3, **GREEDY).token_ids) == 3
     assert "Assertion failed" not in d.log()
+
+
+def test_the_daemon_takes_every_descriptor_its_hard_limit_allows(tiny_model_path, start_daemon):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))  # inherited by the daemon
+    try:
+        d = start_daemon(tiny_model_path, "--parallel", "1")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    limits = Path(f"/proc/{d.process.pid}/limits").read_text()
+    line = next(row for row in limits.splitlines() if row.startswith("Max open files"))
+    daemon_soft, daemon_hard = line.split()[3:5]
+    assert daemon_soft == daemon_hard or (hard == resource.RLIM_INFINITY and int(daemon_soft) >= 1 << 20)

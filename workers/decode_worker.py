@@ -20,6 +20,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 
+import llama_cpp  # noqa: F401  before zmq, see cbatch/__init__.py
 import zmq
 
 from cbatch.config import EngineConfig

@@ -96,6 +96,7 @@ class FrontEnd:
         self._finished: OrderedDict[int, Job] = OrderedDict()
         self._use_ring: dict[bytes, bool] = {}
         self._stalled: set[bytes] = set()  # clients whose queue filled up; see _stall
+        self._undelivered: dict[bytes, dict[int, Job]] = {}  # owner -> finished requests whose finish it lacks
         self._newly_stalled: set[bytes] = set()
         self.worker: dict | None = None  # the READY body of the live worker; None while (re)starting
         self.worker_failure: str | None = None
@@ -199,9 +200,23 @@ class FrontEnd:
         """The stalled client speaks again: resend the finishes it may have lost, so it
         can fetch any records it lacks and end those streams."""
         self._stalled.discard(identity)
-        for job in list(self._finished.values()):
-            if job.owner == identity and not job.is_finish_delivered:
-                job.is_finish_delivered = self._send(identity, MsgType.FINISHED, job.finish)
+        for job in list(self._undelivered.get(identity, {}).values()):
+            self._deliver_finish(job)
+            if not job.is_finish_delivered:
+                break  # its queue is full again: the rest waits for its next message
+
+    def _deliver_finish(self, job: Job) -> None:
+        """Send a request's finish to its owner; one that cannot be sent is owed to it.
+        Only what a client is owed is ever re-sent, so a flooding client that stalls costs
+        the loop one failed send per message, not a pass over every finished request."""
+        job.is_finish_delivered = self._send(job.owner, MsgType.FINISHED, job.finish)
+        owed = self._undelivered.setdefault(job.owner, {})
+        if job.is_finish_delivered:
+            owed.pop(job.request_id, None)
+        else:
+            owed[job.request_id] = job
+        if not owed:
+            del self._undelivered[job.owner]
 
     def _error(self, identity: bytes, code: str, message: str, body: dict) -> None:
         reply = {"code": code, "message": message}
@@ -281,7 +296,7 @@ class FrontEnd:
             if job is None or job.owner != identity:
                 lost.append(request_id)
             elif job.finish is not None:
-                job.is_finish_delivered = self._send(identity, MsgType.FINISHED, job.finish)
+                self._deliver_finish(job)
         self._send(identity, MsgType.HEALTH_REPLY, {
             "nonce": body.get("nonce", 0), "status": status, "model": worker.get("model", ""),
             "parallel": self.config.engine.parallel, "worker_pid": worker.get("pid", 0),
@@ -346,7 +361,7 @@ class FrontEnd:
         if finish_reason:
             job.finish = {"request_id": request_id, "finish_reason": finish_reason, "usage": usage,
                           "num_records": len(job.records), "error": error}
-            job.is_finish_delivered = self._send(job.owner, MsgType.FINISHED, job.finish)
+            self._deliver_finish(job)
             self._retire(job)
 
     def _retire(self, job: Job) -> None:
@@ -356,7 +371,11 @@ class FrontEnd:
         self.requests_completed += 1
         self._finished[job.request_id] = job
         while self._finished and next(iter(self._finished.values())).finished_at < now - FINISHED_RETENTION_S:
-            self._finished.popitem(last=False)
+            _, old = self._finished.popitem(last=False)
+            owed = self._undelivered.get(old.owner, {})
+            owed.pop(old.request_id, None)
+            if not owed:
+                self._undelivered.pop(old.owner, None)
 
     def fail_all(self, code: str, message: str, *, include_held: bool = True) -> None:
         """End in-flight requests with an error. Without include_held, requests still held

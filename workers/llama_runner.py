@@ -6,6 +6,7 @@ threads of the worker (socket I/O) run while llama_decode computes.
 """
 
 import ctypes
+import sys
 
 import llama_cpp.llama_cpp as lc
 import numpy as np
@@ -18,11 +19,15 @@ from cbatch.workers.scheduler import Chunk
 MAX_PIECE_BYTES = 256
 
 
+GGML_LOG_LEVEL_ERROR = 4
+
+
 @lc.llama_log_callback
 def _quiet_log(level, text, user_data):
     # llama.cpp logs every load and context detail to stderr; the worker reports what
-    # matters itself. Errors still surface as return codes.
-    return None
+    # matters itself, but an error (a backend's, say, before an abort) is kept.
+    if level == GGML_LOG_LEVEL_ERROR:
+        sys.stderr.write(text.decode(errors="replace"))
 
 
 class BatchBuffer:

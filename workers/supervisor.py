@@ -10,6 +10,7 @@ import fcntl
 import logging
 import multiprocessing
 import os
+import resource
 import signal
 import time
 
@@ -31,6 +32,20 @@ MAX_STARTUP_FAILURES = 3  # consecutive worker deaths before READY, then the dae
 RESTART_BACKOFF_S = 1.0  # doubled after each consecutive start-up failure
 CANCEL_GRACE_S = 5.0  # after cancelling at the end of a drain, wait this long for the finishes
 STOP_TIMEOUT_S = 10.0
+MAX_OPEN_FILES = 1 << 20  # the soft limit asked for when the hard limit is unlimited
+
+
+def _raise_open_file_limit() -> None:
+    """Every client connection is a descriptor, and libzmq aborts the process when an
+    accept fails for lack of one: take all the descriptors the hard limit allows (the
+    common soft limit of 1024 is about a thousand local clients)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            pass  # keep the limit we have
 
 
 def _ipc_path(endpoint: str) -> str | None:
@@ -192,6 +207,7 @@ class Supervisor:
 
 def run_daemon(config: DaemonConfig) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code."""
+    _raise_open_file_limit()
     lock_fd = _lock_endpoint(config.endpoint)
     supervisor = None
     try:
