@@ -2,8 +2,8 @@
 
 The public names load on first use, so `import cbatch` (and the daemon's processes, which
 import it first) pull in neither pyzmq nor llama.cpp until they need them. The decode
-worker needs llama.cpp loaded before pyzmq's libzmq: some CUDA builds of the bindings
-crashed at model load the other way round.
+worker loads llama.cpp before pyzmq and numpy: a CUDA build of the bindings (on an H100
+machine) crashed at model load when either was loaded first.
 """
 
 import importlib

@@ -12,11 +12,11 @@ import zmq
 import zmq.asyncio
 
 from cbatch.client import (CONNECT_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, _check_endpoint, _choice_items, _raise_any,
-                           _request_body, _split_item, _unreachable)
+                           _request_body, _unreachable)
 from cbatch.config import default_endpoint
-from cbatch.errors import CbatchError, INTERNAL, UNAVAILABLE
+from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
-from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_dealer, make_tick_socket
+from cbatch.session import LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
 from cbatch.streams import Chunk, Completion, RequestStream, completion_from_chunks
 
 
@@ -31,7 +31,7 @@ class AsyncClient:
                  curve_server_key: str | None = None, curve_client_key: str | None = None):
         self.endpoint = endpoint or default_endpoint()
         _check_endpoint(self.endpoint)
-        self._zctx = zmq.asyncio.Context()
+        self._zctx = zmq.asyncio.Context.instance()  # never terminated by us: see Client
         self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
         self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
         self._round = asyncio.Event()  # replaced after every pump round; waiters await the current one
@@ -129,31 +129,18 @@ class AsyncClient:
     async def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> AsyncIterator[tuple[int, Chunk | CbatchError]]:
         """Yield (item position, chunk or error) as they arrive, at most max_in_flight
         requests outstanding. Each item's last chunk has finish_reason, or is an error."""
-        slots = asyncio.Semaphore(max_in_flight)
-        arrivals: asyncio.Queue = asyncio.Queue()
-
-        async def run(position, item):
-            async with slots:
-                try:
-                    label, body = _split_item(item)
-                    async for chunk in self.read(self._session.submit(body, label)):
-                        arrivals.put_nowait((position, chunk))
-                except CbatchError as err:
-                    arrivals.put_nowait((position, err))
-                except Exception as err:  # every item must end, or the batch would wait forever
-                    arrivals.put_nowait((position, CbatchError(INTERNAL, f"{type(err).__name__}: {err}")))
-
-        tasks = [asyncio.create_task(run(position, item)) for position, item in enumerate(items)]
+        feeder = BatchFeeder(self._session, items, max_in_flight)
         try:
-            for _ in range(len(tasks)):
-                while True:
-                    position, item = await arrivals.get()
-                    yield position, item
-                    if isinstance(item, CbatchError) or item.finish_reason:
-                        break
+            while True:
+                for arrival in feeder.fill():
+                    yield arrival
+                if feeder.is_done:
+                    return
+                await self._wait(feeder.has_arrivals)
+                for arrival in feeder.take_arrivals():
+                    yield arrival
         finally:
-            for task in tasks:
-                task.cancel()
+            feeder.close()
 
     async def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
         """Results in input order: a Completion, or the CbatchError that item got."""
@@ -196,7 +183,7 @@ class AsyncClient:
             except BaseException:
                 pass
         self._session.close()
-        self._zctx.destroy(linger=0)
+        self._dealer.close(linger=0)
 
     async def __aenter__(self):
         return self

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import zmq
 
 from cbatch.config import default_endpoint
-from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.protocol import MsgType
-from cbatch.session import LIVENESS_S, SAFETY_POLL_S, Session, make_dealer, make_tick_socket
+from cbatch.session import LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
 from cbatch.streams import Chunk, Completion, RequestStream, completion_from_chunks
 
 DEFAULT_MAX_IN_FLIGHT = 64
@@ -44,16 +44,6 @@ def _request_body(prompt, messages, params) -> dict:
     return body
 
 
-def _split_item(item) -> tuple[object, dict]:
-    """A batch item is a prompts.jsonl line: {"id": ..., "prompt"/"messages": ..., params}."""
-    if isinstance(item, CbatchError):
-        raise item  # the caller already knows this item is bad (e.g. a line that is not JSON)
-    if not isinstance(item, dict):
-        raise CbatchError(INVALID_REQUEST, "each batch item must be a dict")
-    body = dict(item)
-    return body.pop("id", None), body
-
-
 def _choice_items(prompt, messages, params) -> list[dict]:
     """The batch items of a request with `n`: one per choice, named by its index."""
     return [{**body, "id": i} for i, body in enumerate(expand_choices(_request_body(prompt, messages, params)))]
@@ -72,7 +62,10 @@ class Client:
                  curve_server_key: str | None = None, curve_client_key: str | None = None):
         self.endpoint = endpoint or default_endpoint()
         _check_endpoint(self.endpoint)
-        self._zctx = zmq.Context()
+        # The process-wide context, never terminated by us: a Client that is garbage
+        # collected unclosed (say, in a reference cycle) must not make the collector block
+        # in zmq_ctx_term waiting for sockets the same collection already dropped.
+        self._zctx = zmq.Context.instance()
         self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
         self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
         self._poller = zmq.Poller()
@@ -146,33 +139,16 @@ class Client:
     def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> Iterator[tuple[int, Chunk | CbatchError]]:
         """Run items with at most max_in_flight outstanding; yield (item position, chunk or
         error) as they arrive. Each item's last chunk has finish_reason, or is an error."""
-        items = iter(enumerate(items))
-        active: dict[int, RequestStream] = {}
-        exhausted = False
+        feeder = BatchFeeder(self._session, items, max_in_flight)
         try:
-            while active or not exhausted:
-                while not exhausted and len(active) < max_in_flight:
-                    position, item = next(items, (None, None))
-                    if position is None:
-                        exhausted = True
-                        break
-                    try:
-                        label, body = _split_item(item)
-                        active[position] = self._session.submit(body, label)
-                    except CbatchError as err:
-                        yield position, err
-                if not active:
-                    break
-                self._wait(lambda: any(s.pending for s in active.values()))
-                for position, stream in list(active.items()):
-                    while stream.pending:
-                        yield position, stream.pending.popleft()
-                    if stream.is_done:
-                        self._session.forget(active.pop(position))
+            while True:
+                yield from feeder.fill()
+                if feeder.is_done:
+                    return
+                self._wait(feeder.has_arrivals)
+                yield from feeder.take_arrivals()
         finally:
-            for stream in active.values():
-                self._session.cancel(stream.request_id)
-                self._session.forget(stream)
+            feeder.close()
 
     def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
         """Results in input order: a Completion, or the CbatchError that item got."""
@@ -209,7 +185,9 @@ class Client:
 
     def close(self) -> None:
         self._session.close()
-        self._zctx.destroy(linger=0)
+        self._dealer.close(linger=0)
+        if self._tick is not None:
+            self._tick.close(linger=0)
 
     def __enter__(self):
         return self

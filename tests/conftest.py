@@ -1,6 +1,7 @@
 import importlib.util
 from pathlib import Path
 
+import llama_cpp  # noqa: F401  first: see cbatch/__init__.py (CUDA builds and import order)
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]

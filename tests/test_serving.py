@@ -85,13 +85,15 @@ def test_generate_batch_applies_per_item_parameters_and_reports_bad_items(daemon
         {"id": "sampled", "prompt": "a", "max_tokens": 9, "temperature": 1.5, "seed": 3, "ignore_eos": True},
         {"id": "stopped", "prompt": "a", "max_tokens": 40, "stop": ["*"], **GREEDY},
     ]
-    short, long_, bad, sampled, stopped = daemon.client().generate_batch(items)
+    with daemon.client() as client:
+        short, long_, bad, sampled, stopped = client.generate_batch(items)
     assert (short.id, len(short.token_ids)) == ("short", 3)
     assert (long_.id, len(long_.token_ids)) == ("long", 17)
     assert long_.token_ids[:3] == short.token_ids
     assert isinstance(bad, CbatchError) and bad.code == "invalid_request" and "top_p" in bad.message
-    unencodable, huge, fine = daemon.client().generate_batch([
-        {"prompt": "a", "stop": {"a"}}, {"prompt": "z" * (5 << 20)}, {"prompt": "a", "max_tokens": 2}])
+    with daemon.client() as client:
+        unencodable, huge, fine = client.generate_batch([
+            {"prompt": "a", "stop": {"a"}}, {"prompt": "z" * (5 << 20)}, {"prompt": "a", "max_tokens": 2}])
     assert isinstance(unencodable, CbatchError) and unencodable.code == "invalid_request"
     assert isinstance(huge, CbatchError) and huge.code == "invalid_request" and "limit" in huge.message
     assert len(fine.token_ids) == 2
@@ -283,3 +285,54 @@ def test_closing_a_client_with_an_open_stream_is_quiet(daemon):
     stream.close()  # the iterator's cleanup runs after its client is gone: no socket error
     with daemon.client() as other:
         assert len(other.generate(prompt="x", max_tokens=3, **GREEDY).token_ids) == 3
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_stream_batch_pulls_items_only_as_requests_finish(daemon, is_async):
+    pulled = []
+
+    def endless():
+        for i in range(1_000_000):
+            pulled.append(i)
+            yield {"id": i, "prompt": f"item {i}", "max_tokens": 3, **GREEDY}
+
+    async def first_finishes_async(count):
+        client = await AsyncClient.connect(daemon.endpoint)
+        try:
+            done = []
+            async for position, chunk in client.stream_batch(endless(), max_in_flight=4):
+                if chunk.finish_reason:
+                    done.append(position)
+                    assert len(pulled) <= 4 + len(done)
+                    if len(done) == count:
+                        return done
+        finally:
+            await client.close()
+
+    def first_finishes(count):
+        with daemon.client() as client:
+            done = []
+            for position, chunk in client.stream_batch(endless(), max_in_flight=4):
+                if chunk.finish_reason:
+                    done.append(position)
+                    assert len(pulled) <= 4 + len(done)
+                    if len(done) == count:
+                        return done
+
+    done = asyncio.run(first_finishes_async(10)) if is_async else first_finishes(10)
+    assert len(done) == 10 and len(pulled) <= 14
+
+
+def test_a_client_left_unclosed_in_a_reference_cycle_is_collected_without_blocking(daemon):
+    import gc
+
+    def forget_a_client():
+        client = daemon.client()
+        client.generate(prompt="x", max_tokens=2, **GREEDY)
+        client.cycle = client  # only the cycle collector can free it now
+
+    forget_a_client()
+    collector = threading.Thread(target=gc.collect, daemon=True)
+    collector.start()
+    collector.join(10)
+    assert not collector.is_alive(), "the garbage collector blocked on a forgotten client"

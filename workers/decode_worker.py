@@ -37,6 +37,12 @@ ORPHAN_EXIT_S = 1.5  # a worker whose supervisor died is gone this long after no
 STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers with
 
 
+def worker_identity(generation: int) -> bytes:
+    """The routing id a worker speaks to the front-end under: one per generation, so the
+    front-end can tell a dead worker's last messages from the live one's."""
+    return f"worker-{generation}".encode()
+
+
 @dataclass(frozen=True)
 class WorkerPlan:
     """What the supervisor hands to each worker it starts."""
@@ -74,7 +80,7 @@ class WorkerIO(threading.Thread):
         control.setsockopt(zmq.LINGER, 1000)  # let the last events and the goodbye reach the front-end
         control.setsockopt(zmq.SNDHWM, 0)  # events are never dropped on the way to the front-end
         control.setsockopt(zmq.RCVHWM, 0)
-        control.setsockopt(zmq.IDENTITY, f"worker-{self._plan.generation}".encode())
+        control.setsockopt(zmq.IDENTITY, worker_identity(self._plan.generation))
         control.connect(self._plan.control_endpoint)
         pipe = self._zctx.socket(zmq.PAIR)
         pipe.setsockopt(zmq.RCVHWM, 0)

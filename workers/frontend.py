@@ -99,6 +99,7 @@ class FrontEnd:
         self._undelivered: dict[bytes, dict[int, Job]] = {}  # owner -> finished requests whose finish it lacks
         self._newly_stalled: set[bytes] = set()
         self.worker: dict | None = None  # the READY body of the live worker; None while (re)starting
+        self.worker_identity: bytes | None = None  # the routing id of the worker started last
         self.worker_failure: str | None = None
         self.worker_stats: dict = {}
         self.is_draining = False
@@ -332,6 +333,8 @@ class FrontEnd:
     def on_worker_messages(self) -> None:
         while self.control.poll(0):
             identity, *frames = self.control.recv_multipart()
+            if identity != self.worker_identity:
+                continue  # sent by a worker that has since died: its requests were failed already
             msg_type, body = unpack(frames)  # the worker is ours: a malformed frame is a bug, let it raise
             if msg_type is MsgType.WORKER_READY:
                 self.worker = {**body, "identity": identity}

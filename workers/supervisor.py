@@ -20,7 +20,7 @@ from cbatch.config import DaemonConfig, runtime_dir
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
 from cbatch.ipc.ring import RingError, create_ring
 from cbatch.protocol import MsgType
-from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
+from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker, worker_identity
 from cbatch.workers.frontend import FrontEnd
 from cbatch.workers.leftovers import remove_leftovers
 
@@ -106,6 +106,7 @@ class Supervisor:
         self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
         self.worker.start()
         self.frontend.worker = None
+        self.frontend.worker_identity = worker_identity(self._generation)
 
     def _poll(self, timeout_ms: int) -> bool:
         """Serve both sockets once; return True if the worker process has exited."""
