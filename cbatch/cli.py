@@ -23,7 +23,8 @@ def worker_main(argv=None) -> None:
     parser.add_argument("-c", "--ctx-size", type=int, default=0, help="total context for all sequences (default 4096 each)")
     parser.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per decode step (default 512)")
     parser.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
-    parser.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU")
+    parser.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
+                        help="layers to offload to a GPU (default -1: all of them on a GPU build)")
     parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting beyond --parallel (default 1024)")
     parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
                         help="one KV pool shared by all sequences, or one stream per sequence (default)")
@@ -103,12 +104,16 @@ def submit_main(argv=None) -> None:
     from cbatch.client import Client
 
     try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as err:
+        print(f"cbatch-submit: cannot write {args.output}: {err.strerror}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    try:
         client = Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
                         curve_client_key=args.curve_client_key)
     except CbatchError as err:
         print(f"cbatch-submit: {err.message}", file=sys.stderr)
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:
         summary = _run_file(client, _read_items(args.prompts), num_lines, out, args.max_in_flight)
     except CbatchError as err:

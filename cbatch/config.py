@@ -19,7 +19,7 @@ class EngineConfig:
     ctx_size: int = 0  # total context shared by all slots, as llama.cpp's server; 0 = 4096 per slot
     batch_size: int = 512  # tokens per step: decode tokens first, prompt chunks fill the rest
     threads: int = 0  # 0 = all cores
-    n_gpu_layers: int = 0
+    n_gpu_layers: int = -1  # -1 = every layer on a GPU build of llama.cpp, none on a CPU build
     max_queue: int = 1024  # waiting requests beyond `parallel`; more are rejected with queue_full
     # One KV stream per sequence (a token attends over its own stream only) rather than one
     # pool for all (each token attends over the pool's whole used range): measured faster

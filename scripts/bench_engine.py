@@ -57,9 +57,11 @@ def run_sequential(llm, prompts, params, max_tokens) -> float:
     return num_generated / (time.perf_counter() - started)
 
 
-def run_engine(model_path, parallel, prompts, params, max_tokens, waves=1, kv_unified=False) -> tuple[float, dict]:
+def run_engine(model_path, parallel, prompts, params, max_tokens, waves=1, kv_unified=False,
+               prefix_cache=True) -> tuple[float, dict]:
     """Run the prompts `waves` times in a row on one engine (later waves reuse the slots)."""
-    engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=1024 * parallel, kv_unified=kv_unified))
+    engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=1024 * parallel,
+                                 kv_unified=kv_unified, prefix_cache=prefix_cache))
     try:
         started, num_generated = time.perf_counter(), 0
         for wave in range(waves):
@@ -82,13 +84,16 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--waves", type=int, default=1, help="run each level's prompts this many times in a row")
     parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="off: later waves recompute their (identical) prompts")
     args = parser.parse_args()
 
     model_path = resolve_model_path(args.model)
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=1024, n_batch=512, verbose=False)
     prompts = make_prompts(lambda text: len(llm.tokenize(text.encode())), max(max(args.parallel), 8), args.prompt_tokens)
     print(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, {args.max_tokens} generated each; "
-          f"{args.waves} wave(s), {'unified KV' if args.kv_unified else 'one KV stream per slot'}")
+          f"{args.waves} wave(s), {'unified KV' if args.kv_unified else 'one KV stream per slot'}, "
+          f"prefix cache {'on' if args.prefix_cache else 'off'}")
     print(f"{'mode':8} {'parallel':>8} {'requests':>8} {'tok/s':>8} {'in decode':>9} {'x sequential':>12}")
     for mode in args.modes:
         params = MODES[mode]
@@ -96,7 +101,8 @@ def main() -> None:
         print(f"{mode:8} {'in turn':>8} {len(prompts):8d} {sequential:8.1f} {'':>9} {1.0:12.2f}")
         for parallel in args.parallel:
             batch = prompts[: max(parallel, 8)]
-            tok_s, stats = run_engine(model_path, parallel, batch, params, args.max_tokens, args.waves, args.kv_unified)
+            tok_s, stats = run_engine(model_path, parallel, batch, params, args.max_tokens, args.waves, args.kv_unified,
+                                      args.prefix_cache)
             print(f"{mode:8} {parallel:8d} {len(batch) * args.waves:8d} {tok_s:8.1f} {stats['decode_fraction']:9.3f} {tok_s / sequential:12.2f}",
                   flush=True)
 

@@ -7,7 +7,8 @@
 # Set CBATCH_ALLOW_AMX=1 on a CPU whose OS really lets you use AMX to keep it.
 # Set CBATCH_GPU=cuda to build with CUDA instead (needs nvcc; ggml's CPU code is then
 # built generic, not native); CBATCH_CUDA_ARCHS picks the GPU architectures, e.g. 90
-# (default: those of the GPUs in this machine).
+# (default: those of the GPUs in this machine). Another backend: CBATCH_GPU=NAME with the
+# backend's CMAKE_ARGS, e.g. CBATCH_GPU=vulkan CMAKE_ARGS="-DGGML_VULKAN=ON".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +28,7 @@ llama_pin="$(python -c 'import re,sys; print(re.search(r"\"(llama-cpp-python==[^
 if [ "${CBATCH_ALLOW_AMX:-0}" != "1" ]; then
     export CFLAGS="${CFLAGS:-} $no_amx_flags" CXXFLAGS="${CXXFLAGS:-} $no_amx_flags"
 fi
-if [ "${CBATCH_ALLOW_AMX:-0}" = "1" ] || [ "${CBATCH_GPU:-}" = "cuda" ]; then
+if [ "${CBATCH_ALLOW_AMX:-0}" = "1" ] || [ -n "${CBATCH_GPU:-}" ]; then
     # pip's wheel cache does not key on compiler flags: rebuild instead of reusing the
     # cached AMX-free CPU wheel, and keep this build out of the cache.
     python -m pip install --no-cache-dir --force-reinstall --no-deps "$llama_pin"

@@ -17,6 +17,7 @@ from cbatch.workers.kv_cache import OP_COPY, OP_REMOVE
 from cbatch.workers.scheduler import Chunk
 
 MAX_PIECE_BYTES = 256
+ALL_LAYERS = 1 << 30  # as n_gpu_layers: more than any model has
 
 
 GGML_LOG_LEVEL_ERROR = 4
@@ -70,7 +71,9 @@ class LlamaRunner:
         lc.llama_log_set(_quiet_log, None)
         lc.llama_backend_init()
         model_params = lc.llama_model_default_params()
-        model_params.n_gpu_layers = config.n_gpu_layers
+        self.has_gpu = bool(lc.llama_supports_gpu_offload())
+        num_gpu_layers = config.n_gpu_layers if config.n_gpu_layers >= 0 else ALL_LAYERS
+        model_params.n_gpu_layers = num_gpu_layers if self.has_gpu else 0
         self.model = lc.llama_model_load_from_file(model_path.encode(), model_params)
         if not self.model:
             raise CbatchError(INVALID_CONFIG, f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
@@ -114,12 +117,15 @@ class LlamaRunner:
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(MAX_PIECE_BYTES)
-        self.description = self._describe(model_path)
+        self.description = self._describe(model_path, model_params.n_gpu_layers)
 
-    def _describe(self, model_path: str) -> str:
+    def _describe(self, model_path: str, num_gpu_layers: int) -> str:
+        """For the ready line and health(): the model, its file, and where it runs."""
         buf = ctypes.create_string_buffer(256)
         lc.llama_model_desc(self.model, buf, len(buf))
-        return f"{buf.value.decode(errors='replace')} ({model_path})"
+        num_layers = lc.llama_model_n_layer(self.model)
+        where = f"GPU ({min(num_gpu_layers, num_layers)} of {num_layers} layers)" if num_gpu_layers else "CPU"
+        return f"{buf.value.decode(errors='replace')} ({model_path}) on {where}"
 
     def tokenize(self, text: str) -> list[int]:
         """BOS is added as the model asks; special tokens in the text are parsed, so a
