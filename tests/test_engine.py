@@ -160,3 +160,32 @@ def test_engine_statistics(make_engine):
     assert stats["decode_tokens_per_s"] > 0 and stats["prefill_tokens_per_s"] > 0
     assert 3.0 <= stats["avg_concurrent_seqs"] <= 4.0
     assert 0.0 < stats["decode_fraction"] <= 1.0
+
+
+def test_preparing_a_megabyte_prompt_leaves_the_loop_free(make_engine):
+    # The decode worker prepares requests on a thread beside the loop; that only helps if
+    # tokenizing lets go of the GIL (llama.cpp's tokenizer runs in ctypes). Steps the loop
+    # makes while a 1 MB prompt is tokenized show that it does.
+    import threading
+
+    from cbatch.params import parse_request
+
+    engine = make_engine(parallel=1, ctx_size=8192)
+    submit(engine, {"prompt": "x", "max_tokens": 8000, **GREEDY})
+    collect({}, engine.step())
+    outcome = []
+
+    def prepare():
+        try:
+            engine.prepare(parse_request(99, {"prompt": "word " * 200_000, "max_tokens": 1}))
+        except CbatchError as err:
+            outcome.append(err.code)
+
+    preparer = threading.Thread(target=prepare)
+    preparer.start()
+    num_steps = 0
+    while preparer.is_alive():
+        num_steps += bool(engine.step())  # each step generates a token
+    preparer.join()
+    assert outcome == [PROMPT_TOO_LONG]  # it was tokenized in full: a million tokens
+    assert num_steps >= 10, f"only {num_steps} steps while the prompt was tokenized"
