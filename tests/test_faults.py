@@ -94,8 +94,9 @@ def test_worker_that_cannot_start_ends_the_daemon_with_its_reason():
     daemon = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), "--model", str(bad_model)], env=env,
                             capture_output=True, text=True, timeout=120)
     assert daemon.returncode == 1
-    assert "failed to start 3 times" in daemon.stderr and "could not load" in daemon.stderr
-    assert time.monotonic() - started >= 3.0  # backed off between attempts, not a tight loop
+    # A model that does not load is a setting to change, not a crash to retry: one line, at once.
+    assert "could not load" in daemon.stderr and "Traceback" not in daemon.stderr
+    assert "failed to start" not in daemon.stderr and time.monotonic() - started < 30
     assert [list(p.iterdir()) for p in run_dir.iterdir()] == [[]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-model.gguf", "run"]
     shutil.rmtree(tmp_path)

@@ -24,7 +24,7 @@ import llama_cpp  # noqa: F401  before zmq, see cbatch/__init__.py
 import zmq
 
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST
 from cbatch.ipc.ring import FINISH_CODES, RingEvent, RingWriter, attach_ring
 from cbatch.params import parse_request
 from cbatch.protocol import MsgType, ProtocolError, field, pack, unpack
@@ -261,7 +261,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             ring = attach_ring(plan.ring_name)
             engine = Engine(plan.engine)
         except Exception as exc:
-            io.send(MsgType.WORKER_FAILED, {"message": str(exc)})
+            io.send(MsgType.WORKER_FAILED, {"message": str(exc), "code": getattr(exc, "code", INTERNAL)})
             raise SystemExit(1)
         publisher = EventPublisher(engine, ring, io, tick)
         preparer = RequestPreparer(engine, io.inbox)

@@ -101,6 +101,7 @@ class FrontEnd:
         self.worker: dict | None = None  # the READY body of the live worker; None while (re)starting
         self.worker_identity: bytes | None = None  # the routing id of the worker started last
         self.worker_failure: str | None = None
+        self.worker_failure_code: str | None = None  # INVALID_CONFIG: a setting is wrong, retrying cannot help
         self.worker_stats: dict = {}
         self.is_draining = False
         self.requests_completed = 0
@@ -341,7 +342,7 @@ class FrontEnd:
                 for job in self.jobs.values():
                     self._forward(job)
             elif msg_type is MsgType.WORKER_FAILED:
-                self.worker_failure = body["message"]
+                self.worker_failure, self.worker_failure_code = body["message"], body.get("code")
             elif msg_type is MsgType.WORKER_REJECT:
                 job = self.jobs.pop(body["request_id"], None)
                 if job is not None:

@@ -125,7 +125,8 @@ class Supervisor:
         return self.worker.sentinel in ready
 
     def _start_until_ready(self) -> None:
-        """Start workers until one reports READY; give up after repeated start-up deaths."""
+        """Start workers until one reports READY; give up after repeated start-up deaths,
+        or at once when the worker says a setting is wrong (a model that does not load)."""
         for attempt in range(MAX_STARTUP_FAILURES):
             if attempt:
                 time.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
@@ -137,6 +138,8 @@ class Supervisor:
                     break
             if self.frontend.worker is not None or self.stop_requested:
                 return
+            if self.frontend.worker_failure_code == INVALID_CONFIG:
+                raise CbatchError(INVALID_CONFIG, self.frontend.worker_failure)  # the same settings fail again
             if self.worker.is_alive():
                 self.worker.kill()
                 self.worker.join()
