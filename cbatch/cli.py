@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from cbatch.config import DRAIN_GRACE_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig
+from cbatch.config import DRAIN_GRACE_S, RETENTION_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.streams import completion_from_chunks
@@ -35,6 +35,8 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     parser.add_argument("--ring-capacity", type=int, default=RING_CAPACITY_RECORDS, help="token ring records (power of two)")
     parser.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--retention", type=float, default=RETENTION_S,
+                        help="seconds a finished request's tokens stay fetchable by a reader the ring lapped (default 60)")
     parser.add_argument("--worker-timeout", type=float, default=WORKER_TIMEOUT_S,
                         help="seconds without a step before the decode worker is restarted (0 = never)")
     parser.add_argument("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
@@ -50,7 +52,7 @@ def worker_main(argv=None) -> None:
                               max_queue=args.max_queue, kv_unified=args.kv_unified,
                               prefix_cache=args.prefix_cache, cache_tokens=args.cache_tokens)
         config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
-                              drain_grace_s=args.drain_grace, worker_timeout_s=args.worker_timeout,
+                              drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
                               allow_remote=args.allow_remote,
                               curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients)
     except CbatchError as err:

@@ -78,6 +78,7 @@ class EngineConfig:
 LOOPBACK_HOSTS = ("localhost", "[::1]")  # and 127.0.0.0/8
 MAX_IPC_PATH_BYTES = 107  # sun_path of a Unix socket, less its terminating NUL
 RING_CAPACITY_RECORDS = 1 << 16  # 64k records x 64 bytes = 4 MiB of shared memory
+RETENTION_S = 60.0  # how long a finished request's records stay fetchable (ring overrun recovery)
 DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
 WORKER_TIMEOUT_S = 120.0  # longer than any single decode step should take
 
@@ -103,6 +104,7 @@ class DaemonConfig:
     endpoint: str = ""  # "" = default_endpoint()
     ring_capacity: int = RING_CAPACITY_RECORDS
     drain_grace_s: float = DRAIN_GRACE_S
+    retention_s: float = RETENTION_S
     worker_timeout_s: float = WORKER_TIMEOUT_S  # a worker silent this long is killed and restarted; 0 = never
     allow_remote: bool = False  # a tcp:// endpoint beyond loopback must be asked for
     curve_secret_key: str = ""  # the daemon's secret certificate file: clients must speak CurveZMQ
@@ -132,3 +134,5 @@ class DaemonConfig:
             raise CbatchError(INVALID_CONFIG, f"--worker-timeout must be >= 0, got {self.worker_timeout_s}")
         if self.drain_grace_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--drain-grace must be >= 0, got {self.drain_grace_s}")
+        if self.retention_s < 0:
+            raise CbatchError(INVALID_CONFIG, f"--retention must be >= 0, got {self.retention_s}")

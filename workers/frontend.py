@@ -26,7 +26,6 @@ from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, Protocol
 
 log = logging.getLogger("cbatch.worker")
 
-FINISHED_RETENTION_S = 60.0  # how long a finished request's records stay fetchable
 MAX_REQUEST_ID = (1 << 63) - 1
 CLOSE_LINGER_MS = 500
 MAX_MESSAGES_PER_TURN = 256
@@ -105,6 +104,7 @@ class FrontEnd:
         self.worker_stats: dict = {}
         self.is_draining = False
         self.requests_completed = 0
+        self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)
 
     def _require_curve(self, zctx: zmq.Context) -> ThreadAuthenticator:
         """Encrypt and authenticate the client socket with CurveZMQ: the daemon's keys from
@@ -285,6 +285,7 @@ class FrontEnd:
     def _fetch(self, identity: bytes, body: dict) -> None:
         job = self._owned_job(identity, body)
         from_index = field(body, "from_index", int)
+        self.num_fetches += 1
         self._send_records(job, job.records[max(from_index, 0):], even_if_empty=True)
 
     def _health(self, identity: bytes, body: dict) -> None:
@@ -307,7 +308,7 @@ class FrontEnd:
 
     def _stats(self, identity: bytes, body: dict) -> None:
         stats = {**self.worker_stats, "parallel": self.config.engine.parallel, "requests_completed": self.requests_completed,
-                 "num_in_flight": len(self.jobs)}
+                 "num_in_flight": len(self.jobs), "num_fetches": self.num_fetches}
         stats.setdefault("num_active", 0)
         stats.setdefault("num_queued", 0)
         self._send(identity, MsgType.STATS_REPLY, {"nonce": body.get("nonce", 0), **stats})
@@ -374,7 +375,7 @@ class FrontEnd:
         job.finished_at = now = time.monotonic()
         self.requests_completed += 1
         self._finished[job.request_id] = job
-        while self._finished and next(iter(self._finished.values())).finished_at < now - FINISHED_RETENTION_S:
+        while self._finished and next(iter(self._finished.values())).finished_at < now - self.config.retention_s:
             _, old = self._finished.popitem(last=False)
             owed = self._undelivered.get(old.owner, {})
             owed.pop(old.request_id, None)
