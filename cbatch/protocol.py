@@ -31,13 +31,14 @@ class MsgType(enum.IntEnum):
     HEALTH_REPLY = 0x25
     STATS_REPLY = 0x26
     # front-end <-> decode worker
-    WORKER_READY = 0x41  # {pid, model, ctx_per_seq}
-    WORKER_SUBMIT = 0x42  # {request_id, body}
-    WORKER_CANCEL = 0x43  # {request_id}
-    WORKER_EVENTS = 0x44  # {events: [[request_id, index, token_ids, text, finish_reason, usage, error], ...], stats}
-    WORKER_REJECT = 0x45  # {request_id, code, message}
-    WORKER_STOP = 0x46  # {}
-    WORKER_FAILED = 0x47  # {message}: the worker cannot start (model, context); it exits next
+    # front-end <-> decode worker: the bodies are the structs of cbatch.workers.messages
+    WORKER_READY = 0x41
+    WORKER_SUBMIT = 0x42
+    WORKER_CANCEL = 0x43
+    WORKER_EVENTS = 0x44
+    WORKER_REJECT = 0x45
+    WORKER_STOP = 0x46
+    WORKER_FAILED = 0x47
 
 
 class ProtocolError(Exception):
@@ -79,6 +80,20 @@ def unpack(frames: list[bytes]) -> tuple[MsgType, dict]:
     if not isinstance(body, dict):
         raise ProtocolError("body must be a map")
     return msg_type, body
+
+
+def reply_ids(frames: list) -> dict:
+    """The request_id and nonce of a message that failed validation, where a lenient read
+    finds them (a body with a non-string key, say), so that the error reply names them."""
+    try:
+        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False, max_str_len=MAX_STR_BYTES,
+                               max_bin_len=MAX_STR_BYTES, max_array_len=MAX_CONTAINER_LEN,
+                               max_map_len=MAX_CONTAINER_LEN, max_ext_len=0)
+    except Exception:  # anything unreadable: there is nothing to name
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    return {key: body[key] for key in ("request_id", "nonce") if key in body}
 
 
 def field(body: dict, name: str, kind: type | tuple, *, optional: bool = False):

@@ -249,8 +249,12 @@ def event_records(request_id: int, index: int, token_ids: list[int], text: bytes
                   finish: int = FINISH_NONE, is_first: bool = False) -> list[RingRecord]:
     """The records one event becomes, numbered from `index`: one per token, the event's
     text on its last token record and spilling into token-less continuation records; the
-    finish (with the stream's record count) on the final one. The writer publishes exactly
-    these, and the front-end rebuilds them for relay and recovery, so both agree on indices."""
+    finish (with the stream's record count) on the final one. The one framing of records:
+    the writer publishes exactly these, and the front-end keeps the same for relay and
+    recovery, so both agree on indices."""
+    if len(token_ids) == 1 and len(text) <= MAX_TEXT_BYTES:  # the common case: one token per step
+        flags = (FLAG_FIRST if is_first else 0) | (FLAG_LAST if finish else 0)
+        return [RingRecord(request_id, index, token_ids[0], flags, finish, index + 1 if finish else 0, text)]
     pieces = [text[at:at + MAX_TEXT_BYTES] for at in range(0, len(text), MAX_TEXT_BYTES)]
     rows = [(token_id, b"") for token_id in token_ids]
     if rows and pieces:
@@ -294,19 +298,12 @@ class RingWriter:
         parts: list[bytes] = []
         next_indices: list[int] = []
         try:
-            for request_id, index, token_ids, text, finish, is_first in events:
-                if not 0 <= finish <= FINISH_ERROR:
-                    raise RingError(f"invalid finish {finish}")
-                if len(token_ids) == 1 and len(text) <= MAX_TEXT_BYTES:  # the common case
-                    flags = (FLAG_FIRST if is_first else 0) | (FLAG_LAST if finish else 0)
-                    parts.append(pack(0, request_id, index, token_ids[0], flags, finish,
-                                      len(text), index + 1 if finish else 0, text))
-                    next_indices.append(index + 1)
-                    continue
-                for record in event_records(request_id, index, token_ids, text, finish, is_first):
-                    parts.append(pack(0, *record[:5], len(record.text), record.count, record.text))
-                    index += 1
-                next_indices.append(index)
+            for event in events:
+                if not 0 <= event[4] <= FINISH_ERROR:
+                    raise RingError(f"invalid finish {event[4]}")
+                records = event_records(*event)
+                parts += [pack(0, *record[:5], len(record.text), record.count, record.text) for record in records]
+                next_indices.append(event[1] + len(records))
         except (struct.error, TypeError, ValueError) as exc:
             raise RingError(f"invalid event: {exc}") from exc
         if parts:

@@ -156,11 +156,13 @@ def test_health_and_stats(daemon):
         health = client.health()
         assert health["status"] == "ok" and health["parallel"] == 4
         assert health["worker_pid"] != daemon.process.pid and pid_alive(health["worker_pid"])
-        before = client.stats()["requests_completed"]
-        client.generate_batch([{"prompt": "s", "max_tokens": 30, **GREEDY}] * 4)
-        time.sleep(0.3)  # the worker sends its figures at most every 0.25 s
-        stats = client.stats()
-    assert stats["requests_completed"] == before + 4
+        before = client.stats()["num_requests_by_outcome"].get("length", 0)
+        client.generate_batch([{"prompt": "s", "max_tokens": 30, "ignore_eos": True, **GREEDY}] * 4)
+        deadline = time.monotonic() + 5.0  # the worker sends its figures at most every 0.25 s
+        while (stats := client.stats())["num_active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert stats["num_requests_by_outcome"]["length"] == before + 4
+    assert stats["num_requests_ended"] >= 4 and stats["num_in_flight"] == 0
     assert stats["num_active"] == 0 and stats["num_queued"] == 0 and stats["parallel"] == 4
     assert stats["decode_tokens_per_s"] > 0 and stats["avg_concurrent_seqs"] >= 1
 

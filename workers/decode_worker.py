@@ -25,10 +25,12 @@ import zmq
 
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST
-from cbatch.ipc.ring import FINISH_CODES, RingEvent, RingWriter, attach_ring
+from cbatch.ipc.ring import RingWriter, attach_ring
 from cbatch.params import parse_request
-from cbatch.protocol import MsgType, ProtocolError, field, pack, unpack
+from cbatch.protocol import ProtocolError
 from cbatch.workers.engine import Engine, SeqOutput, run_engine_loop
+from cbatch.workers.messages import (TokenEvent, WorkerCancel, WorkerEvents, WorkerFailed, WorkerReady, WorkerReject,
+                                      WorkerStop, WorkerSubmit, decode, encode)
 from cbatch.workers.sequence import Sequence
 
 IDLE_WAIT_S = 0.5  # an idle engine wakes this often to notice SIGTERM
@@ -66,8 +68,8 @@ class WorkerIO(threading.Thread):
         self._pipe.setsockopt(zmq.SNDHWM, 0)  # a PAIR at its mark would block the decode loop
         self._pipe.bind(self._pipe_address)
 
-    def send(self, msg_type: MsgType, body: dict) -> None:
-        self._pipe.send_multipart(pack(msg_type, body))
+    def send(self, message) -> None:
+        self._pipe.send_multipart(encode(message))
 
     def close(self) -> None:
         if self.is_alive():
@@ -104,7 +106,7 @@ class WorkerIO(threading.Thread):
                     orphaned = True
                     poller.unregister(parent.sentinel)
                     outgoing.clear()
-                    self.inbox.put((MsgType.WORKER_STOP, {}))
+                    self.inbox.put(WorkerStop())
                     threading.Timer(ORPHAN_EXIT_S, os._exit, (1,)).start()
                 if pipe in ready:
                     frames = pipe.recv_multipart()
@@ -114,9 +116,9 @@ class WorkerIO(threading.Thread):
                         outgoing.append(frames)
                 if control in ready and ready[control] & zmq.POLLIN:
                     try:
-                        self.inbox.put(unpack(control.recv_multipart()))
-                    except ProtocolError:
-                        pass  # only the front-end talks to this socket, and it sends valid frames
+                        self.inbox.put(decode(control.recv_multipart()))
+                    except (ProtocolError, TypeError):
+                        pass  # only the front-end talks to this socket, and it sends valid messages
                 while outgoing:
                     try:
                         control.send_multipart(outgoing[0], zmq.NOBLOCK)
@@ -145,20 +147,20 @@ class RequestPreparer(threading.Thread):
 
     def run(self) -> None:
         while True:
-            msg_type, body = self._source.get()
-            if msg_type is MsgType.WORKER_SUBMIT:
-                self.outbox.put(self._prepare(body))
-            else:
-                self.outbox.put((msg_type, body))
+            message = self._source.get()
+            self.outbox.put(self._prepare(message) if isinstance(message, WorkerSubmit) else message)
 
-    def _prepare(self, body: dict) -> tuple:
-        request_id = field(body, "request_id", int)
+    def _prepare(self, submit: WorkerSubmit) -> Sequence | WorkerReject:
         try:
-            return MsgType.WORKER_SUBMIT, self._engine.prepare(parse_request(request_id, field(body, "body", dict)))
-        except CbatchError as err:
-            return MsgType.WORKER_REJECT, {"request_id": request_id, **err.to_dict()}
-        except ValueError as err:
-            return MsgType.WORKER_REJECT, {"request_id": request_id, "code": INVALID_REQUEST, "message": str(err)}
+            return self._engine.prepare(parse_request(submit.request_id, submit.body))
+        except (CbatchError, ValueError) as err:
+            return _rejection(submit.request_id, err)
+
+
+def _rejection(request_id: int, err: Exception) -> WorkerReject:
+    if isinstance(err, CbatchError):
+        return WorkerReject(request_id, err.code, err.message)
+    return WorkerReject(request_id, INVALID_REQUEST, str(err))
 
 
 class CommandHandler:
@@ -174,27 +176,24 @@ class CommandHandler:
         try:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
             while True:
-                self._apply(*item)
+                self._apply(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
         return not self._stop.is_set()
 
-    def _apply(self, msg_type: MsgType, body) -> None:
-        if msg_type is MsgType.WORKER_SUBMIT:
-            seq: Sequence = body
+    def _apply(self, item) -> None:
+        """item: a prepared Sequence, or a message the preparer passed through."""
+        if isinstance(item, Sequence):
             try:
-                self._engine.add(seq)
-            except CbatchError as err:
-                self._io.send(MsgType.WORKER_REJECT, {"request_id": seq.request_id, **err.to_dict()})
-            except ValueError as err:
-                self._io.send(MsgType.WORKER_REJECT, {"request_id": seq.request_id, "code": INVALID_REQUEST,
-                                                      "message": str(err)})
-        elif msg_type is MsgType.WORKER_REJECT:
-            self._io.send(MsgType.WORKER_REJECT, body)
-        elif msg_type is MsgType.WORKER_CANCEL:
-            self._engine.cancel(field(body, "request_id", int))
-        elif msg_type is MsgType.WORKER_STOP:
+                self._engine.add(item)
+            except (CbatchError, ValueError) as err:
+                self._io.send(_rejection(item.request_id, err))
+        elif isinstance(item, WorkerReject):
+            self._io.send(item)
+        elif isinstance(item, WorkerCancel):
+            self._engine.cancel(item.request_id)
+        elif isinstance(item, WorkerStop):
             self._stop.set()
 
 
@@ -215,13 +214,9 @@ class EventPublisher:
             else:
                 self._writer.heartbeat()
             return
-        ring_events, wire_events = [], []
-        for out in outputs:
-            start = self._next_index.get(out.request_id, 0)
-            finish = FINISH_CODES.get(out.finish_reason, 0)
-            ring_events.append(RingEvent(out.request_id, start, out.token_ids, out.text.encode(), finish, start == 0))
-            wire_events.append([out.request_id, start, out.token_ids, out.text, out.finish_reason, out.usage, out.error])
-        for out, next_index in zip(outputs, self._writer.publish_many(ring_events)):
+        events = [TokenEvent(out.request_id, self._next_index.get(out.request_id, 0), out.token_ids, out.text,
+                             out.finish_reason or "", out.usage, out.error) for out in outputs]
+        for out, next_index in zip(outputs, self._writer.publish_many([event.ring_event() for event in events])):
             if out.finish_reason:
                 self._next_index.pop(out.request_id, None)
             else:
@@ -229,14 +224,12 @@ class EventPublisher:
         # Invariant: the records are in the ring before the tick and before the front-end
         # hears of them, so a reader told of a finish finds every record already there.
         self._tick.send(b"", zmq.NOBLOCK)
-        body = {"events": wire_events}
-        if time.monotonic() - self._stats_sent_at >= STATS_INTERVAL_S:
-            body["stats"] = self._stats()
-        self._io.send(MsgType.WORKER_EVENTS, body)
+        is_stats_due = time.monotonic() - self._stats_sent_at >= STATS_INTERVAL_S
+        self._io.send(WorkerEvents(events, self._stats() if is_stats_due else None))
 
     def send_stats(self) -> None:
         self._writer.heartbeat()  # idle is alive too: the supervisor's watchdog reads this
-        self._io.send(MsgType.WORKER_EVENTS, {"events": [], "stats": self._stats()})
+        self._io.send(WorkerEvents([], self._stats()))
 
     def _stats(self) -> dict:
         self._stats_sent_at = time.monotonic()
@@ -261,15 +254,13 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             ring = attach_ring(plan.ring_name)
             engine = Engine(plan.engine)
         except Exception as exc:
-            io.send(MsgType.WORKER_FAILED, {"message": str(exc), "code": getattr(exc, "code", INTERNAL)})
+            io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
         publisher = EventPublisher(engine, ring, io, tick)
         preparer = RequestPreparer(engine, io.inbox)
         preparer.start()
-        io.send(MsgType.WORKER_READY, {
-            "pid": os.getpid(), "model": engine.runner.description, "ctx_per_seq": engine.ctx_per_seq,
-            "generation": plan.generation, "prefix_cache": engine.prefix_cache_note,
-        })
+        io.send(WorkerReady(os.getpid(), engine.runner.description, engine.ctx_per_seq, plan.generation,
+                            engine.prefix_cache_note))
         handler = CommandHandler(engine, io, preparer.outbox, stop, publisher)
         run_engine_loop(engine, handler.take, publisher.publish)
     finally:

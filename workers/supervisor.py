@@ -19,8 +19,7 @@ import zmq
 from cbatch.config import DaemonConfig, runtime_dir
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
 from cbatch.ipc.ring import RingError, create_ring
-from cbatch.protocol import MsgType
-from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker, worker_identity
+from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
 from cbatch.workers.frontend import FrontEnd
 from cbatch.workers.leftovers import remove_leftovers
 
@@ -104,23 +103,21 @@ class Supervisor:
         self._generation = self.ring.bump_generation()
         plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
         self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
+        self.frontend.worker.expect(self._generation)
         self.worker.start()
-        self.frontend.worker = None
-        self.frontend.worker_identity = worker_identity(self._generation)
 
     def _poll(self, timeout_ms: int) -> bool:
         """Serve both sockets once; return True if the worker process has exited."""
         poller = zmq.Poller()
-        poller.register(self.frontend.clients, zmq.POLLIN)
-        poller.register(self.frontend.disconnects, zmq.POLLIN)
-        poller.register(self.frontend.control, zmq.POLLIN)
-        poller.register(self.worker.sentinel, zmq.POLLIN)
+        for sock in (*self.frontend.sockets, self.worker.sentinel):
+            poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(timeout_ms))
-        if self.frontend.control in ready:
+        worker_socket, disconnects, clients = self.frontend.sockets
+        if worker_socket in ready:
             self.frontend.on_worker_messages()
-        if self.frontend.disconnects in ready:  # before new messages, which may reuse a closed descriptor
+        if disconnects in ready:  # before new messages, which may reuse a closed descriptor
             self.frontend.on_disconnects()
-        if self.frontend.clients in ready:
+        if clients in ready:
             self.frontend.on_client_messages()
         return self.worker.sentinel in ready
 
@@ -132,28 +129,30 @@ class Supervisor:
                 time.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
             self._start_worker()
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while self.frontend.worker is None and time.monotonic() < deadline and not self.stop_requested:
+            while self.frontend.worker.ready is None and time.monotonic() < deadline and not self.stop_requested:
                 if self._poll(LOOP_POLL_MS):
                     self.worker.join()
                     break
-            if self.frontend.worker is not None or self.stop_requested:
+            failure = self.frontend.worker.failure
+            if self.frontend.worker.ready is not None or self.stop_requested:
                 return
-            if self.frontend.worker_failure_code == INVALID_CONFIG:
-                raise CbatchError(INVALID_CONFIG, self.frontend.worker_failure)  # the same settings fail again
+            if failure is not None and failure.code == INVALID_CONFIG:
+                raise CbatchError(INVALID_CONFIG, failure.message)  # the same settings fail again
             if self.worker.is_alive():
                 self.worker.kill()
                 self.worker.join()
-        reason = self.frontend.worker_failure or f"exit code {self.worker.exitcode}"
+        failure = self.frontend.worker.failure
+        reason = failure.message if failure is not None else f"exit code {self.worker.exitcode}"
         raise CbatchError(WORKER_RESTARTED, f"the decode worker failed to start {MAX_STARTUP_FAILURES} times: {reason}")
 
     def serve(self) -> None:
         self._start_until_ready()
         if self.stop_requested:
             return
-        ready = self.frontend.worker
+        ready = self.frontend.worker.ready
         log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, endpoint %s, "
-                 "ring %s, worker pid %d", ready["model"], self.config.engine.parallel, ready["ctx_per_seq"],
-                 ready["prefix_cache"], self.config.endpoint, self.ring.name, ready["pid"])
+                 "ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
+                 ready.prefix_cache, self.config.endpoint, self.ring.name, ready.pid)
         drain_deadline, is_cancelled = None, False
         while True:
             if self._poll(LOOP_POLL_MS):
@@ -170,12 +169,13 @@ class Supervisor:
                 self.worker.kill()  # the next poll sees it gone and takes the restart path
                 continue
             if self.stop_requested and drain_deadline is None:
-                log.info("draining: %d requests in flight, grace %.0f s", len(self.frontend.jobs), self.config.drain_grace_s)
+                log.info("draining: %d requests in flight, grace %.0f s", len(self.frontend.requests.active),
+                         self.config.drain_grace_s)
                 self.frontend.is_draining = True
                 drain_deadline = time.monotonic() + self.config.drain_grace_s
             if drain_deadline is not None:
                 now = time.monotonic()
-                if not self.frontend.jobs:
+                if not self.frontend.requests.active:
                     return
                 if now > drain_deadline and not is_cancelled:
                     self.frontend.cancel_all()
@@ -187,15 +187,15 @@ class Supervisor:
     def _is_hung(self) -> bool:
         """The worker stamps the ring after every step and every idle wake-up."""
         timeout_s = self.config.worker_timeout_s
-        if not timeout_s or self.frontend.worker is None:
+        if not timeout_s or self.frontend.worker.ready is None:
             return False
         return (time.monotonic_ns() - self.ring.heartbeat_ns) / 1e9 > timeout_s
 
     def close(self) -> None:
         self.frontend.fail_all(UNAVAILABLE, "the cbatch daemon stopped")
         if self.worker is not None and self.worker.is_alive():
-            if self.frontend.worker is not None:  # it runs its loop: ask it to leave and clean up
-                self.frontend.to_worker(MsgType.WORKER_STOP, {})
+            if self.frontend.worker.ready is not None:  # it runs its loop: ask it to leave and clean up
+                self.frontend.stop_worker()
                 self.worker.join(STOP_TIMEOUT_S)
             if self.worker.is_alive():  # still loading the model, or stuck
                 self.worker.kill()

@@ -1,0 +1,130 @@
+"""The front-end's socket to clients: binding, CurveZMQ, and clients that go away or stall.
+
+It knows connections, not requests. It tells its owner three things: a message arrived
+(from a live connection), a client went away (closed, crashed, killed), and a client
+stopped reading (its queue filled). A send never blocks the loop.
+"""
+
+import time
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+from cbatch.config import DaemonConfig
+from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.protocol import MAX_FRAME_BYTES, MsgType, pack
+
+CLOSE_LINGER_MS = 500  # the last replies still reach clients when the daemon stops
+PEER_HEARTBEAT_MS = 1000
+CLOSED_MEMORY_S = 10.0  # how long messages still queued from a closed connection are recognised
+MAX_MESSAGES_PER_TURN = 256  # then the worker's events get their turn
+
+
+class ClientLink:
+    def __init__(self, zctx: zmq.Context, config: DaemonConfig):
+        self.socket = zctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of queueing
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client reconnecting under its id takes it over
+        # Over tcp a peer can vanish without closing: libzmq's own PING/PONG notices it.
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_MS)
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
+        # A frame bigger than any valid message drops the connection before it is buffered.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        # No receive high-water mark. At the mark libzmq stops reading that connection, and
+        # if the peer dies while it is stopped, resuming the read aborts the whole process
+        # (libzmq 4.3's "!_io_error" assertion): a client that floods submits and is then
+        # killed took the daemon down. The front-end reads faster than a client can write
+        # (each message costs it one validation), so the kernel's socket buffer bounds
+        # what waits.
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self._authenticator = None
+        self.disconnects = None
+        try:
+            if config.curve_secret_key:
+                self._authenticator = self._require_curve(zctx, config)
+            self.socket.bind(config.endpoint)
+        except Exception:
+            self.close()
+            raise
+        # Dead clients: a disconnect event names the connection's file descriptor, and every
+        # message says which descriptor it came on.
+        self.disconnects = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._peer_by_fd: dict[int, bytes] = {}
+        # identity -> (descriptor, monotonic time) of connections that closed: what they
+        # sent before closing may still be queued, and must not start work nobody reads.
+        self._closed: dict[bytes, tuple[int, float]] = {}
+        self._stalled: set[bytes] = set()
+        self.newly_stalled: set[bytes] = set()  # stalled since the owner last looked
+
+    def _require_curve(self, zctx: zmq.Context, config: DaemonConfig) -> ThreadAuthenticator:
+        """Encrypt and authenticate with CurveZMQ: the daemon's keys from its certificate
+        file; clients admitted by public key (a directory of certificates) or, without
+        one, any client that knows the daemon's public key."""
+        public_key, secret_key = zmq.auth.load_certificate(config.curve_secret_key)
+        if not secret_key:
+            raise CbatchError(INVALID_CONFIG, f"{config.curve_secret_key} holds no secret key")
+        authenticator = ThreadAuthenticator(zctx)
+        authenticator.start()
+        authenticator.configure_curve(domain="*", location=config.curve_clients_dir or zmq.auth.CURVE_ALLOW_ANY)
+        self.socket.curve_server = True
+        self.socket.curve_publickey, self.socket.curve_secretkey = public_key, secret_key
+        return authenticator
+
+    def receive(self, on_disconnect, on_unstall):
+        """Yield (identity, frames) of waiting messages, at most MAX_MESSAGES_PER_TURN.
+        Disconnects are taken first each time, since a closed descriptor may be reused by
+        the next message; a message a connection sent just before it closed is dropped."""
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            self.take_disconnects(on_disconnect)
+            if not self.socket.poll(0):
+                return
+            identity_frame, *message = self.socket.recv_multipart(copy=False)
+            identity = identity_frame.bytes
+            if message:
+                fd = int(message[0].get("__fd"))
+                closed = self._closed.get(identity)
+                if closed is not None:
+                    if closed[0] == fd:
+                        continue
+                    del self._closed[identity]  # the same client, reconnected
+                self._peer_by_fd[fd] = identity
+            if identity in self._stalled:
+                self._stalled.discard(identity)
+                on_unstall(identity)
+            yield identity, [frame.bytes for frame in message]
+
+    def take_disconnects(self, on_disconnect) -> None:
+        while self.disconnects.poll(0):
+            fd = int(recv_monitor_message(self.disconnects)["value"])
+            identity = self._peer_by_fd.pop(fd, None)
+            if identity is not None:
+                now_s = time.monotonic()
+                self._closed = {i: c for i, c in self._closed.items() if now_s - c[1] < CLOSED_MEMORY_S}
+                self._closed[identity] = (fd, now_s)
+                self._stalled.discard(identity)
+                on_disconnect(identity)
+
+    def send(self, identity: bytes, msg_type: MsgType, body: dict) -> bool:
+        """Send without blocking; False if the message was dropped. A client whose queue
+        is full (it stopped reading) is marked stalled until it speaks again."""
+        try:
+            self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if identity not in self._stalled:
+                self._stalled.add(identity)
+                self.newly_stalled.add(identity)
+        except zmq.ZMQError:
+            pass  # the client is gone; its disconnect event follows
+        return False
+
+    def close(self) -> None:
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        if self.disconnects is not None:
+            self.socket.disable_monitor()
+            self.disconnects.close()
+        self.socket.close()
