@@ -17,7 +17,7 @@ from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
 from cbatch.session import LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
-from cbatch.streams import Chunk, Completion, RequestStream, completion_from_chunks
+from cbatch.streams import BatchResults, Chunk, Completion, RequestStream
 
 
 class AsyncClient:
@@ -58,7 +58,6 @@ class AsyncClient:
         session, tick = self._session, None
         poller = zmq.asyncio.Poller()
         poller.register(self._dealer, zmq.POLLIN)
-        silent_since = time.monotonic()
         try:
             while True:
                 if tick is None and session.tick_endpoint:
@@ -67,17 +66,13 @@ class AsyncClient:
                 timeout_s = SAFETY_POLL_S if session.streams else LIVENESS_S
                 ready = dict(await poller.poll(int(timeout_s * 1000)))
                 if self._dealer in ready:
-                    silent_since = time.monotonic()
                     while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         session.on_frames(await self._dealer.recv_multipart())
                 if tick is not None and tick in ready:
-                    silent_since = time.monotonic()
                     while tick.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         await tick.recv()
                 session.read_ring()
-                if time.monotonic() - silent_since >= LIVENESS_S and (session.streams or session.replies):
-                    silent_since = time.monotonic()
-                    session.ping_if_silent()
+                session.check_liveness(time.monotonic())
                 self._wake()
         except BaseException as exc:  # including CancelledError at close()
             self._failure = exc
@@ -93,6 +88,8 @@ class AsyncClient:
 
     async def _wait(self, is_done) -> None:
         while not is_done():
+            if self._session.failure is not None:
+                raise self._session.failure
             if self._failure is not None:
                 if isinstance(self._failure, CbatchError):
                     raise self._failure
@@ -145,29 +142,18 @@ class AsyncClient:
     async def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
         """Results in input order: a Completion, or the CbatchError that item got."""
         items = list(items)
-        chunks: list[list[Chunk]] = [[] for _ in items]
-        results: list = [None] * len(items)
+        batch = BatchResults(len(items))
         async for position, item in self.stream_batch(items, max_in_flight):
-            if isinstance(item, CbatchError):
-                results[position] = item
-            else:
-                chunks[position].append(item)
-                if item.finish_reason:
-                    results[position] = completion_from_chunks(chunks[position])
-        return results
+            batch.add(position, item)
+        return batch.results
 
     def cancel(self, request_id: int) -> None:
         self._session.cancel(request_id)
 
     async def _ask(self, msg_type: MsgType) -> dict:
         nonce = self._session.ask(msg_type)
-        self._session.replies[nonce] = None
         await self._wait(lambda: self._session.replies[nonce] is not None)
-        reply = self._session.replies.pop(nonce)
-        if isinstance(reply, CbatchError):
-            raise reply
-        reply.pop("nonce", None)
-        return reply
+        return self._session.take_reply(nonce)
 
     async def health(self) -> dict:
         return await self._ask(MsgType.HEALTH)

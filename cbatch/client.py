@@ -18,7 +18,7 @@ from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.protocol import MsgType
 from cbatch.session import LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
-from cbatch.streams import Chunk, Completion, RequestStream, completion_from_chunks
+from cbatch.streams import BatchResults, Chunk, Completion, RequestStream
 
 DEFAULT_MAX_IN_FLIGHT = 64
 CONNECT_TIMEOUT_S = 10.0
@@ -88,24 +88,22 @@ class Client:
 
     def _wait(self, is_done, deadline: float | None = None) -> None:
         """Pump messages and ring records until is_done() holds."""
-        session, silent_since = self._session, time.monotonic()
+        session = self._session
         while not is_done():
+            if session.failure is not None:
+                raise session.failure
             if deadline is not None and time.monotonic() > deadline:
                 raise _unreachable(self.endpoint)
             timeout_s = SAFETY_POLL_S if session.streams or deadline else LIVENESS_S
             ready = dict(self._poller.poll(int(timeout_s * 1000)))
             if self._dealer in ready:
-                silent_since = time.monotonic()
                 while self._dealer.poll(0):
                     session.on_frames(self._dealer.recv_multipart())
             if self._tick is not None and self._tick in ready:
-                silent_since = time.monotonic()
                 while self._tick.poll(0):
                     self._tick.recv()
             session.read_ring()
-            if time.monotonic() - silent_since >= LIVENESS_S:
-                silent_since = time.monotonic()
-                session.ping_if_silent()
+            session.check_liveness(time.monotonic())
 
     def read(self, stream: RequestStream) -> Iterator[Chunk]:
         """Chunks of a submitted request; leaving early cancels it."""
@@ -153,29 +151,18 @@ class Client:
     def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
         """Results in input order: a Completion, or the CbatchError that item got."""
         items = list(items)
-        results: list = [None] * len(items)
-        streams: dict[int, list[Chunk]] = {}
-        for position, chunk in self.stream_batch(items, max_in_flight):
-            if isinstance(chunk, CbatchError):
-                results[position] = chunk
-                continue
-            streams.setdefault(position, []).append(chunk)
-            if chunk.finish_reason:
-                results[position] = completion_from_chunks(streams.pop(position))
-        return results
+        batch = BatchResults(len(items))
+        for position, item in self.stream_batch(items, max_in_flight):
+            batch.add(position, item)
+        return batch.results
 
     def cancel(self, request_id: int) -> None:
         self._session.cancel(request_id)
 
     def _ask(self, msg_type: MsgType) -> dict:
         nonce = self._session.ask(msg_type)
-        self._session.replies[nonce] = None
         self._wait(lambda: self._session.replies[nonce] is not None)
-        reply = self._session.replies.pop(nonce)
-        if isinstance(reply, CbatchError):
-            raise reply
-        reply.pop("nonce", None)
-        return reply
+        return self._session.take_reply(nonce)
 
     def health(self) -> dict:
         return self._ask(MsgType.HEALTH)

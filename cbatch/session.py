@@ -12,21 +12,22 @@ import time
 import zmq
 import zmq.auth
 
-from cbatch.errors import CbatchError, INTERNAL, INVALID_CONFIG, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import CbatchError, INTERNAL, INVALID_CONFIG, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
 from cbatch.streams import RequestStream
 
-LIVENESS_S = 2.0  # a waiting client that hears nothing for this long pings the front-end
-MAX_MISSED_PINGS = 2  # then gives up with `unavailable`: a dead daemon is known within ~6 s
+LIVENESS_S = 2.0  # a request that hears nothing for this long is named in a ping to the front-end
+MAX_MISSED_PINGS = 2  # pings the daemon leaves unanswered before it is given up: a dead daemon is known within ~6 s
 SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
 SAFETY_POLL_S = 0.1
 MAX_PING_REQUEST_IDS = 4096  # with requests active, also read the ring this often (in case a tick was dropped)
 
 
 class Session:
-    def __init__(self, send, use_ring: bool):
+    def __init__(self, send, use_ring: bool, clock=time.monotonic):
         self._send_frames = send  # callable(list[bytes]); the driver's socket send
+        self._clock = clock  # seconds; the drivers' time.monotonic, a test's own
         self.use_ring = use_ring
         self.welcome: dict | None = None
         self.streams: dict[int, RequestStream] = {}
@@ -35,6 +36,15 @@ class Session:
         self._ring = None
         self._next_nonce = 0
         self.missed_pings = 0
+        self.heard_s = clock()  # when the front-end last sent this client anything
+        self._pinged_s = 0.0
+        self._pinged_ids: dict[int, list[int]] = {}  # nonce of the last ping -> the request ids it named
+        # Set when the daemon stopped answering: every stream and reply got it, and new
+        # submits fail with it at once; cleared when the daemon speaks again.
+        self.failure: CbatchError | None = None
+        # A draining daemon refuses every submit: for a moment after it said so, refuse
+        # here, so a batch ends each of its remaining items at once instead of one by one.
+        self._refusing_until_s = 0.0
         self.is_closed = False
         # When a list: for every ring poll that returned records, nanoseconds from the
         # writer's publish (the ring's heartbeat stamp) to this read. For benchmarks.
@@ -57,6 +67,10 @@ class Session:
     def submit(self, body: dict, label=None) -> RequestStream:
         if not isinstance(body, dict):
             raise CbatchError(INVALID_REQUEST, "a request must be a dict")
+        if self.failure is not None:
+            raise self.failure
+        if self._clock() < self._refusing_until_s:
+            raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
         request_id = secrets.randbits(63) or 1  # unguessable by other clients
         try:
             frames = pack(MsgType.SUBMIT, {"request_id": request_id, "body": body})
@@ -64,7 +78,11 @@ class Session:
             raise CbatchError(INVALID_REQUEST, f"the request cannot be encoded: {err}") from None
         if len(frames[1]) > MAX_FRAME_BYTES:
             raise CbatchError(INVALID_REQUEST, f"the request is {len(frames[1])} bytes; the limit is {MAX_FRAME_BYTES}")
-        stream = RequestStream(request_id, request_id if label is None else label)
+        try:
+            unpack(frames)  # what the front-end would refuse (non-string keys, nesting) fails here, named
+        except ProtocolError as err:
+            raise CbatchError(INVALID_REQUEST, f"the request cannot be sent: {err}") from None
+        stream = RequestStream(request_id, request_id if label is None else label, heard_s=self._clock())
         if self.reader is not None:
             if not self.streams:
                 self.reader = RingReader(self._ring)  # idle until now: start at the ring's present
@@ -81,24 +99,50 @@ class Session:
         self.send(MsgType.CANCEL, {"request_id": request_id})
 
     def ask(self, msg_type: MsgType, **fields) -> int:
+        """Send a question; its reply (or error) lands in replies[nonce]."""
         self._next_nonce += 1
+        self.replies[self._next_nonce] = None
         self.send(msg_type, {"nonce": self._next_nonce, **fields})
         return self._next_nonce
 
-    def ping_if_silent(self) -> None:
-        """Called after LIVENESS_S of silence while waiting."""
+    def take_reply(self, nonce: int) -> dict:
+        reply = self.replies.pop(nonce)
+        if isinstance(reply, CbatchError):
+            raise reply
+        reply.pop("nonce", None)
+        return reply
+
+    def check_liveness(self, now_s: float) -> None:
+        """Called by the driver after every round of waiting. Liveness is judged per
+        request: one that heard nothing for LIVENESS_S is named in a ping, even while
+        other requests' records flow, and the reply says whether the daemon still knows
+        it. The daemon itself is given up after MAX_MISSED_PINGS unanswered pings: every
+        waiting stream and reply then fails with `unavailable`."""
+        if self.failure is not None or now_s - self._pinged_s < LIVENESS_S:
+            return
+        stale_ids = [request_id for request_id, stream in self.streams.items()
+                     if not stream.is_done and now_s - stream.heard_s >= LIVENESS_S]
+        is_reply_overdue = any(reply is None for reply in self.replies.values()) and now_s - self.heard_s >= LIVENESS_S
+        if not stale_ids and not is_reply_overdue:
+            return
         self.missed_pings += 1
         if self.missed_pings > MAX_MISSED_PINGS:
-            error = CbatchError(UNAVAILABLE, "the cbatch daemon stopped answering; is cbatch-worker running?")
-            for stream in self.streams.values():
-                if not stream.is_done:
-                    stream.fail(error)
-            for nonce in list(self.replies):
-                if self.replies[nonce] is None:
-                    self.replies[nonce] = error
-            raise error
-        waiting = [request_id for request_id, stream in self.streams.items() if not stream.is_done]
-        self.ask(MsgType.HEALTH, request_ids=waiting[:MAX_PING_REQUEST_IDS])
+            self._fail_everything(CbatchError(UNAVAILABLE, "the cbatch daemon stopped answering; is cbatch-worker running?"))
+            return
+        self._pinged_s = now_s
+        self._next_nonce += 1  # a ping's reply is not waited for; on_frames reads it
+        stale_ids = stale_ids[:MAX_PING_REQUEST_IDS]
+        self._pinged_ids = {self._next_nonce: stale_ids}  # an older ping's answer no longer matters
+        self.send(MsgType.HEALTH, {"nonce": self._next_nonce, "request_ids": stale_ids})
+
+    def _fail_everything(self, error: CbatchError) -> None:
+        self.failure = error
+        for stream in self.streams.values():
+            if not stream.is_done:
+                stream.fail(error)
+        for nonce, reply in self.replies.items():
+            if reply is None:
+                self.replies[nonce] = error
 
     def take(self, stream: RequestStream):
         """The stream's next chunk (the caller waited until it has one); raises its error."""
@@ -123,7 +167,7 @@ class Session:
 
     # ---- incoming ---------------------------------------------------------------
     def on_frames(self, frames: list[bytes]) -> None:
-        self.missed_pings = 0
+        self.missed_pings, self.heard_s, self.failure = 0, self._clock(), None
         try:
             msg_type, body = unpack(frames)
         except ProtocolError as err:
@@ -133,7 +177,7 @@ class Session:
         elif msg_type is MsgType.RECORDS:
             stream = self.streams.get(body["request_id"])
             if stream is not None:
-                stream.add_records(body["records"])
+                stream.add_records(body["records"], self.heard_s)
                 if self.reader is not None:
                     self.reader.resume(stream.request_id, stream.next_index)
                     self.read_ring()
@@ -141,11 +185,13 @@ class Session:
             stream = self.streams.get(body["request_id"])
             if stream is not None:
                 self.read_ring()  # the worker wrote every record before the finish was sent
-                stream.on_finished(body)
+                stream.on_finished(body, self.heard_s)
                 if stream.missing_records:
                     self.send(MsgType.FETCH, {"request_id": stream.request_id, "from_index": stream.next_index})
         elif msg_type is MsgType.ERROR:
             error = CbatchError(body.get("code", INTERNAL), body.get("message", ""))
+            if error.code == SHUTTING_DOWN:
+                self._refusing_until_s = self.heard_s + LIVENESS_S
             stream = self.streams.get(body.get("request_id"))
             if stream is not None:
                 stream.fail(error)
@@ -154,11 +200,16 @@ class Session:
             elif self.welcome is None:
                 raise error  # the handshake itself was refused
         elif msg_type in (MsgType.HEALTH_REPLY, MsgType.STATS_REPLY):
-            for request_id in body.get("lost_request_ids", ()):
+            lost_ids = set(body.get("lost_request_ids", ()))
+            for request_id in self._pinged_ids.pop(body.get("nonce"), ()):
                 stream = self.streams.get(request_id)
-                if stream is not None and not stream.is_done:
+                if stream is None or stream.is_done:
+                    continue
+                if request_id in lost_ids:
                     stream.fail(CbatchError(UNAVAILABLE, "the daemon no longer knows this request (the connection "
                                                          "was lost or the daemon restarted); submit it again"))
+                else:
+                    stream.heard_s = self.heard_s  # the daemon answered for it: still in flight
             if body.get("nonce") in self.replies:
                 self.replies[body["nonce"]] = body
 
@@ -190,13 +241,14 @@ class Session:
                                         "reconnect with use_ring=False / --no-shm") from None
         if records and self.read_latencies_ns is not None:
             self.read_latencies_ns.append(time.monotonic_ns() - self._ring.heartbeat_ns)
+        now_s = self._clock()
         by_request: dict[int, list] = {}
         for r in records:
             by_request.setdefault(r.request_id, []).append((r.index, r.token_id, r.flags, r.finish, r.count, r.text))
         for request_id, rows in by_request.items():
             stream = self.streams.get(request_id)
             if stream is not None:
-                stream.add_records(rows)
+                stream.add_records(rows, now_s)
 
     @property
     def tick_endpoint(self) -> str | None:

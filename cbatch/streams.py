@@ -8,6 +8,7 @@ gap stops intake until the missing records arrive.
 
 import codecs
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,12 +47,14 @@ class RequestStream:
     finished: dict | None = None  # the FINISHED body, once it arrived
     error: CbatchError | None = None
     is_done: bool = False
+    heard_s: float = field(default_factory=time.monotonic)  # when anything of this request last arrived
 
     def __post_init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def add_records(self, rows) -> None:
+    def add_records(self, rows, now_s: float) -> None:
         """rows: (index, token_id, flags, finish, count, text) in index order."""
+        self.heard_s = now_s
         token_ids, data = [], []
         for index, token_id, _flags, _finish, _count, text in rows:
             if index < self.next_index:
@@ -66,7 +69,8 @@ class RequestStream:
             self._emit(token_ids, self._decoder.decode(b"".join(data)))
         self._complete_if_ready()
 
-    def on_finished(self, body: dict) -> None:
+    def on_finished(self, body: dict, now_s: float) -> None:
+        self.heard_s = now_s
         self.finished = body
         self._complete_if_ready()
 
@@ -107,3 +111,22 @@ def completion_from_chunks(chunks: list[Chunk]) -> Completion | CbatchError:
         return CbatchError(DECODE_FAILED, "the decode step of this request failed")
     token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
     return Completion(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage)
+
+
+class BatchResults:
+    """A batch's arrivals, (position, chunk or error), made into results in input order:
+    a Completion, or the CbatchError that item got. What finished is kept whatever
+    happens to the rest."""
+
+    def __init__(self, num_items: int):
+        self.results: list[Completion | CbatchError | None] = [None] * num_items
+        self._chunks: dict[int, list[Chunk]] = {}
+
+    def add(self, position: int, item: Chunk | CbatchError) -> None:
+        if isinstance(item, CbatchError):
+            self._chunks.pop(position, None)
+            self.results[position] = item
+            return
+        self._chunks.setdefault(position, []).append(item)
+        if item.finish_reason:
+            self.results[position] = completion_from_chunks(self._chunks.pop(position))

@@ -121,6 +121,45 @@ def test_sigterm_drains_cancels_after_grace_and_refuses_new_work(tiny_model_path
     assert d.leftovers() == []
 
 
+def test_sigterm_under_load_keeps_every_finished_result_and_ends_the_rest_per_item(tiny_model_path, start_daemon,
+                                                                                  tmp_path):
+    """A batch in flight when the daemon drains: what finished reaches the caller, the rest
+    end with an error each, and cbatch-submit writes a line for every input line."""
+    import json
+    import threading
+
+    d = start_daemon(tiny_model_path, "--parallel", "4", "--drain-grace", "5")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "max_tokens": 60, **GREEDY}) + "\n" for i in range(300)))
+    submit = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(tmp_path / "out.jsonl"),
+                               "--max-in-flight", "8"], env=d.env, stderr=subprocess.PIPE, text=True)
+    outcome = {}
+
+    def run_batch():
+        with d.client() as client:
+            outcome["results"] = client.generate_batch(
+                [{"prompt": f"b{i}", "max_tokens": 60, **GREEDY} for i in range(300)], max_in_flight=8)
+
+    batch = threading.Thread(target=run_batch)
+    batch.start()
+    with d.client() as watcher:  # let both callers finish some requests first
+        wait_until(lambda: watcher.stats()["num_requests_ended"] >= 16, timeout_s=60)
+    d.process.send_signal(signal.SIGTERM)
+    batch.join(timeout=40)
+    assert not batch.is_alive(), "generate_batch did not return after the daemon left"
+    assert submit.wait(timeout=40) == 1  # some lines failed: those that never ran
+    assert d.stop() == 0
+    results = outcome["results"]
+    completed = [r for r in results if not isinstance(r, CbatchError)]
+    codes = {r.code for r in results if isinstance(r, CbatchError)}
+    assert len(results) == 300 and None not in results
+    assert completed and all(c.usage["completion_tokens"] == 60 for c in completed)
+    assert codes and codes <= {"shutting_down", "unavailable"}
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [line["id"] for line in lines] == list(range(1, 301))
+    assert any("text" in line for line in lines) and any("error" in line for line in lines)
+
+
 def test_sigint_lets_short_requests_finish(tiny_model_path, start_daemon):
     d = start_daemon(tiny_model_path, "--parallel", "2")
     with d.client() as client:

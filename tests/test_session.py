@@ -64,3 +64,71 @@ def test_corrupt_ring_record_is_a_coded_error(ring):
         session.read_ring()
     assert err.value.code == "internal" and "corrupt" in err.value.message
     session.close()
+
+
+def test_liveness_is_judged_per_request_while_others_stream():
+    """A request whose reply was lost is named in a ping after LIVENESS_S even though
+    records of another request keep arriving, and fails once the daemon calls it lost."""
+    from cbatch.errors import UNAVAILABLE
+    from cbatch.protocol import unpack
+    from cbatch.session import LIVENESS_S
+
+    sent, now = [], [100.0]
+    session = Session(sent.append, use_ring=False, clock=lambda: now[0])
+    lost, busy = session.submit({"prompt": "a"}), session.submit({"prompt": "b"})
+    start_s = now[0]
+    for step in range(1, 4):  # the busy request hears every half second
+        now[0] = start_s + step * 0.5
+        session.on_frames(pack(MsgType.RECORDS, {"request_id": busy.request_id,
+                                                 "records": [[step - 1, step, 0, 0, 0, b"x"]]}))
+        session.check_liveness(start_s + step * 0.5)
+    assert not any(unpack(frames)[0] is MsgType.HEALTH for frames in sent)
+    now[0] = start_s + LIVENESS_S + 0.1
+    session.check_liveness(now[0])
+    msg_type, ping = unpack(sent[-1])
+    assert msg_type is MsgType.HEALTH and ping["request_ids"] == [lost.request_id]  # busy heard lately
+    session.on_frames(pack(MsgType.HEALTH_REPLY, {"nonce": ping["nonce"], "status": "ok",
+                                                  "lost_request_ids": [lost.request_id]}))
+    assert lost.is_done and lost.error.code == UNAVAILABLE and not busy.is_done
+
+
+def test_a_daemon_that_stops_answering_fails_waiting_streams_without_raising():
+    from cbatch.errors import UNAVAILABLE
+    from cbatch.session import LIVENESS_S, MAX_MISSED_PINGS
+
+    sent = []
+    session = Session(sent.append, use_ring=False)
+    stream = session.submit({"prompt": "a"})
+    now_s = stream.heard_s
+    for _ in range(MAX_MISSED_PINGS + 1):
+        now_s += LIVENESS_S + 0.1
+        session.check_liveness(now_s)
+    assert stream.is_done and stream.error.code == UNAVAILABLE and session.failure is not None
+    with pytest.raises(CbatchError) as err:  # a new submit fails at once instead of waiting again
+        session.submit({"prompt": "b"})
+    assert err.value.code == UNAVAILABLE
+
+
+def test_a_draining_daemon_makes_the_next_submits_fail_at_once():
+    from cbatch.errors import SHUTTING_DOWN
+
+    sent = []
+    session = Session(sent.append, use_ring=False)
+    stream = session.submit({"prompt": "a"})
+    session.on_frames(pack(MsgType.ERROR, {"code": SHUTTING_DOWN, "message": "draining",
+                                           "request_id": stream.request_id}))
+    assert stream.error.code == SHUTTING_DOWN
+    num_sent = len(sent)
+    with pytest.raises(CbatchError) as err:
+        session.submit({"prompt": "b"})
+    assert err.value.code == SHUTTING_DOWN and len(sent) == num_sent
+
+
+def test_a_body_the_front_end_would_refuse_fails_before_it_is_sent():
+    from cbatch.errors import INVALID_REQUEST
+
+    sent = []
+    session = Session(sent.append, use_ring=False)
+    with pytest.raises(CbatchError) as err:
+        session.submit({"prompt": "a", "logit_bias": {1: 2.0}})  # a non-string key
+    assert err.value.code == INVALID_REQUEST and sent == [] and session.streams == {}
