@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from cbatch.client import (CONNECT_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, _check_endpoint, _choice_items, _raise_any,
-                           _request_body, _unreachable)
+from cbatch.client import (CONNECT_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, ClientBase, _check_endpoint, _choice_items,
+                           _raise_any, _unreachable)
 from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
@@ -20,7 +20,7 @@ from cbatch.session import LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make
 from cbatch.streams import BatchResults, Chunk, Completion, RequestStream
 
 
-class AsyncClient:
+class AsyncClient(ClientBase):
     """asyncio client: `client = await AsyncClient.connect()`; many coroutines may share it.
 
     One pump task reads the socket and the ring for everyone and wakes waiters after
@@ -107,9 +107,6 @@ class AsyncClient:
         finally:
             self._session.release(stream)
 
-    def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
-        return self._session.submit(_request_body(prompt, messages, params))
-
     def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> AsyncIterator[Chunk]:
         return self.read(self.submit(prompt, messages, **params))
 
@@ -146,9 +143,6 @@ class AsyncClient:
         async for position, item in self.stream_batch(items, max_in_flight):
             batch.add(position, item)
         return batch.results
-
-    def cancel(self, request_id: int) -> None:
-        self._session.cancel(request_id)
 
     async def _ask(self, msg_type: MsgType) -> dict:
         nonce = self._session.ask(msg_type)

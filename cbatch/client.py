@@ -56,7 +56,23 @@ def _raise_any(results: list) -> list[Completion]:
     return results
 
 
-class Client:
+class ClientBase:
+    """What both clients share: everything that does not wait. Subclasses set
+    self._session and decide how to wait."""
+
+    _session: Session
+
+    @property
+    def info(self) -> dict:
+        """The daemon's handshake: model, parallel, ctx_per_seq, use_ring, ring_name."""
+        return dict(self._session.welcome)
+
+    def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
+        """Send a request; read its chunks with read(stream)."""
+        return self._session.submit(_request_body(prompt, messages, params))
+
+
+class Client(ClientBase):
     def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  curve_server_key: str | None = None, curve_client_key: str | None = None):
@@ -80,11 +96,6 @@ class Client:
         if self._session.tick_endpoint:
             self._tick = make_tick_socket(self._zctx, self._session.tick_endpoint)
             self._poller.register(self._tick, zmq.POLLIN)
-
-    @property
-    def info(self) -> dict:
-        """The daemon's handshake: model, parallel, ctx_per_seq, use_ring, ring_name."""
-        return dict(self._session.welcome)
 
     def _wait(self, is_done, deadline: float | None = None) -> None:
         """Pump messages and ring records until is_done() holds."""
@@ -116,9 +127,6 @@ class Client:
                     return
         finally:
             self._session.release(stream)
-
-    def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
-        return self._session.submit(_request_body(prompt, messages, params))
 
     def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> Iterator[Chunk]:
         """Yield chunks as tokens arrive; the last one has finish_reason and usage."""

@@ -18,6 +18,7 @@ MAX_GRAMMAR_NESTING = 64  # llama.cpp's GBNF parser recurses per group: deeper i
 MAX_MESSAGES = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     grammar: str | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; K = the chosen token's and the K most likely tokens'
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -154,6 +156,7 @@ _PARAM_CHECKS = {
     "stop": _stop,
     "grammar": _grammar,
     "ignore_eos": lambda v: _bool("ignore_eos", v),
+    "logprobs": lambda v: None if v is None else _int("logprobs", v, 0, MAX_TOP_LOGPROBS),
 }
 PARAM_NAMES = frozenset(_PARAM_CHECKS)
 

@@ -82,8 +82,11 @@ class Session:
             unpack(frames)  # what the front-end would refuse (non-string keys, nesting) fails here, named
         except ProtocolError as err:
             raise CbatchError(INVALID_REQUEST, f"the request cannot be sent: {err}") from None
-        stream = RequestStream(request_id, request_id if label is None else label, heard_s=self._clock())
-        if self.reader is not None:
+        # Log-probabilities come relayed with their records, never from the ring.
+        wants_logprobs = body.get("logprobs") is not None
+        stream = RequestStream(request_id, request_id if label is None else label, heard_s=self._clock(),
+                               wants_logprobs=wants_logprobs)
+        if self.reader is not None and not wants_logprobs:
             if not self.streams:
                 self.reader = RingReader(self._ring)  # idle until now: start at the ring's present
             self.reader.watch(request_id)  # before the worker can publish anything for it
@@ -178,7 +181,7 @@ class Session:
             stream = self.streams.get(body["request_id"])
             if stream is not None:
                 stream.add_records(body["records"], self.heard_s)
-                if self.reader is not None:
+                if self.reader is not None and not stream.wants_logprobs:
                     self.reader.resume(stream.request_id, stream.next_index)
                     self.read_ring()
         elif msg_type is MsgType.FINISHED:

@@ -24,6 +24,9 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     usage: dict | None = None
+    # With `logprobs: K` in the request: one entry per token in token_ids, {"token", "bytes",
+    # "logprob", "top_logprobs": [{"token", "bytes", "logprob"}, ...K]}; else None.
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Completion:
     finish_reason: str
     usage: dict
     request_id: int = 0
+    logprobs: list[dict] | None = None  # as Chunk.logprobs, for the whole completion
 
 
 @dataclass(eq=False)
@@ -47,6 +51,8 @@ class RequestStream:
     finished: dict | None = None  # the FINISHED body, once it arrived
     error: CbatchError | None = None
     is_done: bool = False
+    wants_logprobs: bool = False  # then relayed rows carry a seventh column, the token's entry
+    logprobs: list[dict] = field(default_factory=list)
     heard_s: float = field(default_factory=time.monotonic)  # when anything of this request last arrived
 
     def __post_init__(self):
@@ -55,8 +61,8 @@ class RequestStream:
     def add_records(self, rows, now_s: float) -> None:
         """rows: (index, token_id, flags, finish, count, text) in index order."""
         self.heard_s = now_s
-        token_ids, data = [], []
-        for index, token_id, _flags, _finish, _count, text in rows:
+        token_ids, data, logprobs = [], [], []
+        for index, token_id, _flags, _finish, _count, text, *entry in rows:
             if index < self.next_index:
                 continue  # already have it (recovered and also seen in the ring)
             if index > self.next_index:
@@ -64,9 +70,11 @@ class RequestStream:
             self.next_index += 1
             if token_id >= 0:
                 token_ids.append(token_id)
+                if self.wants_logprobs:
+                    logprobs.append(_logprob_entry(entry[0]) if entry and entry[0] else None)
             data.append(text)
         if token_ids or data:
-            self._emit(token_ids, self._decoder.decode(b"".join(data)))
+            self._emit(token_ids, self._decoder.decode(b"".join(data)), logprobs=logprobs if self.wants_logprobs else None)
         self._complete_if_ready()
 
     def on_finished(self, body: dict, now_s: float) -> None:
@@ -82,17 +90,18 @@ class RequestStream:
     def missing_records(self) -> bool:
         return self.finished is not None and not self.is_done
 
-    def _emit(self, token_ids: list[int], text: str, **final) -> None:
+    def _emit(self, token_ids: list[int], text: str, **fields) -> None:
         self.token_ids += token_ids
         self.text_parts.append(text)
-        self.pending.append(Chunk(self.label, text, token_ids, **final))
+        self.logprobs += fields.get("logprobs") or []
+        self.pending.append(Chunk(self.label, text, token_ids, **fields))
 
     def _complete_if_ready(self) -> None:
         if self.is_done or self.finished is None or self.next_index < self.finished["num_records"]:
             return
         self.is_done = True
         self._emit([], self._decoder.decode(b"", final=True), finish_reason=self.finished["finish_reason"],
-                   usage=self.finished["usage"])
+                   usage=self.finished["usage"], logprobs=[] if self.wants_logprobs else None)
 
     def completion(self) -> Completion:
         if self.error is not None:
@@ -100,7 +109,7 @@ class RequestStream:
         if self.finished["finish_reason"] == "error":
             raise CbatchError(DECODE_FAILED, self.finished.get("error") or "the decode step failed")
         return Completion(self.label, "".join(self.text_parts), self.token_ids, self.finished["finish_reason"],
-                          self.finished["usage"], self.request_id)
+                          self.finished["usage"], self.request_id, self.logprobs if self.wants_logprobs else None)
 
 
 def completion_from_chunks(chunks: list[Chunk]) -> Completion | CbatchError:
@@ -110,7 +119,17 @@ def completion_from_chunks(chunks: list[Chunk]) -> Completion | CbatchError:
     if last.finish_reason == "error":
         return CbatchError(DECODE_FAILED, "the decode step of this request failed")
     token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-    return Completion(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage)
+    logprobs = None if last.logprobs is None else list(itertools.chain.from_iterable(c.logprobs for c in chunks))
+    return Completion(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage,
+                      logprobs=logprobs)
+
+
+def _logprob_entry(wire: list) -> dict:
+    """[token_id, piece, logprob, [[id, piece, logprob], ...]] -> the Chunk.logprobs shape."""
+    _, piece, logprob, top = wire
+    return {"token": piece.decode("utf-8", errors="replace"), "bytes": list(piece), "logprob": logprob,
+            "top_logprobs": [{"token": p.decode("utf-8", errors="replace"), "bytes": list(p), "logprob": lp}
+                             for _, p, lp in top]}
 
 
 class BatchResults:

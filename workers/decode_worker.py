@@ -215,7 +215,7 @@ class EventPublisher:
                 self._writer.heartbeat()
             return
         events = [TokenEvent(out.request_id, self._next_index.get(out.request_id, 0), out.token_ids, out.text,
-                             out.finish_reason or "", out.usage, out.error) for out in outputs]
+                             out.finish_reason or "", out.usage, out.error, out.logprobs) for out in outputs]
         for out, next_index in zip(outputs, self._writer.publish_many([event.ring_event() for event in events])):
             if out.finish_reason:
                 self._next_index.pop(out.request_id, None)
@@ -259,8 +259,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         publisher = EventPublisher(engine, ring, io, tick)
         preparer = RequestPreparer(engine, io.inbox)
         preparer.start()
-        io.send(WorkerReady(os.getpid(), engine.runner.description, engine.ctx_per_seq, plan.generation,
-                            engine.prefix_cache_note))
+        io.send(WorkerReady(os.getpid(), engine.runner.description, engine.ctx_per_seq, engine.prefix_cache_note))
         handler = CommandHandler(engine, io, preparer.outbox, stop, publisher)
         run_engine_loop(engine, handler.take, publisher.publish)
     finally:

@@ -23,6 +23,7 @@ from cbatch.workers.sampling import free_sampler_chain, greedy_rows, make_sample
 from cbatch.workers.scheduler import Chunk, Scheduler
 from cbatch.workers.sequence import FinishReason, Sequence
 from cbatch.workers.stream_cache import StreamCacheManager
+from cbatch.workers.logprobs import token_logprobs
 from cbatch.workers.stats import EngineStats
 
 LLAMA_DECODE_NO_KV_ROOM = 1
@@ -39,6 +40,7 @@ class SeqOutput:
     finish_reason: str | None = None
     usage: dict | None = None
     error: str | None = None
+    logprobs: list | None = None  # one entry per token in token_ids (workers/logprobs.py), if asked for
 
 
 class Engine:
@@ -128,7 +130,7 @@ class Engine:
         num_batch_tokens = sum(c.num_tokens for c in chunks)
         num_prompt_tokens = sum(max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start) for c in chunks)
         sampled = self._sample(chunks)
-        outputs += self._postprocess(chunks, sampled)
+        outputs += self._postprocess(chunks, sampled, self._logprobs(chunks, sampled))
         self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_batch_tokens, num_prompt_tokens,
                                num_decode_seqs, len(sampled))
         return outputs
@@ -171,7 +173,19 @@ class Engine:
                 sampled.append((seq, sample_with_chain(seq.sampler, self.runner.ctx, index)))
         return sampled
 
-    def _postprocess(self, chunks: list[Chunk], sampled: list[tuple[Sequence, int]]) -> list[SeqOutput]:
+    def _logprobs(self, chunks: list[Chunk], sampled: list[tuple[Sequence, int]]) -> dict[int, list]:
+        """request id -> the logprobs entry of its sampled token, for the requests that asked."""
+        asking = [(seq, token) for seq, token in sampled if seq.params.logprobs is not None]
+        if not asking:
+            return {}
+        logit_seqs = [chunk.seq for chunk in chunks if chunk.wants_logits]
+        logits = self.runner.logits(len(logit_seqs))
+        row_of = {seq.request_id: row for row, seq in enumerate(logit_seqs)}
+        return {seq.request_id: token_logprobs(logits[row_of[seq.request_id]], token, seq.params.logprobs,
+                                               self.runner.token_piece) for seq, token in asking}
+
+    def _postprocess(self, chunks: list[Chunk], sampled: list[tuple[Sequence, int]],
+                     logprobs: dict[int, list]) -> list[SeqOutput]:
         outputs = []
         for seq, token in sampled:
             if token in self._eog_set and not seq.params.ignore_eos:
@@ -180,11 +194,14 @@ class Engine:
             seq.output_ids.append(token)
             text = seq.text.push(self.runner.token_piece(token))
             if seq.text.is_stopped:
-                outputs.append(self._finish(seq, FinishReason.STOP, token_ids=[token], text=text))
+                output = self._finish(seq, FinishReason.STOP, token_ids=[token], text=text)
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.ctx_per_seq:
-                outputs.append(self._finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish()))
+                output = self._finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish())
             else:
-                outputs.append(SeqOutput(seq.request_id, [token], text))
+                output = SeqOutput(seq.request_id, [token], text)
+            if seq.request_id in logprobs:
+                output.logprobs = [logprobs[seq.request_id]]
+            outputs.append(output)
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,

@@ -14,7 +14,7 @@ import zmq
 
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
-from cbatch.ipc.ring import RingRecord, event_records
+from cbatch.ipc.ring import NO_TOKEN, RingRecord, event_records
 from cbatch.params import parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.client_link import ClientLink
@@ -131,7 +131,10 @@ class FrontEnd:
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self.is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
-        job = Job(request_id, identity, is_relayed=not self._use_ring.get(identity, False), body=request_body)
+        # Log-probabilities do not fit the ring's records: such a request is relayed whole.
+        wants_logprobs = request_body.get("logprobs") is not None
+        job = Job(request_id, identity, is_relayed=wants_logprobs or not self._use_ring.get(identity, False),
+                  body=request_body, logprobs={} if wants_logprobs else None)
         self.requests.add(job)
         self._forward(job)  # held here while the worker (re)starts, sent when it is ready
 
@@ -195,6 +198,8 @@ class FrontEnd:
         for at in range(0, len(records), MAX_RECORDS_PER_MESSAGE):
             rows = [[r.index, r.token_id, r.flags, r.finish, r.count, r.text]
                     for r in records[at:at + MAX_RECORDS_PER_MESSAGE]]
+            if job.logprobs is not None:  # a seventh column: the token's logprobs entry
+                rows = [[*row, job.logprobs.get(row[0])] for row in rows]
             self.clients.send(job.owner, MsgType.RECORDS, {"request_id": job.request_id, "records": rows})
 
     # ---- decode worker ------------------------------------------------------------
@@ -220,6 +225,9 @@ class FrontEnd:
             return  # already failed (worker restart) or rejected
         records = event_records(*event.ring_event())
         job.records += records
+        if job.logprobs is not None and event.logprobs:
+            token_records = [record for record in records if record.token_id != NO_TOKEN]
+            job.logprobs.update((record.index, entry) for record, entry in zip(token_records, event.logprobs))
         if job.is_relayed or is_made_here:
             self._send_records(job, records)
         if event.finish_reason:

@@ -25,6 +25,7 @@ class TokenEvent:
     finish_reason: str = ""
     usage: dict | None = None
     error: str | None = None
+    logprobs: list | None = None  # per token, for requests that asked (workers/logprobs.py)
 
     def ring_event(self) -> RingEvent:
         return RingEvent(self.request_id, self.index, self.token_ids, self.text.encode(),
@@ -36,7 +37,6 @@ class WorkerReady:
     pid: int
     model: str
     ctx_per_seq: int
-    generation: int
     prefix_cache: str
 
 

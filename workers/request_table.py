@@ -23,6 +23,7 @@ class Job:
     finish: dict | None = None  # the FINISHED body, once finished (resent on request)
     records: list[RingRecord] = field(default_factory=list)
     finished_at_s: float | None = None
+    logprobs: dict[int, list] | None = None  # record index -> logprobs entry, when the request asked
 
     @property
     def is_held(self) -> bool:
