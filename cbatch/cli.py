@@ -8,13 +8,15 @@ import time
 from dataclasses import dataclass, field
 
 from cbatch import __version__
-from cbatch.config import DRAIN_GRACE_S, RETENTION_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig
+from cbatch.config import (DRAIN_GRACE_S, PROGRESS_INTERVAL_S, RETENTION_S,
+                           RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig)
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.streams import completion_from_chunks
+from cbatch.wording import counted
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-PROGRESS_INTERVAL_S = 0.2
+SUBMIT_PROGRESS_INTERVAL_S = 0.2  # how often cbatch-submit redraws its progress line on a terminal
 
 
 def worker_main(argv=None) -> None:
@@ -41,6 +43,9 @@ def worker_main(argv=None) -> None:
                         help="seconds a finished request's tokens stay fetchable by a reader the ring lapped (default 60)")
     parser.add_argument("--worker-timeout", type=float, default=WORKER_TIMEOUT_S,
                         help="seconds without a step before the decode worker is restarted (0 = never)")
+    parser.add_argument("--progress-interval", type=float, default=PROGRESS_INTERVAL_S,
+                        help="seconds between progress lines in the log while requests are in flight (default 10)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
     parser.add_argument("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
     parser.add_argument("--curve-clients", default="", help="directory of client public certificates allowed in")
@@ -56,6 +61,7 @@ def worker_main(argv=None) -> None:
         config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                               drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
                               allow_remote=args.allow_remote,
+                              progress_interval_s=0.0 if args.quiet else args.progress_interval,
                               curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients)
     except CbatchError as err:
         parser.error(err.message)
@@ -206,7 +212,7 @@ def _run_file(client, numbered_items, num_lines: int | None, out, max_in_flight:
             out.write(json.dumps(done.pop(next_to_write), ensure_ascii=False) + "\n")
             lines[next_to_write] = None  # written: keep no more of it
             next_to_write += 1
-        if show_progress and time.monotonic() - shown_at >= PROGRESS_INTERVAL_S:
+        if show_progress and time.monotonic() - shown_at >= SUBMIT_PROGRESS_INTERVAL_S:
             shown_at = time.monotonic()
             elapsed = max(shown_at - started, 1e-9)
             total = "" if num_lines is None else f"/{num_lines}"
@@ -218,5 +224,5 @@ def _run_file(client, numbered_items, num_lines: int | None, out, max_in_flight:
         print(file=sys.stderr)
     num_done = next_to_write
     return {"num_failed": num_failed, "line": (
-        f"cbatch-submit: {num_done} lines, {num_done - num_failed} ok, {num_failed} failed; "
-        f"{num_tokens} tokens in {elapsed:.1f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s)")}
+        f"cbatch-submit: {counted(num_done, 'line')}, {num_done - num_failed} ok, {num_failed} failed; "
+        f"{counted(num_tokens, 'token')} in {elapsed:.1f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s)")}
