@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.wording import counted
 
 MAX_PARALLEL = 64
 DEFAULT_CTX_PER_SEQ = 4096
@@ -41,7 +42,7 @@ class EngineConfig:
         check(self.ctx_size >= 0, f"--ctx-size must be >= 0, got {self.ctx_size}")
         check(
             self.ctx_size == 0 or self.ctx_size // self.parallel >= 16,
-            f"--ctx-size {self.ctx_size} leaves {self.ctx_size // self.parallel} tokens per sequence "
+            f"--ctx-size {self.ctx_size} leaves {counted(self.ctx_size // self.parallel, 'token')} per sequence "
             f"for --parallel {self.parallel}; raise --ctx-size or lower --parallel",
         )
         check(

@@ -136,3 +136,11 @@ def test_busy_daemon_logs_progress_lines_and_an_idle_one_none(tiny_model_path, s
         assert busy_lines == []
     else:
         assert busy_lines and any(not line.startswith("0.0 tok/s") for line in busy_lines), d.log()
+
+
+@pytest.mark.parametrize("ctx_size, parallel, ctx_per_seq", [(100, 1, 256), (4000, 3, 1536)])
+def test_each_sequence_context_rounds_up_to_256_as_the_readme_says(tiny_model_path, start_daemon, ctx_size,
+                                                                    parallel, ctx_per_seq):
+    d = start_daemon(tiny_model_path, "--ctx-size", str(ctx_size), "--parallel", str(parallel))
+    assert d.health["ctx_per_seq"] == ctx_per_seq
+    assert f"context {ctx_per_seq} per sequence" in d.log()
