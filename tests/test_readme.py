@@ -33,6 +33,7 @@ from cbatch.errors import CbatchError
 REPO = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!-- readme-test: (run(?: exit=(\d+))?|skip: .+|text) -->")
 BACKGROUND = re.compile(r"^(.*?)&\s*(#.*)?$")
+ENDPOINT_FLAG = re.compile(r"--endpoint ipc://(\S+)")  # a path relative to where the command runs
 DAEMON_READY_TIMEOUT_S = 120.0
 COMMAND_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -88,6 +89,8 @@ class Scratch:
                               timeout=COMMAND_TIMEOUT_S)
 
     def start_daemon(self, command: str) -> None:
+        endpoint = ENDPOINT_FLAG.search(command)
+        endpoint = self.endpoint if endpoint is None else f"ipc://{self.path / endpoint.group(1)}"
         log = open(self.path / f"daemon-{len(self.daemons)}.log", "w")
         process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.path, env=self.env,
                                    stdout=log, stderr=subprocess.STDOUT)
@@ -96,7 +99,7 @@ class Scratch:
         while time.monotonic() < deadline:
             assert process.poll() is None, f"{command!r} exited {process.returncode}: {log.name}"
             try:
-                with Client(self.endpoint, connect_timeout_s=1.0) as client:
+                with Client(endpoint, connect_timeout_s=1.0) as client:
                     if client.health()["status"] == "ok":
                         return
             except CbatchError:
