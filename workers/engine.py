@@ -24,7 +24,7 @@ from cbatch.workers.scheduler import Chunk, Scheduler
 from cbatch.workers.sequence import FinishReason, Sequence
 from cbatch.workers.stream_cache import StreamCacheManager
 from cbatch.workers.logprobs import token_logprobs
-from cbatch.workers.stats import EngineStats
+from cbatch.workers.stats import EngineStats, slot_snapshot
 
 LLAMA_DECODE_NO_KV_ROOM = 1
 
@@ -220,8 +220,10 @@ class Engine:
         return SeqOutput(seq.request_id, token_ids or [], text, reason.value, usage, error)
 
     def snapshot(self) -> dict:
-        """Statistics: the engine's own, the queue, and the KV pool and prefix cache."""
+        """Statistics: the engine's own, the queue, the KV pool and prefix cache, and one
+        entry per running request (`slots`, by sequence id)."""
         kv = self.scheduler.kv
+        now_s = time.monotonic()
         reused, computed = kv.num_tokens_reused, self.stats.num_prompt_tokens_computed
         return {
             **self.stats.snapshot(),
@@ -234,6 +236,7 @@ class Engine:
             "kv_cells_used": kv.num_cells_used,
             "kv_cells_cached": kv.num_cells_evictable,
             "cached_prefixes": kv.num_cached_holders,
+            "slots": [slot_snapshot(seq, now_s) for seq in sorted(self.scheduler.running, key=lambda s: s.seq_id)],
         }
 
     def close(self) -> None:

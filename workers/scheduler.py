@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, QUEUE_FULL
+from cbatch.wording import counted
 from cbatch.workers.kv_cache import BLOCK_TOKENS, KVCacheManager
 from cbatch.workers.sequence import Sequence
 
@@ -57,7 +58,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_queue:
             raise CbatchError(
                 QUEUE_FULL,
-                f"the waiting queue is full ({self.max_queue} requests); retry later or raise --max-queue",
+                f"the waiting queue is full ({counted(self.max_queue, 'request')}); retry later or raise --max-queue",
             )
         self.waiting.append(seq)
 

@@ -1,6 +1,7 @@
 """A request as the engine tracks it while it waits, runs and finishes."""
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from cbatch.params import SamplingParams
@@ -24,6 +25,7 @@ class Sequence:
     num_cached: int = 0  # leading tokens of prompt + output whose KV is computed
     sampler: object | None = None  # llama.cpp sampler chain, None for plain greedy
     text: TextStream = None  # type: ignore[assignment]
+    arrived_s: float = field(default_factory=time.monotonic)  # when the engine got it (monotonic clock)
 
     def __post_init__(self):
         if self.text is None:

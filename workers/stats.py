@@ -8,6 +8,8 @@ chunks only counts as prefill.
 
 from dataclasses import dataclass
 
+from cbatch.workers.sequence import Sequence
+
 
 @dataclass
 class EngineStats:
@@ -49,6 +51,20 @@ class EngineStats:
             "decode_fraction": ratio(self.llama_decode_s, self.step_s),
             "avg_step_ms": 1000 * ratio(self.step_s, self.num_steps),
             "num_steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
             "requests_ended": self.requests_ended,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
         }
+
+
+def slot_snapshot(seq: Sequence, now_s: float) -> dict:
+    """One running request, for `cbatch-status`: where it is and how far it got."""
+    return {
+        "request_id": seq.request_id,
+        "seq_id": seq.seq_id,
+        "state": "prefill" if seq.is_prefilling else "decode",
+        "prompt_tokens": seq.num_prompt_tokens,
+        "prompt_tokens_done": min(seq.num_cached, seq.num_prompt_tokens),
+        "tokens": seq.num_output_tokens,
+        "age_s": now_s - seq.arrived_s,
+    }

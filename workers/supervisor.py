@@ -19,9 +19,11 @@ import zmq
 from cbatch.config import DaemonConfig, runtime_dir
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
 from cbatch.ipc.ring import RingError, create_ring
+from cbatch.wording import counted
 from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
 from cbatch.workers.frontend import FrontEnd
 from cbatch.workers.leftovers import remove_leftovers
+from cbatch.workers.progress import ProgressLog
 
 log = logging.getLogger("cbatch.worker")
 
@@ -154,7 +156,10 @@ class Supervisor:
                  "ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
                  ready.prefix_cache, self.config.endpoint, self.ring.name, ready.pid)
         drain_deadline, is_cancelled = None, False
+        progress = ProgressLog(self.config.progress_interval_s)
         while True:
+            progress.update(time.monotonic(), len(self.frontend.requests.active), self.frontend.worker.stats,
+                            sum(self.frontend.requests.num_ended_by_outcome.values()))
             if self._poll(LOOP_POLL_MS):
                 self.worker.join()
                 self.frontend.fail_all(WORKER_RESTARTED, f"the decode worker died (exit code {self.worker.exitcode}); "
@@ -169,7 +174,7 @@ class Supervisor:
                 self.worker.kill()  # the next poll sees it gone and takes the restart path
                 continue
             if self.stop_requested and drain_deadline is None:
-                log.info("draining: %d requests in flight, grace %.0f s", len(self.frontend.requests.active),
+                log.info("draining: %s in flight, grace %.0f s", counted(len(self.frontend.requests.active), "request"),
                          self.config.drain_grace_s)
                 self.frontend.is_draining = True
                 drain_deadline = time.monotonic() + self.config.drain_grace_s
@@ -217,7 +222,7 @@ def run_daemon(config: DaemonConfig) -> int:
     try:
         removed = remove_leftovers(runtime_dir())
         if removed:
-            log.info("removed %d files left by daemons that are no longer running", len(removed))
+            log.info("removed %s left by daemons that are no longer running", counted(len(removed), "file"))
         supervisor = Supervisor(config)
 
         def request_stop(signum, frame):

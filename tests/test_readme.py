@@ -1,0 +1,159 @@
+"""The README's examples, run as printed, so that they cannot drift.
+
+Every fenced block in README.md follows a marker comment (invisible when rendered):
+  <!-- readme-test: run -->           run it: `sh` blocks line by line with bash (a line
+                                      ending in `&` starts a daemon, and the next line runs
+                                      once it answers), `python` blocks with this interpreter
+  <!-- readme-test: run exit=N -->    the same; the block's last command exits N, as the
+                                      block says
+  <!-- readme-test: skip: REASON -->  a command that cannot run in a test (the full setup,
+                                      a GPU build), skipped for the reason given
+  <!-- readme-test: text -->          not a command: a synopsis, a signature list, figures
+A block without a marker fails. The blocks run in order in a scratch directory that has the
+repository's `.venv` and `scripts/`, so the README's relative paths work, and with a
+private runtime directory, so the README's daemon listens on the default endpoint.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cbatch.client import Client
+from cbatch.errors import CbatchError
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"<!-- readme-test: (run(?: exit=(\d+))?|skip: .+|text) -->")
+BACKGROUND = re.compile(r"^(.*?)&\s*(#.*)?$")
+ENDPOINT_FLAG = re.compile(r"--endpoint ipc://(\S+)")  # a path relative to where the command runs
+DAEMON_READY_TIMEOUT_S = 120.0
+COMMAND_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Block:
+    line: int  # of the opening fence in README.md
+    language: str
+    code: str
+    marker: str | None
+    exit_code: int = 0
+
+
+def readme_blocks() -> list[Block]:
+    lines = (REPO / "README.md").read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if not lines[i].startswith("```"):
+            i += 1
+            continue
+        start, language = i, lines[i][3:].strip()
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        match = MARKER.fullmatch(lines[start - 1].strip()) if start else None
+        blocks.append(Block(start + 1, language, "\n".join(lines[start + 1:end]), match and match.group(1),
+                            int(match.group(2)) if match and match.group(2) else 0))
+        i = end + 1
+    return blocks
+
+
+def test_every_readme_block_is_marked():
+    unmarked = [f"README.md:{b.line}" for b in readme_blocks() if b.marker is None]
+    assert not unmarked, f"blocks without a readme-test marker: {unmarked}"
+    assert all(b.language in ("sh", "python") for b in readme_blocks() if b.marker.startswith("run"))
+
+
+class Scratch:
+    """Where the README's commands run, and the daemons they started."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        (path / ".venv").symlink_to(Path(sys.executable).parent.parent)
+        (path / "scripts").symlink_to(REPO / "scripts")
+        runtime = path / "run"
+        runtime.mkdir(mode=0o700)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("CBATCH_")}
+        self.env["XDG_RUNTIME_DIR"] = str(runtime)
+        self.endpoint = f"ipc://{runtime}/cbatch-{os.getuid()}/cbatch.sock"
+        self.daemons: list[subprocess.Popen] = []
+
+    def run(self, args: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(args, cwd=self.path, env=self.env, capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S)
+
+    def start_daemon(self, command: str) -> None:
+        endpoint = ENDPOINT_FLAG.search(command)
+        endpoint = self.endpoint if endpoint is None else f"ipc://{self.path / endpoint.group(1)}"
+        log = open(self.path / f"daemon-{len(self.daemons)}.log", "w")
+        process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.path, env=self.env,
+                                   stdout=log, stderr=subprocess.STDOUT)
+        self.daemons.append(process)
+        deadline = time.monotonic() + DAEMON_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"{command!r} exited {process.returncode}: {log.name}"
+            try:
+                with Client(endpoint, connect_timeout_s=1.0) as client:
+                    if client.health()["status"] == "ok":
+                        return
+            except CbatchError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        raise AssertionError(f"{command!r} did not become ready")
+
+    def stop_daemons(self) -> list[int]:
+        codes = []
+        for process in self.daemons:
+            process.send_signal(signal.SIGTERM)
+            try:
+                codes.append(process.wait(STOP_TIMEOUT_S))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                codes.append(process.wait())
+        return codes
+
+
+def run_block(scratch: Scratch, block: Block) -> None:
+    where = f"README.md:{block.line}"
+    if block.language == "python":
+        result = scratch.run([sys.executable, "-c", block.code])
+        assert result.returncode == block.exit_code, f"{where}: exit {result.returncode}\n{result.stderr}"
+        assert result.stdout.strip(), f"{where} printed nothing"
+        return
+    commands = [line for line in block.code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    for number, command in enumerate(commands, 1):
+        background = BACKGROUND.match(command)
+        if background:
+            scratch.start_daemon(background.group(1).strip())
+            continue
+        result = scratch.run(["bash", "-c", command])
+        expected = block.exit_code if number == len(commands) else 0
+        assert result.returncode == expected, f"{where}: {command!r} exited {result.returncode}\n{result.stderr}"
+
+
+@pytest.fixture
+def scratch_dir():
+    path = Path(tempfile.mkdtemp(prefix="cbr-"))  # short: socket paths must fit 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_readme_examples_run_as_printed(scratch_dir):
+    scratch = Scratch(scratch_dir)
+    blocks = readme_blocks()
+    try:
+        for block in blocks:
+            if block.marker.startswith("run"):
+                run_block(scratch, block)
+    finally:
+        exit_codes = scratch.stop_daemons()
+    assert scratch.daemons, "the README starts no daemon"
+    assert exit_codes == [0] * len(exit_codes)
+    skipped = [b for b in blocks if b.marker.startswith("skip")]
+    assert all(len(b.marker) > len("skip: ") for b in skipped)  # each says why
