@@ -94,6 +94,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is pid (the decode worker, Python's resource tracker)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    return children
+
+
 def wait_until(predicate, timeout_s: float, poll_s: float = 0.05) -> float:
     """Seconds it took predicate() to hold; fails the test after timeout_s."""
     started = time.monotonic()
