@@ -5,6 +5,7 @@ loss, duplicate, leak or unexplained error.
 
     python scripts/soak.py                          # 2000 requests, 32 clients, tiny model
     python scripts/soak.py --model gemma --requests 200 --clients 8
+    python scripts/soak.py --ring-capacity 32       # ring readers lapped all the time: soaks their recovery
 """
 
 import argparse
@@ -82,6 +83,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ring-capacity", type=int, default=None, help="token ring records (default: the daemon's)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="cbatch-soak-"))
     if args.model == "tiny":
@@ -94,10 +96,14 @@ def main() -> int:
 
     endpoint = f"ipc://{workdir / 'soak.sock'}"
     env = {**os.environ, "CBATCH_ENDPOINT": endpoint, "XDG_RUNTIME_DIR": str(workdir)}
+    ring_args = ["--ring-capacity", str(args.ring_capacity)] if args.ring_capacity else []
     daemon = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "--model", model_path, "--parallel", str(args.parallel),
-                               "--ctx-size", str(1024 * args.parallel)], env=env, stderr=subprocess.DEVNULL)
+                               "--ctx-size", str(1024 * args.parallel), *ring_args], env=env, stderr=subprocess.DEVNULL)
     failures: list[str] = []
     while not (workdir / "soak.sock").exists():
+        if daemon.poll() is not None:
+            print(f"SOAK FAILED: the daemon exited {daemon.returncode} before listening")
+            return 1
         time.sleep(0.1)
     with Client(endpoint) as probe:
         while probe.health()["status"] != "ok":
@@ -109,8 +115,9 @@ def main() -> int:
     spawn = multiprocessing.get_context("spawn")
     clients = [spawn.Process(target=client_main, args=(endpoint, args.seed * 1000 + i, n, str(workdir / f"c{i}.json"),
                                                           is_real_model)) for i, n in enumerate(per_client)]
-    killed = set(rng.sample(range(args.clients), max(1, int(args.clients * KILLED_CLIENT_FRACTION))))
-    kill_at = {i: time.monotonic() + rng.uniform(1.0, 8.0) for i in killed}
+    to_kill = rng.sample(range(args.clients), max(1, int(args.clients * KILLED_CLIENT_FRACTION)))
+    kill_at = {i: time.monotonic() + rng.uniform(1.0, 8.0) for i in to_kill}
+    killed: set[int] = set()  # those still running when their time came
     peak = {"daemon": 0, "worker": 0}
     started = time.monotonic()
     for c in clients:
@@ -118,7 +125,10 @@ def main() -> int:
     while any(c.is_alive() for c in clients):
         for i, at in list(kill_at.items()):
             if time.monotonic() >= at:
-                os.kill(clients[i].pid, signal.SIGKILL)
+                # One that already finished is left alone: its pid may be reaped, even reused.
+                if clients[i].is_alive():
+                    clients[i].kill()
+                    killed.add(i)
                 del kill_at[i]
         peak = {"daemon": max(peak["daemon"], rss_kib(daemon.pid)), "worker": max(peak["worker"], rss_kib(worker_pid))}
         time.sleep(MEMORY_SAMPLE_S)
@@ -155,6 +165,7 @@ def main() -> int:
     with Client(endpoint) as probe:  # the daemon is still whole
         if probe.health()["worker_pid"] != worker_pid:
             failures.append("the decode worker was restarted")
+        num_fetches = probe.stats()["num_fetches"]
         if probe.generate(prompt="after the soak", max_tokens=5).usage["completion_tokens"] < 1:
             failures.append("a request after the soak failed")
     daemon.send_signal(signal.SIGTERM)
@@ -175,6 +186,7 @@ def main() -> int:
           f"({len(killed)} killed mid-run), {args.requests} requests planned, {elapsed:.1f} s")
     print(f"requests completed: {len(results)} ({dict(reasons)}); errors by code: {dict(errors) or 'none'}")
     print(f"tokens delivered {delivered} / generated {generated}; requests with a mismatch: {mismatched}")
+    print(f"ring capacity {args.ring_capacity or 'default'}; FETCHes answered (lapped ring readers): {num_fetches}")
     print(f"memory (RSS MiB): daemon peak {peak['daemon'] / 1024:.1f} final {final['daemon'] / 1024:.1f}; "
           f"worker peak {peak['worker'] / 1024:.1f} final {final['worker'] / 1024:.1f}")
     print(f"leaked segments/sockets: {len(leaks)}; daemon exit code {exit_code}")

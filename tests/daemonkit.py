@@ -9,11 +9,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import zmq
+
 from cbatch.client import Client
 from cbatch.errors import CbatchError
+from cbatch.protocol import PROTOCOL_VERSION, MsgType, pack, unpack
 
 SCRIPTS_DIR = Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
+REPLY_TIMEOUT_S = 5.0
 
 
 class Daemon:
@@ -88,3 +92,64 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is pid (the decode worker, Python's resource tracker)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+    return children
+
+
+def wait_until(predicate, timeout_s: float, poll_s: float = 0.05) -> float:
+    """Seconds it took predicate() to hold; fails the test after timeout_s."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, "condition not reached in time"
+        time.sleep(poll_s)
+    return time.monotonic() - started
+
+
+class RawPeer:
+    """A bare DEALER speaking the wire protocol: for messages the client library does not
+    expose to callers (FETCH), and for checking the exact reply a message gets."""
+
+    def __init__(self, endpoint: str, use_ring: bool = False):
+        self._zctx = zmq.Context()
+        self.sock = self._zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.send(MsgType.HELLO, {"version": PROTOCOL_VERSION, "use_ring": use_ring})
+        msg_type, self.welcome = self.recv()
+        assert msg_type is MsgType.WELCOME, self.welcome
+
+    def send(self, msg_type: MsgType, body: dict) -> None:
+        self.sock.send_multipart(pack(msg_type, body))
+
+    def recv(self, timeout_s: float = REPLY_TIMEOUT_S) -> tuple[MsgType, dict]:
+        assert self.sock.poll(int(timeout_s * 1000)), "no reply from the daemon"
+        return unpack(self.sock.recv_multipart())
+
+    def recv_until(self, msg_type: MsgType, timeout_s: float = REPLY_TIMEOUT_S) -> tuple[list, dict]:
+        """Every message up to the first of msg_type, and that one's body."""
+        before = []
+        while True:
+            got, body = self.recv(timeout_s)
+            if got is msg_type:
+                return before, body
+            before.append((got, body))
+
+    def close(self) -> None:
+        self._zctx.destroy(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()

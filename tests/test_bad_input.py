@@ -1,12 +1,14 @@
 """Bad input at the front-end: a clear error with a stable code, and nothing else changes."""
 
+import itertools
+
 import msgpack
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, pack, unpack
-from daemonkit import Daemon
+from daemonkit import Daemon, RawPeer
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 REPLY_TIMEOUT_MS = 5000
@@ -102,17 +104,23 @@ def test_oversized_frame_is_dropped_without_harm(daemon, raw):
 
 
 def test_a_client_cannot_touch_another_clients_request(daemon):
-    with daemon.client() as owner, daemon.client(use_ring=False) as intruder:
+    with daemon.client() as owner, RawPeer(daemon.endpoint) as intruder:
         stream = owner.submit(prompt="mine", max_tokens=80, **GREEDY)
-        intruder._session.send(MsgType.CANCEL, {"request_id": stream.request_id})
-        intruder._session.send(MsgType.FETCH, {"request_id": stream.request_id, "from_index": 0})
-        nonce = intruder._session.ask(MsgType.HEALTH)
-        intruder._session.replies[nonce] = None
-        intruder._wait(lambda: intruder._session.replies[nonce] is not None)
+        replies = {}
+        for msg_type, body in ((MsgType.CANCEL, {}), (MsgType.FETCH, {"from_index": 0})):
+            intruder.send(msg_type, {"request_id": stream.request_id, **body})
+            replies[msg_type] = intruder.recv()
         chunks = list(owner.read(stream))
+    for msg_type, (reply_type, reply) in replies.items():
+        assert reply_type is MsgType.ERROR, f"{msg_type.name} of another client's request was answered: {reply}"
+        assert reply["code"] == "not_found" and reply["request_id"] == stream.request_id
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 80
+    assert len(sum((c.token_ids for c in chunks), [])) == 80
 
 
+REPLY_TYPES = {MsgType.WELCOME, MsgType.RECORDS, MsgType.FINISHED, MsgType.ERROR, MsgType.HEALTH_REPLY, MsgType.STATS_REPLY}
+ERROR_CODES = {"invalid_request", "version_mismatch", "not_found", "prompt_too_long"}
+PROBE_NONCES = itertools.count(1 << 62)  # far from the small integers the fuzzer favours
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)  # msgpack cannot pack lone surrogates
 
 
@@ -125,10 +133,23 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)  # msgp
         lambda children: st.lists(children, max_size=4) | st.dictionaries(TEXT, children, max_size=4),
         max_leaves=12)),
 ), min_size=1, max_size=3))
-def test_fuzzed_frames_never_break_the_daemon(raw, frames):
+def test_fuzzed_frames_never_break_the_daemon(daemon, raw, frames):
     raw.send_multipart(frames)
-    while raw.poll(0):  # replies (errors, or answers to frames that happened to be valid)
-        raw.recv_multipart()
+    # A health probe after the frames: its reply proves the front-end handled all of them
+    # and still answers, on the same worker. Everything before it must be a well-formed
+    # message of the protocol (errors, or answers to frames that happened to be valid).
+    nonce = next(PROBE_NONCES)
+    raw.send_multipart(pack(MsgType.HEALTH, {"nonce": nonce}))
+    while True:
+        assert raw.poll(REPLY_TIMEOUT_MS), f"the daemon stopped answering after {frames!r}"
+        msg_type, reply = unpack(raw.recv_multipart())
+        assert msg_type in REPLY_TYPES, msg_type
+        if msg_type is MsgType.ERROR:
+            assert reply["code"] in ERROR_CODES and reply["message"], reply
+        if msg_type is MsgType.HEALTH_REPLY and reply.get("nonce") == nonce:
+            break
+    assert reply["status"] == "ok" and reply["worker_pid"] == daemon.health["worker_pid"]
+    assert daemon.process.poll() is None
 
 
 def test_after_fuzzing_a_normal_request_still_succeeds(daemon):

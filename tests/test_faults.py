@@ -12,18 +12,9 @@ from pathlib import Path
 import pytest
 
 from cbatch.errors import CbatchError
-from daemonkit import SCRIPTS_DIR, pid_alive
+from daemonkit import SCRIPTS_DIR, pid_alive, wait_until
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def wait_until(predicate, timeout_s: float, poll_s: float = 0.05) -> float:
-    """Seconds it took predicate() to hold; fails the test after timeout_s."""
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout_s, "condition not reached in time"
-        time.sleep(poll_s)
-    return time.monotonic() - started
 
 
 def test_killed_client_has_its_requests_cancelled_and_slots_freed(tiny_model_path, start_daemon):
@@ -37,8 +28,7 @@ def test_killed_client_has_its_requests_cancelled_and_slots_freed(tiny_model_pat
         assert victim.stdout.readline().strip() == "streaming"
         with d.client() as client:
             survivor = client.stream(prompt="survivor", max_tokens=1500, **GREEDY)
-            time.sleep(0.5)
-            assert client.stats()["num_active"] == 3
+            wait_until(lambda: client.stats()["num_active"] == 3, timeout_s=5.0)  # the stats lag 0.25 s
             victim.kill()
             victim.wait()
             # Only the survivor's sequence is left (the stats are at most 0.25 s stale).
@@ -109,7 +99,7 @@ def test_sigterm_drains_cancels_after_grace_and_refuses_new_work(tiny_model_path
         stream = client.stream(prompt="x", max_tokens=16000, **GREEDY)
         next(stream)
         d.process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_until(lambda: latecomer.health()["status"] == "draining", timeout_s=5.0)
         with pytest.raises(CbatchError) as err:
             latecomer.generate(prompt="late", max_tokens=3)
         assert err.value.code == "shutting_down"
@@ -191,16 +181,17 @@ def test_a_client_that_stops_reading_is_cut_off_without_costing_others(tiny_mode
         stalled = [sleeper.stream(prompt=f"flood {i}", max_tokens=15000, **GREEDY) for i in range(2)]
         watch = bystander.stream(prompt="steady", max_tokens=3000, **GREEDY)
         # The sleeper reads nothing while one RECORDS message per step piles up for it,
-        # until ZeroMQ's queue to it is full and the front-end cancels its requests.
-        freed_s = wait_until(lambda: bystander.stats()["num_active"] <= 1, timeout_s=30.0)
+        # until ZeroMQ's queue to it is full and the front-end cancels its requests: then
+        # only the bystander's request is in flight (the front-end's own count, never stale).
+        wait_until(lambda: bystander.stats()["num_in_flight"] == 1, timeout_s=30.0)
         chunks = list(watch)
         results = [list(s) for s in stalled]  # reading again: it recovers what it missed
-    assert freed_s < 30.0
     assert chunks[-1].finish_reason == "length" and len(sum((c.token_ids for c in chunks), [])) == 3000
     for result in results:
         assert result[-1].finish_reason == "cancelled"
         produced = result[-1].usage["completion_tokens"]
-        assert 0 < produced < 15000 and len(sum((c.token_ids for c in result), [])) == produced
+        # Cut off once the queues to it (1000 messages each way) filled, long before its 15000.
+        assert 0 < produced < 5000 and len(sum((c.token_ids for c in result), [])) == produced
 
 
 def test_sigterm_to_the_whole_process_group_still_drains(tiny_model_path):
@@ -233,8 +224,8 @@ def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemo
             [next(s) for s in streams]
         elif state == "prefilling":  # 2-token chunks of a long prompt: thousands of steps before a token
             stream = client.submit(prompt="y" * 8000, max_tokens=5, **GREEDY)
-            time.sleep(0.5)
-            assert client.stats()["num_active"] == 1 and not stream.pending
+            wait_until(lambda: client.stats()["num_active"] == 1, timeout_s=5.0)  # the stats lag 0.25 s
+            assert not stream.pending
         d.process.kill()
         d.process.wait()
         killed_at = time.monotonic()

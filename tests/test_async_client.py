@@ -1,0 +1,112 @@
+"""The asyncio client on its failure paths: a killed decode worker, and callers that stop
+reading early (their requests must stop taking decode slots)."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from cbatch.async_client import AsyncClient
+from cbatch.errors import CbatchError
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+# Long enough that no request here ends by itself within a test (8000 tokens take a
+# minute on the tiny model): only a cancel ends it.
+ENDLESS = {"prompt": "on and on", "max_tokens": 16000, **GREEDY}
+DAEMON_ARGS = ("--parallel", "4", "--ctx-size", str(4 * 16384))
+GONE_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_path):
+    from daemonkit import Daemon
+
+    d = Daemon(tiny_model_path, *DAEMON_ARGS)
+    yield d
+    assert d.stop() == 0, d.log()
+    d.remove_workdir()
+
+
+async def wait_for_stats(client: AsyncClient, predicate, timeout_s: float = GONE_TIMEOUT_S) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not predicate(stats := await client.stats()):
+        assert time.monotonic() < deadline, f"condition not reached in time: {stats}"
+        await asyncio.sleep(0.05)
+    return stats
+
+
+def in_async_client(daemon, scenario):
+    async def main():
+        client = await AsyncClient.connect(daemon.endpoint)
+        try:
+            return await scenario(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def test_break_out_of_async_for_cancels_the_request(daemon):
+    async def scenario(client):
+        before = await wait_for_stats(client, lambda s: s["num_in_flight"] == 0)
+        async for chunk in client.stream(**ENDLESS):
+            assert chunk.token_ids
+            break
+        # The generator is closed by the event loop once dropped; its cleanup cancels.
+        await wait_for_stats(client, lambda s: s["num_in_flight"] == 0)
+        return before, await wait_for_stats(client, lambda s: s["num_active"] == 0)
+
+    before, after = in_async_client(daemon, scenario)
+    assert after["requests_completed"] == before["requests_completed"] + 1  # ended (cancelled), not lost
+
+
+def test_break_out_of_async_stream_batch_cancels_every_outstanding_request(daemon):
+    async def scenario(client):
+        before = await wait_for_stats(client, lambda s: s["num_in_flight"] == 0)
+        pulled = []
+
+        def items():
+            for i in range(12):
+                pulled.append(i)
+                yield {"id": i, **ENDLESS}
+
+        async for position, chunk in client.stream_batch(items(), max_in_flight=3):
+            assert not isinstance(chunk, CbatchError)
+            break
+        await wait_for_stats(client, lambda s: s["num_in_flight"] == 0)
+        return before, await wait_for_stats(client, lambda s: s["num_active"] == 0), pulled
+
+    before, after, pulled = in_async_client(daemon, scenario)
+    assert pulled == [0, 1, 2]  # nothing beyond max_in_flight was submitted
+    assert after["requests_completed"] == before["requests_completed"] + 3
+
+
+def test_async_client_under_a_worker_kill(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+
+    async def read_all(stream) -> list:
+        return [chunk async for chunk in stream]
+
+    async def scenario(client):
+        old_pid = (await client.health())["worker_pid"]
+        streams = [client.stream(**ENDLESS) for _ in range(2)]
+        firsts = [await anext(stream) for stream in streams]
+        os.kill(old_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        outcomes = await asyncio.gather(*(read_all(s) for s in streams), return_exceptions=True)
+        failed_s = time.monotonic() - killed_at
+        while (health := await client.health())["status"] != "ok":  # the next worker loads
+            assert time.monotonic() - killed_at < 60, health
+            await asyncio.sleep(0.05)
+        again = await client.generate(prompt="again", max_tokens=20, **GREEDY)
+        return old_pid, firsts, outcomes, failed_s, health, again
+
+    old_pid, firsts, outcomes, failed_s, health, again = in_async_client(d, scenario)
+    assert all(first.token_ids for first in firsts)
+    for outcome in outcomes:
+        assert isinstance(outcome, CbatchError) and outcome.code == "worker_restarted", outcome
+    assert failed_s < 2.0
+    assert health["worker_pid"] not in (0, old_pid)
+    assert again.finish_reason == "length" and len(again.token_ids) == 20

@@ -1,0 +1,85 @@
+"""Requests across restarts: of the decode worker (held requests go to the next one, even
+while the daemon drains) and of the whole daemon (its clients learn what it lost)."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from cbatch.errors import CbatchError
+from daemonkit import child_pids, pid_alive, wait_until
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+DAEMON_ARGS = ("--parallel", "2", "--ctx-size", str(2 * 16384))
+RESTART_TIMEOUT_S = 60.0
+
+
+def submit_while_restarting(client, **body):
+    """Kill the decode worker and submit while its successor loads: the front-end holds the
+    request. The health asked after the submit, answered in order, proves it was held."""
+    old_pid = client.health()["worker_pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(lambda: client.health()["status"] != "ok", timeout_s=10.0)
+    stream = client.submit(**body)
+    health = client.health()
+    assert health["status"] in ("starting", "draining") and health["worker_pid"] == 0, health
+    return old_pid, stream
+
+
+def test_a_submit_held_across_a_worker_restart_completes_on_the_new_worker(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    with d.client() as client:
+        old_pid, stream = submit_while_restarting(client, prompt="held", max_tokens=50, **GREEDY)
+        chunks = list(client.read(stream))
+        new_pid = client.health()["worker_pid"]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 50
+    assert len(sum((c.token_ids for c in chunks), [])) == 50
+    assert new_pid not in (0, old_pid) and pid_alive(new_pid) and not pid_alive(old_pid)
+    assert d.stop() == 0
+
+
+def test_a_drain_while_the_worker_restarts_finishes_held_requests_and_exits_clean(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    ring_name = d.ring_name()
+    with d.client() as client, d.client() as latecomer:
+        old_pid, stream = submit_while_restarting(client, prompt="held", max_tokens=50, **GREEDY)
+        children = child_pids(d.process.pid)  # the new worker among them, still loading
+        d.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: latecomer.health()["status"] == "draining", timeout_s=5.0)
+        with pytest.raises(CbatchError) as err:
+            latecomer.generate(prompt="late", max_tokens=3)
+        assert err.value.code == "shutting_down"
+        # The drain waits for the new worker, which runs the held request (the grace is 30 s).
+        chunks = list(client.read(stream))
+    assert chunks[-1].finish_reason == "length" and len(sum((c.token_ids for c in chunks), [])) == 50
+    assert d.stop() == 0, d.log()
+    assert children and old_pid not in children
+    wait_until(lambda: not any(pid_alive(pid) for pid in [old_pid, *children]), timeout_s=5.0)
+    assert not os.path.exists(f"/dev/shm/{ring_name}")
+    assert d.leftovers() == []
+
+
+def test_a_client_of_a_restarted_daemon_learns_its_request_was_lost(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    worker_pid = d.health["worker_pid"]
+    with d.client() as client:
+        stream = client.stream(prompt="lost", max_tokens=16000, **GREEDY)
+        next(stream)
+        d.process.kill()  # no drain: nothing tells the client its request is gone
+        d.process.wait()
+        wait_until(lambda: not pid_alive(worker_pid), timeout_s=5.0)
+        again = start_daemon(tiny_model_path, *DAEMON_ARGS, workdir=d.workdir, endpoint=d.endpoint)
+        # The client's socket reconnects to the new daemon by itself; its liveness ping
+        # (after 2 s of silence) names the request, which the new daemon does not know.
+        waiting_since = time.monotonic()
+        with pytest.raises(CbatchError) as err:
+            list(stream)
+        waited_s = time.monotonic() - waiting_since
+        assert err.value.code == "unavailable" and "no longer knows this request" in err.value.message
+        assert waited_s < 5.0  # one ping, not the two unanswered ones that mean a dead daemon
+        # The same client goes on with the new daemon (its records come by FETCH: the ring
+        # it attached to is the old daemon's).
+        again_result = client.generate(prompt="again", max_tokens=5, **GREEDY)
+    assert again_result.finish_reason == "length" and len(again_result.token_ids) == 5
+    assert again.stop() == 0
