@@ -14,7 +14,11 @@ llama_decode, split by phase:
 The engine is not changed for this: its methods and llama_decode are wrapped with timers
 in this process only. Only steps where every sequence generates are counted.
 
-Usage: .venv/bin/python scripts/bench_host_work.py [--parallel 16 64] [--steps 32]
+Each level runs with sampling on the host ("off": the logit rows come back, argmax or
+chains run in Python's process) and inside llama_decode's graph ("on": token ids come
+back), side by side in one run.
+
+Usage: .venv/bin/python scripts/bench_host_work.py [--parallel 16 64] [--steps 32] [--backend-sampling off on]
 """
 
 import argparse
@@ -80,19 +84,22 @@ class DroppingIO:
         pack(msg_type, body)
 
 
-def run_level(model_path: str, parallel: int, params: dict, num_steps: int, timers: Timers, zctx) -> dict:
-    config = EngineConfig(model_path=model_path, parallel=parallel, ctx_size=256 * parallel)
+def run_level(model_path: str, parallel: int, params: dict, backend_sampling: bool, num_steps: int, timers: Timers,
+              zctx) -> dict:
+    config = EngineConfig(model_path=model_path, parallel=parallel, ctx_size=256 * parallel,
+                          backend_sampling=backend_sampling)
     engine = Engine(config)
     ring = create_ring(None, RING_CAPACITY_RECORDS)
     tick = zctx.socket(zmq.PUB)
     tick.setsockopt(zmq.LINGER, 0)
-    tick.bind(f"inproc://bench-tick-{parallel}-{id(params)}")
+    tick.bind(f"inproc://bench-tick-{time.perf_counter_ns()}")
     try:
         publisher = EventPublisher(engine, ring, DroppingIO(), tick)
         engine.step = timers.wrap("step", engine.step)
         engine._sample = timers.wrap("sample", engine._sample)
         engine._postprocess = timers.wrap("text", engine._postprocess)
         engine.runner.logits = timers.wrap("logits", engine.runner.logits)
+        engine.runner.sampled_token = timers.wrap("logits", engine.runner.sampled_token)
         publish = timers.wrap("publish", publisher.publish)
         for i in range(parallel):
             body = {"prompt": f"{i}: {PROMPT}", "max_tokens": num_steps + 8, "ignore_eos": True, **params}
@@ -132,6 +139,8 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--steps", type=int, default=32, help="decode steps measured per run")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--backend-sampling", nargs="+", default=["off", "on"], choices=["off", "on"],
+                        help="run with sampling on the host (off), inside llama_decode's graph (on), or both")
     parser.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "cbatch-full-vocab-tiny.gguf"),
                         help="where to write the stand-in model (rewritten only if it differs)")
     args = parser.parse_args()
@@ -142,13 +151,14 @@ def main() -> None:
     zctx = zmq.Context()
     print(f"model {model_path} ({FULL_VOCAB_TOKENS} tokens, tiny body); {args.steps} decode steps per run; "
           "ms per step")
-    print(f"{'mode':8} {'seqs':>4} " + " ".join(f"{name:>13}" for name in PHASES)
+    print(f"{'mode':8} {'seqs':>4} {'backend':>7} " + " ".join(f"{name:>13}" for name in PHASES)
           + f" {'host total':>10} {'llama_decode':>12} {'step':>8}")
     for mode in args.modes:
         for parallel in args.parallel:
-            r = run_level(model_path, parallel, MODES[mode], args.steps, timers, zctx)
-            print(f"{mode:8} {parallel:4d} " + " ".join(f"{r[name]:13.3f}" for name in PHASES)
-                  + f" {r['host']:10.3f} {r['llama_decode']:12.3f} {r['step']:8.3f}", flush=True)
+            for backend in args.backend_sampling:
+                r = run_level(model_path, parallel, MODES[mode], backend == "on", args.steps, timers, zctx)
+                print(f"{mode:8} {parallel:4d} {backend:>7} " + " ".join(f"{r[name]:13.3f}" for name in PHASES)
+                      + f" {r['host']:10.3f} {r['llama_decode']:12.3f} {r['step']:8.3f}", flush=True)
     zctx.term()
 
 
