@@ -36,6 +36,8 @@ def worker_main(argv=None) -> None:
                         help="reuse the KV of cached prompt prefixes (default on)")
     parser.add_argument("--cache-tokens", type=int, default=0,
                         help="unified pool: KV cells kept for finished requests' prefixes (default: one sequence's context)")
+    parser.add_argument("--backend-sampling", action=argparse.BooleanOptionalAction, default=None,
+                        help="sample inside llama.cpp's graph when a request allows (default: on a GPU build only)")
     parser.add_argument("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     parser.add_argument("--ring-capacity", type=int, default=RING_CAPACITY_RECORDS, help="token ring records (power of two)")
     parser.add_argument("--drain-grace", type=float, default=DRAIN_GRACE_S, help="seconds in-flight requests get on SIGTERM")
@@ -57,7 +59,8 @@ def worker_main(argv=None) -> None:
         engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
                               batch_size=args.batch_size, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
                               max_queue=args.max_queue, kv_unified=args.kv_unified,
-                              prefix_cache=args.prefix_cache, cache_tokens=args.cache_tokens)
+                              prefix_cache=args.prefix_cache, cache_tokens=args.cache_tokens,
+                              backend_sampling=args.backend_sampling)
         config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                               drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
                               allow_remote=args.allow_remote,

@@ -32,6 +32,9 @@ class EngineConfig:
     # ones hold; 0 = one sequence's context. Every token attends over the pool's used
     # range, so idle cached cells are not free: this bounds what they add.
     cache_tokens: int = 0
+    # Sample inside llama_decode's graph when the request allows (only token ids come back);
+    # None = on with a GPU build of llama.cpp, off on a CPU build (measured: README).
+    backend_sampling: bool | None = None
 
     def __post_init__(self):
         def check(ok: bool, message: str):

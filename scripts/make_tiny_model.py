@@ -38,10 +38,15 @@ SPACE_ID = FIRST_BYTE_ID + 256        # "▁" (id 259): spaces round-trip as " "
 BIAS_CHANNEL, BIAS_VALUE, PENALTY = 0, 1.0, -30.0
 
 
-def build_vocab() -> tuple[list[str], list[int]]:
+def build_vocab(num_tokens: int | None = None) -> tuple[list[str], list[int]]:
+    """The byte-level vocabulary; `num_tokens` pads it with filler words ("▁w<i>") to a
+    full-size vocabulary, for measuring per-step work that scales with its size."""
     T = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"]
     types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL]
+    num_fillers = max(0, (num_tokens or 0) - len(tokens))
+    tokens += [f"\u2581w{i}" for i in range(num_fillers)]
+    types += [T.NORMAL] * num_fillers
     return tokens, [int(t) for t in types]
 
 
@@ -84,8 +89,8 @@ def build_tensors(n_vocab: int) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_gguf(path: str) -> None:
-    tokens, token_types = build_vocab()
+def write_gguf(path: str, num_tokens: int | None = None) -> None:
+    tokens, token_types = build_vocab(num_tokens)
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name("cbatch-tiny-llama")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -117,15 +122,16 @@ def write_gguf(path: str) -> None:
     writer.close()
 
 
-def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH) -> str:
-    """Write the model to `path` (atomically; untouched if already identical)."""
+def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH, num_tokens: int | None = None) -> str:
+    """Write the model to `path` (atomically; untouched if already identical); see
+    build_vocab for `num_tokens`."""
     target = Path(path).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tiny-", suffix=".gguf", dir=target.parent)
     os.close(fd)
     os.chmod(tmp, 0o644)
     try:
-        write_gguf(tmp)
+        write_gguf(tmp, num_tokens)
         if target.exists() and filecmp.cmp(tmp, target, shallow=False):
             os.unlink(tmp)
         else:

@@ -25,6 +25,7 @@ class FakeRunner:
         self.is_recurrent, self.has_swa = False, has_swa
         self.eog_ids = np.array([EOG_ID], np.int32)
         self.vocab = self.ctx = None
+        self.has_backend_sampling = False
         self.description = "fake"
         self.kv: dict[int, list[int]] = {}
         self.fail_next: list[int] = []  # statuses the next decodes return instead of 0

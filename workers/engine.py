@@ -19,7 +19,8 @@ from cbatch.model import resolve_model_path
 from cbatch.params import Request
 from cbatch.workers.kv_cache import KVCacheManager
 from cbatch.workers.llama_runner import LlamaRunner
-from cbatch.workers.sampling import free_sampler_chain, greedy_rows, make_sampler_chain, sample_with_chain
+from cbatch.workers.sampling import (free_sampler_chain, greedy_rows, make_sampler_chain, needs_host_sampling,
+                                    sample_with_chain)
 from cbatch.workers.scheduler import Chunk, Scheduler
 from cbatch.workers.sequence import FinishReason, Sequence
 from cbatch.workers.stream_cache import StreamCacheManager
@@ -86,8 +87,9 @@ class Engine:
                 f"the prompt is {len(prompt_ids)} tokens; a sequence holds {self.ctx_per_seq} "
                 "(shorten the prompt or raise --ctx-size)",
             )
-        sampler = make_sampler_chain(self.runner.vocab, self.runner.eog_ids, request.params, prompt_ids)
-        return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler)
+        on_backend = self.runner.has_backend_sampling and not needs_host_sampling(request.params)
+        sampler = make_sampler_chain(self.runner.vocab, self.runner.eog_ids, request.params, prompt_ids, on_backend)
+        return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend)
 
     def add(self, seq: Sequence) -> None:
         """Queue a prepared sequence; on error (a full queue, a taken id) its sampler is freed."""
@@ -161,15 +163,15 @@ class Engine:
             kv.commit(chunk.seq.seq_id, chunk.seq.token_slice, chunk.seq.num_cached)
             if chunk.wants_logits:
                 logit_rows.append((chunk.seq, len(logit_rows), batch_index))
-        greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None]
-        sampled = []
+        sampled = [(seq, self.runner.sampled_token(index)) for seq, _, index in logit_rows if seq.is_backend_sampled]
+        greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
         if greedy:
             logits = self.runner.logits(len(logit_rows))
             masked = [row for seq, row in greedy if seq.params.ignore_eos]
             token_ids = greedy_rows(logits, [row for _, row in greedy], masked, self.runner.eog_ids)
             sampled += [(seq, int(t)) for (seq, _), t in zip(greedy, token_ids)]
         for seq, _, index in logit_rows:
-            if seq.sampler is not None:
+            if seq.sampler is not None and not seq.is_backend_sampled:
                 sampled.append((seq, sample_with_chain(seq.sampler, self.runner.ctx, index)))
         return sampled
 
@@ -208,7 +210,7 @@ class Engine:
                 token_ids: list[int] | None = None, text: str | None = None) -> SeqOutput:
         # A failed decode may have left this sequence's cells half written: never reuse them.
         self.scheduler.finish(seq, keep_cached=reason is not FinishReason.ERROR)
-        free_sampler_chain(seq.sampler)
+        self._free_sampler(seq)
         seq.sampler = None
         del self._seqs[seq.request_id]
         self.stats.requests_ended += 1
@@ -218,6 +220,11 @@ class Engine:
             text = seq.text.finish()
         usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens}
         return SeqOutput(seq.request_id, token_ids or [], text, reason.value, usage, error)
+
+    def _free_sampler(self, seq: Sequence) -> None:
+        if seq.is_backend_sampled:
+            self.runner.release_sampler(seq.sampler)  # a chain still attached must not be freed
+        free_sampler_chain(seq.sampler)
 
     def snapshot(self) -> dict:
         """Statistics: the engine's own, the queue, the KV pool and prefix cache, and one
@@ -241,7 +248,7 @@ class Engine:
 
     def close(self) -> None:
         for seq in list(self._seqs.values()):
-            free_sampler_chain(seq.sampler)
+            self._free_sampler(seq)
         self._seqs.clear()
         self.runner.close()
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST
+from cbatch.workers.backend_sampling import BackendSamplers
 from cbatch.workers.kv_cache import OP_COPY, OP_REMOVE
 from cbatch.workers.scheduler import Chunk
 
@@ -87,9 +88,14 @@ class LlamaRunner:
         ctx_params.n_ctx = config.total_ctx
         ctx_params.n_batch = ctx_params.n_ubatch = config.batch_size
         ctx_params.n_seq_max = self.num_seq_ids
-        # llama.cpp reserves an output row per sequence id; by default it allows only
-        # n_batch rows, and asserts at the first decode when ids outnumber them.
-        ctx_params.n_outputs_max = max(config.batch_size, self.num_seq_ids)
+        # llama.cpp reserves an output row per sequence id (it asserts at the first decode
+        # when ids outnumber the rows), and a step has at most one output per running
+        # sequence: so one row per id, not llama.cpp's default of one per batch token
+        # (with backend sampling each row costs three vocabulary-sized buffers).
+        ctx_params.n_outputs_max = self.num_seq_ids
+        self.has_backend_sampling = self.has_gpu if config.backend_sampling is None else config.backend_sampling
+        if self.has_backend_sampling:
+            ctx_params.n_outputs_max_per_seq = 1  # see workers/backend_sampling.py
         ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
         ctx_params.kv_unified = config.kv_unified
         # A sliding-window layer normally keeps only each sequence's last window of cells;
@@ -106,6 +112,7 @@ class LlamaRunner:
                 f"llama.cpp could not create a context of {config.total_ctx} tokens for "
                 f"{config.parallel} sequences; lower --ctx-size or --parallel",
             )
+        self.backend_samplers = BackendSamplers(self.ctx) if self.has_backend_sampling else None
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.memory = lc.llama_get_memory(self.ctx)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
@@ -184,6 +191,8 @@ class LlamaRunner:
 
     def decode(self, chunks: list[Chunk]) -> int:
         """One llama_decode over the chunks; returns llama.cpp's status (0 = ok)."""
+        if self.backend_samplers is not None:
+            self.backend_samplers.prepare(chunks)
         self._batch.fill(chunks)
         return lc.llama_decode(self.ctx, self._batch.batch)
 
@@ -192,6 +201,14 @@ class LlamaRunner:
         A view into llama.cpp's buffer: valid (and writable) until the next decode."""
         ptr = lc.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(num_outputs, self.n_vocab))
+
+    def sampled_token(self, batch_index: int) -> int:
+        """The token the last decode sampled in its graph for that batch row."""
+        return self.backend_samplers.sampled_token(batch_index)
+
+    def release_sampler(self, chain) -> None:
+        """Detach a backend-sampled request's chain from the context before it is freed."""
+        self.backend_samplers.release(chain)
 
     def apply_memory_ops(self, ops: list[tuple]) -> None:
         """The KV manager's operations, in order (see workers/kv_cache.py)."""
@@ -205,6 +222,9 @@ class LlamaRunner:
                 lc.llama_memory_seq_rm(self.memory, seq_id, start, -1)
 
     def close(self) -> None:
+        if self.backend_samplers is not None:
+            self.backend_samplers.close()
+            self.backend_samplers = None
         if self.ctx:
             lc.llama_free(self.ctx)
             self.ctx = None

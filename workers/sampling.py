@@ -1,9 +1,12 @@
 """Per-sequence token choice.
 
-Plain greedy (temperature 0, no penalties, no grammar) is one numpy argmax over the
-logit rows of all such sequences; no per-sequence object exists. Anything else gets its
-own llama.cpp sampler chain (native code over the full vocabulary), which also keeps
-the state that must live across steps: penalty history, grammar position, RNG.
+With backend sampling (workers/backend_sampling.py) a request that does not need the host
+chain is sampled inside llama_decode's graph; its chain below is attached to its sequence
+id, plain greedy shares one chain per id. On the host, plain greedy (temperature 0, no
+penalties, no grammar) is one numpy argmax over the logit rows of all such sequences; no
+per-sequence object exists. Anything else gets its own llama.cpp sampler chain (native
+code over the full vocabulary), which also keeps the state that must live across steps:
+penalty history, grammar position, RNG.
 """
 
 import llama_cpp.llama_cpp as lc
@@ -16,9 +19,23 @@ PENALTY_LAST_N = 64  # tokens of history the repeat/presence/frequency penalties
 RANDOM_SEED = lc.LLAMA_DEFAULT_SEED
 
 
-def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, prompt_ids: list[int]):
-    """Build the llama.cpp chain for `params`, or return None for plain greedy."""
-    if params.is_plain_greedy:
+def needs_host_sampling(params: SamplingParams) -> bool:
+    """Whether the request needs samplers llama.cpp cannot run inside its graph: a grammar,
+    or penalties over the token history. Everything else can be backend-sampled."""
+    return (
+        params.grammar is not None
+        or params.repeat_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, prompt_ids: list[int],
+                       on_backend: bool = False):
+    """Build the llama.cpp chain for `params`, or return None for plain greedy (an argmax
+    on the host, a shared greedy chain on the backend). On the backend, greedy with
+    ignore_eos needs its own chain: the end-of-generation ban is a logit bias there."""
+    if params.is_plain_greedy and not (on_backend and params.ignore_eos):
         return None
     grammar = None
     if params.grammar is not None:

@@ -24,6 +24,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading tokens of prompt + output whose KV is computed
     sampler: object | None = None  # llama.cpp sampler chain, None for plain greedy
+    is_backend_sampled: bool = False  # sampled inside llama_decode's graph (backend sampling)
     text: TextStream = None  # type: ignore[assignment]
     arrived_s: float = field(default_factory=time.monotonic)  # when the engine got it (monotonic clock)
 
