@@ -21,9 +21,11 @@ RANDOM_SEED = lc.LLAMA_DEFAULT_SEED
 
 def needs_host_sampling(params: SamplingParams) -> bool:
     """Whether the request needs samplers llama.cpp cannot run inside its graph: a grammar,
-    or penalties over the token history. Everything else can be backend-sampled."""
+    or penalties over the token history, and log-probabilities, read from the host's logit
+    rows. Everything else can be backend-sampled."""
     return (
-        params.grammar is not None
+        params.logprobs is not None
+        or params.grammar is not None
         or params.repeat_penalty != 1.0
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
