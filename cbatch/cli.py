@@ -7,7 +7,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from cbatch.config import DRAIN_GRACE_S, RETENTION_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig
+from cbatch.config import (DRAIN_GRACE_S, RETENTION_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig,
+                           parse_http_address)
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.streams import completion_from_chunks
@@ -42,6 +43,8 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
     parser.add_argument("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
     parser.add_argument("--curve-clients", default="", help="directory of client public certificates allowed in")
+    parser.add_argument("--http", default="", metavar="[HOST:]PORT",
+                        help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from cbatch.workers.supervisor import run_daemon
@@ -54,7 +57,8 @@ def worker_main(argv=None) -> None:
         config = DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                               drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
                               allow_remote=args.allow_remote,
-                              curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients)
+                              curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
+                              http_address=parse_http_address(args.http) if args.http else None)
     except CbatchError as err:
         parser.error(err.message)
     sys.exit(run_daemon(config))
