@@ -81,6 +81,16 @@ def test_n_gives_n_choices_and_a_prompt_list_one_per_prompt(api):
     assert sorted(c.index for c in both.choices) == [0, 1]
 
 
+def test_response_format_json_object_constrains_the_output(api):
+    reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=12, temperature=1.0, seed=5,
+                                   extra_body={"response_format": {"type": "json_object"}})
+    assert reply.choices[0].text.lstrip().startswith("{")
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=MODEL_ID, prompt="x", max_tokens=2,
+                               extra_body={"response_format": {"type": "xml"}})
+    assert caught.value.body["code"] == "invalid_request"
+
+
 def test_bad_value_is_400_with_code_and_param(api):
     with pytest.raises(openai.BadRequestError) as caught:
         api.completions.create(model=MODEL_ID, prompt="x", max_tokens=4, temperature=-1)

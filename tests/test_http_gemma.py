@@ -33,10 +33,10 @@ def _model(api) -> str:
 
 def test_chat_streamed_and_whole_agree(api):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    whole = api.chat.completions.create(model=_model(api), messages=messages, max_tokens=12, temperature=0)
+    whole = api.chat.completions.create(model=_model(api), messages=messages, max_tokens=6, temperature=0)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content.strip()  # a base model: chat turns are followed poorly
-    chunks = list(api.chat.completions.create(model=_model(api), messages=messages, max_tokens=12, temperature=0,
+    chunks = list(api.chat.completions.create(model=_model(api), messages=messages, max_tokens=6, temperature=0,
                                               stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
@@ -45,24 +45,14 @@ def test_chat_streamed_and_whole_agree(api):
 
 def test_json_schema_output_parses_and_matches(api):
     schema = {"type": "object", "required": ["name", "age"],
-              "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}}}
+              "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}
     reply = api.chat.completions.create(
         model=_model(api), max_tokens=80, temperature=0,
         messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
     person = json.loads(reply.choices[0].message.content)
     assert set(person) == {"name", "age"}
-    assert isinstance(person["name"], str) and len(person["name"]) <= 16 and isinstance(person["age"], int)
-
-
-def test_json_object_output_parses(api):
-    reply = api.chat.completions.create(model=_model(api), max_tokens=120, temperature=0,
-                                        messages=[{"role": "user", "content": "A JSON object with a color."}],
-                                        response_format={"type": "json_object"}, stop=["\n\n"])
-    if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(reply.choices[0].message.content), dict)
-    else:  # cut by max_tokens: still the start of an object
-        assert reply.choices[0].message.content.lstrip().startswith("{")
+    assert isinstance(person["name"], str) and len(person["name"]) <= 8 and isinstance(person["age"], int)
 
 
 def _readme_blocks() -> tuple[str, str]:
