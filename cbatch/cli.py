@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from cbatch import openai_batch
 from cbatch.config import (DRAIN_GRACE_S, RETENTION_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig,
                            parse_http_address)
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
@@ -94,9 +95,12 @@ def submit_main(argv=None) -> None:
     parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
     parser.add_argument("--curve-server-key", help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
     parser.add_argument("--curve-client-key", help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
+    parser.add_argument("--resume", action="store_true", help="skip the lines whose ids the output already holds, append the rest")
     args = parser.parse_args(argv)
     if args.max_in_flight < 1:
         parser.error("--max-in-flight must be >= 1")
+    if args.resume and not args.output:
+        parser.error("--resume needs -o/--output")
     try:
         with open(args.prompts, encoding="utf-8") as f:
             num_lines = sum(1 for line in f if line.strip())
@@ -110,7 +114,8 @@ def submit_main(argv=None) -> None:
     from cbatch.client import Client
 
     try:
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        done_ids = openai_batch.prepare_resume(args.output) if args.resume else set()
+        out = open(args.output, "a" if args.resume else "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as err:
         print(f"cbatch-submit: cannot write {args.output}: {err.strerror}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
@@ -121,7 +126,12 @@ def submit_main(argv=None) -> None:
         print(f"cbatch-submit: {err.message}", file=sys.stderr)
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
     try:
-        summary = _run_file(client, _read_items(args.prompts), num_lines, out, args.max_in_flight)
+        items = ((n, item) for n, item in _read_items(args.prompts)
+                 if not (isinstance(item, dict) and openai_batch.id_key(item) in done_ids))
+        if openai_batch.is_openai_batch(_read_items(args.prompts)):
+            summary = openai_batch.run_openai_batch(client, items, out, args.max_in_flight)
+        else:
+            summary = _run_file(client, items, num_lines - len(done_ids), out, args.max_in_flight)
     except CbatchError as err:
         print(f"cbatch-submit: {err.message}", file=sys.stderr)
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)

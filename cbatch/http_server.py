@@ -23,8 +23,8 @@ from starlette.routing import Route
 from cbatch.async_client import AsyncClient
 from cbatch.errors import CbatchError, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.http_metrics import HttpMetrics, TokenTimer
-from cbatch.openai_api import (CHAT, COMPLETION, RETRY_AFTER_S, ApiRequest, ResponseBuilder, error_body, error_status,
-                               parse_api_request)
+from cbatch.openai_api import (CHAT, COMPLETION, RETRY_AFTER_S, ApiRequest, ResponseBuilder, WholeResponse, error_body,
+                               error_status, parse_api_request)
 
 log = logging.getLogger("cbatch.http")
 
@@ -108,29 +108,10 @@ class Generation:
 
 
 async def _collect(gen: Generation) -> dict:
-    num = len(gen.api.bodies)
-    texts, reasons = [[] for _ in range(num)], [None] * num
-    logprobs = [[] if gen.api.top_logprobs is not None else None for _ in range(num)]
-    num_done = 0
-    while num_done < num:
-        choice, chunk = await gen.next()
-        texts[choice].append(chunk.text)
-        entries = gen.logprobs(choice, chunk)
-        if entries is not None:
-            logprobs[choice].append(entries)
-        if chunk.finish_reason:
-            reasons[choice] = chunk.finish_reason
-            num_done += 1
-    return gen.builder.whole(["".join(t) for t in texts], reasons, [_merge_logprobs(gen.api.kind, p) for p in logprobs],
-                             gen.usages)
-
-
-def _merge_logprobs(kind: str, parts: list | None):
-    if parts is None:
-        return None
-    if kind == CHAT:
-        return {"content": [e for p in parts for e in p["content"]]}
-    return {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    whole = WholeResponse(gen.builder)
+    while whole.num_left:
+        whole.add(*await gen.next())
+    return whole.response()
 
 
 async def _stream(gen: Generation, first):

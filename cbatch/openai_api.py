@@ -120,12 +120,13 @@ def _top_logprobs(kind: str, raw: dict) -> int | None:
     return value
 
 
-def parse_api_request(kind: str, raw, model_id: str) -> ApiRequest:
-    """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice."""
+def parse_api_request(kind: str, raw, model_id: str | None) -> ApiRequest:
+    """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
+    `model` must name `model_id` when both are given."""
     if not isinstance(raw, dict):
         raise _fail("the request body must be a JSON object")
     model = raw.get("model")
-    if model is not None and model != model_id:
+    if model_id is not None and model is not None and model != model_id:
         raise CbatchError(NOT_FOUND, f"model {model!r} is not served here; this server serves {model_id!r}")
     body = {name: raw[name] for name in PASSTHROUGH_FIELDS if raw.get(name) is not None}
     max_tokens = raw.get("max_completion_tokens", raw.get("max_tokens"))
@@ -233,3 +234,38 @@ class ResponseBuilder:
     def usage_chunk(self, usages: list[dict | None]) -> dict:
         obj = "chat.completion.chunk" if self.request.kind == CHAT else "text_completion"
         return self._envelope(obj, [], usage=self.usage(usages))
+
+
+def _merge_logprobs(kind: str, parts: list | None):
+    if parts is None:
+        return None
+    if kind == CHAT:
+        return {"content": [e for p in parts for e in p["content"]]}
+    return {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+class WholeResponse:
+    """One API request's chunks gathered choice by choice into its non-streamed response."""
+
+    def __init__(self, builder: ResponseBuilder):
+        self.builder = builder
+        num = len(builder.request.bodies)
+        self._texts: list[list[str]] = [[] for _ in range(num)]
+        self._reasons: list[str | None] = [None] * num
+        self._logprobs = [[] if builder.request.top_logprobs is not None else None for _ in range(num)]
+        self.usages: list[dict | None] = [None] * num
+        self.num_left = num
+
+    def add(self, choice: int, chunk) -> None:
+        self._texts[choice].append(chunk.text)
+        entries = self.builder.logprobs(choice, getattr(chunk, "logprobs", None))
+        if entries is not None:
+            self._logprobs[choice].append(entries)
+        if chunk.finish_reason:
+            self._reasons[choice], self.usages[choice] = chunk.finish_reason, chunk.usage
+            self.num_left -= 1
+
+    def response(self) -> dict:
+        kind = self.builder.request.kind
+        return self.builder.whole(["".join(t) for t in self._texts], self._reasons,
+                                  [_merge_logprobs(kind, p) for p in self._logprobs], self.usages)
