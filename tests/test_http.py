@@ -91,6 +91,13 @@ def test_response_format_json_object_constrains_the_output(api):
     assert caught.value.body["code"] == "invalid_request"
 
 
+def test_logit_bias_and_min_tokens_pass_through(api):
+    eos_id = "2"  # </s> of the tiny model: +100 makes it the greedy pick, min_tokens holds it off
+    reply = api.completions.create(model=MODEL_ID, prompt="x", max_tokens=10, temperature=0,
+                                   logit_bias={eos_id: 100}, extra_body={"min_tokens": 3})
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 3
+
+
 def test_bad_value_is_400_with_code_and_param(api):
     with pytest.raises(openai.BadRequestError) as caught:
         api.completions.create(model=MODEL_ID, prompt="x", max_tokens=4, temperature=-1)
