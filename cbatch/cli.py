@@ -1,15 +1,16 @@
 """Command-line entry points: cbatch-worker (the daemon) and cbatch-submit (a client)."""
 
 import argparse
+import itertools
 import json
 import logging
 import sys
 import time
 from dataclasses import dataclass, field
 
-from cbatch import __version__
-from cbatch.config import (DRAIN_GRACE_S, PROGRESS_INTERVAL_S, RETENTION_S,
-                           RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S, DaemonConfig, EngineConfig)
+from cbatch import __version__, openai_batch
+from cbatch.config import (DRAIN_GRACE_S, PROGRESS_INTERVAL_S, RETENTION_S, RING_CAPACITY_RECORDS, WORKER_TIMEOUT_S,
+                           DaemonConfig, EngineConfig, parse_http_address)
 from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.streams import completion_from_chunks
@@ -51,6 +52,8 @@ def worker_main(argv=None) -> None:
     parser.add_argument("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
     parser.add_argument("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
     parser.add_argument("--curve-clients", default="", help="directory of client public certificates allowed in")
+    parser.add_argument("--http", default="", metavar="[HOST:]PORT",
+                        help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from cbatch.workers.supervisor import run_daemon
@@ -65,7 +68,8 @@ def worker_main(argv=None) -> None:
                               drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
                               allow_remote=args.allow_remote,
                               progress_interval_s=0.0 if args.quiet else args.progress_interval,
-                              curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients)
+                              curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
+                              http_address=parse_http_address(args.http) if args.http else None)
     except CbatchError as err:
         parser.error(err.message)
     sys.exit(run_daemon(config))
@@ -105,10 +109,13 @@ def submit_main(argv=None) -> None:
     parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
     parser.add_argument("--curve-server-key", help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
     parser.add_argument("--curve-client-key", help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
+    parser.add_argument("--resume", action="store_true", help="skip the lines whose ids the output already holds, append the rest")
     add_version(parser)
     args = parser.parse_args(argv)
     if args.max_in_flight < 1:
         parser.error("--max-in-flight must be >= 1")
+    if args.resume and not args.output:
+        parser.error("--resume needs -o/--output")
     if args.prompts == "-":  # read as it comes: the number of lines is not known ahead
         num_lines, lines = None, open(sys.stdin.fileno(), encoding="utf-8", errors="strict", closefd=False)
     else:
@@ -126,7 +133,8 @@ def submit_main(argv=None) -> None:
     from cbatch.client import Client
 
     try:
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        done_ids = openai_batch.prepare_resume(args.output) if args.resume else set()
+        out = open(args.output, "a" if args.resume else "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as err:
         print(f"cbatch-submit: cannot write {args.output}: {err.strerror}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
@@ -137,7 +145,16 @@ def submit_main(argv=None) -> None:
         print(f"cbatch-submit: {err.message}", file=sys.stderr)
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
     try:
-        summary = _run_file(client, _read_items(lines), num_lines, out, args.max_in_flight)
+        numbered_items = _read_items(lines)
+        first = list(itertools.islice(numbered_items, 1))  # its kind of file is known by its first line
+        numbered_items = itertools.chain(first, numbered_items)
+        items = ((n, item) for n, item in numbered_items
+                 if not (isinstance(item, dict) and openai_batch.id_key(item) in done_ids))
+        if openai_batch.is_openai_batch(first):
+            summary = openai_batch.run_openai_batch(client, items, out, args.max_in_flight)
+        else:
+            summary = _run_file(client, items, None if num_lines is None else num_lines - len(done_ids), out,
+                                args.max_in_flight)
     except CbatchError as err:
         print(f"cbatch-submit: {err.message}", file=sys.stderr)
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)

@@ -79,7 +79,7 @@ class EngineConfig:
         return self.threads or os.cpu_count() or 1
 
 
-LOOPBACK_HOSTS = ("localhost", "[::1]")  # and 127.0.0.0/8
+LOOPBACK_HOSTS = ("localhost", "[::1]", "::1")  # and 127.0.0.0/8
 MAX_IPC_PATH_BYTES = 107  # sun_path of a Unix socket, less its terminating NUL
 RING_CAPACITY_RECORDS = 1 << 16  # 64k records x 64 bytes = 4 MiB of shared memory
 RETENTION_S = 60.0  # how long a finished request's records stay fetchable (ring overrun recovery)
@@ -103,6 +103,19 @@ def default_endpoint() -> str:
     return os.environ.get("CBATCH_ENDPOINT") or f"ipc://{os.path.join(runtime_dir(), 'cbatch.sock')}"
 
 
+def _is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def parse_http_address(value: str) -> tuple[str, int]:
+    """`--http [HOST:]PORT` -> (host, port); the host defaults to 127.0.0.1."""
+    host, _, port = value.rpartition(":")
+    try:
+        return (host.strip("[]") or "127.0.0.1"), int(port)
+    except ValueError:
+        raise CbatchError(INVALID_CONFIG, f"--http takes [HOST:]PORT, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     engine: EngineConfig
@@ -115,6 +128,7 @@ class DaemonConfig:
     curve_secret_key: str = ""  # the daemon's secret certificate file: clients must speak CurveZMQ
     curve_clients_dir: str = ""  # public certificates of the only clients let in (needs the above)
     progress_interval_s: float = PROGRESS_INTERVAL_S  # 0 = no progress lines (--quiet)
+    http_address: tuple[str, int] | None = None  # (host, port) of the OpenAI-compatible HTTP server; None = off
 
     def __post_init__(self):
         if not self.endpoint:
@@ -125,9 +139,16 @@ class DaemonConfig:
             raise CbatchError(INVALID_CONFIG, f"--endpoint path is longer than {MAX_IPC_PATH_BYTES} bytes, the limit of a "
                                               "Unix socket path; use a shorter one")
         host = self.endpoint[len("tcp://"):].rsplit(":", 1)[0] if self.endpoint.startswith("tcp://") else ""
-        if host and host not in LOOPBACK_HOSTS and not host.startswith("127.") and not self.allow_remote:
+        if host and not _is_loopback(host) and not self.allow_remote:
             raise CbatchError(INVALID_CONFIG, f"--endpoint {self.endpoint} listens beyond this machine; pass "
                                               "--allow-remote (and --curve-secret-key to require CurveZMQ)")
+        if self.http_address is not None:
+            http_host, http_port = self.http_address
+            if not 0 < http_port < 65536:
+                raise CbatchError(INVALID_CONFIG, f"--http port must be in [1, 65535], got {http_port}")
+            if not _is_loopback(http_host) and not self.allow_remote:
+                raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine; pass "
+                                                  "--allow-remote")
         if self.curve_clients_dir and not self.curve_secret_key:
             raise CbatchError(INVALID_CONFIG, "--curve-clients needs --curve-secret-key")
         for path in (self.curve_secret_key, self.curve_clients_dir):

@@ -19,6 +19,8 @@ MAX_MESSAGES = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIASES = 1024  # token ids one request may bias
+MAX_LOGIT_BIAS = 100.0  # as OpenAI: -100 bans a token in practice, +100 all but forces it
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class SamplingParams:
     grammar: str | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; K = the chosen token's and the K most likely tokens'
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); ids checked by the engine
+    min_tokens: int = 0  # end-of-generation tokens are suppressed until this many were generated
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -46,6 +50,8 @@ class SamplingParams:
             and self.repeat_penalty == 1.0
             and self.presence_penalty == 0.0
             and self.frequency_penalty == 0.0
+            and not self.logit_bias
+            and self.min_tokens == 0
         )
 
 
@@ -143,6 +149,20 @@ def _stop(value):
     return tuple(_text("stop[]", s, MAX_STOP_CHARS) for s in value)
 
 
+def _logit_bias(value):
+    """OpenAI's shape: {"token id": bias}, the ids as strings (JSON and msgpack keys)."""
+    if not isinstance(value, dict):
+        raise _fail("logit_bias must be an object mapping token ids (as strings) to numbers")
+    if len(value) > MAX_LOGIT_BIASES:
+        raise _fail(f"logit_bias takes at most {MAX_LOGIT_BIASES} token ids, got {len(value)}")
+    biases = []
+    for key, bias in value.items():
+        if not isinstance(key, str) or not key.isdigit():
+            raise _fail(f"logit_bias keys must be token ids written as decimal strings, got {key!r}")
+        biases.append((int(key), _float("logit_bias[]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
+    return tuple(sorted(biases))
+
+
 _PARAM_CHECKS = {
     "max_tokens": lambda v: _int("max_tokens", v, 1, MAX_TOKENS_LIMIT),
     "temperature": lambda v: _float("temperature", v, 0.0, 100.0),
@@ -157,6 +177,8 @@ _PARAM_CHECKS = {
     "grammar": _grammar,
     "ignore_eos": lambda v: _bool("ignore_eos", v),
     "logprobs": lambda v: None if v is None else _int("logprobs", v, 0, MAX_TOP_LOGPROBS),
+    "logit_bias": _logit_bias,
+    "min_tokens": lambda v: _int("min_tokens", v, 0, MAX_TOKENS_LIMIT),
 }
 PARAM_NAMES = frozenset(_PARAM_CHECKS)
 

@@ -20,7 +20,7 @@ from cbatch.params import Request
 from cbatch.workers.kv_cache import KVCacheManager
 from cbatch.workers.llama_runner import LlamaRunner
 from cbatch.workers.sampling import (free_sampler_chain, greedy_rows, make_sampler_chain, needs_host_sampling,
-                                    sample_with_chain)
+                                    sample_with_chain, suppress_eog)
 from cbatch.workers.scheduler import Chunk, Scheduler
 from cbatch.workers.sequence import FinishReason, Sequence
 from cbatch.workers.stream_cache import StreamCacheManager
@@ -170,8 +170,10 @@ class Engine:
             masked = [row for seq, row in greedy if seq.params.ignore_eos]
             token_ids = greedy_rows(logits, [row for _, row in greedy], masked, self.runner.eog_ids)
             sampled += [(seq, int(t)) for (seq, _), t in zip(greedy, token_ids)]
-        for seq, _, index in logit_rows:
+        for seq, row, index in logit_rows:
             if seq.sampler is not None and not seq.is_backend_sampled:
+                if seq.num_output_tokens < seq.params.min_tokens:
+                    suppress_eog(self.runner.logits(len(logit_rows)), row, self.runner.eog_ids)
                 sampled.append((seq, sample_with_chain(seq.sampler, self.runner.ctx, index)))
         return sampled
 

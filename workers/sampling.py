@@ -20,34 +20,51 @@ RANDOM_SEED = lc.LLAMA_DEFAULT_SEED
 
 
 def needs_host_sampling(params: SamplingParams) -> bool:
-    """Whether the request needs samplers llama.cpp cannot run inside its graph: a grammar,
-    or penalties over the token history, and log-probabilities, read from the host's logit
-    rows. Everything else can be backend-sampled."""
+    """Whether the request needs what llama.cpp cannot run inside its graph: a grammar,
+    penalties over the token history, a logit bias or min_tokens (applied to the host's
+    logit rows here), and log-probabilities (read from those rows). Everything else can
+    be backend-sampled."""
     return (
         params.logprobs is not None
         or params.grammar is not None
         or params.repeat_penalty != 1.0
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
+        or bool(params.logit_bias)
+        or params.min_tokens > 0
     )
+
+
+def _logit_biases(vocab, eog_ids: np.ndarray, params: SamplingParams) -> list[tuple[int, float]]:
+    """The request's logit_bias, plus -inf on end-of-generation tokens for ignore_eos."""
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
+    for token, _ in params.logit_bias:
+        if token >= n_vocab:
+            raise CbatchError(INVALID_REQUEST, f"logit_bias token id {token} is beyond the vocabulary ({n_vocab} tokens)")
+    biases = list(params.logit_bias)
+    if params.ignore_eos:
+        biases += [(int(t), float("-inf")) for t in eog_ids]
+    return biases
 
 
 def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, prompt_ids: list[int],
                        on_backend: bool = False):
     """Build the llama.cpp chain for `params`, or return None for plain greedy (an argmax
     on the host, a shared greedy chain on the backend). On the backend, greedy with
-    ignore_eos needs its own chain: the end-of-generation ban is a logit bias there."""
+    ignore_eos needs its own chain: the end-of-generation ban is a logit bias there.
+    min_tokens is not in the chain: see suppress_eog."""
     if params.is_plain_greedy and not (on_backend and params.ignore_eos):
         return None
+    biases = _logit_biases(vocab, eog_ids, params)
     grammar = None
     if params.grammar is not None:
         grammar = lc.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
         if not grammar:
             raise CbatchError(INVALID_REQUEST, "grammar does not parse as GBNF (it needs a 'root' rule)")
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-    if params.ignore_eos and len(eog_ids):
-        biases = (lc.llama_logit_bias * len(eog_ids))(*(lc.llama_logit_bias(int(t), float("-inf")) for t in eog_ids))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(lc.llama_vocab_n_tokens(vocab), len(eog_ids), biases))
+    if biases:
+        array = (lc.llama_logit_bias * len(biases))(*(lc.llama_logit_bias(t, b) for t, b in biases))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(lc.llama_vocab_n_tokens(vocab), len(biases), array))
     if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
         penalties = lc.llama_sampler_init_penalties(
             lc.llama_vocab_n_tokens(vocab), PENALTY_LAST_N, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
@@ -71,6 +88,12 @@ def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, promp
     seed = RANDOM_SEED if params.seed < 0 else params.seed
     lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
     return chain
+
+
+def suppress_eog(logits: np.ndarray, row: int, eog_ids: np.ndarray) -> None:
+    """min_tokens: no end of generation yet. Writes -inf into llama.cpp's logit buffer
+    (ours until the next decode), which the chain then reads."""
+    logits[row, eog_ids] = -np.inf
 
 
 def sample_with_chain(chain, ctx, batch_index: int) -> int:

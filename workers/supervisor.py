@@ -19,9 +19,11 @@ import zmq
 from cbatch.config import DaemonConfig, runtime_dir
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
 from cbatch.ipc.ring import RingError, create_ring
+from cbatch.model import resolve_model_path
 from cbatch.wording import counted
 from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
 from cbatch.workers.frontend import FrontEnd
+from cbatch.workers.http_process import HttpProcess
 from cbatch.workers.leftovers import remove_leftovers
 from cbatch.workers.progress import ProgressLog
 
@@ -75,6 +77,10 @@ class Supervisor:
     def __init__(self, config: DaemonConfig):
         self.config = config
         self.stop_requested = False
+        self.http = None
+        if config.http_address:  # the API names the model by its file, as llama.cpp's server does
+            model_id = os.path.basename(resolve_model_path(config.engine.model_path))
+            self.http = HttpProcess(*config.http_address, config.endpoint, model_id)
         tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
@@ -155,11 +161,15 @@ class Supervisor:
         log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, endpoint %s, "
                  "ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
                  ready.prefix_cache, self.config.endpoint, self.ring.name, ready.pid)
+        if self.http is not None:
+            self.http.start()
         drain_deadline, is_cancelled = None, False
         progress = ProgressLog(self.config.progress_interval_s)
         while True:
             progress.update(time.monotonic(), len(self.frontend.requests.active), self.frontend.worker.stats,
                             sum(self.frontend.requests.num_ended_by_outcome.values()))
+            if self.http is not None and drain_deadline is None:
+                self.http.poll()
             if self._poll(LOOP_POLL_MS):
                 self.worker.join()
                 self.frontend.fail_all(WORKER_RESTARTED, f"the decode worker died (exit code {self.worker.exitcode}); "
@@ -177,6 +187,8 @@ class Supervisor:
                 log.info("draining: %s in flight, grace %.0f s", counted(len(self.frontend.requests.active), "request"),
                          self.config.drain_grace_s)
                 self.frontend.is_draining = True
+                if self.http is not None:
+                    self.http.drain()
                 drain_deadline = time.monotonic() + self.config.drain_grace_s
             if drain_deadline is not None:
                 now = time.monotonic()
@@ -197,6 +209,8 @@ class Supervisor:
         return (time.monotonic_ns() - self.ring.heartbeat_ns) / 1e9 > timeout_s
 
     def close(self) -> None:
+        if self.http is not None:
+            self.http.stop()  # its last responses end before the daemon stops answering
         self.frontend.fail_all(UNAVAILABLE, "the cbatch daemon stopped")
         if self.worker is not None and self.worker.is_alive():
             if self.frontend.worker.ready is not None:  # it runs its loop: ask it to leave and clean up

@@ -1,0 +1,97 @@
+"""Prometheus metrics of the HTTP server: what it sees itself, plus the daemon's stats.
+
+The HTTP process counts its requests and times their tokens; the daemon-wide figures
+(queue, active sequences, steps, prefix-cache reuse) come from the front-end's STATS
+reply, read when /metrics is scraped.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: they double the text and no dashboard reads them
+
+# Latency buckets in seconds: tokens come every few ms on a GPU, every 10-100 ms on a CPU.
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# STATS key -> (metric name, help, is_counter)
+_DAEMON_STATS = {
+    "num_queued": ("cbatch_queue_depth", "Requests waiting for a sequence slot", False),
+    "num_active": ("cbatch_active_sequences", "Sequences being decoded", False),
+    "parallel": ("cbatch_parallel", "Sequence slots", False),
+    "num_steps": ("cbatch_decode_steps", "Decode steps (one llama_decode each) since the worker started", True),
+    "num_requests_ended": ("cbatch_daemon_requests_ended", "Requests the daemon ended (any outcome), all clients", True),
+    "prompt_tokens_computed": ("cbatch_prompt_tokens_computed", "Prompt tokens computed (not served by the prefix cache)", True),
+    "prompt_tokens_reused": ("cbatch_prompt_tokens_reused", "Prompt tokens reused from the prefix cache", True),
+    "kv_cells_used": ("cbatch_kv_cells_used", "KV cells in use (a shared cell once)", False),
+    "kv_cells_total": ("cbatch_kv_cells_total", "KV cells in the context", False),
+    "decode_tokens_per_s": ("cbatch_decode_tokens_per_second", "Generated tokens per second of decode steps", False),
+}
+
+
+class _DaemonStats:
+    """A collector that reports the last STATS reply (read just before each scrape)."""
+
+    def __init__(self):
+        self.stats: dict = {}
+
+    def collect(self):
+        for key, (name, help_text, is_counter) in _DAEMON_STATS.items():
+            value = self.stats.get(key)
+            if value is None:
+                continue
+            family = CounterMetricFamily(name, help_text) if is_counter else GaugeMetricFamily(name, help_text)
+            family.add_metric([], float(value))
+            yield family
+
+
+class HttpMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("cbatch_http_requests", "Finished choices by endpoint and finish reason",
+                                ["endpoint", "finish_reason"], registry=self.registry)
+        self.errors = Counter("cbatch_http_errors", "Requests answered with an error, by status and cbatch code",
+                              ["endpoint", "status", "code"], registry=self.registry)
+        self.prompt_tokens = Counter("cbatch_http_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.generated_tokens = Counter("cbatch_http_generated_tokens", "Tokens generated for finished requests",
+                                        registry=self.registry)
+        self.ttft = Histogram("cbatch_http_time_to_first_token_seconds", "From request arrival to its first token",
+                              buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.itl = Histogram("cbatch_http_inter_token_latency_seconds",
+                             "Time between successive tokens of a choice as the server receives them",
+                             buckets=ITL_BUCKETS_S, registry=self.registry)
+        self._daemon = _DaemonStats()
+        self.registry.register(self._daemon)
+
+    def on_finished(self, endpoint: str, finish_reason: str, usage: dict | None) -> None:
+        self.requests.labels(endpoint, finish_reason).inc()
+        if usage:
+            self.prompt_tokens.inc(usage["prompt_tokens"])
+            self.generated_tokens.inc(usage["completion_tokens"])
+
+    def render(self, daemon_stats: dict) -> bytes:
+        self._daemon.stats = daemon_stats
+        return generate_latest(self.registry)
+
+
+class TokenTimer:
+    """Times one choice's tokens: the first against the request's arrival, the rest
+    against the previous arrival (a chunk of k tokens counts its gap as k gaps of 1/k)."""
+
+    def __init__(self, metrics: HttpMetrics, arrived_s: float):
+        self._metrics = metrics
+        self._last_s = arrived_s
+        self._is_first = True
+
+    def on_tokens(self, num_tokens: int, now_s: float) -> None:
+        if not num_tokens:
+            return
+        gap_s = now_s - self._last_s
+        self._last_s = now_s
+        if self._is_first:
+            self._is_first = False
+            self._metrics.ttft.observe(gap_s)
+            num_tokens -= 1
+            gap_s = 0.0
+        for _ in range(num_tokens):
+            self._metrics.itl.observe(gap_s / num_tokens)

@@ -1,0 +1,182 @@
+"""Generated tokens/s through the OpenAI HTTP endpoint vs the ZeroMQ Client, in one run
+against one daemon (and vs llama-server over HTTP when a binary is given), closed loop
+with short prompts; time to first token and inter-token latency through HTTP.
+
+    .venv/bin/python scripts/bench_http.py --parallel 16 --requests 64 --max-tokens 64 \
+        [--llama-server /path/to/llama-server]
+
+Every client is a thread of this process, so the load generator shares the machine's
+cores with the server, as it would on one host. The HTTP server's own CPU time is read
+from /proc for its run.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_system import cpu_seconds  # noqa: E402
+from bench_long_prompts import START_TIMEOUT_S, CbatchDaemon, LlamaServer  # noqa: E402
+import bench_long_prompts  # noqa: E402
+
+from cbatch.client import Client  # noqa: E402
+from cbatch.model import resolve_model_path  # noqa: E402
+
+
+def prompts(count: int) -> list[str]:
+    return [f"Note {i}: write a few words about the number {i * 7}." for i in range(count)]
+
+
+def closed_loop(all_prompts: list[str], num_clients: int, make_send) -> tuple[float, list[float], list[float]]:
+    """Each client thread sends its share one after another; tokens/s, TTFTs and ITLs (s)."""
+    counts, ttfts, itls, errors = [0] * num_clients, [], [], []
+
+    def loop(i):
+        try:
+            send = make_send()
+            for prompt in all_prompts[i::num_clients]:
+                num_tokens, ttft, gaps = send(prompt)
+                counts[i] += num_tokens
+                if ttft is not None:
+                    ttfts.append(ttft)
+                    itls.extend(gaps)
+        except BaseException as exc:  # reported after the run
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(num_clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sum(counts) / (time.perf_counter() - started), ttfts, itls
+
+
+def zmq_sender(endpoint: str, max_tokens: int):
+    def make():
+        client = Client(endpoint)
+
+        def send(prompt):
+            result = client.generate(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            return result.usage["completion_tokens"], None, []
+
+        return send
+
+    return make
+
+
+def http_sender(base_url: str, max_tokens: int, model: str):
+    """Streams /v1/completions; a token's time is when its SSE event arrives."""
+    def make():
+        http = httpx.Client(timeout=600)
+
+        def send(prompt):
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            started = time.perf_counter()
+            arrivals, usage = [], None
+            with http.stream("POST", f"{base_url}/v1/completions", json=body) as reply:
+                reply.raise_for_status()
+                for line in reply.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    if event["choices"] and event["choices"][0].get("text"):
+                        arrivals.append(time.perf_counter())
+            gaps = list(np.diff(arrivals)) if arrivals else []
+            return usage["completion_tokens"], (arrivals[0] - started) if arrivals else None, gaps
+
+        return send
+
+    return make
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    p50, p90, p99 = np.percentile(np.array(values) * 1000, [50, 90, 99])
+    return f"p50 {p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms"
+
+
+def http_pid(daemon: CbatchDaemon) -> int:
+    for line in reversed((daemon.workdir / "daemon.log").read_text().splitlines()):
+        if line.startswith("cbatch http: serving"):
+            return int(line.rsplit("pid ", 1)[1].rstrip(")"))
+    raise RuntimeError("no HTTP server in the daemon's log")
+
+
+def wait_http(base_url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the HTTP server did not become healthy")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
+    parser.add_argument("--parallel", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
+    parser.add_argument("--llama-server", default="", help="a llama-server binary to compare with")
+    args = parser.parse_args(argv)
+    if not args.port:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            args.port = sock.getsockname()[1]
+    model_path = resolve_model_path(args.model)
+    model = Path(model_path).name
+    work = prompts(args.requests)
+    daemon = CbatchDaemon(model_path, args.parallel, ["--http", str(args.port), "-c", str(1024 * args.parallel)])
+    base_url = f"http://127.0.0.1:{args.port}"
+    try:
+        wait_http(base_url)
+        closed_loop(work[:args.parallel], args.parallel, zmq_sender(daemon.endpoint, 8))  # warm-up
+        zmq_tps, _, _ = closed_loop(work, args.parallel, zmq_sender(daemon.endpoint, args.max_tokens))
+        pid = http_pid(daemon)
+        cpu_before, started = cpu_seconds(pid), time.perf_counter()
+        http_tps, ttfts, itls = closed_loop(work, args.parallel, http_sender(base_url, args.max_tokens, model))
+        http_cpu = (cpu_seconds(pid) - cpu_before) / (time.perf_counter() - started)
+    finally:
+        daemon.stop()
+    print(f"model {model}, parallel {args.parallel}, {args.requests} requests x {args.max_tokens} tokens, "
+          f"{args.parallel} closed-loop clients")
+    print(f"ZeroMQ Client:   {zmq_tps:8.1f} tok/s")
+    print(f"HTTP (cbatch):   {http_tps:8.1f} tok/s  = {http_tps / zmq_tps:.2f} of ZeroMQ; "
+          f"HTTP server process CPU {100 * http_cpu:.0f}% of one core")
+    print(f"  TTFT {percentiles(ttfts)}")
+    print(f"  ITL  {percentiles(itls)}")
+    if args.llama_server:
+        bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)
+        server = LlamaServer(model_path, args.parallel, 1024, os.cpu_count())
+        try:
+            url = f"http://127.0.0.1:{server.port}"
+            closed_loop(work[:args.parallel], args.parallel, http_sender(url, 8, model))  # warm-up
+            ls_tps, ls_ttfts, ls_itls = closed_loop(work, args.parallel, http_sender(url, args.max_tokens, model))
+        finally:
+            server.stop()
+        print(f"llama-server:    {ls_tps:8.1f} tok/s  cbatch HTTP / llama-server = {http_tps / ls_tps:.2f}")
+        print(f"  TTFT {percentiles(ls_ttfts)}")
+        print(f"  ITL  {percentiles(ls_itls)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""A real cbatch-worker daemon with its HTTP server, for the HTTP tests."""
+
+import socket
+import time
+
+import httpx
+
+from daemonkit import Daemon
+
+HTTP_READY_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class HttpDaemon(Daemon):
+    """A daemon started with --http on a free port; ready once GET /health is 200."""
+
+    def __init__(self, model_path: str, *args: str, **options):
+        self.port = free_port()
+        super().__init__(model_path, "--http", str(self.port), *args, **options)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.wait_http_status(200)
+
+    def wait_http_status(self, status: int, timeout_s: float = HTTP_READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == status:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            time.sleep(0.05)
+        raise RuntimeError(f"/health never answered {status}: {self.log()}")
+
+    def openai(self, **options):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", **{"max_retries": 0, **options})
+
+    def wait_idle(self, timeout_s: float) -> float:
+        """Seconds until the daemon runs no sequence (stats reach the front-end every 0.25 s)."""
+        started = time.monotonic()
+        with self.client() as client:
+            while time.monotonic() - started < timeout_s:
+                num_active = client.stats()["num_active"]
+                if num_active == 0:
+                    return time.monotonic() - started
+                time.sleep(0.05)
+        raise AssertionError(f"still {num_active} active after {timeout_s} s")

@@ -1,0 +1,242 @@
+"""The OpenAI-compatible HTTP endpoint through the official openai package, against a
+real daemon started with --http on the tiny model (content does not matter here)."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import cbatch.streams
+from httpkit import HttpDaemon
+
+MODEL_ID = "tiny-llama.gguf"
+HAS_LOGPROBS = hasattr(cbatch.streams.Chunk(0, "", []), "logprobs")
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_path):
+    started = HttpDaemon(tiny_model_path, "--parallel", "4")
+    yield started
+    started.stop()
+    started.remove_workdir()
+
+
+@pytest.fixture
+def api(daemon):
+    return daemon.openai()
+
+
+def test_models_lists_the_served_model(api):
+    assert [m.id for m in api.models.list().data] == [MODEL_ID]
+
+
+def test_completion_with_usage(api):
+    result = api.completions.create(model=MODEL_ID, prompt="Hello there", max_tokens=7, temperature=0)
+    assert result.object == "text_completion" and len(result.choices) == 1
+    assert result.choices[0].finish_reason == "length" and result.choices[0].text
+    assert result.usage.completion_tokens == 7
+    assert result.usage.prompt_tokens > 0
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 7
+
+
+def test_streamed_completion_ends_with_usage_chunk(api):
+    chunks = list(api.completions.create(model=MODEL_ID, prompt="Hello there", max_tokens=9, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].text for c in chunks[:-1])
+    whole = api.completions.create(model=MODEL_ID, prompt="Hello there", max_tokens=9, temperature=0)
+    assert text == whole.choices[0].text
+
+
+def test_stop_string_ends_the_completion_before_it(api):
+    text = api.completions.create(model=MODEL_ID, prompt="Once upon", max_tokens=24, temperature=0).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    result = api.completions.create(model=MODEL_ID, prompt="Once upon", max_tokens=24, temperature=0, stop=[stop])
+    assert result.choices[0].finish_reason == "stop"
+    assert result.choices[0].text == text[:text.index(stop)]
+
+
+def test_seed_reproduces_a_sampled_completion(api):
+    def sample(seed):
+        return api.completions.create(model=MODEL_ID, prompt="Tell me", max_tokens=16, temperature=1.0,
+                                      seed=seed).choices[0].text
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+def test_n_gives_n_choices_and_a_prompt_list_one_per_prompt(api):
+    result = api.completions.create(model=MODEL_ID, prompt="Tell me", max_tokens=5, n=3, seed=3, temperature=1.0)
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    assert result.usage.completion_tokens == 15
+    both = api.completions.create(model=MODEL_ID, prompt=["a b", "c d"], max_tokens=4, temperature=0)
+    assert sorted(c.index for c in both.choices) == [0, 1]
+
+
+def test_response_format_json_object_constrains_the_output(api):
+    reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=12, temperature=1.0, seed=5,
+                                   extra_body={"response_format": {"type": "json_object"}})
+    assert reply.choices[0].text.lstrip().startswith("{")
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=MODEL_ID, prompt="x", max_tokens=2,
+                               extra_body={"response_format": {"type": "xml"}})
+    assert caught.value.body["code"] == "invalid_request"
+
+
+def test_logit_bias_and_min_tokens_pass_through(api):
+    eos_id = "2"  # </s> of the tiny model: +100 makes it the greedy pick, min_tokens holds it off
+    reply = api.completions.create(model=MODEL_ID, prompt="x", max_tokens=10, temperature=0,
+                                   logit_bias={eos_id: 100}, extra_body={"min_tokens": 3})
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 3
+
+
+def test_bad_value_is_400_with_code_and_param(api):
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=MODEL_ID, prompt="x", max_tokens=4, temperature=-1)
+    error = caught.value.body
+    assert error["code"] == "invalid_request" and error["param"] == "temperature"
+    assert "temperature" in error["message"]
+
+
+def test_unknown_model_is_404_and_unknown_fields_are_ignored(api, daemon):
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-4", prompt="x", max_tokens=4)
+    reply = httpx.post(f"{daemon.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "u",
+                                                                  "some_future_field": {"a": 1}})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_not_json_is_400(daemon):
+    reply = httpx.post(f"{daemon.base_url}/v1/completions", content=b"{nope")
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_request"
+
+
+def test_streamed_client_disconnect_frees_the_slot(daemon):
+    body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+    assert daemon.wait_idle(2.0) < 2.0
+
+
+def test_waiting_client_disconnect_frees_the_slot(daemon):
+    body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.5))
+    assert daemon.wait_idle(2.0) < 2.0
+
+
+def test_concurrent_clients(daemon):
+    def one(i):
+        with daemon.openai() as api:
+            return api.completions.create(model=MODEL_ID, prompt=f"client {i}", max_tokens=12 + i, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert [r.usage.completion_tokens for r in results] == [12 + i for i in range(8)]
+
+
+def _samples(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_parse_and_move(daemon, api):
+    before = _samples(httpx.get(f"{daemon.base_url}/metrics").text)
+    api.completions.create(model=MODEL_ID, prompt="metric me", max_tokens=6, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model=MODEL_ID, prompt="x", max_tokens=0)
+    after = _samples(httpx.get(f"{daemon.base_url}/metrics").text)
+    finished = ("cbatch_http_requests_total", (("endpoint", "completions"), ("finish_reason", "length")))
+    assert after[finished] == before.get(finished, 0) + 1
+    bad = ("cbatch_http_errors_total", (("code", "invalid_request"), ("endpoint", "completions"), ("status", "400")))
+    assert after[bad] == before.get(bad, 0) + 1
+    tokens = ("cbatch_http_generated_tokens_total", ())
+    assert after[tokens] == before.get(tokens, 0) + 6
+    ttft = ("cbatch_http_time_to_first_token_seconds_count", ())
+    assert after[ttft] == before.get(ttft, 0) + 1
+    assert after[("cbatch_http_inter_token_latency_seconds_count", ())] >= 5
+    for name in ("cbatch_queue_depth", "cbatch_active_sequences", "cbatch_decode_steps_total",
+                 "cbatch_prompt_tokens_reused_total"):
+        assert (name, ()) in after, name
+    assert after[("cbatch_decode_steps_total", ())] > before[("cbatch_decode_steps_total", ())]
+
+
+@pytest.mark.skipif(not HAS_LOGPROBS, reason="the engine does not report log-probabilities yet")
+def test_completion_logprobs(api):
+    result = api.completions.create(model=MODEL_ID, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
+    logprobs = result.choices[0].logprobs
+    assert len(logprobs.tokens) == 5 and len(logprobs.token_logprobs) == 5
+    assert all(len(top) <= 3 and lp <= 0.0 for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert "".join(logprobs.tokens) == result.choices[0].text
+    assert logprobs.text_offset[0] == 0
+    # greedy: the chosen token is the most likely alternative
+    assert all(max(top.values()) == pytest.approx(lp, abs=1e-4)
+               for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+
+
+def test_logprobs_out_of_range_is_400(api):
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=MODEL_ID, prompt="x", max_tokens=2, logprobs=21)
+    assert caught.value.body["param"] == "logprobs"
+
+
+def test_full_queue_is_429_with_retry_after(tiny_model_path):
+    daemon = HttpDaemon(tiny_model_path, "--parallel", "1", "--max-queue", "0")
+    try:
+        body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body) as running:
+            next(running.iter_lines())
+            with pytest.raises(openai.RateLimitError) as caught:
+                daemon.openai().completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
+        assert caught.value.body["code"] == "queue_full"
+        assert caught.value.response.headers["retry-after"] == "1"
+    finally:
+        daemon.stop()
+        daemon.remove_workdir()
+
+
+def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
+    daemon = HttpDaemon(tiny_model_path, "--parallel", "2")
+    try:
+        body = {"prompt": "go", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)
+            daemon.process.send_signal(signal.SIGTERM)
+            daemon.wait_http_status(503, timeout_s=5.0)
+            with pytest.raises(openai.APIStatusError) as caught:
+                daemon.openai().completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
+            assert caught.value.status_code == 503 and caught.value.body["code"] == "shutting_down"
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert daemon.process.wait(30) == 0
+    finally:
+        daemon.stop()
+        daemon.remove_workdir()
+
+
+def test_killed_http_server_is_restarted(daemon, api):
+    old_pid = _http_pid(daemon)
+    os.kill(old_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _http_pid(daemon) in (None, old_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    daemon.wait_http_status(200)
+    assert api.completions.create(model=MODEL_ID, prompt="again", max_tokens=3).usage.completion_tokens == 3
+
+
+def _http_pid(daemon) -> int | None:
+    for line in reversed(daemon.log().splitlines()):
+        if line.startswith("cbatch http: serving"):
+            return int(line.rsplit("pid ", 1)[1].rstrip(")"))
+    return None

@@ -1,0 +1,73 @@
+"""cbatch-submit with OpenAI batch files through a real daemon: mixed good and bad lines,
+and --resume after a run killed mid-file."""
+
+import json
+import signal
+import subprocess
+import time
+
+from daemonkit import SCRIPTS_DIR
+
+
+def _line(custom_id, body, url="/v1/completions"):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def _submit(daemon, *args, **popen):
+    return subprocess.Popen([str(SCRIPTS_DIR / "cbatch-submit"), *args], env=daemon.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
+    daemon = start_daemon(tiny_model_path)
+    lines = [
+        _line("ok", {"model": "m", "prompt": "hello", "max_tokens": 5, "temperature": 0}),
+        "{not json",
+        _line("bad-url", {"prompt": "x"}, url="/v1/embeddings"),
+        _line("bad-value", {"model": "m", "prompt": "x", "temperature": -1}),
+        _line("two", {"model": "m", "prompt": "hey", "max_tokens": 3, "n": 2, "seed": 1}),
+        _line("no-template", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+              url="/v1/chat/completions"),
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    process = _submit(daemon, str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"))
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1, stderr
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["ok", None, "bad-url", "bad-value", "two", "no-template"]
+    ok = out[0]["response"]
+    assert out[0]["error"] is None and ok["status_code"] == 200
+    assert ok["body"]["object"] == "text_completion" and ok["body"]["usage"]["completion_tokens"] == 5
+    assert ok["body"]["model"] == "m" and ok["request_id"]
+    assert out[1]["response"] is None and out[1]["error"]["code"] == "invalid_request"
+    assert out[2]["response"] is None and "url" in out[2]["error"]["message"]
+    assert out[3]["response"]["status_code"] == 400
+    assert out[3]["response"]["body"]["error"]["param"] == "temperature"
+    assert [c["index"] for c in out[4]["response"]["body"]["choices"]] == [0, 1]
+    assert out[5]["response"]["status_code"] == 400 and "template" in out[5]["response"]["body"]["error"]["message"]
+
+
+def test_resume_after_a_killed_run_finishes_every_line_once(start_daemon, tiny_model_path, tmp_path):
+    daemon = start_daemon(tiny_model_path, "--parallel", "2")
+    ids = [f"req-{i}" for i in range(16)]
+    body = {"model": "m", "prompt": "go", "max_tokens": 300, "ignore_eos": True}
+    (tmp_path / "in.jsonl").write_text("".join(_line(i, body) + "\n" for i in ids))
+    output = tmp_path / "out.jsonl"
+    process = _submit(daemon, str(tmp_path / "in.jsonl"), "-o", str(output), "--max-in-flight", "2")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 3):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    with output.open("a") as out:
+        out.write('{"id": "batch_req_cut", "custom_id": "req-1')  # a line cut by the interruption
+    num_before = output.read_text().count("\n")
+    assert 3 <= num_before < len(ids)
+    process = _submit(daemon, str(tmp_path / "in.jsonl"), "-o", str(output), "--resume")
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    out = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(ids)
+    assert [o["custom_id"] for o in out] == ids  # the first run wrote in order, the resumed one appends in order
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 300 for o in out)
+    assert f"{len(ids) - num_before} OpenAI batch lines" in stderr
