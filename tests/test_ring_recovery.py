@@ -78,8 +78,6 @@ def test_records_are_fetchable_during_retention_and_gone_after_it(tiny_model_pat
         assert fetch(peer, second_id) == (MsgType.RECORDS, {"request_id": second_id, "records": second_records})
 
 
-@pytest.mark.xfail(strict=True, reason="finished requests expire only when a later request finishes: on a daemon "
-                                       "that stays idle their records stay fetchable (and held) past --retention")
 def test_records_expire_on_an_idle_daemon(tiny_model_path, start_daemon):
     d = start_daemon(tiny_model_path, *SOLO_ARGS, "--retention", str(RETENTION_S))
     with RawPeer(d.endpoint) as peer:

@@ -53,6 +53,7 @@ class FrontEnd:
 
     # ---- clients ----------------------------------------------------------------
     def on_client_messages(self) -> None:
+        self.requests.expire(time.monotonic())  # also on an idle daemon, before a FETCH could find them
         for identity, frames in self.clients.receive(self._on_disconnect, self._resend_owed):
             body: dict = {}
             try:

@@ -66,6 +66,10 @@ class RequestTable:
         del self.active[job.request_id]
         self.num_ended_by_outcome[finish["finish_reason"]] += 1
         self._retained[job.request_id] = job
+        self.expire(now_s)
+
+    def expire(self, now_s: float) -> None:
+        """Forget the retained requests that finished more than retention_s ago."""
         while self._retained and next(iter(self._retained.values())).finished_at_s < now_s - self.retention_s:
             _, old = self._retained.popitem(last=False)
             self._set_owed(old, False)
