@@ -328,7 +328,7 @@ def split_item(item) -> tuple[object, dict]:
     if isinstance(item, str):
         return None, {"prompt": item}
     if not isinstance(item, dict):
-        raise CbatchError(INVALID_REQUEST, "each batch item must be a dict")
+        raise CbatchError(INVALID_REQUEST, "each batch item must be a dict or a prompt string")
     body = dict(item)
     return body.pop("id", None), body
 

@@ -4,6 +4,7 @@ import argparse
 import json
 import sys
 
+from cbatch.cli import add_version
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.wording import counted
 
@@ -41,8 +42,6 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from cbatch.cli import add_version
-
     parser = argparse.ArgumentParser(prog="cbatch-status", description="Show what a cbatch-worker daemon is doing.")
     parser.add_argument("--endpoint", default=None, help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
     parser.add_argument("--json", action="store_true", help="print {\"health\": ..., \"stats\": ...} as JSON")
