@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
 from cbatch.ipc.ring import RingRecord
+from cbatch.wording import counted
 
 
 @dataclass(eq=False)
@@ -44,7 +45,7 @@ class RequestTable:
         if job.request_id in self.active or job.request_id in self._retained:
             raise CbatchError(INVALID_REQUEST, f"request_id {job.request_id} is already in use")
         if len(self.active) >= self.max_in_flight:
-            raise CbatchError(QUEUE_FULL, f"{len(self.active)} requests are in flight; retry later or raise --max-queue")
+            raise CbatchError(QUEUE_FULL, f"{counted(len(self.active), 'request')} in flight; retry later or raise --max-queue")
         self.active[job.request_id] = job
 
     def get(self, request_id) -> Job | None:
