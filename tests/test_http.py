@@ -5,6 +5,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import subprocess
 import time
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import cbatch.streams
+from daemonkit import SCRIPTS_DIR
 from httpkit import HttpDaemon
 
 MODEL_ID = "tiny-llama.gguf"
@@ -240,3 +242,11 @@ def _http_pid(daemon) -> int | None:
         if line.startswith("cbatch http: serving"):
             return int(line.rsplit("pid ", 1)[1].rstrip(")"))
     return None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--http", "0.0.0.0:8000"], "--allow-remote"), (["--http", "80x"], "[HOST:]PORT"),
+    (["--http", "70000"], "port must be")])
+def test_bad_http_flags_are_usage_errors(flags, message):
+    result = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), *flags], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr
