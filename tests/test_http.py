@@ -207,10 +207,12 @@ def test_full_queue_is_429_with_retry_after(tiny_model_path):
 
 
 def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
-    daemon = HttpDaemon(tiny_model_path, "--parallel", "2")
+    # A long stream, so it still runs when the 503 is asked for, and a grace long enough
+    # for it to finish on a loaded machine.
+    daemon = HttpDaemon(tiny_model_path, "--parallel", "2", "--drain-grace", "300")
     try:
         body = {"prompt": "go", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
+        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=300) as running:
             lines = running.iter_lines()
             next(lines)
             daemon.process.send_signal(signal.SIGTERM)
@@ -221,7 +223,7 @@ def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
             events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
-        assert daemon.process.wait(30) == 0
+        assert daemon.process.wait(60) == 0
     finally:
         daemon.stop()
         daemon.remove_workdir()
