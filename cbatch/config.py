@@ -149,6 +149,8 @@ class DaemonConfig:
             if not _is_loopback(http_host) and not self.allow_remote:
                 raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine; pass "
                                                   "--allow-remote")
+            if self.curve_secret_key:  # the HTTP server is a client of the daemon and holds no certificate
+                raise CbatchError(INVALID_CONFIG, "--http cannot be combined with --curve-secret-key")
         if self.curve_clients_dir and not self.curve_secret_key:
             raise CbatchError(INVALID_CONFIG, "--curve-clients needs --curve-secret-key")
         for path in (self.curve_secret_key, self.curve_clients_dir):

@@ -165,6 +165,7 @@ def make_app(state: HttpState) -> Starlette:
             await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client hung up: cancel its choices
                 work.cancel()
+                await asyncio.wait([work])  # the stream is closed below, once nothing runs it
                 return Response(status_code=499)
             result = work.result()
             if not api.is_stream:

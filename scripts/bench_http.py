@@ -1,6 +1,7 @@
 """Generated tokens/s through the OpenAI HTTP endpoint vs the ZeroMQ Client, in one run
 against one daemon (and vs llama-server over HTTP when a binary is given), closed loop
-with short prompts; time to first token and inter-token latency through HTTP.
+with short prompts: tok/s with whole responses, then the same streamed for time to first
+token and inter-token latency (and streamed tok/s).
 
     .venv/bin/python scripts/bench_http.py --parallel 16 --requests 64 --max-tokens 64 \
         [--llama-server /path/to/llama-server]
@@ -75,14 +76,18 @@ def zmq_sender(endpoint: str, max_tokens: int):
     return make
 
 
-def http_sender(base_url: str, max_tokens: int, model: str):
-    """Streams /v1/completions; a token's time is when its SSE event arrives."""
+def http_sender(base_url: str, max_tokens: int, model: str, is_stream: bool):
+    """/v1/completions; streamed, a token's time is when its SSE event arrives."""
     def make():
         http = httpx.Client(timeout=600)
 
         def send(prompt):
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                    "ignore_eos": True, "stream": is_stream, "stream_options": {"include_usage": True}}
+            if not is_stream:
+                reply = http.post(f"{base_url}/v1/completions", json=body)
+                reply.raise_for_status()
+                return reply.json()["usage"]["completion_tokens"], None, []
             started = time.perf_counter()
             arrivals, usage = [], None
             with http.stream("POST", f"{base_url}/v1/completions", json=body) as reply:
@@ -101,6 +106,14 @@ def http_sender(base_url: str, max_tokens: int, model: str):
         return send
 
     return make
+
+
+def http_runs(url: str, work: list[str], args, model: str) -> tuple[float, float, list[float], list[float]]:
+    """Whole responses for tok/s, then the same streamed for TTFT and ITL."""
+    closed_loop(work[:args.parallel], args.parallel, http_sender(url, 8, model, False))  # warm-up
+    whole_tps, _, _ = closed_loop(work, args.parallel, http_sender(url, args.max_tokens, model, False))
+    stream_tps, ttfts, itls = closed_loop(work, args.parallel, http_sender(url, args.max_tokens, model, True))
+    return whole_tps, stream_tps, ttfts, itls
 
 
 def percentiles(values: list[float]) -> str:
@@ -153,29 +166,28 @@ def main(argv=None) -> None:
         zmq_tps, _, _ = closed_loop(work, args.parallel, zmq_sender(daemon.endpoint, args.max_tokens))
         pid = http_pid(daemon)
         cpu_before, started = cpu_seconds(pid), time.perf_counter()
-        http_tps, ttfts, itls = closed_loop(work, args.parallel, http_sender(base_url, args.max_tokens, model))
+        http_tps, stream_tps, ttfts, itls = http_runs(base_url, work, args, model)
         http_cpu = (cpu_seconds(pid) - cpu_before) / (time.perf_counter() - started)
     finally:
         daemon.stop()
     print(f"model {model}, parallel {args.parallel}, {args.requests} requests x {args.max_tokens} tokens, "
           f"{args.parallel} closed-loop clients")
     print(f"ZeroMQ Client:   {zmq_tps:8.1f} tok/s")
-    print(f"HTTP (cbatch):   {http_tps:8.1f} tok/s  = {http_tps / zmq_tps:.2f} of ZeroMQ; "
-          f"HTTP server process CPU {100 * http_cpu:.0f}% of one core")
-    print(f"  TTFT {percentiles(ttfts)}")
-    print(f"  ITL  {percentiles(itls)}")
+    print(f"HTTP (cbatch):   {http_tps:8.1f} tok/s whole responses = {http_tps / zmq_tps:.2f} of ZeroMQ; "
+          f"{stream_tps:.1f} tok/s streamed; HTTP server process CPU {100 * http_cpu:.0f}% of one core")
+    print(f"  streamed: TTFT {percentiles(ttfts)}")
+    print(f"  streamed: ITL  {percentiles(itls)}")
     if args.llama_server:
         bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)
         server = LlamaServer(model_path, args.parallel, 1024, os.cpu_count())
         try:
-            url = f"http://127.0.0.1:{server.port}"
-            closed_loop(work[:args.parallel], args.parallel, http_sender(url, 8, model))  # warm-up
-            ls_tps, ls_ttfts, ls_itls = closed_loop(work, args.parallel, http_sender(url, args.max_tokens, model))
+            ls_tps, ls_stream_tps, ls_ttfts, ls_itls = http_runs(f"http://127.0.0.1:{server.port}", work, args, model)
         finally:
             server.stop()
-        print(f"llama-server:    {ls_tps:8.1f} tok/s  cbatch HTTP / llama-server = {http_tps / ls_tps:.2f}")
-        print(f"  TTFT {percentiles(ls_ttfts)}")
-        print(f"  ITL  {percentiles(ls_itls)}")
+        print(f"llama-server:    {ls_tps:8.1f} tok/s whole responses; {ls_stream_tps:.1f} tok/s streamed; "
+              f"cbatch HTTP / llama-server = {http_tps / ls_tps:.2f} whole, {stream_tps / ls_stream_tps:.2f} streamed")
+        print(f"  streamed: TTFT {percentiles(ls_ttfts)}")
+        print(f"  streamed: ITL  {percentiles(ls_itls)}")
 
 
 if __name__ == "__main__":

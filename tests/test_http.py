@@ -5,6 +5,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import subprocess
 import time
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import cbatch.streams
+from daemonkit import SCRIPTS_DIR
 from httpkit import HttpDaemon
 
 MODEL_ID = "tiny-llama.gguf"
@@ -205,10 +207,12 @@ def test_full_queue_is_429_with_retry_after(tiny_model_path):
 
 
 def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
-    daemon = HttpDaemon(tiny_model_path, "--parallel", "2")
+    # A long stream, so it still runs when the 503 is asked for, and a grace long enough
+    # for it to finish on a loaded machine.
+    daemon = HttpDaemon(tiny_model_path, "--parallel", "2", "--drain-grace", "300")
     try:
         body = {"prompt": "go", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
+        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=300) as running:
             lines = running.iter_lines()
             next(lines)
             daemon.process.send_signal(signal.SIGTERM)
@@ -219,7 +223,7 @@ def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
             events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
-        assert daemon.process.wait(30) == 0
+        assert daemon.process.wait(60) == 0
     finally:
         daemon.stop()
         daemon.remove_workdir()
@@ -240,3 +244,11 @@ def _http_pid(daemon) -> int | None:
         if line.startswith("cbatch http: serving"):
             return int(line.rsplit("pid ", 1)[1].rstrip(")"))
     return None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--http", "0.0.0.0:8000"], "--allow-remote"), (["--http", "80x"], "[HOST:]PORT"),
+    (["--http", "70000"], "port must be")])
+def test_bad_http_flags_are_usage_errors(flags, message):
+    result = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), *flags], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr

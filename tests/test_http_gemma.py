@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import cbatch.streams
 from conftest import REPO
 from httpkit import HttpDaemon
 
@@ -53,6 +54,17 @@ def test_json_schema_output_parses_and_matches(api):
     person = json.loads(reply.choices[0].message.content)
     assert set(person) == {"name", "age"}
     assert isinstance(person["name"], str) and len(person["name"]) <= 8 and isinstance(person["age"], int)
+
+
+@pytest.mark.skipif(not hasattr(cbatch.streams.Chunk(0, "", []), "logprobs"),
+                    reason="the engine does not report log-probabilities yet")
+def test_chat_logprobs(api):
+    reply = api.chat.completions.create(model=_model(api), messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0.0 for entry in content)
 
 
 def _readme_blocks() -> tuple[str, str]:
