@@ -13,12 +13,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import cbatch.streams
 from daemonkit import SCRIPTS_DIR
 from httpkit import HttpDaemon
 
 MODEL_ID = "tiny-llama.gguf"
-HAS_LOGPROBS = hasattr(cbatch.streams.Chunk(0, "", []), "logprobs")
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +170,6 @@ def test_metrics_parse_and_move(daemon, api):
     assert after[("cbatch_decode_steps_total", ())] > before[("cbatch_decode_steps_total", ())]
 
 
-@pytest.mark.skipif(not HAS_LOGPROBS, reason="the engine does not report log-probabilities yet")
 def test_completion_logprobs(api):
     result = api.completions.create(model=MODEL_ID, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
     logprobs = result.choices[0].logprobs

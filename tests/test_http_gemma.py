@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-import cbatch.streams
 from conftest import REPO
 from httpkit import HttpDaemon
 
@@ -56,8 +55,6 @@ def test_json_schema_output_parses_and_matches(api):
     assert isinstance(person["name"], str) and len(person["name"]) <= 8 and isinstance(person["age"], int)
 
 
-@pytest.mark.skipif(not hasattr(cbatch.streams.Chunk(0, "", []), "logprobs"),
-                    reason="the engine does not report log-probabilities yet")
 def test_chat_logprobs(api):
     reply = api.chat.completions.create(model=_model(api), messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                         temperature=0, logprobs=True, top_logprobs=2)
