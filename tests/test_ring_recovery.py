@@ -5,8 +5,6 @@ finished request's records stay fetchable for --retention seconds, then are gone
 import secrets
 import time
 
-import pytest
-
 from cbatch.protocol import MsgType
 from daemonkit import RawPeer, wait_until
 
