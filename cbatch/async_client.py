@@ -97,15 +97,10 @@ class AsyncClient(ClientBase):
             await self._round.wait()
 
     async def read(self, stream: RequestStream) -> AsyncIterator[Chunk]:
-        try:
-            while True:
+        with self._session.reading(stream):
+            while not stream.is_drained:
                 await self._wait(lambda: stream.pending)
-                chunk = self._session.take(stream)
-                yield chunk
-                if chunk.finish_reason:
-                    return
-        finally:
-            self._session.release(stream)
+                yield self._session.take(stream)
 
     def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> AsyncIterator[Chunk]:
         return self.read(self.submit(prompt, messages, **params))

@@ -118,15 +118,10 @@ class Client(ClientBase):
 
     def read(self, stream: RequestStream) -> Iterator[Chunk]:
         """Chunks of a submitted request; leaving early cancels it."""
-        try:
-            while True:
+        with self._session.reading(stream):
+            while not stream.is_drained:
                 self._wait(lambda: stream.pending)
-                chunk = self._session.take(stream)
-                yield chunk
-                if chunk.finish_reason:
-                    return
-        finally:
-            self._session.release(stream)
+                yield self._session.take(stream)
 
     def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> Iterator[Chunk]:
         """Yield chunks as tokens arrive; the last one has finish_reason and usage."""

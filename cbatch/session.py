@@ -5,6 +5,7 @@ feed this class what arrives: frames from the front-end, and ticks that say the 
 new records.
 """
 
+import contextlib
 import os
 import secrets
 import time
@@ -153,6 +154,14 @@ class Session:
         if isinstance(item, CbatchError):
             raise item
         return item
+
+    @contextlib.contextmanager
+    def reading(self, stream: RequestStream):
+        """Around a caller's read of a stream: however it ends, the stream is released."""
+        try:
+            yield
+        finally:
+            self.release(stream)
 
     def release(self, stream: RequestStream) -> None:
         """The caller is done with the stream: cancel it if it is still running. After

@@ -87,6 +87,11 @@ class RequestStream:
         self.pending.append(error)
 
     @property
+    def is_drained(self) -> bool:
+        """Done, and every chunk handed to the caller."""
+        return self.is_done and not self.pending
+
+    @property
     def missing_records(self) -> bool:
         return self.finished is not None and not self.is_done
 
