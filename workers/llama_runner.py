@@ -127,12 +127,13 @@ class LlamaRunner:
         self.description = self._describe(model_path, model_params.n_gpu_layers)
 
     def _describe(self, model_path: str, num_gpu_layers: int) -> str:
-        """For the ready line and health(): the model, its file, and where it runs."""
+        """For the ready line and health(): the model, its file, where it runs and samples."""
         buf = ctypes.create_string_buffer(256)
         lc.llama_model_desc(self.model, buf, len(buf))
         num_layers = lc.llama_model_n_layer(self.model)
         where = f"GPU ({min(num_gpu_layers, num_layers)} of {num_layers} layers)" if num_gpu_layers else "CPU"
-        return f"{buf.value.decode(errors='replace')} ({model_path}) on {where}"
+        sampling = "in llama.cpp's graph" if self.has_backend_sampling else "on the host"
+        return f"{buf.value.decode(errors='replace')} ({model_path}) on {where}, sampling {sampling}"
 
     def tokenize(self, text: str) -> list[int]:
         """BOS is added as the model asks; special tokens in the text are parsed, so a
