@@ -132,8 +132,10 @@ def test_sigterm_under_load_keeps_every_finished_result_and_ends_the_rest_per_it
 
     batch = threading.Thread(target=run_batch)
     batch.start()
+    output = tmp_path / "out.jsonl"
     with d.client() as watcher:  # let both callers finish some requests first
-        wait_until(lambda: watcher.stats()["num_requests_ended"] >= 16, timeout_s=60)
+        wait_until(lambda: watcher.stats()["num_requests_ended"] >= 16 and output.exists()
+                   and output.read_text().count("\n") >= 2, timeout_s=60)
     d.process.send_signal(signal.SIGTERM)
     batch.join(timeout=40)
     assert not batch.is_alive(), "generate_batch did not return after the daemon left"

@@ -256,3 +256,8 @@ def run_daemon(config: DaemonConfig) -> int:
         if lock_fd is not None:
             os.unlink(_ipc_path(config.endpoint) + ".lock")
             os.close(lock_fd)
+        # Everything is cleaned up: a repeated stop signal must not turn the exit code into
+        # "killed by SIGTERM" while the interpreter shuts down (it restores the default
+        # handler of a signal that has a Python one, but not of an ignored signal).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
