@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,29 +37,19 @@ def prompts(count: int) -> list[str]:
 
 def closed_loop(all_prompts: list[str], num_clients: int, make_send) -> tuple[float, list[float], list[float]]:
     """Each client thread sends its share one after another; tokens/s, TTFTs and ITLs (s)."""
-    counts, ttfts, itls, errors = [0] * num_clients, [], [], []
+    counts, ttfts, itls = [0] * num_clients, [], []
 
     def loop(i):
-        try:
-            send = make_send()
-            for prompt in all_prompts[i::num_clients]:
-                num_tokens, ttft, gaps = send(prompt)
-                counts[i] += num_tokens
-                if ttft is not None:
-                    ttfts.append(ttft)
-                    itls.extend(gaps)
-        except BaseException as exc:  # reported after the run
-            errors.append(exc)
+        send = make_send()
+        for prompt in all_prompts[i::num_clients]:
+            num_tokens, ttft, gaps = send(prompt)
+            counts[i] += num_tokens
+            if ttft is not None:
+                ttfts.append(ttft)
+                itls.extend(gaps)
 
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(num_clients)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return sum(counts) / (time.perf_counter() - started), ttfts, itls
+    elapsed_s = bench_long_prompts.run_clients(num_clients, loop)
+    return sum(counts) / elapsed_s, ttfts, itls
 
 
 def zmq_sender(endpoint: str, max_tokens: int):

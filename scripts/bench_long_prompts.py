@@ -69,18 +69,18 @@ def workload_prompts(texts: Texts, name: str, count: int) -> tuple[list[str], in
     return [f"Document {i}.\n" + texts.words(810) for i in range(count)], 16
 
 
-def closed_loop(prompts: list[str], num_clients: int, send) -> float:
-    """Each client sends its share of prompts one after another; returns tokens/s."""
-    counts = [0] * num_clients
+def run_clients(num_clients: int, client_loop) -> float:
+    """Run client_loop(i) on num_clients threads at once; seconds until all are done. The
+    first exception a client raised is raised here, after the run."""
     errors: list[BaseException] = []
 
-    def client_loop(i):
+    def guarded(i):
         try:
-            counts[i] = sum(send(p) for p in prompts[i::num_clients])
-        except BaseException as exc:  # reported after the run
+            client_loop(i)
+        except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(num_clients)]
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(num_clients)]
     started = time.perf_counter()
     for t in threads:
         t.start()
@@ -88,7 +88,17 @@ def closed_loop(prompts: list[str], num_clients: int, send) -> float:
         t.join()
     if errors:
         raise errors[0]
-    return sum(counts) / (time.perf_counter() - started)
+    return time.perf_counter() - started
+
+
+def closed_loop(prompts: list[str], num_clients: int, send) -> float:
+    """Each client sends its share of prompts one after another; returns tokens/s."""
+    counts = [0] * num_clients
+
+    def client_loop(i):
+        counts[i] = sum(send(p) for p in prompts[i::num_clients])
+
+    return sum(counts) / run_clients(num_clients, client_loop)
 
 
 class CbatchDaemon:

@@ -86,6 +86,14 @@ class Daemon:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def serve_module(daemon: "Daemon"):
+    """The body of a module-scoped daemon fixture: the module's tests share the daemon,
+    which must then stop cleanly (exit code 0); its directory is removed."""
+    yield daemon
+    assert daemon.stop() == 0, daemon.log()
+    daemon.remove_workdir()
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from daemonkit import Daemon, serve_module
+
 from cbatch.async_client import AsyncClient
 from cbatch.errors import CbatchError
 
@@ -21,12 +23,7 @@ GONE_TIMEOUT_S = 5.0
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_path):
-    from daemonkit import Daemon
-
-    d = Daemon(tiny_model_path, *DAEMON_ARGS)
-    yield d
-    assert d.stop() == 0, d.log()
-    d.remove_workdir()
+    yield from serve_module(Daemon(tiny_model_path, *DAEMON_ARGS))
 
 
 async def wait_for_stats(client: AsyncClient, predicate, timeout_s: float = GONE_TIMEOUT_S) -> dict:

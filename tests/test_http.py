@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemonkit import SCRIPTS_DIR
+from daemonkit import SCRIPTS_DIR, serve_module
 from httpkit import HttpDaemon
 
 MODEL_ID = "tiny-llama.gguf"
@@ -21,10 +21,7 @@ MODEL_ID = "tiny-llama.gguf"
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_path):
-    started = HttpDaemon(tiny_model_path, "--parallel", "4")
-    yield started
-    started.stop()
-    started.remove_workdir()
+    yield from serve_module(HttpDaemon(tiny_model_path, "--parallel", "4"))
 
 
 @pytest.fixture

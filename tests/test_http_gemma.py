@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from daemonkit import serve_module
 from httpkit import HttpDaemon
 
 README_PORT = "8000"
@@ -16,10 +17,7 @@ README_PORT = "8000"
 
 @pytest.fixture(scope="module")
 def daemon(gemma_model_path):
-    started = HttpDaemon(gemma_model_path, "--parallel", "2")
-    yield started
-    started.stop()
-    started.remove_workdir()
+    yield from serve_module(HttpDaemon(gemma_model_path, "--parallel", "2"))
 
 
 @pytest.fixture

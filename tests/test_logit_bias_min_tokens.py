@@ -3,6 +3,8 @@ token, id 2, is never picked unbiased, so a bias can force it and min_tokens hol
 
 import pytest
 
+from daemonkit import Daemon, serve_module
+
 from cbatch.errors import CbatchError
 
 EOS_ID = 2  # </s> in scripts/make_tiny_model.py
@@ -10,12 +12,7 @@ EOS_ID = 2  # </s> in scripts/make_tiny_model.py
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_path):
-    from daemonkit import Daemon
-
-    started = Daemon(tiny_model_path, "--parallel", "2")
-    yield started
-    started.stop()
-    started.remove_workdir()
+    yield from serve_module(Daemon(tiny_model_path, "--parallel", "2"))
 
 
 def test_logit_bias_bans_and_forces_tokens(daemon):

@@ -9,7 +9,7 @@ import pytest
 from cbatch.async_client import AsyncClient
 from cbatch.errors import CbatchError
 from cbatch.workers.logprobs import token_logprobs
-from daemonkit import Daemon
+from daemonkit import Daemon, serve_module
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -37,10 +37,7 @@ def test_the_sampled_top_k_search_finds_the_exact_top_k(num_top):
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_path):
-    d = Daemon(tiny_model_path, "--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
-    yield d
-    assert d.stop() == 0, d.log()
-    d.remove_workdir()
+    yield from serve_module(Daemon(tiny_model_path, "--parallel", "4", "--ctx-size", "1024", "--batch-size", "64"))
 
 
 @pytest.mark.parametrize("use_ring", [True, False])

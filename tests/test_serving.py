@@ -13,7 +13,7 @@ from cbatch.async_client import AsyncClient
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError
 from cbatch.workers.engine import Engine
-from daemonkit import SCRIPTS_DIR, Daemon, pid_alive, wait_until
+from daemonkit import SCRIPTS_DIR, Daemon, pid_alive, serve_module, wait_until
 from enginekit import generate
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -22,10 +22,7 @@ DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_path):
-    d = Daemon(tiny_model_path, *DAEMON_ARGS)
-    yield d
-    assert d.stop() == 0, d.log()
-    d.remove_workdir()
+    yield from serve_module(Daemon(tiny_model_path, *DAEMON_ARGS))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 import cbatch
 from cbatch.async_client import AsyncClient
-from daemonkit import SCRIPTS_DIR, Daemon
+from daemonkit import SCRIPTS_DIR, Daemon, serve_module
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
@@ -19,10 +19,7 @@ COMMANDS = ("cbatch-worker", "cbatch-submit", "cbatch-status")
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_path):
-    d = Daemon(tiny_model_path, *DAEMON_ARGS)
-    yield d
-    assert d.stop() == 0, d.log()
-    d.remove_workdir()
+    yield from serve_module(Daemon(tiny_model_path, *DAEMON_ARGS))
 
 
 @pytest.mark.parametrize("command", COMMANDS)
