@@ -98,7 +98,8 @@ def closed_loop(prompts: list[str], num_clients: int, send) -> float:
     def client_loop(i):
         counts[i] = sum(send(p) for p in prompts[i::num_clients])
 
-    return sum(counts) / run_clients(num_clients, client_loop)
+    elapsed_s = run_clients(num_clients, client_loop)  # before the sum: the clients fill counts
+    return sum(counts) / elapsed_s
 
 
 class CbatchDaemon:
