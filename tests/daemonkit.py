@@ -95,11 +95,13 @@ def serve_module(daemon: "Daemon"):
 
 
 def pid_alive(pid: int) -> bool:
+    """False once the process has exited, even if its parent has not reaped it yet: an
+    orphan's zombie waits for whichever process adopted it, which is not ours to hurry."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 def child_pids(pid: int) -> list[int]:

@@ -107,7 +107,9 @@ class WorkerIO(threading.Thread):
                     poller.unregister(parent.sentinel)
                     outgoing.clear()
                     self.inbox.put(WorkerStop())
-                    threading.Timer(ORPHAN_EXIT_S, os._exit, (1,)).start()
+                    deadline = threading.Timer(ORPHAN_EXIT_S, os._exit, (1,))
+                    deadline.daemon = True  # a clean exit must not wait for it
+                    deadline.start()
                 if pipe in ready:
                     frames = pipe.recv_multipart()
                     if frames == [b""]:
