@@ -26,9 +26,11 @@ def main() -> None:
     print(f"{'sequences':>9} {'prefill tok/s':>13} {'step ms':>8} {'decode tok/s':>12}")
     for parallel in args.parallel:
         runner = LlamaRunner(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=512 * parallel), model_path)
-        seqs = [Sequence(i, [1000 + i + k for k in range(PROMPT_TOKENS)], SamplingParams()) for i in range(parallel)]
-        for slot, seq in enumerate(seqs):
-            seq.slot = slot
+        # Token ids wrap at the vocabulary's size, so a tiny test model runs it too.
+        seqs = [Sequence(i, [(1000 + i + k) % runner.n_vocab for k in range(PROMPT_TOKENS)], SamplingParams())
+                for i in range(parallel)]
+        for seq_id, seq in enumerate(seqs):
+            seq.seq_id = seq_id
         started = time.perf_counter()
         for seq in seqs:  # one prompt per decode, as a server would meet them
             assert runner.decode([Chunk(seq, 0, PROMPT_TOKENS)]) == 0
@@ -37,7 +39,7 @@ def main() -> None:
         started = time.perf_counter()
         for step in range(NUM_STEPS):
             for seq in seqs:
-                seq.output_ids.append(2000 + step)
+                seq.output_ids.append((2000 + step) % runner.n_vocab)
             assert runner.decode([Chunk(seq, seq.num_cached, 1) for seq in seqs]) == 0
             for seq in seqs:
                 seq.num_cached += 1

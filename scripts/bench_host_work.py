@@ -34,9 +34,9 @@ import zmq
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
 from cbatch.params import parse_request
-from cbatch.protocol import pack
 from cbatch.workers.decode_worker import EventPublisher
 from cbatch.workers.engine import Engine
+from cbatch.workers.messages import encode
 
 FULL_VOCAB_TOKENS = 262_144
 PROMPT = "The river carried silt from the mountains down to the wide delta."
@@ -80,8 +80,8 @@ class DroppingIO:
     """Stands in for the worker's I/O thread: encodes each message as the real one does
     (msgpack frames) and drops it, as no front-end listens here."""
 
-    def send(self, msg_type, body) -> None:
-        pack(msg_type, body)
+    def send(self, message) -> None:
+        encode(message)
 
 
 def run_level(model_path: str, parallel: int, params: dict, backend_sampling: bool, num_steps: int, timers: Timers,
@@ -141,15 +141,17 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--backend-sampling", nargs="+", default=["off", "on"], choices=["off", "on"],
                         help="run with sampling on the host (off), inside llama_decode's graph (on), or both")
+    parser.add_argument("--vocab", type=int, default=FULL_VOCAB_TOKENS,
+                        help="the stand-in model's vocabulary size (gemma's by default)")
     parser.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "cbatch-full-vocab-tiny.gguf"),
                         help="where to write the stand-in model (rewritten only if it differs)")
     args = parser.parse_args()
 
-    model_path = load_make_tiny_model()(args.model, num_tokens=FULL_VOCAB_TOKENS)
+    model_path = load_make_tiny_model()(args.model, num_tokens=args.vocab)
     timers = Timers()
     lc.llama_decode = timers.wrap("llama_decode", lc.llama_decode)  # the runner looks it up per call
     zctx = zmq.Context()
-    print(f"model {model_path} ({FULL_VOCAB_TOKENS} tokens, tiny body); {args.steps} decode steps per run; "
+    print(f"model {model_path} ({args.vocab} tokens, tiny body); {args.steps} decode steps per run; "
           "ms per step")
     print(f"{'mode':8} {'seqs':>4} {'backend':>7} " + " ".join(f"{name:>13}" for name in PHASES)
           + f" {'host total':>10} {'llama_decode':>12} {'step':>8}")

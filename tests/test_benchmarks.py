@@ -1,0 +1,52 @@
+"""The in-process benchmark scripts still run against the code they measure.
+
+They import engine internals (the runner, sequences, the worker's publisher), so a change
+there can break a script that no other test runs. Each runs here on the tiny model with
+the smallest workload its options allow, and must print a full row of figures. Nothing
+here is timed: the figures themselves are read by people, from the README's commands.
+"""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+RUN_TIMEOUT_S = 300
+NUMBER = r"\d+(?:\.\d+)?"
+
+
+def run_script(name: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_bench_decode_step_prints_a_row_per_level(tiny_model_path):
+    out = run_script("bench_decode_step", "--model", tiny_model_path, "--parallel", "1", "2")
+    rows = [line.split() for line in out.splitlines() if re.fullmatch(rf"\s*\d+(\s+{NUMBER}){{3}}\s*", line)]
+    assert [row[0] for row in rows] == ["1", "2"]
+
+
+def test_bench_engine_prints_in_turn_and_batched_rows(tiny_model_path):
+    out = run_script("bench_engine", "--model", tiny_model_path, "--parallel", "2", "--prompt-tokens", "16",
+                     "--max-tokens", "4", "--modes", "greedy")
+    assert re.search(rf"^greedy\s+in turn\s+\d+\s+{NUMBER}", out, re.M), out
+    assert re.search(rf"^greedy\s+2\s+\d+\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out, re.M), out
+
+
+@pytest.mark.parametrize("backend", ["off", "on"])
+def test_bench_host_work_prints_every_phase(tmp_path, backend):
+    out = run_script("bench_host_work", "--vocab", "1024", "--model", str(tmp_path / "stand-in.gguf"),
+                     "--parallel", "2", "--steps", "2", "--modes", "greedy", "sampled",
+                     "--backend-sampling", backend)
+    rows = re.findall(rf"^(greedy|sampled)\s+2\s+{backend}((?:\s+{NUMBER}){{8}})\s*$", out, re.M)
+    assert [mode for mode, _ in rows] == ["greedy", "sampled"], out
+
+
+def test_bench_logprobs_prints_each_top_count():
+    out = run_script("bench_logprobs", "--vocab", "1000", "--calls", "3")
+    assert [int(k) for k in re.findall(rf"^logprobs=(\d+)\s+{NUMBER} ms per token", out, re.M)] == [0, 1, 5, 20]
