@@ -62,7 +62,7 @@ class BackendSamplers:
                 if seq.seq_id not in self._greedy_ids:
                     self._attach(seq.seq_id, make_greedy_chain())
                     self._greedy_ids.add(seq.seq_id)
-            elif self._id_of_chain.get(_address(seq.sampler)) != seq.seq_id:
+            elif self._chain_of_id.get(seq.seq_id) is not seq.sampler:  # the common case, attached, costs no cast
                 if _address(seq.sampler) in self._id_of_chain:  # attached to another id before
                     old = seq.sampler
                     self.release(old)
