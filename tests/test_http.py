@@ -6,14 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemonkit import SCRIPTS_DIR, serve_module
+from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
 
 MODEL_ID = "tiny-llama.gguf"
@@ -224,20 +223,11 @@ def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
 
 
 def test_killed_http_server_is_restarted(daemon, api):
-    old_pid = _http_pid(daemon)
-    os.kill(old_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while _http_pid(daemon) in (None, old_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    num_started = len(daemon.http_pids())
+    os.kill(daemon.http_pids()[-1], signal.SIGKILL)
+    wait_until(lambda: len(daemon.http_pids()) > num_started, 30)
     daemon.wait_http_status(200)
     assert api.completions.create(model=MODEL_ID, prompt="again", max_tokens=3).usage.completion_tokens == 3
-
-
-def _http_pid(daemon) -> int | None:
-    for line in reversed(daemon.log().splitlines()):
-        if line.startswith("cbatch http: serving"):
-            return int(line.rsplit("pid ", 1)[1].rstrip(")"))
-    return None
 
 
 @pytest.mark.parametrize("flags, message", [
