@@ -62,6 +62,17 @@ def test_chat_logprobs(api):
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0.0 for entry in content)
 
 
+def test_logprobs_under_min_tokens_are_the_raw_logits(api):
+    """min_tokens keeps the end of generation from being sampled, not from the reported
+    distribution: after "The end." gemma gives <eos> about 3e-4 of the probability, which
+    a distribution without it would add to every other token's."""
+    def token_logprobs(**extra) -> list[float]:
+        return api.completions.create(model=_model(api), prompt="The end.", max_tokens=3, temperature=0, logprobs=5,
+                                      extra_body=extra).choices[0].logprobs.token_logprobs
+
+    assert token_logprobs(min_tokens=3) == pytest.approx(token_logprobs(), rel=0, abs=2e-5)
+
+
 def _readme_blocks() -> tuple[str, str]:
     text = (REPO / "README.md").read_text()
     section = text[text.index("### The OpenAI-compatible HTTP API"):]
