@@ -77,6 +77,18 @@ def test_n_gives_n_choices_and_a_prompt_list_one_per_prompt(api):
     assert sorted(c.index for c in both.choices) == [0, 1]
 
 
+def test_streamed_n_gives_every_choice_its_chunks_and_one_finish(api):
+    greedy = api.completions.create(model=MODEL_ID, prompt="Tell me", max_tokens=6, temperature=0).choices[0].text
+    chunks = list(api.completions.create(model=MODEL_ID, prompt="Tell me", max_tokens=6, temperature=0, n=3,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+    by_index = {index: [c.choices[0] for c in chunks[:-1] if c.choices[0].index == index] for index in range(3)}
+    assert sum(map(len, by_index.values())) == len(chunks) - 1
+    for choices in by_index.values():
+        assert [c.finish_reason for c in choices if c.finish_reason] == ["length"] and choices[-1].finish_reason
+        assert "".join(c.text for c in choices) == greedy
+
+
 def test_response_format_json_object_constrains_the_output(api):
     reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=12, temperature=1.0, seed=5,
                                    extra_body={"response_format": {"type": "json_object"}})

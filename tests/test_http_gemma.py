@@ -41,6 +41,19 @@ def test_chat_streamed_and_whole_agree(api):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_chat_n_whole_and_streamed(api):
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = api.chat.completions.create(model=_model(api), messages=messages, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 10
+    assert whole.choices[0].message.content == whole.choices[1].message.content
+    chunks = list(api.chat.completions.create(model=_model(api), messages=messages, max_tokens=5, temperature=0, n=2,
+                                              stream=True))
+    for index in (0, 1):
+        deltas = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == "length"
+        assert "".join(d.delta.content or "" for d in deltas) == whole.choices[index].message.content
+
+
 def test_json_schema_output_parses_and_matches(api):
     schema = {"type": "object", "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}
