@@ -154,7 +154,11 @@ def submit_main(argv=None) -> None:
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
     try:
         numbered_items = _read_items(lines)
-        first = list(itertools.islice(numbered_items, 1))  # its kind of file is known by its first line
+        first = []  # the lines up to the first JSON object, which tells the kind of file
+        for numbered_item in numbered_items:
+            first.append(numbered_item)
+            if isinstance(numbered_item[1], dict):
+                break
         numbered_items = itertools.chain(first, numbered_items)
         items = ((n, item) for n, item in numbered_items
                  if not (isinstance(item, dict) and openai_batch.id_key(item) in done_ids))

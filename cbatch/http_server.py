@@ -111,6 +111,7 @@ class Generation:
         arrived_s = time.monotonic()
         self.timers = [TokenTimer(state.metrics, arrived_s) for _ in api.bodies]
         self.usages: list[dict | None] = [None] * len(api.bodies)
+        self._finished_prompts: set[int] = set()
 
     async def next(self):
         """(choice, chunk); a request error raises CbatchError."""
@@ -120,7 +121,10 @@ class Generation:
         self.timers[choice].on_tokens(len(item.token_ids), time.monotonic())
         if item.finish_reason:
             self.usages[choice] = item.usage
-            self.state.metrics.on_finished(self.endpoint, item.finish_reason, item.usage)
+            prompt = self.api.prompt_of_choice[choice]
+            self.state.metrics.on_finished(self.endpoint, item.finish_reason, item.usage,
+                                           prompt not in self._finished_prompts)
+            self._finished_prompts.add(prompt)
             if item.finish_reason == "error":
                 raise CbatchError("decode_failed", "the decode step of this request failed")
         return choice, item
@@ -162,6 +166,9 @@ async def _stream(gen: Generation, first):
         if gen.api.include_usage and num_done == len(gen.api.bodies):
             yield _sse(gen.builder.usage_chunk(gen.usages))
         yield b"data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up mid-stream
+        gen.state.metrics.disconnects.labels(gen.endpoint).inc()
+        raise
     finally:
         await gen.close()
         gen.state.num_in_flight -= 1
@@ -188,6 +195,7 @@ def make_app(state: HttpState) -> Starlette:
             work = asyncio.ensure_future(gen.next() if api.is_stream else _collect(gen))
             await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client hung up: cancel its choices
+                state.metrics.disconnects.labels(endpoint).inc()
                 work.cancel()
                 await asyncio.wait([work])  # the stream is closed below, once nothing runs it
                 return Response(status_code=499)

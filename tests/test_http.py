@@ -122,24 +122,39 @@ def test_unknown_model_is_404_and_unknown_fields_are_ignored(api, daemon):
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
 
 
+def test_null_max_completion_tokens_leaves_max_tokens_in_force(daemon):
+    reply = httpx.post(f"{daemon.base_url}/v1/completions",
+                       json={"prompt": "x", "max_tokens": 3, "max_completion_tokens": None, "temperature": 0})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+
 def test_not_json_is_400(daemon):
     reply = httpx.post(f"{daemon.base_url}/v1/completions", content=b"{nope")
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_request"
 
 
+def _num_disconnects(daemon) -> float:
+    samples = _samples(httpx.get(f"{daemon.base_url}/metrics").text)
+    return samples.get(("cbatch_http_disconnects_total", (("endpoint", "completions"),)), 0)
+
+
 def test_streamed_client_disconnect_frees_the_slot(daemon):
+    num_before = _num_disconnects(daemon)
     body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body) as reply:
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
     assert daemon.wait_idle(2.0) < 2.0
+    wait_until(lambda: _num_disconnects(daemon) == num_before + 1, 5)
 
 
 def test_waiting_client_disconnect_frees_the_slot(daemon):
+    num_before = _num_disconnects(daemon)
     body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.5))
     assert daemon.wait_idle(2.0) < 2.0
+    wait_until(lambda: _num_disconnects(daemon) == num_before + 1, 5)
 
 
 def test_concurrent_clients(daemon):
@@ -176,6 +191,15 @@ def test_metrics_parse_and_move(daemon, api):
                  "cbatch_prompt_tokens_reused_total"):
         assert (name, ()) in after, name
     assert after[("cbatch_decode_steps_total", ())] > before[("cbatch_decode_steps_total", ())]
+
+
+def test_prompt_tokens_metric_counts_a_prompt_once_for_its_n_choices(daemon, api):
+    def prompt_tokens() -> float:
+        return _samples(httpx.get(f"{daemon.base_url}/metrics").text).get(("cbatch_http_prompt_tokens_total", ()), 0)
+
+    before = prompt_tokens()
+    reply = api.completions.create(model=MODEL_ID, prompt="count me once", max_tokens=2, n=3, temperature=0)
+    assert prompt_tokens() - before == reply.usage.prompt_tokens
 
 
 def test_completion_logprobs(api):
