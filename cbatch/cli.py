@@ -56,6 +56,7 @@ def worker_main(argv=None) -> None:
                         help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from cbatch.workers.http_process import listen_http
     from cbatch.workers.supervisor import run_daemon
 
     try:
@@ -72,7 +73,14 @@ def worker_main(argv=None) -> None:
                               http_address=parse_http_address(args.http) if args.http else None)
     except CbatchError as err:
         parser.error(err.message)
-    sys.exit(run_daemon(config))
+    # Bound before the model loads, so a taken port is a usage error at once; the HTTP
+    # server processes serve this socket.
+    try:
+        http_socket = listen_http(*config.http_address) if config.http_address else None
+    except CbatchError as err:
+        print(f"cbatch-worker: {err.message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    sys.exit(run_daemon(config, http_socket))
 
 
 def add_version(parser: argparse.ArgumentParser) -> None:
@@ -146,7 +154,11 @@ def submit_main(argv=None) -> None:
         sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_SOME_FAILED)
     try:
         numbered_items = _read_items(lines)
-        first = list(itertools.islice(numbered_items, 1))  # its kind of file is known by its first line
+        first = []  # the lines up to the first JSON object, which tells the kind of file
+        for numbered_item in numbered_items:
+            first.append(numbered_item)
+            if isinstance(numbered_item[1], dict):
+                break
         numbered_items = itertools.chain(first, numbered_items)
         items = ((n, item) for n, item in numbered_items
                  if not (isinstance(item, dict) and openai_batch.id_key(item) in done_ids))

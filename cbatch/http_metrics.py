@@ -51,10 +51,14 @@ class HttpMetrics:
                                 ["endpoint", "finish_reason"], registry=self.registry)
         self.errors = Counter("cbatch_http_errors", "Requests answered with an error, by status and cbatch code",
                               ["endpoint", "status", "code"], registry=self.registry)
-        self.prompt_tokens = Counter("cbatch_http_prompt_tokens", "Prompt tokens of finished requests",
+        self.prompt_tokens = Counter("cbatch_http_prompt_tokens",
+                                     "Prompt tokens of finished requests, once per prompt as usage counts them",
                                      registry=self.registry)
         self.generated_tokens = Counter("cbatch_http_generated_tokens", "Tokens generated for finished requests",
                                         registry=self.registry)
+        self.disconnects = Counter("cbatch_http_disconnects",
+                                   "Requests whose client hung up before the response ended (their choices are cancelled)",
+                                   ["endpoint"], registry=self.registry)
         self.ttft = Histogram("cbatch_http_time_to_first_token_seconds", "From request arrival to its first token",
                               buckets=TTFT_BUCKETS_S, registry=self.registry)
         self.itl = Histogram("cbatch_http_inter_token_latency_seconds",
@@ -63,10 +67,13 @@ class HttpMetrics:
         self._daemon = _DaemonStats()
         self.registry.register(self._daemon)
 
-    def on_finished(self, endpoint: str, finish_reason: str, usage: dict | None) -> None:
+    def on_finished(self, endpoint: str, finish_reason: str, usage: dict | None, is_new_prompt: bool) -> None:
+        """One finished choice; is_new_prompt is false for the other choices of a prompt
+        (`n` > 1), whose prompt tokens were counted with the first."""
         self.requests.labels(endpoint, finish_reason).inc()
         if usage:
-            self.prompt_tokens.inc(usage["prompt_tokens"])
+            if is_new_prompt:
+                self.prompt_tokens.inc(usage["prompt_tokens"])
             self.generated_tokens.inc(usage["completion_tokens"])
 
     def render(self, daemon_stats: dict) -> bytes:

@@ -2,7 +2,8 @@
 of the daemon (an AsyncClient reading its tokens from the shared-memory ring).
 
 `cbatch-worker --http [HOST:]PORT` runs it as a process of its own beside the front-end
-(`python -m cbatch.http_server`), restarted if it dies. On SIGTERM it drains: new
+(`python -m cbatch.http_server`) on the socket the daemon bound, from before the model
+loads (503 until the daemon is ready), restarted if it dies. On SIGTERM it drains: new
 requests get 503, in-flight responses finish, then it exits.
 """
 
@@ -12,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 
 import uvicorn
@@ -52,6 +54,7 @@ class HttpState:
         self.started = int(time.time())
         self.metrics = HttpMetrics()
         self.is_draining = False
+        self.has_been_ready = False  # the daemon answered "ok" once: the model has loaded
         self.num_in_flight = 0
 
     async def connect(self) -> None:
@@ -61,6 +64,28 @@ class HttpState:
             except CbatchError as err:
                 log.info("cbatch http: daemon not reachable yet (%s)", err.message)
                 await asyncio.sleep(CONNECT_RETRY_S)
+
+    async def status(self) -> str:
+        """The daemon's health status: "ok", "starting" (loading the model, or restarting
+        the decode worker), "draining" or "unavailable"."""
+        if self.is_draining or self.client is None:
+            return "draining" if self.is_draining else "starting"
+        try:
+            reply = await asyncio.wait_for(self.client.health(), HEALTH_TIMEOUT_S)
+        except (CbatchError, asyncio.TimeoutError):
+            return "unavailable"
+        self.has_been_ready |= reply["status"] == "ok"
+        return reply["status"]
+
+    async def refusal(self) -> CbatchError | None:
+        """Why a generation request cannot be taken now. Until the model has loaded the
+        daemon would hold the request for as long as loading takes: answer 503 instead.
+        (A request during a worker restart is held by the daemon and served after it.)"""
+        if self.is_draining:
+            return CbatchError(SHUTTING_DOWN, "the server is draining")
+        if not self.has_been_ready and await self.status() != "ok":
+            return CbatchError(UNAVAILABLE, "the server is starting: the model is not loaded yet")
+        return None
 
     def error(self, endpoint: str, err: CbatchError, param: str | None = None) -> Response:
         status = error_status(err.code)
@@ -86,6 +111,7 @@ class Generation:
         arrived_s = time.monotonic()
         self.timers = [TokenTimer(state.metrics, arrived_s) for _ in api.bodies]
         self.usages: list[dict | None] = [None] * len(api.bodies)
+        self._finished_prompts: set[int] = set()
 
     async def next(self):
         """(choice, chunk); a request error raises CbatchError."""
@@ -95,7 +121,10 @@ class Generation:
         self.timers[choice].on_tokens(len(item.token_ids), time.monotonic())
         if item.finish_reason:
             self.usages[choice] = item.usage
-            self.state.metrics.on_finished(self.endpoint, item.finish_reason, item.usage)
+            prompt = self.api.prompt_of_choice[choice]
+            self.state.metrics.on_finished(self.endpoint, item.finish_reason, item.usage,
+                                           prompt not in self._finished_prompts)
+            self._finished_prompts.add(prompt)
             if item.finish_reason == "error":
                 raise CbatchError("decode_failed", "the decode step of this request failed")
         return choice, item
@@ -137,6 +166,9 @@ async def _stream(gen: Generation, first):
         if gen.api.include_usage and num_done == len(gen.api.bodies):
             yield _sse(gen.builder.usage_chunk(gen.usages))
         yield b"data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up mid-stream
+        gen.state.metrics.disconnects.labels(gen.endpoint).inc()
+        raise
     finally:
         await gen.close()
         gen.state.num_in_flight -= 1
@@ -145,10 +177,9 @@ async def _stream(gen: Generation, first):
 def make_app(state: HttpState) -> Starlette:
     async def generate(request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == CHAT else "completions"
-        if state.is_draining or state.client is None:
-            return state.error(endpoint, CbatchError(SHUTTING_DOWN if state.is_draining else UNAVAILABLE,
-                                                     "the server is draining" if state.is_draining
-                                                     else "the model is not loaded yet"))
+        refusal = await state.refusal()
+        if refusal is not None:
+            return state.error(endpoint, refusal)
         try:
             raw = json.loads(await request.body())
             api = parse_api_request(kind, raw, state.model_id)
@@ -164,6 +195,7 @@ def make_app(state: HttpState) -> Starlette:
             work = asyncio.ensure_future(gen.next() if api.is_stream else _collect(gen))
             await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client hung up: cancel its choices
+                state.metrics.disconnects.labels(endpoint).inc()
                 work.cancel()
                 await asyncio.wait([work])  # the stream is closed below, once nothing runs it
                 return Response(status_code=499)
@@ -191,13 +223,11 @@ def make_app(state: HttpState) -> Starlette:
                                                   "owned_by": "cbatch"}]})
 
     async def health(request: Request) -> Response:
-        if state.is_draining or state.client is None:
-            return _json({"status": "draining" if state.is_draining else "starting"}, 503)
-        try:
-            reply = await asyncio.wait_for(state.client.health(), HEALTH_TIMEOUT_S)
-        except (CbatchError, asyncio.TimeoutError):
-            return _json({"status": "unavailable"}, 503)
-        return _json({"status": reply["status"]}, 200 if reply["status"] == "ok" else 503)
+        status = await state.status()
+        if status == "ok":
+            return _json({"status": status})
+        code = SHUTTING_DOWN if status == "draining" else UNAVAILABLE
+        return _json({"status": status, **error_body(CbatchError(code, f"the server is {status}"))}, 503)
 
     async def metrics(request: Request) -> Response:
         try:
@@ -234,12 +264,14 @@ class _DrainingServer(uvicorn.Server):
                 self.should_exit = True
             await asyncio.sleep(PARENT_POLL_S if not self.state.is_draining else 0.05)
 
-    async def run_all(self, parent_pid: int) -> None:
-        await self.state.connect()
+    async def run_all(self, sock: socket.socket, parent_pid: int) -> None:
+        """Serve at once (503 until the daemon is reached and ready) while connecting."""
+        connect = asyncio.create_task(self.state.connect())
         watch = asyncio.create_task(self._watch(parent_pid))
         try:
-            await self.serve()
+            await self.serve(sockets=[sock])
         finally:
+            connect.cancel()
             watch.cancel()
             if self.state.client is not None:
                 await self.state.client.close()
@@ -248,18 +280,17 @@ class _DrainingServer(uvicorn.Server):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="cbatch-http")
     parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--fd", type=int, required=True, help="the listening socket, bound by the daemon")
     parser.add_argument("--model-id", required=True, help="the name /v1/models gives the model")
     parser.add_argument("--parent-pid", type=int, default=os.getppid())
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = HttpState(args.endpoint, args.model_id)
-    config = uvicorn.Config(make_app(state), host=args.host, port=args.port, log_level="warning",
+    config = uvicorn.Config(make_app(state), log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM
-    asyncio.run(server.run_all(args.parent_pid))
+    asyncio.run(server.run_all(socket.socket(fileno=args.fd), args.parent_pid))
 
 
 if __name__ == "__main__":

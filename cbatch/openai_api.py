@@ -129,7 +129,9 @@ def parse_api_request(kind: str, raw, model_id: str | None) -> ApiRequest:
     if model_id is not None and model is not None and model != model_id:
         raise CbatchError(NOT_FOUND, f"model {model!r} is not served here; this server serves {model_id!r}")
     body = {name: raw[name] for name in PASSTHROUGH_FIELDS if raw.get(name) is not None}
-    max_tokens = raw.get("max_completion_tokens", raw.get("max_tokens"))
+    # max_completion_tokens is the newer name; a null one leaves max_tokens in force
+    max_tokens = next((raw[name] for name in ("max_completion_tokens", "max_tokens") if raw.get(name) is not None),
+                      None)
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     if raw.get("stop") is not None:

@@ -15,12 +15,14 @@ import uuid
 from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.openai_api import CHAT, COMPLETION, ResponseBuilder, WholeResponse, error_body, error_status, \
     parse_api_request
+from cbatch.wording import counted
 
 URL_KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
 
 
 def is_openai_batch(numbered_items) -> bool:
-    """The file is an OpenAI batch file when its first request line has a `custom_id`."""
+    """The file is an OpenAI batch file when its first line that is a JSON object has a
+    `custom_id` (lines before it that do not parse say nothing about the file)."""
     for _number, item in numbered_items:
         if isinstance(item, dict):
             return "custom_id" in item
@@ -142,5 +144,6 @@ def run_openai_batch(client, numbered_items, out, max_in_flight: int) -> dict:
     out.flush()
     elapsed = time.monotonic() - started
     return {"num_failed": num_failed, "line": (
-        f"cbatch-submit: {next_to_write} OpenAI batch lines, {next_to_write - num_failed} ok, {num_failed} failed; "
-        f"{num_tokens} tokens in {elapsed:.1f} s ({num_tokens / max(elapsed, 1e-9):.1f} tok/s)")}
+        f"cbatch-submit: {counted(next_to_write, 'OpenAI batch line')}, {next_to_write - num_failed} ok, "
+        f"{num_failed} failed; {counted(num_tokens, 'token')} in {elapsed:.1f} s "
+        f"({num_tokens / max(elapsed, 1e-9):.1f} tok/s)")}

@@ -5,7 +5,7 @@ import time
 
 import httpx
 
-from daemonkit import Daemon
+from daemonkit import Daemon, child_pids
 
 HTTP_READY_TIMEOUT_S = 60.0
 
@@ -17,13 +17,19 @@ def free_port() -> int:
 
 
 class HttpDaemon(Daemon):
-    """A daemon started with --http on a free port; ready once GET /health is 200."""
+    """A daemon started with --http on a free port; ready once GET /health is 200 (or
+    just started, with is_waited false)."""
 
-    def __init__(self, model_path: str, *args: str, **options):
+    def __init__(self, model_path: str, *args: str, is_waited: bool = True, **options):
         self.port = free_port()
-        super().__init__(model_path, "--http", str(self.port), *args, **options)
+        self.is_waited = is_waited
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.wait_http_status(200)
+        super().__init__(model_path, "--http", str(self.port), *args, **options)
+        if is_waited:
+            self.wait_http_status(200)
+
+    def _wait_ready(self) -> dict:
+        return super()._wait_ready() if self.is_waited else {}
 
     def wait_http_status(self, status: int, timeout_s: float = HTTP_READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -35,6 +41,26 @@ class HttpDaemon(Daemon):
                 pass  # not listening yet
             time.sleep(0.05)
         raise RuntimeError(f"/health never answered {status}: {self.log()}")
+
+    def http_pids(self) -> list[int]:
+        """The HTTP server processes the daemon started, in order (from its log)."""
+        return [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in self.log().splitlines()
+                if line.startswith("cbatch http: serving")]
+
+    def new_decode_worker_pid(self, old_pid: int = 0, timeout_s: float = 60.0) -> int:
+        """The pid of the daemon's decode worker once one other than old_pid runs (looked
+        for often: the tests stop it before it has loaded the model)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for pid in child_pids(self.process.pid):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                        if pid != old_pid and b"spawn_main" in cmdline.read():
+                            return pid
+                except FileNotFoundError:
+                    continue
+            time.sleep(0.005)
+        raise RuntimeError(f"no new decode worker: {self.log()}")
 
     def openai(self, **options):
         import openai

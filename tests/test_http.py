@@ -6,14 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemonkit import SCRIPTS_DIR, serve_module
+from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
 
 MODEL_ID = "tiny-llama.gguf"
@@ -78,6 +77,18 @@ def test_n_gives_n_choices_and_a_prompt_list_one_per_prompt(api):
     assert sorted(c.index for c in both.choices) == [0, 1]
 
 
+def test_streamed_n_gives_every_choice_its_chunks_and_one_finish(api):
+    greedy = api.completions.create(model=MODEL_ID, prompt="Tell me", max_tokens=6, temperature=0).choices[0].text
+    chunks = list(api.completions.create(model=MODEL_ID, prompt="Tell me", max_tokens=6, temperature=0, n=3,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+    by_index = {index: [c.choices[0] for c in chunks[:-1] if c.choices[0].index == index] for index in range(3)}
+    assert sum(map(len, by_index.values())) == len(chunks) - 1
+    for choices in by_index.values():
+        assert [c.finish_reason for c in choices if c.finish_reason] == ["length"] and choices[-1].finish_reason
+        assert "".join(c.text for c in choices) == greedy
+
+
 def test_response_format_json_object_constrains_the_output(api):
     reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=12, temperature=1.0, seed=5,
                                    extra_body={"response_format": {"type": "json_object"}})
@@ -111,24 +122,39 @@ def test_unknown_model_is_404_and_unknown_fields_are_ignored(api, daemon):
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
 
 
+def test_null_max_completion_tokens_leaves_max_tokens_in_force(daemon):
+    reply = httpx.post(f"{daemon.base_url}/v1/completions",
+                       json={"prompt": "x", "max_tokens": 3, "max_completion_tokens": None, "temperature": 0})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+
 def test_not_json_is_400(daemon):
     reply = httpx.post(f"{daemon.base_url}/v1/completions", content=b"{nope")
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_request"
 
 
+def _num_disconnects(daemon) -> float:
+    samples = _samples(httpx.get(f"{daemon.base_url}/metrics").text)
+    return samples.get(("cbatch_http_disconnects_total", (("endpoint", "completions"),)), 0)
+
+
 def test_streamed_client_disconnect_frees_the_slot(daemon):
+    num_before = _num_disconnects(daemon)
     body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body) as reply:
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
     assert daemon.wait_idle(2.0) < 2.0
+    wait_until(lambda: _num_disconnects(daemon) == num_before + 1, 5)
 
 
 def test_waiting_client_disconnect_frees_the_slot(daemon):
+    num_before = _num_disconnects(daemon)
     body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.5))
     assert daemon.wait_idle(2.0) < 2.0
+    wait_until(lambda: _num_disconnects(daemon) == num_before + 1, 5)
 
 
 def test_concurrent_clients(daemon):
@@ -165,6 +191,15 @@ def test_metrics_parse_and_move(daemon, api):
                  "cbatch_prompt_tokens_reused_total"):
         assert (name, ()) in after, name
     assert after[("cbatch_decode_steps_total", ())] > before[("cbatch_decode_steps_total", ())]
+
+
+def test_prompt_tokens_metric_counts_a_prompt_once_for_its_n_choices(daemon, api):
+    def prompt_tokens() -> float:
+        return _samples(httpx.get(f"{daemon.base_url}/metrics").text).get(("cbatch_http_prompt_tokens_total", ()), 0)
+
+    before = prompt_tokens()
+    reply = api.completions.create(model=MODEL_ID, prompt="count me once", max_tokens=2, n=3, temperature=0)
+    assert prompt_tokens() - before == reply.usage.prompt_tokens
 
 
 def test_completion_logprobs(api):
@@ -224,20 +259,11 @@ def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
 
 
 def test_killed_http_server_is_restarted(daemon, api):
-    old_pid = _http_pid(daemon)
-    os.kill(old_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while _http_pid(daemon) in (None, old_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    num_started = len(daemon.http_pids())
+    os.kill(daemon.http_pids()[-1], signal.SIGKILL)
+    wait_until(lambda: len(daemon.http_pids()) > num_started, 30)
     daemon.wait_http_status(200)
     assert api.completions.create(model=MODEL_ID, prompt="again", max_tokens=3).usage.completion_tokens == 3
-
-
-def _http_pid(daemon) -> int | None:
-    for line in reversed(daemon.log().splitlines()):
-        if line.startswith("cbatch http: serving"):
-            return int(line.rsplit("pid ", 1)[1].rstrip(")"))
-    return None
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -41,6 +41,19 @@ def test_chat_streamed_and_whole_agree(api):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_chat_n_whole_and_streamed(api):
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = api.chat.completions.create(model=_model(api), messages=messages, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 10
+    assert whole.choices[0].message.content == whole.choices[1].message.content
+    chunks = list(api.chat.completions.create(model=_model(api), messages=messages, max_tokens=5, temperature=0, n=2,
+                                              stream=True))
+    for index in (0, 1):
+        deltas = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == "length"
+        assert "".join(d.delta.content or "" for d in deltas) == whole.choices[index].message.content
+
+
 def test_json_schema_output_parses_and_matches(api):
     schema = {"type": "object", "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}
@@ -60,6 +73,17 @@ def test_chat_logprobs(api):
     assert len(content) == reply.usage.completion_tokens
     assert "".join(entry.token for entry in content) == reply.choices[0].message.content
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0.0 for entry in content)
+
+
+def test_logprobs_under_min_tokens_are_the_raw_logits(api):
+    """min_tokens keeps the end of generation from being sampled, not from the reported
+    distribution: after "The end." gemma gives <eos> about 3e-4 of the probability, which
+    a distribution without it would add to every other token's."""
+    def token_logprobs(**extra) -> list[float]:
+        return api.completions.create(model=_model(api), prompt="The end.", max_tokens=3, temperature=0, logprobs=5,
+                                      extra_body=extra).choices[0].logprobs.token_logprobs
+
+    assert token_logprobs(min_tokens=3) == pytest.approx(token_logprobs(), rel=0, abs=2e-5)
 
 
 def _readme_blocks() -> tuple[str, str]:

@@ -20,9 +20,9 @@ def _submit(daemon, *args, **popen):
 
 def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
     daemon = start_daemon(tiny_model_path)
-    lines = [
-        _line("ok", {"model": "m", "prompt": "hello", "max_tokens": 5, "temperature": 0}),
+    lines = [  # a first line that does not parse does not make the file a native one
         "{not json",
+        _line("ok", {"model": "m", "prompt": "hello", "max_tokens": 5, "temperature": 0}),
         _line("bad-url", {"prompt": "x"}, url="/v1/embeddings"),
         _line("bad-value", {"model": "m", "prompt": "x", "temperature": -1}),
         _line("two", {"model": "m", "prompt": "hey", "max_tokens": 3, "n": 2, "seed": 1}),
@@ -34,12 +34,13 @@ def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 1, stderr
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [o["custom_id"] for o in out] == ["ok", None, "bad-url", "bad-value", "two", "no-template"]
-    ok = out[0]["response"]
-    assert out[0]["error"] is None and ok["status_code"] == 200
+    assert [o["custom_id"] for o in out] == [None, "ok", "bad-url", "bad-value", "two", "no-template"]
+    assert "6 OpenAI batch lines, 2 ok, 4 failed; 11 tokens in" in stderr
+    ok = out[1]["response"]
+    assert out[1]["error"] is None and ok["status_code"] == 200
     assert ok["body"]["object"] == "text_completion" and ok["body"]["usage"]["completion_tokens"] == 5
     assert ok["body"]["model"] == "m" and ok["request_id"]
-    assert out[1]["response"] is None and out[1]["error"]["code"] == "invalid_request"
+    assert out[0]["response"] is None and out[0]["error"]["code"] == "invalid_request"
     assert out[2]["response"] is None and "url" in out[2]["error"]["message"]
     assert out[3]["response"]["status_code"] == 400
     assert out[3]["response"]["body"]["error"]["param"] == "temperature"

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, PROMPT_TOO_LONG
 from cbatch.model import resolve_model_path
@@ -131,8 +133,9 @@ class Engine:
         num_decode_seqs = sum(1 for c in chunks if c.num_tokens == 1 and c.wants_logits)
         num_batch_tokens = sum(c.num_tokens for c in chunks)
         num_prompt_tokens = sum(max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start) for c in chunks)
+        raw_rows = self._rows_before_masking(chunks)
         sampled = self._sample(chunks)
-        outputs += self._postprocess(chunks, sampled, self._logprobs(chunks, sampled))
+        outputs += self._postprocess(chunks, sampled, self._logprobs(chunks, sampled, raw_rows))
         self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_batch_tokens, num_prompt_tokens,
                                num_decode_seqs, len(sampled))
         return outputs
@@ -177,7 +180,20 @@ class Engine:
                 sampled.append((seq, sample_with_chain(seq.sampler, self.runner.ctx, index)))
         return sampled
 
-    def _logprobs(self, chunks: list[Chunk], sampled: list[tuple[Sequence, int]]) -> dict[int, list]:
+    def _rows_before_masking(self, chunks: list[Chunk]) -> dict[int, np.ndarray]:
+        """request id -> a copy of its logit row, for the requests that ask for logprobs and
+        whose end-of-generation logits _sample() is about to overwrite with -inf (ignore_eos
+        when greedy, min_tokens not reached): logprobs are the raw row's."""
+        logit_seqs = [chunk.seq for chunk in chunks if chunk.wants_logits]
+        masked = [(row, seq) for row, seq in enumerate(logit_seqs) if seq.params.logprobs is not None
+                  and (seq.params.ignore_eos if seq.sampler is None else seq.num_output_tokens < seq.params.min_tokens)]
+        if not masked:
+            return {}
+        logits = self.runner.logits(len(logit_seqs))
+        return {seq.request_id: logits[row].copy() for row, seq in masked}
+
+    def _logprobs(self, chunks: list[Chunk], sampled: list[tuple[Sequence, int]],
+                  raw_rows: dict[int, np.ndarray]) -> dict[int, list]:
         """request id -> the logprobs entry of its sampled token, for the requests that asked."""
         asking = [(seq, token) for seq, token in sampled if seq.params.logprobs is not None]
         if not asking:
@@ -185,8 +201,8 @@ class Engine:
         logit_seqs = [chunk.seq for chunk in chunks if chunk.wants_logits]
         logits = self.runner.logits(len(logit_seqs))
         row_of = {seq.request_id: row for row, seq in enumerate(logit_seqs)}
-        return {seq.request_id: token_logprobs(logits[row_of[seq.request_id]], token, seq.params.logprobs,
-                                               self.runner.token_piece) for seq, token in asking}
+        return {seq.request_id: token_logprobs(raw_rows.get(seq.request_id, logits[row_of[seq.request_id]]), token,
+                                               seq.params.logprobs, self.runner.token_piece) for seq, token in asking}
 
     def _postprocess(self, chunks: list[Chunk], sampled: list[tuple[Sequence, int]],
                      logprobs: dict[int, list]) -> list[SeqOutput]:

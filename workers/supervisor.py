@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import socket
 import time
 
 import zmq
@@ -74,13 +75,13 @@ def _lock_endpoint(endpoint: str) -> int | None:
 
 
 class Supervisor:
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, http_socket: socket.socket | None = None):
         self.config = config
         self.stop_requested = False
         self.http = None
-        if config.http_address:  # the API names the model by its file, as llama.cpp's server does
+        if http_socket is not None:  # the API names the model by its file, as llama.cpp's server does
             model_id = os.path.basename(resolve_model_path(config.engine.model_path))
-            self.http = HttpProcess(*config.http_address, config.endpoint, model_id)
+            self.http = HttpProcess(http_socket, config.endpoint, model_id)
         tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
@@ -154,6 +155,8 @@ class Supervisor:
         raise CbatchError(WORKER_RESTARTED, f"the decode worker failed to start {MAX_STARTUP_FAILURES} times: {reason}")
 
     def serve(self) -> None:
+        if self.http is not None:  # it answers 503 until the model has loaded
+            self.http.start()
         self._start_until_ready()
         if self.stop_requested:
             return
@@ -161,8 +164,6 @@ class Supervisor:
         log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, endpoint %s, "
                  "ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
                  ready.prefix_cache, self.config.endpoint, self.ring.name, ready.pid)
-        if self.http is not None:
-            self.http.start()
         drain_deadline, is_cancelled = None, False
         progress = ProgressLog(self.config.progress_interval_s)
         while True:
@@ -228,8 +229,9 @@ class Supervisor:
                 os.unlink(path)
 
 
-def run_daemon(config: DaemonConfig) -> int:
-    """Serve until SIGTERM/SIGINT; return the process exit code."""
+def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit code. `http_socket`, bound by
+    the caller, is served by the OpenAI-compatible HTTP server."""
     _raise_open_file_limit()
     lock_fd = _lock_endpoint(config.endpoint)
     supervisor = None
@@ -237,7 +239,7 @@ def run_daemon(config: DaemonConfig) -> int:
         removed = remove_leftovers(runtime_dir())
         if removed:
             log.info("removed %s left by daemons that are no longer running", counted(len(removed), "file"))
-        supervisor = Supervisor(config)
+        supervisor = Supervisor(config, http_socket)
 
         def request_stop(signum, frame):
             supervisor.stop_requested = True
