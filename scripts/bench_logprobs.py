@@ -1,15 +1,24 @@
-"""What per-token log-probabilities cost the decode loop: milliseconds per token over a
-full-size (262,144-token, as gemma-3's) logit row, against the plain argmax every greedy
-token costs anyway. Only requests that ask for logprobs pay it.
+"""What per-token log-probabilities cost: first the computation alone, milliseconds per
+token over a full-size (262,144-token, as gemma-3's) logit row against the plain argmax
+every greedy token costs anyway; then the whole engine, greedy requests decoded together
+with and without `logprobs`, alternating, in one run (asking for logprobs also keeps a
+request on the host sampling path and copies its logit row out of llama.cpp's buffer).
+Only requests that ask for logprobs pay it.
 
-    .venv/bin/python scripts/bench_logprobs.py
+    .venv/bin/python scripts/bench_logprobs.py [--model PATH] [--parallel 16]
 """
 
 import argparse
 import time
 
+# This script's folder is on sys.path; bench_engine loads llama_cpp before numpy, the
+# order a CUDA build needs (see cbatch/__init__.py).
+from bench_engine import make_prompts, run_engine
 import numpy as np
 
+from cbatch.config import EngineConfig
+from cbatch.model import resolve_model_path
+from cbatch.workers.llama_runner import LlamaRunner
 from cbatch.workers.logprobs import token_logprobs
 
 
@@ -24,6 +33,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=262_144)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--model", default=None, help="GGUF for the engine runs (default: the embedded gemma-3-270m)")
+    parser.add_argument("--parallel", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--top", type=int, default=5, help="top_logprobs asked for in the engine runs")
+    parser.add_argument("--rounds", type=int, default=2, help="engine runs without and with logprobs, alternating")
     args = parser.parse_args()
     row = np.random.default_rng(0).standard_normal(args.vocab).astype(np.float32) * 4
     argmax_ms = per_call_ms(row.argmax, args.calls)
@@ -31,6 +45,27 @@ def main() -> None:
     for num_top in (0, 1, 5, 20):
         ms = per_call_ms(lambda: token_logprobs(row, 7, num_top, lambda t: b"x"), args.calls)
         print(f"logprobs={num_top:<2}  {ms:.3f} ms per token  ({ms / argmax_ms:.1f}x the argmax)")
+    time_engine(resolve_model_path(args.model), args.parallel, args.max_tokens, args.top, args.rounds)
+
+
+def time_engine(model_path: str, parallel: int, max_tokens: int, num_top: int, rounds: int) -> None:
+    runner = LlamaRunner(EngineConfig(model_path=model_path, parallel=1), model_path)
+    try:
+        prompts = make_prompts(lambda text: len(runner.tokenize(text)), parallel, 64)
+    finally:
+        runner.close()
+    results: dict[str, list[tuple[float, dict]]] = {"without": [], "with": []}
+    for _ in range(rounds):
+        for name, extra in (("without", {}), ("with", {"logprobs": num_top})):
+            results[name].append(run_engine(model_path, parallel, prompts, {"temperature": 0.0, **extra}, max_tokens))
+    print(f"engine, {parallel} greedy requests decoded together, {max_tokens} tokens each, mean of {rounds} runs:")
+    tok_s = {}
+    for name, runs in results.items():
+        tok_s[name] = sum(t for t, _ in runs) / len(runs)
+        step_ms = sum(stats["avg_step_ms"] for _, stats in runs) / len(runs)
+        print(f"  {name:7} logprobs={num_top if name == 'with' else '-':<2}  {tok_s[name]:8.1f} tok/s"
+              f"  {step_ms:8.2f} ms per step")
+    print(f"  with/without: {tok_s['with'] / tok_s['without']:.3f}")
 
 
 if __name__ == "__main__":

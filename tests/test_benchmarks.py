@@ -47,6 +47,8 @@ def test_bench_host_work_prints_every_phase(tmp_path, backend):
     assert [mode for mode, _ in rows] == ["greedy", "sampled"], out
 
 
-def test_bench_logprobs_prints_each_top_count():
-    out = run_script("bench_logprobs", "--vocab", "1000", "--calls", "3")
+def test_bench_logprobs_prints_each_top_count_and_the_engine_ratio(tiny_model_path):
+    out = run_script("bench_logprobs", "--vocab", "1000", "--calls", "3", "--model", tiny_model_path,
+                     "--parallel", "2", "--max-tokens", "4", "--rounds", "1")
     assert [int(k) for k in re.findall(rf"^logprobs=(\d+)\s+{NUMBER} ms per token", out, re.M)] == [0, 1, 5, 20]
+    assert re.search(rf"^\s+with/without: {NUMBER}$", out, re.M), out
