@@ -96,8 +96,6 @@ class Generation:
         if item.finish_reason:
             self.usages[choice] = item.usage
             self.state.metrics.on_finished(self.endpoint, item.finish_reason, item.usage)
-            if item.finish_reason == "error":
-                raise CbatchError("decode_failed", "the decode step of this request failed")
         return choice, item
 
     async def close(self) -> None:

@@ -132,3 +132,26 @@ def test_a_body_the_front_end_would_refuse_fails_before_it_is_sent():
     with pytest.raises(CbatchError) as err:
         session.submit({"prompt": "a", "logit_bias": {1: 2.0}})  # a non-string key
     assert err.value.code == INVALID_REQUEST and sent == [] and session.streams == {}
+
+
+def test_a_failed_decode_ends_its_stream_with_the_workers_reason():
+    """Tokens produced before the failure still reach the caller; then the stream ends with
+    a decode_failed error carrying the worker's message, never with a finished chunk."""
+    from cbatch.errors import DECODE_FAILED
+
+    session = Session([].append, use_ring=False)
+    stream = session.submit({"prompt": "a"})
+    session.on_frames(pack(MsgType.RECORDS, {"request_id": stream.request_id,
+                                             "records": [[0, 9, 0, 0, 0, b"z"], [1, -1, 0, 4, 2, b""]]}))
+    assert not stream.is_done  # the finish has not arrived yet
+    session.on_frames(pack(MsgType.FINISHED, {"request_id": stream.request_id, "finish_reason": "error",
+                                              "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+                                              "num_records": 2, "error": "llama_decode failed with status -3"}))
+    assert session.take(stream).token_ids == [9]
+    with pytest.raises(CbatchError) as err:
+        session.take(stream)
+    assert err.value.code == DECODE_FAILED and err.value.message == "llama_decode failed with status -3"
+    assert stream.is_drained
+    with pytest.raises(CbatchError) as again:
+        stream.completion()
+    assert again.value is err.value
