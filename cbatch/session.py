@@ -21,14 +21,20 @@ from cbatch.streams import RequestStream
 LIVENESS_S = 2.0  # a request that hears nothing for this long is named in a ping to the front-end
 MAX_MISSED_PINGS = 2  # pings the daemon leaves unanswered before it is given up: a dead daemon is known within ~6 s
 SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
-SAFETY_POLL_S = 0.1
-MAX_PING_REQUEST_IDS = 4096  # with requests active, also read the ring this often (in case a tick was dropped)
+SAFETY_POLL_S = 0.1  # with requests active, also read the ring this often (in case a tick was dropped)
+MAX_PING_REQUEST_IDS = 4096  # stale requests named in one ping; the rest wait for the next
+# What a driver's waiter for the handshake waits on (streams are waited on by themselves,
+# replies by their nonce).
+CONNECTION = "connection"
 
 
 class Session:
-    def __init__(self, send, use_ring: bool, clock=time.monotonic):
+    def __init__(self, send, use_ring: bool, clock=time.monotonic, on_arrival=None):
         self._send_frames = send  # callable(list[bytes]); the driver's socket send
         self._clock = clock  # seconds; the drivers' time.monotonic, a test's own
+        # callable(key): something arrived for a RequestStream, a reply's nonce, or
+        # CONNECTION; a driver that wakes waiters one by one wakes that key's.
+        self._on_arrival = on_arrival or (lambda key: None)
         self.use_ring = use_ring
         self.welcome: dict | None = None
         self.streams: dict[int, RequestStream] = {}
@@ -144,9 +150,14 @@ class Session:
         for stream in self.streams.values():
             if not stream.is_done:
                 stream.fail(error)
+                self._on_arrival(stream)
         for nonce, reply in self.replies.items():
             if reply is None:
-                self.replies[nonce] = error
+                self._set_reply(nonce, error)
+
+    def _set_reply(self, nonce: int, reply) -> None:
+        self.replies[nonce] = reply
+        self._on_arrival(nonce)
 
     def take(self, stream: RequestStream):
         """The stream's next chunk (the caller waited until it has one); raises its error."""
@@ -186,10 +197,12 @@ class Session:
             raise CbatchError(INTERNAL, f"malformed message from the daemon: {err}") from None
         if msg_type is MsgType.WELCOME:
             self._on_welcome(body)
+            self._on_arrival(CONNECTION)
         elif msg_type is MsgType.RECORDS:
             stream = self.streams.get(body["request_id"])
             if stream is not None:
                 stream.add_records(body["records"], self.heard_s)
+                self._on_arrival(stream)
                 if self.reader is not None and not stream.wants_logprobs:
                     self.reader.resume(stream.request_id, stream.next_index)
                     self.read_ring()
@@ -198,6 +211,7 @@ class Session:
             if stream is not None:
                 self.read_ring()  # the worker wrote every record before the finish was sent
                 stream.on_finished(body, self.heard_s)
+                self._on_arrival(stream)
                 if stream.missing_records:
                     self.send(MsgType.FETCH, {"request_id": stream.request_id, "from_index": stream.next_index})
         elif msg_type is MsgType.ERROR:
@@ -207,8 +221,9 @@ class Session:
             stream = self.streams.get(body.get("request_id"))
             if stream is not None:
                 stream.fail(error)
+                self._on_arrival(stream)
             elif body.get("nonce") in self.replies:
-                self.replies[body["nonce"]] = error
+                self._set_reply(body["nonce"], error)
             elif self.welcome is None:
                 raise error  # the handshake itself was refused
         elif msg_type in (MsgType.HEALTH_REPLY, MsgType.STATS_REPLY):
@@ -220,10 +235,11 @@ class Session:
                 if request_id in lost_ids:
                     stream.fail(CbatchError(UNAVAILABLE, "the daemon no longer knows this request (the connection "
                                                          "was lost or the daemon restarted); submit it again"))
+                    self._on_arrival(stream)
                 else:
                     stream.heard_s = self.heard_s  # the daemon answered for it: still in flight
             if body.get("nonce") in self.replies:
-                self.replies[body["nonce"]] = body
+                self._set_reply(body["nonce"], body)
 
     def _on_welcome(self, body: dict) -> None:
         if body.get("use_ring") and self.reader is None:
@@ -261,6 +277,7 @@ class Session:
             stream = self.streams.get(request_id)
             if stream is not None:
                 stream.add_records(rows, now_s)
+                self._on_arrival(stream)
 
     @property
     def tick_endpoint(self) -> str | None:
@@ -293,6 +310,11 @@ class BatchFeeder:
 
     def has_arrivals(self) -> bool:
         return any(stream.pending for stream in self._active.values())
+
+    @property
+    def streams(self) -> list[RequestStream]:
+        """The outstanding requests: what the driver waits on between rounds."""
+        return list(self._active.values())
 
     def fill(self) -> list[tuple[int, CbatchError]]:
         """Submit items until max_in_flight are outstanding; the bad ones' errors."""
