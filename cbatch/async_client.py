@@ -30,7 +30,7 @@ class AsyncClient(ClientBase):
         _check_endpoint(self.endpoint)
         self._zctx = zmq.asyncio.Context.instance()  # never terminated by us: see Client
         self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
-        self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"),
+        self._session = Session(self._send, use_ring and self.endpoint.startswith("ipc://"),
                                 on_arrival=self._on_arrival)
         # What each waiting coroutine waits on (a stream, a reply's nonce, CONNECTION) -> its
         # futures: an arrival wakes those, and the hundreds of requests an HTTP server
@@ -84,6 +84,21 @@ class AsyncClient(ClientBase):
             if tick is not None:
                 tick.close(linger=0)
 
+    def _send(self, frames: list[bytes]) -> None:
+        """The session's send. pyzmq's asyncio socket sends at once when the daemon takes the
+        message; otherwise it queues it and returns a future that fails with zmq.Again after
+        SEND_TIMEOUT_S. Nobody awaits that future, so its failure is handed to the session
+        here, which fails what waits on the daemon (the blocking client raises it instead)."""
+        sending = self._dealer.send_multipart(frames)
+        if sending.done():
+            sending.result()  # raises what the immediate send raised
+        else:
+            sending.add_done_callback(self._on_late_send)
+
+    def _on_late_send(self, sending: asyncio.Future) -> None:
+        if not sending.cancelled() and isinstance(sending.exception(), zmq.Again):
+            self._session.on_send_timeout()
+
     def _on_arrival(self, key) -> None:
         for waiter in self._waiters.get(key, ()):
             if not waiter.done():
@@ -115,9 +130,6 @@ class AsyncClient(ClientBase):
             while not stream.is_drained:
                 await self._wait(lambda: stream.pending, [stream])
                 yield self._session.take(stream)
-
-    def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> AsyncIterator[Chunk]:
-        return self.read(self.submit(prompt, messages, **params))
 
     async def generate(self, prompt: str | None = None, messages: list | None = None,
                        **params) -> Completion | list[Completion]:

@@ -71,6 +71,16 @@ class ClientBase:
         """Send a request; read its chunks with read(stream)."""
         return self._session.submit(_request_body(prompt, messages, params))
 
+    def cancel(self, request_id: int) -> None:
+        """End a request early: its stream ends with finish_reason "cancelled" and keeps
+        the tokens produced so far."""
+        self._session.cancel(request_id)
+
+    def stream(self, prompt: str | None = None, messages: list | None = None, **params):
+        """Chunks as tokens arrive (an iterator, or an async one); the last one has
+        finish_reason and usage."""
+        return self.read(self.submit(prompt, messages, **params))
+
 
 class Client(ClientBase):
     def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
@@ -123,10 +133,6 @@ class Client(ClientBase):
                 self._wait(lambda: stream.pending)
                 yield self._session.take(stream)
 
-    def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> Iterator[Chunk]:
-        """Yield chunks as tokens arrive; the last one has finish_reason and usage."""
-        return self.read(self.submit(prompt, messages, **params))
-
     def generate(self, prompt: str | None = None, messages: list | None = None,
                  **params) -> Completion | list[Completion]:
         """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
@@ -158,9 +164,6 @@ class Client(ClientBase):
         for position, item in self.stream_batch(items, max_in_flight):
             batch.add(position, item)
         return batch.results
-
-    def cancel(self, request_id: int) -> None:
-        self._session.cancel(request_id)
 
     def _ask(self, msg_type: MsgType) -> dict:
         nonce = self._session.ask(msg_type)

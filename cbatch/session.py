@@ -46,8 +46,8 @@ class Session:
         self.heard_s = clock()  # when the front-end last sent this client anything
         self._pinged_s = 0.0
         self._pinged_ids: dict[int, list[int]] = {}  # nonce of the last ping -> the request ids it named
-        # Set when the daemon stopped answering: every stream and reply got it, and new
-        # submits fail with it at once; cleared when the daemon speaks again.
+        # Set when the daemon stopped answering or taking messages: every stream and reply
+        # got it, and new submits fail with it at once; cleared when the daemon speaks again.
         self.failure: CbatchError | None = None
         # A draining daemon refuses every submit: for a moment after it said so, refuse
         # here, so a batch ends each of its remaining items at once instead of one by one.
@@ -65,8 +65,16 @@ class Session:
         try:
             self._send_frames(frames)
         except zmq.Again:
-            raise CbatchError(UNAVAILABLE, f"the daemon took no message from this client for {SEND_TIMEOUT_S:.0f} s "
-                                           "(it stopped reading it, or it is gone); is cbatch-worker running?") from None
+            raise self.on_send_timeout() from None
+
+    def on_send_timeout(self) -> CbatchError:
+        """A send the daemon did not take within SEND_TIMEOUT_S: it cut this client off, or
+        it is gone, so nothing waiting here will be answered. Every waiting stream and reply
+        fails; returns the error for the sender to raise."""
+        error = CbatchError(UNAVAILABLE, f"the daemon took no message from this client for {SEND_TIMEOUT_S:g} s "
+                                         "(it stopped reading it, or it is gone); is cbatch-worker running?")
+        self._fail_everything(error)
+        return error
 
     def hello(self) -> None:
         self.send(MsgType.HELLO, {"version": PROTOCOL_VERSION, "use_ring": self.use_ring})

@@ -83,6 +83,19 @@ def test_break_out_of_async_stream_batch_cancels_every_outstanding_request(daemo
     assert cancelled[1] == cancelled[0] + 3
 
 
+def test_cancel_ends_an_async_stream_keeping_what_it_produced(daemon):
+    async def scenario(client):
+        stream, chunks = client.submit(**ENDLESS), []
+        async for chunk in client.read(stream):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                client.cancel(stream.request_id)
+        return chunks
+
+    chunks = in_async_client(daemon, scenario)
+    assert chunks[-1].finish_reason == "cancelled" and all(chunk.token_ids for chunk in chunks[:3])
+
+
 class LookCountingDeque(deque):
     """A stream's pending chunks, counting how often anyone checked for some."""
 
