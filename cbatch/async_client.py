@@ -65,7 +65,7 @@ class AsyncClient(ClientBase):
                 if tick is None and session.tick_endpoint:
                     tick = make_tick_socket(self._zctx, session.tick_endpoint)
                     poller.register(tick, zmq.POLLIN)
-                timeout_s = SAFETY_POLL_S if session.streams else LIVENESS_S
+                timeout_s = SAFETY_POLL_S if session.is_waiting else LIVENESS_S
                 ready = dict(await poller.poll(int(timeout_s * 1000)))
                 if self._dealer in ready:
                     while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:

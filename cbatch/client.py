@@ -17,7 +17,7 @@ from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.protocol import MsgType
-from cbatch.session import LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
+from cbatch.session import SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
 from cbatch.streams import BatchResults, Chunk, Completion, RequestStream
 
 DEFAULT_MAX_IN_FLIGHT = 64
@@ -115,8 +115,7 @@ class Client(ClientBase):
                 raise session.failure
             if deadline is not None and time.monotonic() > deadline:
                 raise _unreachable(self.endpoint)
-            timeout_s = SAFETY_POLL_S if session.streams or deadline else LIVENESS_S
-            ready = dict(self._poller.poll(int(timeout_s * 1000)))
+            ready = dict(self._poller.poll(int(SAFETY_POLL_S * 1000)))  # waiting: liveness is due that often
             if self._dealer in ready:
                 while self._dealer.poll(0):
                     session.on_frames(self._dealer.recv_multipart())

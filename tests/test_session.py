@@ -77,11 +77,11 @@ def test_liveness_is_judged_per_request_while_others_stream():
     session = Session(sent.append, use_ring=False, clock=lambda: now[0])
     lost, busy = session.submit({"prompt": "a"}), session.submit({"prompt": "b"})
     start_s = now[0]
-    for step in range(1, 4):  # the busy request hears every half second
-        now[0] = start_s + step * 0.5
+    for step in range(1, int(LIVENESS_S / 0.25)):  # the busy request hears every quarter second
+        now[0] = start_s + step * 0.25
         session.on_frames(pack(MsgType.RECORDS, {"request_id": busy.request_id,
                                                  "records": [[step - 1, step, 0, 0, 0, b"x"]]}))
-        session.check_liveness(start_s + step * 0.5)
+        session.check_liveness(now[0])
     assert not any(unpack(frames)[0] is MsgType.HEALTH for frames in sent)
     now[0] = start_s + LIVENESS_S + 0.1
     session.check_liveness(now[0])
@@ -92,18 +92,21 @@ def test_liveness_is_judged_per_request_while_others_stream():
     assert lost.is_done and lost.error.code == UNAVAILABLE and not busy.is_done
 
 
-def test_a_daemon_that_stops_answering_fails_waiting_streams_without_raising():
+def test_a_daemon_that_stops_answering_fails_waiting_streams_within_5_s_without_raising():
     from cbatch.errors import UNAVAILABLE
-    from cbatch.session import LIVENESS_S, MAX_MISSED_PINGS
+    from cbatch.protocol import unpack
+    from cbatch.session import SAFETY_POLL_S
 
     sent = []
     session = Session(sent.append, use_ring=False)
     stream = session.submit({"prompt": "a"})
-    now_s = stream.heard_s
-    for _ in range(MAX_MISSED_PINGS + 1):
-        now_s += LIVENESS_S + 0.1
+    last_heard_s = now_s = stream.heard_s
+    while not stream.is_done:  # the driver's rounds while the daemon is silent
+        now_s += SAFETY_POLL_S
         session.check_liveness(now_s)
-    assert stream.is_done and stream.error.code == UNAVAILABLE and session.failure is not None
+    assert now_s - last_heard_s <= 5.0 + SAFETY_POLL_S
+    assert sum(unpack(frames)[0] is MsgType.HEALTH for frames in sent) >= 2  # given up after pings, not one
+    assert stream.error.code == UNAVAILABLE and session.failure is not None
     with pytest.raises(CbatchError) as err:  # a new submit fails at once instead of waiting again
         session.submit({"prompt": "b"})
     assert err.value.code == UNAVAILABLE
