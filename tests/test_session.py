@@ -31,7 +31,7 @@ def test_ring_records_and_finish_make_one_completion(ring):
     stream = session.submit({"prompt": "x"})
     writer = RingWriter(ring)
     text = "héllo wörld, a text longer than one record's 32 bytes".encode()
-    next_index = writer.publish(stream.request_id, 0, [5, 6], text, is_first=True)
+    next_index = writer.publish(stream.request_id, 0, [5, 6], text)
     next_index = writer.publish(stream.request_id, next_index, [7], b"!", FINISH_LENGTH)
     session.read_ring()
     session.on_frames(pack(MsgType.FINISHED, {"request_id": stream.request_id, "finish_reason": "length",
@@ -58,7 +58,7 @@ def test_finish_with_records_missing_asks_the_front_end_for_them(ring):
 def test_corrupt_ring_record_is_a_coded_error(ring):
     session, _ = make_session(ring)
     stream = session.submit({"prompt": "x"})
-    RingWriter(ring).publish(stream.request_id, 0, [5], b"ok", is_first=True)
+    RingWriter(ring).publish(stream.request_id, 0, [5], b"ok")
     ring.records["text_len"][0] = 200  # no record holds more than 32 bytes of text
     with pytest.raises(CbatchError) as err:
         session.read_ring()
