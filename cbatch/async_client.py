@@ -88,7 +88,7 @@ class AsyncClient(ClientBase):
         """The session's send. pyzmq's asyncio socket sends at once when the daemon takes the
         message; otherwise it queues it and returns a future that fails with zmq.Again after
         SEND_TIMEOUT_S. Nobody awaits that future, so its failure is handed to the session
-        here, which fails what waits on the daemon (the blocking client raises it instead)."""
+        here, which fails what waits on the daemon, as the blocking client's send does."""
         sending = self._dealer.send_multipart(frames)
         if sending.done():
             sending.result()  # raises what the immediate send raised

@@ -27,7 +27,7 @@ from cbatch.streams import RequestStream
 LIVENESS_S = 1.5
 MAX_MISSED_PINGS = 2
 SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
-SAFETY_POLL_S = 0.1  # with requests active, also read the ring this often (in case a tick was dropped)
+SAFETY_POLL_S = 0.1  # while waiting, read the ring (a tick may be dropped) and check liveness this often
 MAX_PING_REQUEST_IDS = 4096  # stale requests named in one ping; the rest wait for the next
 # What a driver's waiter for the handshake waits on (streams are waited on by themselves,
 # replies by their nonce).
