@@ -1,7 +1,8 @@
 """cbatch.AsyncClient: the asyncio twin of cbatch.Client, over the same Session.
 
 One pump task reads the socket and the ring for every coroutine sharing the client and
-wakes waiters after each round; waiting coroutines never spin.
+wakes only the waiters of the streams and replies that got something; waiting coroutines
+never spin.
 """
 
 import asyncio
@@ -16,16 +17,12 @@ from cbatch.client import (CONNECT_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, ClientBase,
 from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
-from cbatch.session import LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
+from cbatch.session import CONNECTION, LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
 from cbatch.streams import BatchResults, Chunk, Completion, RequestStream
 
 
 class AsyncClient(ClientBase):
-    """asyncio client: `client = await AsyncClient.connect()`; many coroutines may share it.
-
-    One pump task reads the socket and the ring for everyone and wakes waiters after
-    each round; waiting coroutines never spin.
-    """
+    """asyncio client: `client = await AsyncClient.connect()`; many coroutines may share it."""
 
     def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
                  curve_server_key: str | None = None, curve_client_key: str | None = None):
@@ -33,8 +30,12 @@ class AsyncClient(ClientBase):
         _check_endpoint(self.endpoint)
         self._zctx = zmq.asyncio.Context.instance()  # never terminated by us: see Client
         self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
-        self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
-        self._round = asyncio.Event()  # replaced after every pump round; waiters await the current one
+        self._session = Session(self._send, use_ring and self.endpoint.startswith("ipc://"),
+                                on_arrival=self._on_arrival)
+        # What each waiting coroutine waits on (a stream, a reply's nonce, CONNECTION) -> its
+        # futures: an arrival wakes those, and the hundreds of requests an HTTP server
+        # waits on at once do not all wake whenever one of them gets a token.
+        self._waiters: dict[object, set[asyncio.Future]] = {}
         self._failure: BaseException | None = None
         self._pump_task: asyncio.Task | None = None
 
@@ -45,7 +46,8 @@ class AsyncClient(ClientBase):
         client._pump_task = asyncio.create_task(client._pump())
         try:
             client._session.hello()
-            await asyncio.wait_for(client._wait(lambda: client._session.welcome is not None), connect_timeout_s)
+            await asyncio.wait_for(client._wait(lambda: client._session.welcome is not None, [CONNECTION]),
+                                   connect_timeout_s)
         except asyncio.TimeoutError:
             await client.close()
             raise _unreachable(client.endpoint) from None
@@ -63,7 +65,7 @@ class AsyncClient(ClientBase):
                 if tick is None and session.tick_endpoint:
                     tick = make_tick_socket(self._zctx, session.tick_endpoint)
                     poller.register(tick, zmq.POLLIN)
-                timeout_s = SAFETY_POLL_S if session.streams else LIVENESS_S
+                timeout_s = SAFETY_POLL_S if session.is_waiting else LIVENESS_S
                 ready = dict(await poller.poll(int(timeout_s * 1000)))
                 if self._dealer in ready:
                     while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -73,20 +75,37 @@ class AsyncClient(ClientBase):
                         await tick.recv()
                 session.read_ring()
                 session.check_liveness(time.monotonic())
-                self._wake()
         except BaseException as exc:  # including CancelledError at close()
             self._failure = exc
-            self._wake()
+            for key in list(self._waiters):
+                self._on_arrival(key)
             raise
         finally:
             if tick is not None:
                 tick.close(linger=0)
 
-    def _wake(self) -> None:
-        self._round.set()
-        self._round = asyncio.Event()
+    def _send(self, frames: list[bytes]) -> None:
+        """The session's send. pyzmq's asyncio socket sends at once when the daemon takes the
+        message; otherwise it queues it and returns a future that fails with zmq.Again after
+        SEND_TIMEOUT_S. Nobody awaits that future, so its failure is handed to the session
+        here, which fails what waits on the daemon, as the blocking client's send does."""
+        sending = self._dealer.send_multipart(frames)
+        if sending.done():
+            sending.result()  # raises what the immediate send raised
+        else:
+            sending.add_done_callback(self._on_late_send)
 
-    async def _wait(self, is_done) -> None:
+    def _on_late_send(self, sending: asyncio.Future) -> None:
+        if not sending.cancelled() and isinstance(sending.exception(), zmq.Again):
+            self._session.on_send_timeout()
+
+    def _on_arrival(self, key) -> None:
+        for waiter in self._waiters.get(key, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self, is_done, keys) -> None:
+        """Until is_done() holds, sleep until something arrives for one of keys."""
         while not is_done():
             if self._session.failure is not None:
                 raise self._session.failure
@@ -94,16 +113,23 @@ class AsyncClient(ClientBase):
                 if isinstance(self._failure, CbatchError):
                     raise self._failure
                 raise CbatchError(UNAVAILABLE, f"the client's connection stopped: {self._failure!r}")
-            await self._round.wait()
+            waiter = asyncio.get_running_loop().create_future()
+            for key in keys:
+                self._waiters.setdefault(key, set()).add(waiter)
+            try:
+                await waiter
+            finally:
+                for key in keys:
+                    waiters = self._waiters[key]
+                    waiters.discard(waiter)
+                    if not waiters:
+                        del self._waiters[key]
 
     async def read(self, stream: RequestStream) -> AsyncIterator[Chunk]:
         with self._session.reading(stream):
             while not stream.is_drained:
-                await self._wait(lambda: stream.pending)
+                await self._wait(lambda: stream.pending, [stream])
                 yield self._session.take(stream)
-
-    def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> AsyncIterator[Chunk]:
-        return self.read(self.submit(prompt, messages, **params))
 
     async def generate(self, prompt: str | None = None, messages: list | None = None,
                        **params) -> Completion | list[Completion]:
@@ -125,7 +151,7 @@ class AsyncClient(ClientBase):
                     yield arrival
                 if feeder.is_done:
                     return
-                await self._wait(feeder.has_arrivals)
+                await self._wait(feeder.has_arrivals, feeder.streams)
                 for arrival in feeder.take_arrivals():
                     yield arrival
         finally:
@@ -141,7 +167,7 @@ class AsyncClient(ClientBase):
 
     async def _ask(self, msg_type: MsgType) -> dict:
         nonce = self._session.ask(msg_type)
-        await self._wait(lambda: self._session.replies[nonce] is not None)
+        await self._wait(lambda: self._session.replies[nonce] is not None, [nonce])
         return self._session.take_reply(nonce)
 
     async def health(self) -> dict:

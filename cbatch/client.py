@@ -17,7 +17,7 @@ from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.protocol import MsgType
-from cbatch.session import LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
+from cbatch.session import SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
 from cbatch.streams import BatchResults, Chunk, Completion, RequestStream
 
 DEFAULT_MAX_IN_FLIGHT = 64
@@ -71,6 +71,16 @@ class ClientBase:
         """Send a request; read its chunks with read(stream)."""
         return self._session.submit(_request_body(prompt, messages, params))
 
+    def cancel(self, request_id: int) -> None:
+        """End a request early: its stream ends with finish_reason "cancelled" and keeps
+        the tokens produced so far."""
+        self._session.cancel(request_id)
+
+    def stream(self, prompt: str | None = None, messages: list | None = None, **params):
+        """Chunks as tokens arrive (an iterator, or an async one); the last one has
+        finish_reason and usage."""
+        return self.read(self.submit(prompt, messages, **params))
+
 
 class Client(ClientBase):
     def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
@@ -105,8 +115,7 @@ class Client(ClientBase):
                 raise session.failure
             if deadline is not None and time.monotonic() > deadline:
                 raise _unreachable(self.endpoint)
-            timeout_s = SAFETY_POLL_S if session.streams or deadline else LIVENESS_S
-            ready = dict(self._poller.poll(int(timeout_s * 1000)))
+            ready = dict(self._poller.poll(int(SAFETY_POLL_S * 1000)))  # waiting: liveness is due that often
             if self._dealer in ready:
                 while self._dealer.poll(0):
                     session.on_frames(self._dealer.recv_multipart())
@@ -122,10 +131,6 @@ class Client(ClientBase):
             while not stream.is_drained:
                 self._wait(lambda: stream.pending)
                 yield self._session.take(stream)
-
-    def stream(self, prompt: str | None = None, messages: list | None = None, **params) -> Iterator[Chunk]:
-        """Yield chunks as tokens arrive; the last one has finish_reason and usage."""
-        return self.read(self.submit(prompt, messages, **params))
 
     def generate(self, prompt: str | None = None, messages: list | None = None,
                  **params) -> Completion | list[Completion]:
@@ -158,9 +163,6 @@ class Client(ClientBase):
         for position, item in self.stream_batch(items, max_in_flight):
             batch.add(position, item)
         return batch.results
-
-    def cancel(self, request_id: int) -> None:
-        self._session.cancel(request_id)
 
     def _ask(self, msg_type: MsgType) -> dict:
         nonce = self._session.ask(msg_type)

@@ -125,8 +125,6 @@ class Generation:
             self.state.metrics.on_finished(self.endpoint, item.finish_reason, item.usage,
                                            prompt not in self._finished_prompts)
             self._finished_prompts.add(prompt)
-            if item.finish_reason == "error":
-                raise CbatchError("decode_failed", "the decode step of this request failed")
         return choice, item
 
     async def close(self) -> None:

@@ -104,6 +104,11 @@ class RequestStream:
     def _complete_if_ready(self) -> None:
         if self.is_done or self.finished is None or self.next_index < self.finished["num_records"]:
             return
+        if self.finished["finish_reason"] == "error":
+            # The one place a failed decode becomes an error: every consumer gets it as the
+            # stream's last item, with the worker's reason, never as a finished chunk.
+            self.fail(CbatchError(DECODE_FAILED, self.finished.get("error") or "the decode step of this request failed"))
+            return
         self.is_done = True
         self._emit([], self._decoder.decode(b"", final=True), finish_reason=self.finished["finish_reason"],
                    usage=self.finished["usage"], logprobs=[] if self.wants_logprobs else None)
@@ -111,18 +116,13 @@ class RequestStream:
     def completion(self) -> Completion:
         if self.error is not None:
             raise self.error
-        if self.finished["finish_reason"] == "error":
-            raise CbatchError(DECODE_FAILED, self.finished.get("error") or "the decode step failed")
         return Completion(self.label, "".join(self.text_parts), self.token_ids, self.finished["finish_reason"],
                           self.finished["usage"], self.request_id, self.logprobs if self.wants_logprobs else None)
 
 
-def completion_from_chunks(chunks: list[Chunk]) -> Completion | CbatchError:
-    """One request's chunks, as the caller got them, made into its result: a Completion,
-    or the error of a request whose decode failed."""
+def completion_from_chunks(chunks: list[Chunk]) -> Completion:
+    """One request's chunks, as the caller got them, made into its Completion."""
     last = chunks[-1]
-    if last.finish_reason == "error":
-        return CbatchError(DECODE_FAILED, "the decode step of this request failed")
     token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
     logprobs = None if last.logprobs is None else list(itertools.chain.from_iterable(c.logprobs for c in chunks))
     return Completion(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage,

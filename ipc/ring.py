@@ -5,8 +5,7 @@ Layout (little-endian; one segment per decode worker, created by the supervisor 
 survives a worker restart):
   header   64 bytes = 8 x uint64: magic, layout_version, capacity (records, power of two),
            record_size (bytes), write_cursor (records ever published, monotonic),
-           generation (bumped by the supervisor per worker start), heartbeat_ns (writer's
-           time.monotonic_ns(), system-wide on Linux), reserved.
+           heartbeat_ns (writer's time.monotonic_ns(), system-wide on Linux), 2 x reserved.
   records  capacity x 64 bytes (RECORD_DTYPE). The record published at cursor position p
            lives in slot p % capacity and carries seq = p + 1 (0: never written, or being
            rewritten right now).
@@ -62,21 +61,23 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 MAGIC = int.from_bytes(b"CBRING01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: no generation in the header, FLAG_LAST is the only flag
 HEADER_SIZE_BYTES = 64
 RECORD_SIZE_BYTES = 64
 MAX_TEXT_BYTES = 32
 MAX_CAPACITY_RECORDS = 1 << 24  # 1 GiB of records; anything bigger is a corrupt header
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory segments
 
-FLAG_FIRST, FLAG_LAST, FLAG_CONTINUED = 1, 2, 4
-_ALL_FLAGS = FLAG_FIRST | FLAG_LAST | FLAG_CONTINUED
+# A request's first record is its index 0 and a continuation is a record without a token:
+# the last record, which ends the reader's watch, is the one fact the index cannot tell.
+FLAG_LAST = 1
+_ALL_FLAGS = FLAG_LAST
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = range(5)
 NO_TOKEN = -1
 FINISH_CODES = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "cancelled": FINISH_CANCELLED, "error": FINISH_ERROR}
 
 # Positions of the mutable uint64 header fields (0..3: magic, version, capacity, record_size).
-_H_WRITE_CURSOR, _H_GENERATION, _H_HEARTBEAT_NS = 4, 5, 6
+_H_WRITE_CURSOR, _H_HEARTBEAT_NS = 4, 5
 _NUM_HEADER_FIELDS = 8
 
 RECORD_DTYPE = np.dtype({
@@ -124,7 +125,6 @@ class RingEvent(NamedTuple):
     token_ids: list[int]
     text: bytes = b""
     finish: int = FINISH_NONE
-    is_first: bool = False
 
 
 class TokenRing:
@@ -144,14 +144,7 @@ class TokenRing:
 
     name = property(lambda self: self._name)
     write_cursor = property(lambda self: int(self.header[_H_WRITE_CURSOR]))
-    generation = property(lambda self: int(self.header[_H_GENERATION]))
     heartbeat_ns = property(lambda self: int(self.header[_H_HEARTBEAT_NS]))
-
-    def bump_generation(self) -> int:
-        """Supervisor only (the single writer of this field): a new decode worker starts."""
-        generation = self.generation + 1
-        self.header[_H_GENERATION] = generation
-        return generation
 
     def close(self) -> None:
         if self._owner is None:
@@ -246,15 +239,15 @@ def attach_ring(name: str) -> TokenRing:
 
 
 def event_records(request_id: int, index: int, token_ids: list[int], text: bytes,
-                  finish: int = FINISH_NONE, is_first: bool = False) -> list[RingRecord]:
+                  finish: int = FINISH_NONE) -> list[RingRecord]:
     """The records one event becomes, numbered from `index`: one per token, the event's
     text on its last token record and spilling into token-less continuation records; the
     finish (with the stream's record count) on the final one. The one framing of records:
     the writer publishes exactly these, and the front-end keeps the same for relay and
     recovery, so both agree on indices."""
     if len(token_ids) == 1 and len(text) <= MAX_TEXT_BYTES:  # the common case: one token per step
-        flags = (FLAG_FIRST if is_first else 0) | (FLAG_LAST if finish else 0)
-        return [RingRecord(request_id, index, token_ids[0], flags, finish, index + 1 if finish else 0, text)]
+        return [RingRecord(request_id, index, token_ids[0], FLAG_LAST if finish else 0, finish,
+                           index + 1 if finish else 0, text)]
     pieces = [text[at:at + MAX_TEXT_BYTES] for at in range(0, len(text), MAX_TEXT_BYTES)]
     rows = [(token_id, b"") for token_id in token_ids]
     if rows and pieces:
@@ -264,14 +257,10 @@ def event_records(request_id: int, index: int, token_ids: list[int], text: bytes
         rows += [(NO_TOKEN, piece) for piece in pieces]
     if not rows and finish:
         rows.append((NO_TOKEN, b""))
-    first_text_row = len(rows) - len(pieces)
     records = []
     for row_number, (token_id, piece) in enumerate(rows):
         is_last = bool(finish) and row_number == len(rows) - 1
-        flags = ((FLAG_FIRST if is_first and row_number == 0 else 0)
-                 | (FLAG_LAST if is_last else 0)
-                 | (FLAG_CONTINUED if first_text_row <= row_number < len(rows) - 1 else 0))
-        records.append(RingRecord(request_id, index + row_number, token_id, flags,
+        records.append(RingRecord(request_id, index + row_number, token_id, FLAG_LAST if is_last else 0,
                                   finish if is_last else 0, index + row_number + 1 if is_last else 0, piece))
     return records
 
@@ -285,13 +274,12 @@ class RingWriter:
         self._cursor = ring.write_cursor
 
     def publish(self, request_id: int, index_start: int, token_ids: list[int], text: bytes,
-                finish: int = FINISH_NONE, is_first: bool = False) -> int:
+                finish: int = FINISH_NONE) -> int:
         """Append one request's event; return the index its next record will have."""
-        return self.publish_many(
-            ((request_id, index_start, token_ids, text, finish, is_first),))[0]
+        return self.publish_many(((request_id, index_start, token_ids, text, finish),))[0]
 
     def publish_many(self, events: Iterable[RingEvent | tuple]) -> list[int]:
-        """Append the records of several events (RingEvent or 6-tuples in its field order)
+        """Append the records of several events (RingEvent or 5-tuples in its field order)
         and advance write_cursor once. Returns each event's next index. All records are packed
         before anything is stored, so an invalid event publishes nothing (RingError)."""
         pack = _RECORD_STRUCT.pack

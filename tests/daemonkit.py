@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -157,6 +158,65 @@ class RawPeer:
 
     def close(self) -> None:
         self._zctx.destroy(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+class ScriptedFrontEnd:
+    """A stand-in for the daemon's front-end on a real ipc socket, for what a real daemon
+    cannot be made to do on demand. It welcomes clients without a ring, answers health
+    pings, and answers each SUBMIT with the messages `answer(request_id, body)` returns
+    ([(MsgType, body), ...]). With `reads=False` it stops reading once it has welcomed a
+    client, as a daemon that cut the client off, and keeps its receive queue tiny so the
+    client's sends back up soon."""
+
+    def __init__(self, answer=lambda request_id, body: [], reads: bool = True):
+        self.workdir = Path(tempfile.mkdtemp(prefix="cbt-"))
+        self.endpoint = f"ipc://{self.workdir / 'cbatch.sock'}"
+        self.env = {**os.environ, "CBATCH_ENDPOINT": self.endpoint}
+        self._answer, self._reads = answer, reads
+        self._zctx = zmq.Context()
+        self._sock = self._zctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if not reads:
+            self._sock.setsockopt(zmq.RCVHWM, 1)
+            self._sock.setsockopt(zmq.RCVBUF, 4096)
+        self._sock.bind(self.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(50):
+                continue
+            identity, *frames = self._sock.recv_multipart()
+            msg_type, body = unpack(frames)
+            if msg_type is MsgType.HELLO:
+                replies = [(MsgType.WELCOME, {"version": PROTOCOL_VERSION, "model": "scripted", "parallel": 1,
+                                              "ctx_per_seq": 0, "use_ring": False, "ring_name": "",
+                                              "tick_endpoint": ""})]
+            elif msg_type is MsgType.SUBMIT:
+                replies = self._answer(body["request_id"], body["body"])
+            elif msg_type is MsgType.HEALTH:
+                replies = [(MsgType.HEALTH_REPLY, {"nonce": body["nonce"], "status": "ok", "lost_request_ids": []})]
+            else:
+                replies = []
+            for reply_type, reply in replies:
+                self._sock.send_multipart([identity, *pack(reply_type, reply)])
+            if not self._reads:
+                self._stop.wait()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._zctx.term()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self):
         return self

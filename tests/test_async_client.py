@@ -5,6 +5,7 @@ import asyncio
 import os
 import signal
 import time
+from collections import deque
 
 import pytest
 
@@ -80,6 +81,50 @@ def test_break_out_of_async_stream_batch_cancels_every_outstanding_request(daemo
     assert pulled == [0, 1, 2]  # nothing beyond max_in_flight was submitted
     cancelled = [stats["num_requests_by_outcome"].get("cancelled", 0) for stats in (before, after)]
     assert cancelled[1] == cancelled[0] + 3
+
+
+def test_cancel_ends_an_async_stream_keeping_what_it_produced(daemon):
+    async def scenario(client):
+        stream, chunks = client.submit(**ENDLESS), []
+        async for chunk in client.read(stream):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                client.cancel(stream.request_id)
+        return chunks
+
+    chunks = in_async_client(daemon, scenario)
+    assert chunks[-1].finish_reason == "cancelled" and all(chunk.token_ids for chunk in chunks[:3])
+
+
+class LookCountingDeque(deque):
+    """A stream's pending chunks, counting how often anyone checked for some."""
+
+    num_looks = 0
+
+    def __len__(self):
+        self.num_looks += 1
+        return super().__len__()
+
+
+def test_a_waiting_stream_sleeps_while_other_streams_get_tokens(daemon):
+    """A reader whose request is queued is not woken by the tokens of the requests ahead
+    of it (the HTTP server waits on every open request at once), and still gets its own."""
+    async def scenario(client):
+        busy = [client.stream(**ENDLESS) for _ in range(4)]  # every slot of --parallel 4
+        queued = client.submit(prompt="queued", max_tokens=3, **GREEDY)
+        queued.pending = LookCountingDeque()
+        reader = asyncio.create_task(anext(client.read(queued)))
+        await asyncio.sleep(0)  # the reader runs up to its wait
+        looks_before = queued.pending.num_looks
+        for _ in range(100):
+            assert (await anext(busy[0])).token_ids
+        looks = queued.pending.num_looks - looks_before
+        for stream in busy:
+            await stream.aclose()  # cancels: the queued request gets a slot
+        return looks, await asyncio.wait_for(reader, GONE_TIMEOUT_S)
+
+    looks, first = in_async_client(daemon, scenario)
+    assert looks == 0 and first.token_ids
 
 
 def test_async_client_under_a_worker_kill(tiny_model_path, start_daemon):

@@ -233,10 +233,11 @@ def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemo
         killed_at = time.monotonic()
         wait_until(lambda: not pid_alive(worker_pid), timeout_s=5.0)
         assert time.monotonic() - killed_at < 2.5
-        if state == "generating":  # a client waiting on the dead daemon hears so soon
+        if state == "generating":  # a client waiting on the dead daemon hears so within about 5 s
+            waiting_since = time.monotonic()
             with pytest.raises(CbatchError) as err:
                 list(streams[0])
-            assert err.value.code == "unavailable" and time.monotonic() - killed_at < 9.0
+            assert err.value.code == "unavailable" and time.monotonic() - waiting_since < 5.5
     wait_until(lambda: not os.path.exists(f"/dev/shm/{ring_name}"), timeout_s=5.0)
     # A daemon started where the killed one ran removes its socket files.
     assert d.leftovers()

@@ -72,4 +72,4 @@ def test_worker_messages_round_trip_as_their_structs():
     for message in (events, WorkerSubmit(5, {"prompt": "x"}), WorkerReject(5, "invalid_request", "bad")):
         assert decode(encode(message)) == message
     first, last = events.events
-    assert first.ring_event().is_first and not last.ring_event().is_first and last.ring_event().finish
+    assert not first.ring_event().finish and last.ring_event().finish

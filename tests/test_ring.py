@@ -16,8 +16,6 @@ from cbatch.ipc.ring import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
     FINISH_STOP,
-    FLAG_CONTINUED,
-    FLAG_FIRST,
     FLAG_LAST,
     MAX_TEXT_BYTES,
     NO_TOKEN,
@@ -92,11 +90,7 @@ def check_stream(records: list[RingRecord], tokens: list[int], text: bytes,
     assert [r.token_id for r in records if r.token_id != NO_TOKEN] == tokens
     assert b"".join(r.text for r in records) == text
     assert all(len(r.text) <= MAX_TEXT_BYTES for r in records)
-    assert records[0].flags & FLAG_FIRST
-    assert not any(r.flags & FLAG_FIRST for r in records[1:])
-    for record, following in zip(records, records[1:]):
-        if record.flags & FLAG_CONTINUED:  # continuation pieces carry no token
-            assert following.token_id == NO_TOKEN and following.text
+    assert all(r.text for r in records if r.token_id == NO_TOKEN and not r.finish)  # a continuation carries text
     if finish is not None:
         last = records[-1]
         assert last.flags & FLAG_LAST and last.finish == finish and last.count == len(records)
@@ -111,14 +105,14 @@ def test_round_trip_with_long_utf8_text_and_finish_only_events(rings):
         reader.watch(request_id)
     long_text = "héllo wörld ✓ 日本語のテキスト 🎉 ".encode() * 3  # > 3 records of 32 bytes
 
-    next_1 = writer.publish(1, 0, [10], b"Hel", is_first=True)
+    next_1 = writer.publish(1, 0, [10], b"Hel")
     assert next_1 == 1
     next_1 = writer.publish(1, next_1, [11, 12], b"lo")
     next_1 = writer.publish(1, next_1, [13, 14], long_text)
     next_indices = writer.publish_many([
-        RingEvent(2, 0, [20], b"x" * MAX_TEXT_BYTES, is_first=True),
-        RingEvent(3, 0, [], b"", FINISH_CANCELLED, True),  # finish-only, first and last
-        RingEvent(4, 0, [], "ü".encode() * 20, is_first=True),  # text-only, 40 bytes
+        RingEvent(2, 0, [20], b"x" * MAX_TEXT_BYTES),
+        RingEvent(3, 0, [], b"", FINISH_CANCELLED),  # finish-only, first and last
+        RingEvent(4, 0, [], "ü".encode() * 20),  # text-only, 40 bytes
         RingEvent(1, next_1, [], b"", FINISH_STOP),  # finish-only
     ])
     writer.publish_many([RingEvent(2, next_indices[0], [21], b"y" * 33, FINISH_LENGTH),
@@ -130,11 +124,11 @@ def test_round_trip_with_long_utf8_text_and_finish_only_events(rings):
     check_stream(grouped[2], [20, 21], b"x" * 32 + b"y" * 33, FINISH_LENGTH)
     check_stream(grouped[3], [], b"", FINISH_CANCELLED)
     check_stream(grouped[4], [40], "ü".encode() * 20, FINISH_STOP)
-    assert grouped[3] == [RingRecord(3, 0, NO_TOKEN, FLAG_FIRST | FLAG_LAST,
+    assert grouped[3] == [RingRecord(3, 0, NO_TOKEN, FLAG_LAST,
                                      FINISH_CANCELLED, 1, b"")]
     # Text rides on the event's last token, then spills over; LAST lands on a continuation.
     assert [(r.token_id, r.text, r.flags) for r in grouped[2]] == [
-        (20, b"x" * 32, FLAG_FIRST), (21, b"y" * 32, FLAG_CONTINUED),
+        (20, b"x" * 32, 0), (21, b"y" * 32, 0),
         (NO_TOKEN, b"y", FLAG_LAST)]
     assert [(r.token_id, r.text) for r in grouped[1][1:3]] == [(11, b""), (12, b"lo")]
     assert grouped[1][3].text == b"" and grouped[1][4].token_id == 14
@@ -146,10 +140,10 @@ def test_exact_records_of_one_event(rings):
     reader = RingReader(ring)
     reader.watch(5)
     text = bytes(range(65, 65 + 26)) * 2 + b"\x00\x00"  # 54 bytes, trailing NULs kept
-    assert RingWriter(ring).publish(5, 0, [1, 2], text, FINISH_STOP, is_first=True) == 3
+    assert RingWriter(ring).publish(5, 0, [1, 2], text, FINISH_STOP) == 3
     assert reader.poll() == [
-        RingRecord(5, 0, 1, FLAG_FIRST, 0, 0, b""),
-        RingRecord(5, 1, 2, FLAG_CONTINUED, 0, 0, text[:32]),
+        RingRecord(5, 0, 1, 0, 0, 0, b""),
+        RingRecord(5, 1, 2, 0, 0, 0, text[:32]),
         RingRecord(5, 2, NO_TOKEN, FLAG_LAST, FINISH_STOP, 3, text[32:]),
     ]
 
@@ -160,7 +154,7 @@ def test_reader_gets_only_watched_requests(rings):
     reader_a, reader_b = RingReader(rings.attach(ring.name)), RingReader(ring)
     reader_a.watch(1)
     reader_b.watch(2)
-    writer.publish_many([RingEvent(rid, 0, [rid * 10], b"t", is_first=True) for rid in (1, 2, 3)])
+    writer.publish_many([RingEvent(rid, 0, [rid * 10], b"t") for rid in (1, 2, 3)])
     assert [(r.request_id, r.token_id) for r in reader_a.poll()] == [(1, 10)]
     assert [(r.request_id, r.token_id) for r in reader_b.poll()] == [(2, 20)]
     reader_a.unwatch(1)
@@ -170,10 +164,9 @@ def test_reader_gets_only_watched_requests(rings):
 
 def test_reader_starts_at_current_cursor_and_writer_continues_after_restart(rings):
     ring = rings.create(capacity=16)
-    RingWriter(ring).publish(1, 0, [1], b"old", is_first=True)
+    RingWriter(ring).publish(1, 0, [1], b"old")
     reader = RingReader(rings.attach(ring.name))  # starts after the old record
     reader.watch(1, next_index=1)
-    assert ring.bump_generation() == 1 and ring.generation == 1
     restarted = RingWriter(rings.attach(ring.name))  # a new worker on the same segment
     restarted.publish(1, 1, [2], b"new")
     assert [(r.index, r.text) for r in reader.poll()] == [(1, b"new")]
@@ -195,7 +188,7 @@ WRITER_CHILD = """
         events = [RingEvent(2, 0, [7], b"noise")] if with_noise else []
         for _ in range(min(rng.randint(1, 16), num_tokens - index)):
             finish = 1 if index == num_tokens - 1 else 0
-            events.append(RingEvent(1, index, [index], b"<%d>" % index, finish, index == 0))
+            events.append(RingEvent(1, index, [index], b"<%d>" % index, finish))
             index += 1
         writer.publish_many(events)
     ring.close()
@@ -274,10 +267,10 @@ def test_overrun_names_request_and_recovery_drops_duplicates(rings):
     reader.watch(7)
     reader.watch(8)
     reader.watch(9)
-    writer.publish(9, 0, [], b"", FINISH_STOP, is_first=True)
+    writer.publish(9, 0, [], b"", FINISH_STOP)
     assert [r.request_id for r in reader.poll()] == [9]  # 9 is finished: cannot lose records
     for index in range(100):
-        writer.publish(7, index, [1000 + index], b"", is_first=index == 0)
+        writer.publish(7, index, [1000 + index], b"")
     with pytest.raises(RingOverrun) as caught:
         reader.poll()
     assert caught.value.request_ids == {7, 8}
@@ -301,7 +294,7 @@ def test_record_overwritten_during_copy_is_an_overrun_not_data(rings):
     writer = RingWriter(ring)
     reader = RingReader(ring)
     reader.watch(1)
-    writer.publish(1, 0, [0, 1, 2, 3], b"", is_first=True)
+    writer.publish(1, 0, [0, 1, 2, 3], b"")
     ring.seqs[2] = 2 + 1 + ring.capacity  # as if a writer one lap ahead rewrote slot 2
     with pytest.raises(RingOverrun) as caught:
         reader.poll()
@@ -319,7 +312,7 @@ def test_batch_larger_than_the_ring_keeps_only_its_tail(rings):
     ring = rings.create(capacity=8)
     reader = RingReader(ring)
     reader.watch(1)
-    assert RingWriter(ring).publish(1, 0, list(range(20)), b"", FINISH_STOP, True) == 20
+    assert RingWriter(ring).publish(1, 0, list(range(20)), b"", FINISH_STOP) == 20
     with pytest.raises(RingOverrun) as caught:
         reader.poll()
     assert caught.value.request_ids == {1}
@@ -350,7 +343,7 @@ def test_index_gap_is_reported_and_held_records_released_by_resume(rings):
 
 @pytest.mark.parametrize("field, value", [
     (0, 0),  # magic
-    (1, 2),  # layout version
+    (1, 1),  # layout version
     (2, 1 << 40),  # absurd capacity
     (2, 3),  # not a power of two
     (2, 0),
@@ -398,7 +391,7 @@ def test_corrupt_record_raises_ring_error(rings, field, value):
     ring = rings.create(capacity=8)
     reader = RingReader(ring)
     reader.watch(1)
-    RingWriter(ring).publish(1, 0, [5], b"abc", FINISH_STOP, is_first=True)
+    RingWriter(ring).publish(1, 0, [5], b"abc", FINISH_STOP)
     ring.records[field][0] = value
     with pytest.raises(RingError) as caught:
         reader.poll()
@@ -422,7 +415,7 @@ ATTACH_CHILD = """
     import sys
     from cbatch.ipc.ring import RingWriter, attach_ring
     ring = attach_ring(sys.argv[1])
-    RingWriter(ring).publish(1, 0, [1], b"child", is_first=True)
+    RingWriter(ring).publish(1, 0, [1], b"child")
     if sys.argv[2] == "close":
         ring.close()
 """
@@ -466,7 +459,7 @@ def test_plain_shared_memory_attach_would_lose_the_segment():
 
 def _spawned_attach(name: str) -> None:
     with attach_ring(name) as ring:
-        RingWriter(ring).publish(1, 0, [1], b"spawned", is_first=True)
+        RingWriter(ring).publish(1, 0, [1], b"spawned")
 
 
 def test_spawned_child_sharing_the_tracker_leaves_the_segment_alone(rings):

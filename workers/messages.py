@@ -29,7 +29,7 @@ class TokenEvent:
 
     def ring_event(self) -> RingEvent:
         return RingEvent(self.request_id, self.index, self.token_ids, self.text.encode(),
-                         FINISH_CODES.get(self.finish_reason, 0), self.index == 0)
+                         FINISH_CODES.get(self.finish_reason, 0))
 
 
 @dataclass

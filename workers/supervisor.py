@@ -109,7 +109,7 @@ class Supervisor:
         self._generation = 0
 
     def _start_worker(self) -> None:
-        self._generation = self.ring.bump_generation()
+        self._generation += 1
         plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
         self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
         self.frontend.worker.expect(self._generation)
