@@ -1,7 +1,7 @@
 """Generated tokens/s through the OpenAI HTTP endpoint vs the ZeroMQ Client, in one run
 against one daemon (and vs llama-server over HTTP when a binary is given), closed loop
 with short prompts: tok/s with whole responses, then the same streamed for time to first
-token and inter-token latency (and streamed tok/s).
+token and inter-token latency (and streamed tok/s), each path both ways.
 
     .venv/bin/python scripts/bench_http.py --parallel 16 --requests 64 --max-tokens 64 \
         [--llama-server /path/to/llama-server]
@@ -52,13 +52,21 @@ def closed_loop(all_prompts: list[str], num_clients: int, make_send) -> tuple[fl
     return sum(counts) / elapsed_s, ttfts, itls
 
 
-def zmq_sender(endpoint: str, max_tokens: int):
+def zmq_sender(endpoint: str, max_tokens: int, is_stream: bool = False):
+    """Client.generate; streamed (Client.stream), a token's time is when its chunk arrives."""
     def make():
         client = Client(endpoint)
 
         def send(prompt):
-            result = client.generate(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            return result.usage["completion_tokens"], None, []
+            params = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            if not is_stream:
+                return client.generate(**params).usage["completion_tokens"], None, []
+            started, arrivals, num_tokens = time.perf_counter(), [], 0
+            for chunk in client.stream(**params):
+                if chunk.token_ids:
+                    arrivals.append(time.perf_counter())
+                    num_tokens += len(chunk.token_ids)
+            return num_tokens, (arrivals[0] - started) if arrivals else None, list(np.diff(arrivals))
 
         return send
 
@@ -153,6 +161,8 @@ def main(argv=None) -> None:
         wait_http(base_url)
         closed_loop(work[:args.parallel], args.parallel, zmq_sender(daemon.endpoint, 8))  # warm-up
         zmq_tps, _, _ = closed_loop(work, args.parallel, zmq_sender(daemon.endpoint, args.max_tokens))
+        zmq_stream_tps, zmq_ttfts, zmq_itls = closed_loop(work, args.parallel,
+                                                          zmq_sender(daemon.endpoint, args.max_tokens, True))
         pid = http_pid(daemon)
         cpu_before, started = cpu_seconds(pid), time.perf_counter()
         http_tps, stream_tps, ttfts, itls = http_runs(base_url, work, args, model)
@@ -161,9 +171,12 @@ def main(argv=None) -> None:
         daemon.stop()
     print(f"model {model}, parallel {args.parallel}, {args.requests} requests x {args.max_tokens} tokens, "
           f"{args.parallel} closed-loop clients")
-    print(f"ZeroMQ Client:   {zmq_tps:8.1f} tok/s")
+    print(f"ZeroMQ Client:   {zmq_tps:8.1f} tok/s whole responses; {zmq_stream_tps:.1f} tok/s streamed")
+    print(f"  streamed: TTFT {percentiles(zmq_ttfts)}")
+    print(f"  streamed: ITL  {percentiles(zmq_itls)}")
     print(f"HTTP (cbatch):   {http_tps:8.1f} tok/s whole responses = {http_tps / zmq_tps:.2f} of ZeroMQ; "
-          f"{stream_tps:.1f} tok/s streamed; HTTP server process CPU {100 * http_cpu:.0f}% of one core")
+          f"{stream_tps:.1f} tok/s streamed = {stream_tps / zmq_stream_tps:.2f} of ZeroMQ streamed; "
+          f"HTTP server process CPU {100 * http_cpu:.0f}% of one core")
     print(f"  streamed: TTFT {percentiles(ttfts)}")
     print(f"  streamed: ITL  {percentiles(itls)}")
     if args.llama_server:
