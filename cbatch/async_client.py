@@ -17,7 +17,9 @@ from cbatch.client import (CONNECT_TIMEOUT_S, DEFAULT_MAX_IN_FLIGHT, ClientBase,
 from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
-from cbatch.session import CONNECTION, LIVENESS_S, SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
+from cbatch.batch_feeder import BatchFeeder
+from cbatch.session import CONNECTION, LIVENESS_S, SAFETY_POLL_S, Session
+from cbatch.sockets import make_dealer, make_tick_socket
 from cbatch.streams import BatchResults, Chunk, Completion, RequestStream
 
 

@@ -17,7 +17,9 @@ from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.params import expand_choices
 from cbatch.protocol import MsgType
-from cbatch.session import SAFETY_POLL_S, BatchFeeder, Session, make_dealer, make_tick_socket
+from cbatch.batch_feeder import BatchFeeder
+from cbatch.session import SAFETY_POLL_S, Session
+from cbatch.sockets import make_dealer, make_tick_socket
 from cbatch.streams import BatchResults, Chunk, Completion, RequestStream
 
 DEFAULT_MAX_IN_FLIGHT = 64

@@ -6,14 +6,12 @@ new records.
 """
 
 import contextlib
-import os
 import secrets
 import time
 
 import zmq
-import zmq.auth
 
-from cbatch.errors import CbatchError, INTERNAL, INVALID_CONFIG, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
 from cbatch.streams import RequestStream
@@ -309,119 +307,3 @@ class Session:
             self._ring.close()
             self._ring = None
             self.reader = None
-
-
-class BatchFeeder:
-    """A batch's policy, shared by both clients: items are pulled from the input only as
-    requests finish (at most `max_in_flight` outstanding, so a huge or endless input
-    streams through), and each round hands over what arrived for the streams that got
-    something. The driver waits for `has_arrivals` between rounds."""
-
-    def __init__(self, session: Session, items, max_in_flight: int):
-        self._session = session
-        self._items = enumerate(items)
-        self._max_in_flight = max_in_flight
-        self._active: dict[int, RequestStream] = {}
-        self._is_exhausted = False
-
-    @property
-    def is_done(self) -> bool:
-        return self._is_exhausted and not self._active
-
-    def has_arrivals(self) -> bool:
-        return any(stream.pending for stream in self._active.values())
-
-    @property
-    def streams(self) -> list[RequestStream]:
-        """The outstanding requests: what the driver waits on between rounds."""
-        return list(self._active.values())
-
-    def fill(self) -> list[tuple[int, CbatchError]]:
-        """Submit items until max_in_flight are outstanding; the bad ones' errors."""
-        errors = []
-        while not self._is_exhausted and len(self._active) < self._max_in_flight:
-            position, item = next(self._items, (None, None))
-            if position is None:
-                self._is_exhausted = True
-                break
-            try:
-                label, body = split_item(item)
-                self._active[position] = self._session.submit(body, position if label is None else label)
-            except CbatchError as err:
-                errors.append((position, err))
-        return errors
-
-    def take_arrivals(self) -> list[tuple[int, object]]:
-        """(position, chunk or error) for everything that arrived, in arrival order per item."""
-        arrivals = []
-        for position, stream in list(self._active.items()):
-            while stream.pending:
-                arrivals.append((position, stream.pending.popleft()))
-            if stream.is_done:
-                self._session.forget(self._active.pop(position))
-        return arrivals
-
-    def close(self) -> None:
-        """Cancel what is still outstanding (the caller stopped early)."""
-        if self._session.is_closed:
-            return
-        for stream in self._active.values():
-            self._session.cancel(stream.request_id)
-            self._session.forget(stream)
-        self._active.clear()
-
-
-def split_item(item) -> tuple[object, dict]:
-    """A batch item is a prompts.jsonl line: {"id": ..., "prompt"/"messages": ..., params},
-    or a plain prompt string. Returns (the caller's id or None, the request body)."""
-    if isinstance(item, CbatchError):
-        raise item  # the caller already knows this item is bad (e.g. a line that is not JSON)
-    if isinstance(item, str):
-        return None, {"prompt": item}
-    if not isinstance(item, dict):
-        raise CbatchError(INVALID_REQUEST, "each batch item must be a dict or a prompt string")
-    body = dict(item)
-    return body.pop("id", None), body
-
-
-def use_curve(sock, server_key_file: str | None, client_key_file: str | None) -> None:
-    """Speak CurveZMQ to a daemon that requires it. server_key_file: the daemon's public
-    certificate; client_key_file: this client's secret certificate (without one, a fresh
-    key pair, which a daemon that admits only listed clients refuses). Defaults come from
-    CBATCH_CURVE_SERVER_KEY and CBATCH_CURVE_CLIENT_KEY."""
-    server_key_file = server_key_file or os.environ.get("CBATCH_CURVE_SERVER_KEY")
-    client_key_file = client_key_file or os.environ.get("CBATCH_CURVE_CLIENT_KEY")
-    if not server_key_file:
-        return
-    try:
-        server_public, _ = zmq.auth.load_certificate(server_key_file)
-        if client_key_file:
-            client_public, client_secret = zmq.auth.load_certificate(client_key_file)
-        else:
-            client_public, client_secret = zmq.curve_keypair()
-    except (OSError, ValueError) as err:
-        raise CbatchError(INVALID_CONFIG, f"cannot read a CurveZMQ certificate: {err}") from None
-    if not client_secret:
-        raise CbatchError(INVALID_CONFIG, f"{client_key_file} holds no secret key (use the .key_secret file)")
-    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, client_public, client_secret
-
-
-def make_dealer(zctx, endpoint: str, server_key_file: str | None, client_key_file: str | None):
-    """The client's socket to the front-end. Its routing id is fixed for the client's life,
-    so after a reconnect the front-end still knows whose requests these are."""
-    dealer = zctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
-    dealer.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))  # ids starting 0x00 are libzmq's
-    use_curve(dealer, server_key_file, client_key_file)
-    dealer.connect(endpoint)
-    return dealer
-
-
-def make_tick_socket(zctx, endpoint: str):
-    sub = zctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVHWM, 16)  # ticks carry no data: a few queued are as good as many
-    sub.connect(endpoint)
-    return sub
