@@ -10,7 +10,7 @@ import pytest
 
 import cbatch
 from cbatch.async_client import AsyncClient
-from daemonkit import SCRIPTS_DIR, Daemon, serve_module
+from daemonkit import SCRIPTS_DIR, Daemon, serve_module, wait_until
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
@@ -125,14 +125,16 @@ def test_busy_daemon_logs_progress_lines_and_an_idle_one_none(tiny_model_path, s
                           r"\d+ active, \d+ queued, \d+ requests? in flight$", re.M)
     with d.client() as client:
         client.generate_batch([{"prompt": f"busy {i}", "max_tokens": 200, **GREEDY} for i in range(4)] * 3)
-        time.sleep(1.0)  # the interval that saw the last requests finish ends and gets its line
+        if not quiet:  # the interval that saw the last requests finish ends with a line of its own
+            wait_until(lambda: any(line.endswith(" 0 requests in flight") for line in progress.findall(d.log())),
+                       timeout_s=30.0)
         busy_lines = progress.findall(d.log())
         time.sleep(1.5)  # idle for three intervals: no line may appear
         assert progress.findall(d.log()) == busy_lines
     if quiet:
         assert busy_lines == []
     else:
-        assert busy_lines and any(not line.startswith("0.0 tok/s") for line in busy_lines), d.log()
+        assert any(not line.startswith("0.0 tok/s") for line in busy_lines), d.log()
 
 
 @pytest.mark.parametrize("ctx_size, parallel, ctx_per_seq", [(100, 1, 256), (4000, 3, 1536)])
