@@ -231,9 +231,10 @@ class Supervisor:
 def run_daemon(config: DaemonConfig) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code."""
     _raise_open_file_limit()
-    lock_fd = _lock_endpoint(config.endpoint)
-    supervisor = None
-    try:
+    lock_fd = supervisor = None
+    try:  # every mistake a user can make ends here as one line and exit code 1
+        resolve_model_path(config.engine.model_path)  # a wrong --model fails now, not in a worker
+        lock_fd = _lock_endpoint(config.endpoint)
         removed = remove_leftovers(runtime_dir())
         if removed:
             log.info("removed %s left by daemons that are no longer running", counted(len(removed), "file"))
