@@ -88,3 +88,16 @@ def test_worker_that_cannot_start_ends_the_daemon_with_its_reason(workdir):
     assert "failed to start" not in daemon.stderr and time.monotonic() - started < 30
     assert [list(p.iterdir()) for p in (workdir / "run").iterdir()] == [[]]
     assert sorted(p.name for p in workdir.iterdir()) == ["not-a-model.gguf", "run"]
+
+
+def test_an_idle_daemon_stops_at_once_on_sigterm(tiny_model_path, start_daemon):
+    # Nothing to drain: the loop notices the signal within one poll (0.1 s), the worker
+    # wakes from its idle wait on WORKER_STOP; the rest is the two interpreters exiting.
+    d = start_daemon(tiny_model_path, "--parallel", "2")
+    with d.client() as client:
+        client.generate(prompt="x", max_tokens=3)
+    d.process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert d.process.wait(timeout=30) == 0, d.log()
+    assert time.monotonic() - started < 1.5
+    assert d.leftovers() == []
