@@ -269,7 +269,7 @@ def test_the_daemon_takes_every_descriptor_its_hard_limit_allows(tiny_model_path
     assert daemon_soft == daemon_hard or (hard == resource.RLIM_INFINITY and int(daemon_soft) >= 1 << 20)
 
 
-def test_late_events_of_a_dead_worker_are_ignored(tiny_model_path, start_daemon):
+def test_late_messages_of_a_dead_worker_are_ignored(tiny_model_path, start_daemon):
     import zmq
 
     from cbatch.protocol import MsgType, pack
@@ -283,10 +283,17 @@ def test_late_events_of_a_dead_worker_are_ignored(tiny_model_path, start_daemon)
     stale.connect(f"ipc://{control}")
     try:
         with d.client() as client:
-            stream = client.submit(prompt="x", max_tokens=400, **GREEDY)
-            event = [stream.request_id, 0, [1], "x", "stop", {"prompt_tokens": 1, "completion_tokens": 1}, None]
+            request = client.submit(prompt="x", max_tokens=2000, **GREEDY)
+            stream = client.read(request)
+            first = next(stream)  # the request runs on the live worker: a stale finish would end it
+            event = [request.request_id, 0, [1], "x", "stop", {"prompt_tokens": 1, "completion_tokens": 1}, None]
             stale.send_multipart(pack(MsgType.WORKER_EVENTS, {"events": [event]}))
-            chunks = list(client.read(stream))
-        assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 400
+            stale.send_multipart(pack(MsgType.WORKER_READY, {"pid": 1, "model": "stale", "ctx_per_seq": 16,
+                                                               "prefix_cache": "off"}))
+            chunks = [first, *stream]
+            health = client.health()
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 2000
+        assert len(sum((c.token_ids for c in chunks), [])) == 2000
+        assert (health["worker_pid"], health["model"]) == (d.health["worker_pid"], d.health["model"])
     finally:
         zctx.destroy(linger=0)
