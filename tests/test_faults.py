@@ -1,4 +1,4 @@
-"""Faults survived: dead clients, a killed or failing worker, signals, a taken endpoint."""
+"""Faults survived: dead clients, a killed or hung worker, signals, a killed supervisor."""
 
 import os
 import shutil
@@ -73,25 +73,6 @@ def test_killed_worker_fails_in_flight_requests_and_is_restarted(tiny_model_path
         assert d.stop() == 0
 
 
-def test_worker_that_cannot_start_ends_the_daemon_with_its_reason():
-    tmp_path = Path(tempfile.mkdtemp(prefix="cbt-"))  # short enough for a socket path
-    bad_model = tmp_path / "not-a-model.gguf"
-    bad_model.write_bytes(b"GGUF" + os.urandom(4096))
-    run_dir = tmp_path / "run"
-    run_dir.mkdir(mode=0o700)
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(run_dir), "CBATCH_ENDPOINT": f"ipc://{tmp_path}/d.sock"}
-    started = time.monotonic()
-    daemon = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), "--model", str(bad_model)], env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert daemon.returncode == 1
-    # A model that does not load is a setting to change, not a crash to retry: one line, at once.
-    assert "could not load" in daemon.stderr and "Traceback" not in daemon.stderr
-    assert "failed to start" not in daemon.stderr and time.monotonic() - started < 30
-    assert [list(p.iterdir()) for p in run_dir.iterdir()] == [[]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["not-a-model.gguf", "run"]
-    shutil.rmtree(tmp_path)
-
-
 def test_sigterm_drains_cancels_after_grace_and_refuses_new_work(tiny_model_path, start_daemon):
     d = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 16384), "--drain-grace", "1")
     ring_name, worker_pid = d.ring_name(), d.health["worker_pid"]
@@ -161,20 +142,6 @@ def test_sigint_lets_short_requests_finish(tiny_model_path, start_daemon):
         rest = list(stream)
     assert rest[-1].finish_reason == "length" and rest[-1].usage["completion_tokens"] == 200
     assert d.stop() == 0
-
-
-def test_second_daemon_on_the_same_endpoint_fails_fast(tiny_model_path, start_daemon):
-    d = start_daemon(tiny_model_path, "--parallel", "1")
-    try:
-        started = time.monotonic()
-        second = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), "--model", tiny_model_path], env=d.env,
-                                capture_output=True, text=True, timeout=60)
-        assert time.monotonic() - started < 10
-        assert second.returncode == 1 and "another cbatch-worker is serving" in second.stderr
-        with d.client() as client:  # the first one is untouched
-            assert client.generate(prompt="x", max_tokens=3).finish_reason in ("length", "stop")
-    finally:
-        assert d.stop() == 0
 
 
 def test_a_client_that_stops_reading_is_cut_off_without_costing_others(tiny_model_path, start_daemon):
@@ -303,7 +270,7 @@ def test_the_daemon_takes_every_descriptor_its_hard_limit_allows(tiny_model_path
     assert daemon_soft == daemon_hard or (hard == resource.RLIM_INFINITY and int(daemon_soft) >= 1 << 20)
 
 
-def test_late_events_of_a_dead_worker_are_ignored(tiny_model_path, start_daemon):
+def test_late_messages_of_a_dead_worker_are_ignored(tiny_model_path, start_daemon):
     import zmq
 
     from cbatch.protocol import MsgType, pack
@@ -317,10 +284,17 @@ def test_late_events_of_a_dead_worker_are_ignored(tiny_model_path, start_daemon)
     stale.connect(f"ipc://{control}")
     try:
         with d.client() as client:
-            stream = client.submit(prompt="x", max_tokens=400, **GREEDY)
-            event = [stream.request_id, 0, [1], "x", "stop", {"prompt_tokens": 1, "completion_tokens": 1}, None]
+            request = client.submit(prompt="x", max_tokens=2000, **GREEDY)
+            stream = client.read(request)
+            first = next(stream)  # the request runs on the live worker: a stale finish would end it
+            event = [request.request_id, 0, [1], "x", "stop", {"prompt_tokens": 1, "completion_tokens": 1}, None]
             stale.send_multipart(pack(MsgType.WORKER_EVENTS, {"events": [event]}))
-            chunks = list(client.read(stream))
-        assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 400
+            stale.send_multipart(pack(MsgType.WORKER_READY, {"pid": 1, "model": "stale", "ctx_per_seq": 16,
+                                                               "prefix_cache": "off"}))
+            chunks = [first, *stream]
+            health = client.health()
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 2000
+        assert len(sum((c.token_ids for c in chunks), [])) == 2000
+        assert (health["worker_pid"], health["model"]) == (d.health["worker_pid"], d.health["model"])
     finally:
         zctx.destroy(linger=0)

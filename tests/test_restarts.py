@@ -83,3 +83,21 @@ def test_a_client_of_a_restarted_daemon_learns_its_request_was_lost(tiny_model_p
         again_result = client.generate(prompt="again", max_tokens=5, **GREEDY)
     assert again_result.finish_reason == "length" and len(again_result.token_ids) == 5
     assert again.stop() == 0
+
+
+def test_a_request_cancelled_while_held_reaches_a_ring_reader_without_a_fetch(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    with d.client() as client:
+        assert client.info["use_ring"]
+        num_fetches = client.stats()["num_fetches"]
+        _, stream = submit_while_restarting(client, prompt="held", max_tokens=50, **GREEDY)
+        client.cancel(stream.request_id)
+        # Answered in order after the cancel: the cancel found the request still held.
+        assert client.health()["status"] == "starting"
+        chunks = list(client.read(stream))
+        # The front-end made this finish itself and no worker wrote it to the ring: it sends
+        # the records too, so the reader has them without a FETCH (the front-end's own count).
+        assert client.stats()["num_fetches"] == num_fetches
+    assert chunks[-1].finish_reason == "cancelled" and chunks[-1].usage["completion_tokens"] == 0
+    assert sum((c.token_ids for c in chunks), []) == []
+    assert d.stop() == 0

@@ -157,6 +157,15 @@ class RequestPreparer(threading.Thread):
             return self._engine.prepare(parse_request(submit.request_id, submit.body))
         except (CbatchError, ValueError) as err:
             return _rejection(submit.request_id, err)
+        except Exception as err:
+            # A bug costs this request an `internal` error, not the worker: prepare reads only
+            # the model, never engine state, so nothing the running requests rely on can be
+            # broken, and ending the worker would fail all of them. The thread must live on:
+            # without it every later submit would wait forever while the heartbeat (stamped by
+            # the loop) kept the watchdog content.
+            traceback.print_exc()
+            return WorkerReject(submit.request_id, INTERNAL, f"the worker failed to prepare this request: "
+                                                             f"{type(err).__name__}")
 
 
 def _rejection(request_id: int, err: Exception) -> WorkerReject:

@@ -3,7 +3,9 @@
 It validates every client message, keeps the bounded table of in-flight requests
 (request_table), forwards submits and cancels to the decode worker (worker_link), and
 relays the worker's events: the finish (with usage and the record count) to every owner,
-and the records themselves to clients that do not read the ring (client_link).
+and the records themselves to clients that do not read the ring (client_link). The
+supervisor owns the worker link (it starts and stops workers); the front-end only sends
+requests over it and reads what it knows of the live worker.
 """
 
 import logging
@@ -18,8 +20,7 @@ from cbatch.ipc.ring import NO_TOKEN, RingRecord, event_records
 from cbatch.params import parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.client_link import ClientLink
-from cbatch.workers.messages import (TokenEvent, WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerStop,
-                                      WorkerSubmit)
+from cbatch.workers.messages import TokenEvent, WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
 from cbatch.workers.request_table import Job, RequestTable
 from cbatch.workers.worker_link import WorkerLink
 
@@ -30,26 +31,34 @@ MAX_RECORDS_PER_MESSAGE = 4096  # RECORDS replies are split to stay far inside t
 
 
 class FrontEnd:
-    def __init__(self, zctx: zmq.Context, config: DaemonConfig, ring_name: str, tick_endpoint: str,
-                 control_endpoint: str):
+    def __init__(self, zctx: zmq.Context, config: DaemonConfig, worker: WorkerLink, ring_name: str,
+                 tick_endpoint: str):
         self.config = config
+        self.worker = worker
         self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
         self.clients = ClientLink(zctx, config)
-        try:
-            self.worker = WorkerLink(zctx, control_endpoint)
-        except Exception:
-            self.clients.close()
-            raise
         engine = config.engine
         self.requests = RequestTable(engine.parallel + engine.max_queue, config.retention_s)
         self._use_ring: dict[bytes, bool] = {}
-        self.is_draining = False
+        self._is_draining = False
         self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)
 
     @property
-    def sockets(self) -> list:
-        """What the supervisor polls: the worker's socket, client disconnects, clients."""
-        return [self.worker.socket, self.clients.disconnects, self.clients.socket]
+    def client_sockets(self) -> list:
+        """What the supervisor polls for clients: their disconnects, their messages."""
+        return [self.clients.disconnects, self.clients.socket]
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.requests.active)
+
+    @property
+    def num_ended(self) -> int:
+        return sum(self.requests.num_ended_by_outcome.values())
+
+    def start_draining(self) -> None:
+        """From now on a submit gets SHUTTING_DOWN; requests in flight run on."""
+        self._is_draining = True
 
     # ---- clients ----------------------------------------------------------------
     def on_client_messages(self) -> None:
@@ -130,7 +139,7 @@ class FrontEnd:
         parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
         if len(msgpack.packb(request_body)) > MAX_FRAME_BYTES - 1024:  # floats re-encode wider
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
-        if self.is_draining:
+        if self._is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request_body.get("logprobs") is not None
@@ -165,7 +174,7 @@ class FrontEnd:
     def _health(self, identity: bytes, body: dict) -> None:
         """Also the liveness ping of a waiting client, listing the requests it waits for:
         their finishes are sent again, and ids this client does not own are named lost."""
-        status = "draining" if self.is_draining else "ok" if self.worker.ready else "starting"
+        status = "draining" if self._is_draining else "ok" if self.worker.ready else "starting"
         ready = self.worker.ready
         lost = []
         for request_id in (field(body, "request_ids", list, optional=True) or [])[:MAX_RECORDS_PER_MESSAGE]:
@@ -252,9 +261,5 @@ class FrontEnd:
         for job in list(self.requests.active.values()):
             self._cancel_job(job)
 
-    def stop_worker(self) -> None:
-        self.worker.send(WorkerStop())
-
     def close(self) -> None:
         self.clients.close()
-        self.worker.close()

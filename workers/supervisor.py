@@ -26,7 +26,9 @@ from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker
 from cbatch.workers.frontend import FrontEnd
 from cbatch.workers.http_process import HttpProcess
 from cbatch.workers.leftovers import remove_leftovers
+from cbatch.workers.messages import WorkerStop
 from cbatch.workers.progress import ProgressLog
+from cbatch.workers.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.worker")
 
@@ -91,7 +93,8 @@ class Supervisor:
             raise CbatchError(INVALID_CONFIG, f"cannot create the token ring: {err}") from None
         self.zctx = zmq.Context()
         try:
-            self.frontend = FrontEnd(self.zctx, config, self.ring.name, self.tick_endpoint, self.control_endpoint)
+            self.worker_link = WorkerLink(self.zctx, self.control_endpoint)
+            self.frontend = FrontEnd(self.zctx, config, self.worker_link, self.ring.name, self.tick_endpoint)
         except (zmq.ZMQError, CbatchError, ValueError, OSError) as err:
             self.zctx.destroy(linger=0)
             self.ring.close()
@@ -112,17 +115,17 @@ class Supervisor:
         self._generation += 1
         plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
         self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
-        self.frontend.worker.expect(self._generation)
+        self.worker_link.expect(self._generation)
         self.worker.start()
 
     def _poll(self, timeout_ms: int) -> bool:
         """Serve both sockets once; return True if the worker process has exited."""
         poller = zmq.Poller()
-        for sock in (*self.frontend.sockets, self.worker.sentinel):
+        for sock in (self.worker_link.socket, *self.frontend.client_sockets, self.worker.sentinel):
             poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(timeout_ms))
-        worker_socket, disconnects, clients = self.frontend.sockets
-        if worker_socket in ready:
+        disconnects, clients = self.frontend.client_sockets
+        if self.worker_link.socket in ready:
             self.frontend.on_worker_messages()
         if disconnects in ready:  # before new messages, which may reuse a closed descriptor
             self.frontend.on_disconnects()
@@ -138,19 +141,19 @@ class Supervisor:
                 time.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
             self._start_worker()
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while self.frontend.worker.ready is None and time.monotonic() < deadline and not self.stop_requested:
+            while self.worker_link.ready is None and time.monotonic() < deadline and not self.stop_requested:
                 if self._poll(LOOP_POLL_MS):
                     self.worker.join()
                     break
-            failure = self.frontend.worker.failure
-            if self.frontend.worker.ready is not None or self.stop_requested:
+            failure = self.worker_link.failure
+            if self.worker_link.ready is not None or self.stop_requested:
                 return
             if failure is not None and failure.code == INVALID_CONFIG:
                 raise CbatchError(INVALID_CONFIG, failure.message)  # the same settings fail again
             if self.worker.is_alive():
                 self.worker.kill()
                 self.worker.join()
-        failure = self.frontend.worker.failure
+        failure = self.worker_link.failure
         reason = failure.message if failure is not None else f"exit code {self.worker.exitcode}"
         raise CbatchError(WORKER_RESTARTED, f"the decode worker failed to start {MAX_STARTUP_FAILURES} times: {reason}")
 
@@ -160,15 +163,15 @@ class Supervisor:
         self._start_until_ready()
         if self.stop_requested:
             return
-        ready = self.frontend.worker.ready
+        ready = self.worker_link.ready
         log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, endpoint %s, "
                  "ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
                  ready.prefix_cache, self.config.endpoint, self.ring.name, ready.pid)
         drain_deadline, is_cancelled = None, False
         progress = ProgressLog(self.config.progress_interval_s)
         while True:
-            progress.update(time.monotonic(), len(self.frontend.requests.active), self.frontend.worker.stats,
-                            sum(self.frontend.requests.num_ended_by_outcome.values()))
+            progress.update(time.monotonic(), self.frontend.num_in_flight, self.worker_link.stats,
+                            self.frontend.num_ended)
             if self.http is not None and drain_deadline is None:
                 self.http.poll()
             if self._poll(LOOP_POLL_MS):
@@ -185,15 +188,15 @@ class Supervisor:
                 self.worker.kill()  # the next poll sees it gone and takes the restart path
                 continue
             if self.stop_requested and drain_deadline is None:
-                log.info("draining: %s in flight, grace %.0f s", counted(len(self.frontend.requests.active), "request"),
+                log.info("draining: %s in flight, grace %.0f s", counted(self.frontend.num_in_flight, "request"),
                          self.config.drain_grace_s)
-                self.frontend.is_draining = True
+                self.frontend.start_draining()
                 if self.http is not None:
                     self.http.drain()
                 drain_deadline = time.monotonic() + self.config.drain_grace_s
             if drain_deadline is not None:
                 now = time.monotonic()
-                if not self.frontend.requests.active:
+                if not self.frontend.num_in_flight:
                     return
                 if now > drain_deadline and not is_cancelled:
                     self.frontend.cancel_all()
@@ -205,7 +208,7 @@ class Supervisor:
     def _is_hung(self) -> bool:
         """The worker stamps the ring after every step and every idle wake-up."""
         timeout_s = self.config.worker_timeout_s
-        if not timeout_s or self.frontend.worker.ready is None:
+        if not timeout_s or self.worker_link.ready is None:
             return False
         return (time.monotonic_ns() - self.ring.heartbeat_ns) / 1e9 > timeout_s
 
@@ -214,13 +217,14 @@ class Supervisor:
             self.http.stop()  # its last responses end before the daemon stops answering
         self.frontend.fail_all(UNAVAILABLE, "the cbatch daemon stopped")
         if self.worker is not None and self.worker.is_alive():
-            if self.frontend.worker.ready is not None:  # it runs its loop: ask it to leave and clean up
-                self.frontend.stop_worker()
+            if self.worker_link.ready is not None:  # it runs its loop: ask it to leave and clean up
+                self.worker_link.send(WorkerStop())
                 self.worker.join(STOP_TIMEOUT_S)
             if self.worker.is_alive():  # still loading the model, or stuck
                 self.worker.kill()
                 self.worker.join()
         self.frontend.close()
+        self.worker_link.close()
         self.zctx.term()
         self.ring.close()
         self.ring.unlink()
@@ -233,9 +237,10 @@ def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -
     """Serve until SIGTERM/SIGINT; return the process exit code. `http_socket`, bound by
     the caller, is served by the OpenAI-compatible HTTP server."""
     _raise_open_file_limit()
-    lock_fd = _lock_endpoint(config.endpoint)
-    supervisor = None
-    try:
+    lock_fd = supervisor = None
+    try:  # every mistake a user can make ends here as one line and exit code 1
+        resolve_model_path(config.engine.model_path)  # a wrong --model fails now, not in a worker
+        lock_fd = _lock_endpoint(config.endpoint)
         removed = remove_leftovers(runtime_dir())
         if removed:
             log.info("removed %s left by daemons that are no longer running", counted(len(removed), "file"))

@@ -1,4 +1,7 @@
-"""The front-end's socket to the decode worker, and what it knows of the live worker.
+"""The daemon's socket to the decode worker, and what is known of the live worker.
+
+The supervisor owns it: it names each worker it starts (expect), waits for its READY or
+its failure, and stops it. The front-end sends requests over it and relays its events.
 
 Each worker speaks under a routing id of its generation (decode_worker.worker_identity),
 so the last messages of a worker that died are told apart from the live one's and dropped:

@@ -1,0 +1,103 @@
+"""Starting and stopping the daemon: a user's mistake (a taken endpoint, a missing
+directory, a model file that is not there or cannot be read or loaded) is one line and
+exit code 1, never a traceback; an idle daemon stops at once."""
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from daemonkit import SCRIPTS_DIR
+
+
+@pytest.fixture
+def workdir():
+    path = Path(tempfile.mkdtemp(prefix="cbt-"))  # short enough for a socket path
+    (path / "run").mkdir(mode=0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_worker(workdir: Path, model: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = env or {**os.environ, "XDG_RUNTIME_DIR": str(workdir / "run"), "CBATCH_ENDPOINT": f"ipc://{workdir}/d.sock"}
+    return subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), "--model", model, *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line(daemon: subprocess.CompletedProcess, reason: str) -> None:
+    lines = daemon.stderr.splitlines()
+    assert daemon.returncode == 1 and len(lines) == 1, daemon.stderr
+    assert lines[0].startswith("cbatch-worker: ") and reason in lines[0] and "Traceback" not in daemon.stderr
+
+
+def test_second_daemon_on_the_same_endpoint_fails_fast(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "1")
+    try:
+        started = time.monotonic()
+        second = run_worker(d.workdir, tiny_model_path, env=d.env)
+        assert time.monotonic() - started < 10
+        assert_one_line(second, "another cbatch-worker is serving")
+        with d.client() as client:  # the first one is untouched
+            assert client.generate(prompt="x", max_tokens=3).finish_reason in ("length", "stop")
+    finally:
+        assert d.stop() == 0
+
+
+def test_an_endpoint_in_a_missing_directory_is_one_line(tiny_model_path, workdir):
+    daemon = run_worker(workdir, tiny_model_path, "--endpoint", f"ipc://{workdir}/missing/d.sock")
+    assert_one_line(daemon, "does its directory exist?")
+
+
+def test_a_missing_model_file_fails_before_any_worker_starts(workdir):
+    started = time.monotonic()
+    daemon = run_worker(workdir, str(workdir / "missing.gguf"))
+    assert_one_line(daemon, "model file not found")
+    # Nothing was created: no ring, no sockets, no worker (which alone takes seconds to start).
+    assert time.monotonic() - started < 10
+    assert sorted(p.name for p in workdir.iterdir()) == ["run"] and not any((workdir / "run").iterdir())
+
+
+@pytest.mark.parametrize("kind", ["no read permission", "a directory"])
+def test_a_model_file_that_cannot_be_read_says_why(tiny_model_path, workdir, kind):
+    model = workdir / "model.gguf"
+    if kind == "a directory":
+        model.mkdir()
+        reason = "is a directory"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root reads a file whatever its mode")
+        shutil.copy(tiny_model_path, model)
+        model.chmod(0)
+        reason = "permission denied"
+    assert_one_line(run_worker(workdir, str(model)), reason)
+
+
+def test_worker_that_cannot_start_ends_the_daemon_with_its_reason(workdir):
+    bad_model = workdir / "not-a-model.gguf"
+    bad_model.write_bytes(b"GGUF" + os.urandom(4096))
+    started = time.monotonic()
+    daemon = run_worker(workdir, str(bad_model))
+    # A model that does not load is a setting to change, not a crash to retry: one line, at once.
+    assert daemon.returncode == 1
+    assert "could not load" in daemon.stderr and "Traceback" not in daemon.stderr
+    assert "failed to start" not in daemon.stderr and time.monotonic() - started < 30
+    assert [list(p.iterdir()) for p in (workdir / "run").iterdir()] == [[]]
+    assert sorted(p.name for p in workdir.iterdir()) == ["not-a-model.gguf", "run"]
+
+
+def test_an_idle_daemon_stops_at_once_on_sigterm(tiny_model_path, start_daemon):
+    # Nothing to drain: the loop notices the signal within one poll (0.1 s), the worker
+    # wakes from its idle wait on WORKER_STOP; the rest is the two interpreters exiting.
+    d = start_daemon(tiny_model_path, "--parallel", "2")
+    with d.client() as client:
+        client.generate(prompt="x", max_tokens=3)
+    d.process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert d.process.wait(timeout=30) == 0, d.log()
+    assert time.monotonic() - started < 1.5
+    assert d.leftovers() == []

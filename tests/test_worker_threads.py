@@ -1,0 +1,126 @@
+"""The decode worker's threads, through a real worker process and a stand-in for the
+front-end (a ROUTER the test binds): a request the preparer fails on costs only that
+request, and a dead I/O thread ends the worker, as the supervisor needs to notice it."""
+
+import multiprocessing
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from cbatch.config import EngineConfig
+from cbatch.ipc.ring import create_ring
+from cbatch.protocol import MsgType, pack
+from cbatch.workers import decode_worker
+from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker, worker_identity
+from cbatch.workers.messages import WorkerEvents, WorkerReady, WorkerReject, WorkerStop, WorkerSubmit, decode, encode
+
+GENERATION = 1
+REPLY_TIMEOUT_S = 60.0  # the first reply includes loading the model
+FAULTY_PROMPT = "the preparer fails on this one"
+
+
+def run_worker_with_a_faulty_prepare(plan: WorkerPlan) -> None:
+    """The worker, with prepare failing as a bug would (not a CbatchError or ValueError)
+    on one prompt."""
+    prepare = decode_worker.Engine.prepare
+
+    def faulty_prepare(engine, request):
+        if request.prompt == FAULTY_PROMPT:
+            raise KeyError("a bug")
+        return prepare(engine, request)
+
+    decode_worker.Engine.prepare = faulty_prepare
+    run_decode_worker(plan)
+
+
+class FrontEndStandIn:
+    """Binds the control socket, creates the ring and starts one real worker process."""
+
+    def __init__(self, model_path: str, target=run_decode_worker):
+        self.workdir = Path(tempfile.mkdtemp(prefix="cbt-"))  # short enough for socket paths
+        self.zctx = zmq.Context()
+        self.socket = self.zctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        control = f"ipc://{self.workdir}/control.sock"
+        self.socket.bind(control)
+        self.ring = create_ring(f"cbt-{os.getpid()}-{secrets.token_hex(4)}", 64)
+        plan = WorkerPlan(EngineConfig(model_path=model_path, parallel=1, ctx_size=512, batch_size=64), control,
+                          f"ipc://{self.workdir}/tick.sock", self.ring.name, GENERATION)
+        self.process = multiprocessing.get_context("spawn").Process(target=target, args=(plan,))
+        self.process.start()
+
+    def send(self, message) -> None:
+        self.socket.send_multipart([worker_identity(GENERATION), *encode(message)])
+
+    def recv(self, of_type: type):
+        """The next message of of_type (stats-only events, which an idle worker sends every
+        half second, are skipped)."""
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0 and self.socket.poll(left_ms), f"no {of_type.__name__} from the worker"
+            _, *frames = self.socket.recv_multipart()
+            message = decode(frames)
+            if isinstance(message, of_type) and (not isinstance(message, WorkerEvents) or message.events):
+                return message
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.zctx.destroy(linger=0)
+        self.ring.close()
+        self.ring.unlink()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def front_end(tiny_model_path):
+    started = []
+
+    def start(target=run_decode_worker) -> FrontEndStandIn:
+        started.append(FrontEndStandIn(tiny_model_path, target))
+        started[-1].recv(WorkerReady)
+        return started[-1]
+
+    yield start
+    for stand_in in started:
+        stand_in.close()
+
+
+def run_to_finish(stand_in: FrontEndStandIn, request_id: int) -> str:
+    stand_in.send(WorkerSubmit(request_id, {"prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
+    while True:
+        for event in stand_in.recv(WorkerEvents).events:
+            assert event.request_id == request_id
+            if event.finish_reason:
+                return event.finish_reason
+
+
+def test_an_unexpected_failure_to_prepare_costs_only_that_request(front_end):
+    stand_in = front_end(run_worker_with_a_faulty_prepare)
+    stand_in.send(WorkerSubmit(1, {"prompt": FAULTY_PROMPT, "max_tokens": 3}))
+    assert stand_in.recv(WorkerReject) == WorkerReject(1, "internal", "the worker failed to prepare this request: KeyError")
+    # The preparer lives on: the next submits run, on the same worker.
+    assert run_to_finish(stand_in, 2) == "length"
+    assert run_to_finish(stand_in, 3) == "length"
+    stand_in.send(WorkerStop())
+    stand_in.process.join(10)
+    assert stand_in.process.exitcode == 0
+
+
+def test_a_dead_io_thread_ends_the_worker(front_end):
+    stand_in = front_end()
+    assert run_to_finish(stand_in, 1) == "length"
+    # A message the I/O thread fails on as it would on a front-end's bug: WORKER_EVENTS
+    # (which only a worker sends) without its events field makes decode() raise KeyError.
+    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack(MsgType.WORKER_EVENTS, {})])
+    # Exit code 1, the same as any worker death the supervisor restarts after.
+    stand_in.process.join(10)
+    assert stand_in.process.exitcode == 1
