@@ -17,6 +17,7 @@ from cbatch.streams import completion_from_chunks
 from cbatch.wording import counted
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_CANNOT_SERVE = 1  # cbatch-worker: a taken endpoint or port, a model it cannot load
 SUBMIT_PROGRESS_INTERVAL_S = 0.2  # how often cbatch-submit redraws its progress line on a terminal
 
 
@@ -73,13 +74,13 @@ def worker_main(argv=None) -> None:
                               http_address=parse_http_address(args.http) if args.http else None)
     except CbatchError as err:
         parser.error(err.message)
-    # Bound before the model loads, so a taken port is a usage error at once; the HTTP
-    # server processes serve this socket.
+    # Bound before the model loads, so a taken port ends the daemon at once, as a taken
+    # endpoint does (exit 1: cannot serve); the HTTP server processes serve this socket.
     try:
         http_socket = listen_http(*config.http_address) if config.http_address else None
     except CbatchError as err:
         print(f"cbatch-worker: {err.message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        sys.exit(EXIT_CANNOT_SERVE)
     sys.exit(run_daemon(config, http_socket))
 
 

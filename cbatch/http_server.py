@@ -9,6 +9,7 @@ requests get 503, in-flight responses finish, then it exits.
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -250,17 +251,23 @@ class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: HttpState):
         super().__init__(config)
         self.state = state
+        self._drain_asked = asyncio.Event()  # wakes the watch at once: an idle drain ends at once
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def handle_exit(self, sig, frame) -> None:
         self.state.is_draining = True
+        if self._loop is not None:  # a signal handler: it may run outside the loop's thread
+            self._loop.call_soon_threadsafe(self._drain_asked.set)
 
     async def _watch(self, parent_pid: int) -> None:
+        self._loop = asyncio.get_running_loop()
         while not self.should_exit:
             if os.getppid() != parent_pid:  # the daemon is gone: nothing left to serve
                 self.state.is_draining = True
             if self.state.is_draining and self.state.num_in_flight == 0:
                 self.should_exit = True
-            await asyncio.sleep(PARENT_POLL_S if not self.state.is_draining else 0.05)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._drain_asked.wait(), PARENT_POLL_S if not self.state.is_draining else 0.05)
 
     async def run_all(self, sock: socket.socket, parent_pid: int) -> None:
         """Serve at once (503 until the daemon is reached and ready) while connecting."""

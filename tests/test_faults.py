@@ -1,11 +1,9 @@
 """Faults survived: dead clients, a killed or hung worker, signals, a killed supervisor."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
