@@ -98,8 +98,8 @@ class AsyncClient(ClientBase):
             sending.add_done_callback(self._on_late_send)
 
     def _on_late_send(self, sending: asyncio.Future) -> None:
-        if not sending.cancelled() and isinstance(sending.exception(), zmq.Again):
-            self._session.on_send_timeout()
+        if not sending.cancelled() and sending.exception() is not None and not self._session.is_closed:
+            self._session.on_send_failed(sending.exception())
 
     def _on_arrival(self, key) -> None:
         for waiter in self._waiters.get(key, ()):
@@ -169,8 +169,11 @@ class AsyncClient(ClientBase):
 
     async def _ask(self, msg_type: MsgType) -> dict:
         nonce = self._session.ask(msg_type)
-        await self._wait(lambda: self._session.replies[nonce] is not None, [nonce])
-        return self._session.take_reply(nonce)
+        try:
+            await self._wait(lambda: self._session.replies[nonce] is not None, [nonce])
+            return self._session.take_reply(nonce)
+        finally:  # a caller that gave up (a timeout, a cancel) leaves no entry to wait on
+            self._session.replies.pop(nonce, None)
 
     async def health(self) -> dict:
         return await self._ask(MsgType.HEALTH)

@@ -17,7 +17,6 @@ from cbatch.streams import completion_from_chunks
 from cbatch.wording import counted
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-EXIT_CANNOT_SERVE = 1  # cbatch-worker: a taken endpoint or port, a model it cannot load
 SUBMIT_PROGRESS_INTERVAL_S = 0.2  # how often cbatch-submit redraws its progress line on a terminal
 
 
@@ -58,7 +57,7 @@ def worker_main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from cbatch.workers.http_process import listen_http
-    from cbatch.workers.supervisor import run_daemon
+    from cbatch.workers.supervisor import EXIT_CANNOT_SERVE, run_daemon
 
     try:
         engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,

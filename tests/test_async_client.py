@@ -110,17 +110,19 @@ def test_a_waiting_stream_sleeps_while_other_streams_get_tokens(daemon):
     """A reader whose request is queued is not woken by the tokens of the requests ahead
     of it (the HTTP server waits on every open request at once), and still gets its own."""
     async def scenario(client):
-        busy = [client.stream(**ENDLESS) for _ in range(4)]  # every slot of --parallel 4
+        busy_streams = [client.submit(**ENDLESS) for _ in range(4)]  # every slot of --parallel 4
+        busy = client.read(busy_streams[0])
         queued = client.submit(prompt="queued", max_tokens=3, **GREEDY)
         queued.pending = LookCountingDeque()
         reader = asyncio.create_task(anext(client.read(queued)))
         await asyncio.sleep(0)  # the reader runs up to its wait
         looks_before = queued.pending.num_looks
         for _ in range(100):
-            assert (await anext(busy[0])).token_ids
+            assert (await anext(busy)).token_ids
         looks = queued.pending.num_looks - looks_before
-        for stream in busy:
-            await stream.aclose()  # cancels: the queued request gets a slot
+        await busy.aclose()
+        for stream in busy_streams:  # the queued request gets a slot
+            client.cancel(stream.request_id)
         return looks, await asyncio.wait_for(reader, GONE_TIMEOUT_S)
 
     looks, first = in_async_client(daemon, scenario)

@@ -145,7 +145,7 @@ def test_streamed_client_disconnect_frees_the_slot(daemon):
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
     assert daemon.wait_idle(2.0) < 2.0
-    wait_until(lambda: _num_disconnects(daemon) == num_before + 1, 5)
+    wait_until(lambda: _num_disconnects(daemon) >= num_before + 1, 5)  # an earlier stream may be counted late too
 
 
 def test_waiting_client_disconnect_frees_the_slot(daemon):
@@ -154,7 +154,7 @@ def test_waiting_client_disconnect_frees_the_slot(daemon):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.5))
     assert daemon.wait_idle(2.0) < 2.0
-    wait_until(lambda: _num_disconnects(daemon) == num_before + 1, 5)
+    wait_until(lambda: _num_disconnects(daemon) >= num_before + 1, 5)  # an earlier stream may be counted late too
 
 
 def test_concurrent_clients(daemon):

@@ -100,3 +100,41 @@ def test_http_server_that_keeps_dying_is_given_up_while_zeromq_is_still_served(t
     finally:
         daemon.stop()
         daemon.remove_workdir()
+
+
+class _CountingState:
+    """Stands in for the server's state: a drain with one response in flight that never ends."""
+
+    def __init__(self):
+        self.is_draining = False
+        self.num_checks = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        self.num_checks += 1
+        return 1
+
+
+def test_a_drain_waiting_on_a_response_sleeps_between_checks():
+    import asyncio
+
+    import uvicorn
+
+    from cbatch.http_server import DRAIN_POLL_S, _DrainingServer
+
+    state = _CountingState()
+    server = _DrainingServer(uvicorn.Config(app=None), state)
+    watched_s = 0.5
+
+    async def drain():
+        watch = asyncio.create_task(server._watch(os.getppid()))
+        await asyncio.sleep(0.05)
+        server.handle_exit(signal.SIGTERM, None)
+        await asyncio.sleep(watched_s)
+        server.should_exit = True
+        await asyncio.wait_for(watch, 5)
+
+    asyncio.run(drain())
+    # One check per DRAIN_POLL_S (a loaded machine makes fewer): a loop that did not sleep
+    # made thousands here, on a core the decode worker needs.
+    assert 1 <= state.num_checks <= 2 * watched_s / DRAIN_POLL_S

@@ -99,5 +99,5 @@ def test_an_idle_daemon_stops_at_once_on_sigterm(tiny_model_path, start_daemon):
     d.process.send_signal(signal.SIGTERM)
     started = time.monotonic()
     assert d.process.wait(timeout=30) == 0, d.log()
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 3.0  # 0.2-0.3 s measured; the bound leaves room for a loaded machine
     assert d.leftovers() == []

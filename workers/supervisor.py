@@ -32,6 +32,9 @@ from cbatch.workers.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.worker")
 
+EXIT_STOPPED = 0  # drained after SIGTERM/SIGINT
+EXIT_CANNOT_SERVE = 1  # a taken endpoint or port, a model it cannot load, a worker that cannot start
+
 LOOP_POLL_MS = 100  # how often the loop looks at signals and deadlines when idle
 READY_TIMEOUT_S = 600.0  # model load, including a first mmap from a cold disk
 MAX_STARTUP_FAILURES = 3  # consecutive worker deaths before READY, then the daemon gives up
@@ -239,8 +242,8 @@ def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -
     _raise_open_file_limit()
     lock_fd = supervisor = None
     try:  # every mistake a user can make ends here as one line and exit code 1
+        lock_fd = _lock_endpoint(config.endpoint)  # first: a second daemon fails at once
         resolve_model_path(config.engine.model_path)  # a wrong --model fails now, not in a worker
-        lock_fd = _lock_endpoint(config.endpoint)
         removed = remove_leftovers(runtime_dir())
         if removed:
             log.info("removed %s left by daemons that are no longer running", counted(len(removed), "file"))
@@ -253,10 +256,10 @@ def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -
         signal.signal(signal.SIGINT, request_stop)
         supervisor.serve()
         log.info("cbatch-worker stopped")
-        return 0
+        return EXIT_STOPPED
     except CbatchError as err:
         log.error("cbatch-worker: %s", err.message)
-        return 1
+        return EXIT_CANNOT_SERVE
     finally:
         if supervisor is not None:
             supervisor.close()
