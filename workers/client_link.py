@@ -5,6 +5,9 @@ It knows connections, not requests. It tells its owner three things: a message a
 stopped reading (its queue filled). A send never blocks the loop.
 """
 
+import os
+import resource
+import socket
 import time
 
 import zmq
@@ -20,6 +23,13 @@ CLOSE_LINGER_MS = 500  # the last replies still reach clients when the daemon st
 PEER_HEARTBEAT_MS = 1000
 CLOSED_MEMORY_S = 10.0  # how long messages still queued from a closed connection are recognised
 MAX_MESSAGES_PER_TURN = 256  # then the worker's events get their turn
+# Descriptors kept free. libzmq's ipc listener aborts the process when an accept finds
+# none left, and it accepts on its own thread before the front-end hears of it, so the
+# invariant is: free descriptors >= the connects accepted in the time the front-end takes
+# to hear of one and refuse it, plus what the daemon opens for itself (a restarted
+# worker's sockets and pipes, the ring, the tick socket: under 20).
+MIN_FREE_DESCRIPTORS = 32
+FREE_DESCRIPTORS_FRACTION = 16  # of the limit: a bigger daemon meets bigger bursts
 
 
 class ClientLink:
@@ -51,7 +61,12 @@ class ClientLink:
             raise
         # Dead clients: a disconnect event names the connection's file descriptor, and every
         # message says which descriptor it came on.
-        self.disconnects = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # An accept event names the new connection's descriptor too: one that leaves too
+        # few free is refused.
+        self.disconnects = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+        self._listen_address = _listen_address(self.socket.last_endpoint.decode())
+        self._connection_fds: set[int] = set()  # accepted, not yet disconnected
+        self._other_fds = len(os.listdir("/proc/self/fd"))
         self._peer_by_fd: dict[int, bytes] = {}
         # identity -> (descriptor, monotonic time) of connections that closed: what they
         # sent before closing may still be queued, and must not start work nobody reads.
@@ -97,8 +112,21 @@ class ClientLink:
             yield identity, [frame.bytes for frame in message]
 
     def take_disconnects(self, on_disconnect) -> None:
+        """Take the monitor's events: disconnects, and accepts to refuse. All that wait are
+        read first: an accepted descriptor that closed since must not be shut down, as
+        its number may already be another connection's."""
+        events = []
         while self.disconnects.poll(0):
-            fd = int(recv_monitor_message(self.disconnects)["value"])
+            event = recv_monitor_message(self.disconnects)
+            events.append((event["event"], int(event["value"])))
+        last_disconnect = {fd: at for at, (event, fd) in enumerate(events) if event == zmq.EVENT_DISCONNECTED}
+        for at, (event, fd) in enumerate(events):
+            if event == zmq.EVENT_ACCEPTED:
+                self._connection_fds.add(fd)
+                if last_disconnect.get(fd, -1) < at and self._is_short_of_descriptors():
+                    self._refuse(fd)
+                continue
+            self._connection_fds.discard(fd)
             identity = self._peer_by_fd.pop(fd, None)
             if identity is not None:
                 now_s = time.monotonic()
@@ -106,6 +134,32 @@ class ClientLink:
                 self._closed[identity] = (fd, now_s)
                 self._stalled.discard(identity)
                 on_disconnect(identity)
+
+    def _is_short_of_descriptors(self) -> bool:
+        """Counting open descriptors costs a pass over them all (60 ms at 20000), so they
+        are counted only near the limit; elsewhere the count is the accepted connections'
+        plus the rest's as last counted."""
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if limit == resource.RLIM_INFINITY:
+            return False
+        keep_free = max(MIN_FREE_DESCRIPTORS, limit // FREE_DESCRIPTORS_FRACTION)
+        if self._other_fds + len(self._connection_fds) < limit - 2 * keep_free:
+            return False
+        num_open = len(os.listdir("/proc/self/fd")) - 1  # less listdir's own
+        self._other_fds = num_open - len(self._connection_fds)
+        return num_open > limit - keep_free
+
+    def _refuse(self, fd: int) -> None:
+        """Shut the connection down under libzmq, which then reads its end, closes it and
+        frees the descriptor. The client is never welcomed: its HELLO is lost with the
+        connection, or its reconnects are refused too, so it reports `unavailable` when its
+        connect timeout runs out. Only a connection to our own endpoint is touched."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as conn:
+                if _listen_address(conn.getsockname()) == self._listen_address:
+                    conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed meanwhile, or not a socket any more
 
     def send(self, identity: bytes, msg_type: MsgType, body: dict) -> bool:
         """Send without blocking; False if the message was dropped. A client whose queue
@@ -128,3 +182,17 @@ class ClientLink:
             self.socket.disable_monitor()
             self.disconnects.close()
         self.socket.close()
+
+
+def _listen_address(address) -> str | int:
+    """What an accepted connection's local address shares with the endpoint: the socket
+    path over ipc, the port over tcp."""
+    if isinstance(address, tuple):
+        return address[1]
+    if isinstance(address, bytes):  # an abstract socket name
+        address = "@" + address[1:].decode(errors="replace")
+    if address.startswith("ipc://"):
+        return address[len("ipc://"):]
+    if address.startswith("tcp://"):
+        return int(address.rsplit(":", 1)[1])
+    return address
