@@ -9,12 +9,12 @@ machine) crashed at model load when either was loaded first.
 import importlib
 
 _EXPORTS = {
-    "AsyncClient": "cbatch.async_client",
-    "Client": "cbatch.client",
+    "AsyncClient": "cbatch.client.async_client",
+    "Client": "cbatch.client.sync_client",
     "EngineConfig": "cbatch.config",
     "CbatchError": "cbatch.errors",
-    "Chunk": "cbatch.streams",
-    "Completion": "cbatch.streams",
+    "Chunk": "cbatch.client.streams",
+    "Completion": "cbatch.client.streams",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -28,3 +28,11 @@ class CbatchError(Exception):
 
     def to_dict(self) -> dict:
         return {"code": self.code, "message": self.message}
+
+
+# Exit codes of the console scripts and of the daemon, stable as the error codes are.
+EXIT_OK = 0  # done; a daemon that drained after SIGTERM/SIGINT
+EXIT_FAILED = 1  # some lines failed; a query failed; a daemon that cannot serve (a taken endpoint or port,
+#                  a model it cannot load, a worker that cannot start)
+EXIT_USAGE = 2  # bad arguments (argparse's own code), an input or output file that cannot be used
+EXIT_UNREACHABLE = 3  # no daemon answered at the endpoint

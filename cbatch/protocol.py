@@ -30,7 +30,7 @@ class MsgType(enum.IntEnum):
     ERROR = 0x24  # {code, message, request_id?, nonce?}
     HEALTH_REPLY = 0x25
     STATS_REPLY = 0x26
-    # front-end <-> decode worker: the bodies are the structs of cbatch.workers.messages
+    # front-end <-> decode worker: the bodies are the structs of cbatch.ipc.worker_messages
     WORKER_READY = 0x41
     WORKER_SUBMIT = 0x42
     WORKER_CANCEL = 0x43

@@ -56,41 +56,24 @@ import re
 import struct
 import time
 from multiprocessing import resource_tracker, shared_memory
-from typing import Iterable, NamedTuple
+from typing import Iterable
 
 import numpy as np
+
+from cbatch.ipc.records import (ALL_FLAGS, FINISH_ERROR, FLAG_LAST, MAX_TEXT_BYTES, NO_TOKEN, RECORD_DTYPE,
+                               RECORD_SIZE_BYTES, RECORD_STRUCT, RingRecord, TokenEvent)
 
 MAGIC = int.from_bytes(b"CBRING01", "little")
 LAYOUT_VERSION = 2  # 2: no generation in the header, FLAG_LAST is the only flag
 HEADER_SIZE_BYTES = 64
-RECORD_SIZE_BYTES = 64
-MAX_TEXT_BYTES = 32
 MAX_CAPACITY_RECORDS = 1 << 24  # 1 GiB of records; anything bigger is a corrupt header
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory segments
-
-# A request's first record is its index 0 and a continuation is a record without a token:
-# the last record, which ends the reader's watch, is the one fact the index cannot tell.
-FLAG_LAST = 1
-_ALL_FLAGS = FLAG_LAST
-FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = range(5)
-NO_TOKEN = -1
-FINISH_CODES = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "cancelled": FINISH_CANCELLED, "error": FINISH_ERROR}
 
 # Positions of the mutable uint64 header fields (0..3: magic, version, capacity, record_size).
 _H_WRITE_CURSOR, _H_HEARTBEAT_NS = 4, 5
 _NUM_HEADER_FIELDS = 8
 
-RECORD_DTYPE = np.dtype({
-    "names": ["seq", "request_id", "index", "token_id", "flags", "finish", "text_len",
-              "count", "text"],
-    "formats": ["<u8", "<u8", "<u4", "<i4", "<u2", "u1", "u1", "<u4", ("u1", MAX_TEXT_BYTES)],
-    "offsets": [0, 8, 16, 20, 24, 26, 27, 28, 32],
-    "itemsize": RECORD_SIZE_BYTES,
-})
-# Same layout as RECORD_DTYPE, for packing/unpacking whole records in one C call each.
-_RECORD_STRUCT = struct.Struct("<QQIiHBBI32s")
 _SEQ_BYTES = 8  # the writer stores the body (bytes 8..64) and the seq marker separately
-assert _RECORD_STRUCT.size == RECORD_DTYPE.itemsize == RECORD_SIZE_BYTES
 _VALID_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
@@ -106,25 +89,6 @@ class RingOverrun(RingError):
         self.records = records
         super().__init__(f"ring overrun: records of requests {sorted(self.request_ids)} "
                          "may be missing; recover them and call resume()")
-
-
-class RingRecord(NamedTuple):
-    request_id: int
-    index: int
-    token_id: int  # NO_TOKEN when the record carries only text continuation or the finish
-    flags: int
-    finish: int
-    count: int  # on the LAST record: total records of the request
-    text: bytes
-
-
-class RingEvent(NamedTuple):
-    """One request's output of one decode step, as passed to RingWriter.publish_many."""
-    request_id: int
-    index_start: int
-    token_ids: list[int]
-    text: bytes = b""
-    finish: int = FINISH_NONE
 
 
 class TokenRing:
@@ -238,33 +202,6 @@ def attach_ring(name: str) -> TokenRing:
         raise
 
 
-def event_records(request_id: int, index: int, token_ids: list[int], text: bytes,
-                  finish: int = FINISH_NONE) -> list[RingRecord]:
-    """The records one event becomes, numbered from `index`: one per token, the event's
-    text on its last token record and spilling into token-less continuation records; the
-    finish (with the stream's record count) on the final one. The one framing of records:
-    the writer publishes exactly these, and the front-end keeps the same for relay and
-    recovery, so both agree on indices."""
-    if len(token_ids) == 1 and len(text) <= MAX_TEXT_BYTES:  # the common case: one token per step
-        return [RingRecord(request_id, index, token_ids[0], FLAG_LAST if finish else 0, finish,
-                           index + 1 if finish else 0, text)]
-    pieces = [text[at:at + MAX_TEXT_BYTES] for at in range(0, len(text), MAX_TEXT_BYTES)]
-    rows = [(token_id, b"") for token_id in token_ids]
-    if rows and pieces:
-        rows[-1] = (rows[-1][0], pieces[0])
-        rows += [(NO_TOKEN, piece) for piece in pieces[1:]]
-    else:
-        rows += [(NO_TOKEN, piece) for piece in pieces]
-    if not rows and finish:
-        rows.append((NO_TOKEN, b""))
-    records = []
-    for row_number, (token_id, piece) in enumerate(rows):
-        is_last = bool(finish) and row_number == len(rows) - 1
-        records.append(RingRecord(request_id, index + row_number, token_id, FLAG_LAST if is_last else 0,
-                                  finish if is_last else 0, index + row_number + 1 if is_last else 0, piece))
-    return records
-
-
 class RingWriter:
     """The single writer (decode worker). Continues at the header's write_cursor, so a
     restarted worker appends after its predecessor's records. Never waits for readers."""
@@ -273,27 +210,20 @@ class RingWriter:
         self._ring = ring
         self._cursor = ring.write_cursor
 
-    def publish(self, request_id: int, index_start: int, token_ids: list[int], text: bytes,
-                finish: int = FINISH_NONE) -> int:
-        """Append one request's event; return the index its next record will have."""
-        return self.publish_many(((request_id, index_start, token_ids, text, finish),))[0]
-
-    def publish_many(self, events: Iterable[RingEvent | tuple]) -> list[int]:
-        """Append the records of several events (RingEvent or 5-tuples in its field order)
-        and advance write_cursor once. Returns each event's next index. All records are packed
-        before anything is stored, so an invalid event publishes nothing (RingError)."""
-        pack = _RECORD_STRUCT.pack
+    def publish_many(self, events: Iterable[TokenEvent]) -> list[int]:
+        """Append the records of several events and advance write_cursor once. Returns each
+        event's next index. All records are packed before anything is stored, so an invalid
+        event publishes nothing (RingError)."""
+        pack = RECORD_STRUCT.pack
         parts: list[bytes] = []
         next_indices: list[int] = []
         try:
             for event in events:
-                if not 0 <= event[4] <= FINISH_ERROR:
-                    raise RingError(f"invalid finish {event[4]}")
-                records = event_records(*event)
+                records = event.records()
                 parts += [pack(0, *record[:5], len(record.text), record.count, record.text) for record in records]
-                next_indices.append(event[1] + len(records))
-        except (struct.error, TypeError, ValueError) as exc:
-            raise RingError(f"invalid event: {exc}") from exc
+                next_indices.append(event.index + len(records))
+        except (KeyError, struct.error, TypeError, ValueError, AttributeError) as exc:
+            raise RingError(f"invalid event: {exc!r}") from exc
         if parts:
             self._store(b"".join(parts), len(parts))
         else:
@@ -437,10 +367,10 @@ class RingReader:
         watched = self._next_index
         records = []
         for (_, request_id, index, token_id, flags, finish, text_len, count,
-             text) in _RECORD_STRUCT.iter_unpack(copied[:num_intact].tobytes()):
+             text) in RECORD_STRUCT.iter_unpack(copied[:num_intact].tobytes()):
             if request_id not in watched:
                 continue
-            if (text_len > MAX_TEXT_BYTES or flags & ~_ALL_FLAGS or finish > FINISH_ERROR
+            if (text_len > MAX_TEXT_BYTES or flags & ~ALL_FLAGS or finish > FINISH_ERROR
                     or token_id < NO_TOKEN or bool(finish) != bool(flags & FLAG_LAST)
                     or (finish and count != index + 1)):
                 raise RingError(f"corrupt record for request {request_id} index {index}")

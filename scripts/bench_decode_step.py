@@ -8,9 +8,9 @@ import time
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import SamplingParams
-from cbatch.workers.llama_runner import LlamaRunner
-from cbatch.workers.scheduler import Chunk
-from cbatch.workers.sequence import Sequence
+from cbatch.workers.engine.runner import LlamaRunner
+from cbatch.workers.engine.scheduler import BatchSpan
+from cbatch.workers.engine.sequence import Sequence
 
 PROMPT_TOKENS = 128
 NUM_STEPS = 20
@@ -33,14 +33,14 @@ def main() -> None:
             seq.seq_id = seq_id
         started = time.perf_counter()
         for seq in seqs:  # one prompt per decode, as a server would meet them
-            assert runner.decode([Chunk(seq, 0, PROMPT_TOKENS)]) == 0
+            assert runner.decode([BatchSpan(seq, 0, PROMPT_TOKENS)]) == 0
             seq.num_cached = PROMPT_TOKENS
         prefill_s = time.perf_counter() - started
         started = time.perf_counter()
         for step in range(NUM_STEPS):
             for seq in seqs:
                 seq.output_ids.append((2000 + step) % runner.n_vocab)
-            assert runner.decode([Chunk(seq, seq.num_cached, 1) for seq in seqs]) == 0
+            assert runner.decode([BatchSpan(seq, seq.num_cached, 1) for seq in seqs]) == 0
             for seq in seqs:
                 seq.num_cached += 1
         step_s = (time.perf_counter() - started) / NUM_STEPS

@@ -14,7 +14,7 @@ import llama_cpp
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import parse_request
-from cbatch.workers.engine import Engine
+from cbatch.workers.engine.engine import Engine
 
 SENTENCES = [
     "The river carried silt from the mountains down to the wide delta.",

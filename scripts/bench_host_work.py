@@ -34,9 +34,9 @@ import zmq
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
 from cbatch.params import parse_request
-from cbatch.workers.decode_worker import EventPublisher
-from cbatch.workers.engine import Engine
-from cbatch.workers.messages import encode
+from cbatch.workers.decode.publisher import EventPublisher
+from cbatch.workers.engine.engine import Engine
+from cbatch.ipc.worker_messages import encode
 
 FULL_VOCAB_TOKENS = 262_144
 PROMPT = "The river carried silt from the mountains down to the wide delta."

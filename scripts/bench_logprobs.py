@@ -18,8 +18,8 @@ import numpy as np
 
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
-from cbatch.workers.llama_runner import LlamaRunner
-from cbatch.workers.logprobs import token_logprobs
+from cbatch.workers.engine.runner import LlamaRunner
+from cbatch.workers.engine.sampling.logprobs import token_logprobs
 
 
 def per_call_ms(fn, num_calls: int) -> float:

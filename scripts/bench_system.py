@@ -24,7 +24,7 @@ from cbatch.client import Client
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import parse_request
-from cbatch.workers.engine import Engine
+from cbatch.workers.engine.engine import Engine
 
 BIN_DIR = Path(sys.executable).parent
 IDLE_WINDOW_S = 5.0

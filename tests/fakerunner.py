@@ -9,8 +9,8 @@ recomputes changes the output, as it would with a real model.
 
 import numpy as np
 
-from cbatch.workers.kv_cache import OP_COPY
-from cbatch.workers.stream_cache import WHOLE_STREAM
+from cbatch.workers.engine.kv.pool import OP_COPY
+from cbatch.workers.engine.kv.streams import WHOLE_STREAM
 
 NUM_VOCAB = 97
 EOG_ID = 0
@@ -53,16 +53,16 @@ class FakeRunner:
                 _, seq_id, start = op
                 del self.kv.setdefault(seq_id, [])[start:]
 
-    def decode(self, chunks) -> int:
+    def decode(self, spans) -> int:
         self.num_decodes += 1
         if self.fail_next:
             return self.fail_next.pop(0)
         self._rows = []
-        for chunk in chunks:
-            held = self.kv.setdefault(chunk.seq.seq_id, [])
-            assert len(held) == chunk.start, "a chunk continues exactly where the sequence's KV ends"
-            held += chunk.seq.token_slice(chunk.start, chunk.start + chunk.num_tokens)
-            if chunk.wants_logits:
+        for span in spans:
+            held = self.kv.setdefault(span.seq.seq_id, [])
+            assert len(held) == span.start, "a span continues exactly where the sequence's KV ends"
+            held += span.seq.token_slice(span.start, span.start + span.num_tokens)
+            if span.wants_logits:
                 self._rows.append(list(held))
         return 0
 

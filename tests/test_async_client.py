@@ -11,7 +11,7 @@ import pytest
 
 from daemonkit import Daemon, serve_module
 
-from cbatch.async_client import AsyncClient
+from cbatch.client.async_client import AsyncClient
 from cbatch.errors import CbatchError
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

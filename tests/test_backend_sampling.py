@@ -3,7 +3,7 @@
 import pytest
 
 from cbatch.config import EngineConfig
-from cbatch.workers.engine import Engine
+from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

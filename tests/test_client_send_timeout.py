@@ -11,8 +11,8 @@ import pytest
 
 from daemonkit import ScriptedFrontEnd
 
-import cbatch.session
-from cbatch.async_client import AsyncClient
+import cbatch.client.session
+from cbatch.client.async_client import AsyncClient
 from cbatch.client import Client
 from cbatch.errors import CbatchError, UNAVAILABLE
 
@@ -22,7 +22,7 @@ GIVE_UP_S = 30.0  # far more than filling the queues takes
 
 @pytest.fixture
 def deaf_front_end(monkeypatch):
-    monkeypatch.setattr(cbatch.session, "SEND_TIMEOUT_S", SEND_TIMEOUT_S)
+    monkeypatch.setattr(cbatch.client.session, "SEND_TIMEOUT_S", SEND_TIMEOUT_S)
     with ScriptedFrontEnd(reads=False) as front_end:
         yield front_end
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cbatch.config import EngineConfig
-from cbatch.workers.engine import Engine
+from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
 from fakerunner import FakeRunner
 

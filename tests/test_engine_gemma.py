@@ -4,7 +4,7 @@ import llama_cpp.llama_cpp as lc
 import pytest
 
 from cbatch.config import EngineConfig
-from cbatch.workers.engine import Engine
+from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
 
 

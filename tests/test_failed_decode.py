@@ -14,12 +14,12 @@ import pytest
 
 from daemonkit import SCRIPTS_DIR, ScriptedFrontEnd
 
-from cbatch.async_client import AsyncClient
+from cbatch.client.async_client import AsyncClient
 from cbatch.client import Client
 from cbatch.errors import CbatchError, DECODE_FAILED
-from cbatch.ipc.ring import FINISH_ERROR, FINISH_LENGTH, event_records
+from cbatch.ipc.records import TokenEvent
 from cbatch.protocol import MsgType
-from cbatch.streams import Chunk
+from cbatch.client.streams import Chunk
 
 REASON = "llama_decode failed with status -3"
 
@@ -27,7 +27,7 @@ REASON = "llama_decode failed with status -3"
 def answer(request_id: int, body: dict) -> list:
     """A prompt containing "fail" fails after one token; any other finishes after one."""
     fails = "fail" in body.get("prompt", "") or "fail" in json.dumps(body.get("messages", []))
-    records = event_records(request_id, 0, [9], b"z", FINISH_ERROR if fails else FINISH_LENGTH)
+    records = TokenEvent(request_id, [9], "z", "error" if fails else "length").records()
     return [(MsgType.RECORDS, {"request_id": request_id,
                                "records": [[r.index, r.token_id, r.flags, r.finish, r.count, r.text] for r in records]}),
             (MsgType.FINISHED, {"request_id": request_id, "finish_reason": "error" if fails else "length",

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from cbatch.workers.http_process import MAX_QUICK_DEATHS
+from cbatch.workers.daemon.http_manager import MAX_QUICK_DEATHS
 from daemonkit import SCRIPTS_DIR, wait_until
 from httpkit import HttpDaemon, free_port
 
@@ -120,7 +120,7 @@ def test_a_drain_waiting_on_a_response_sleeps_between_checks():
 
     import uvicorn
 
-    from cbatch.http_server import DRAIN_POLL_S, _DrainingServer
+    from cbatch.http_api.app import DRAIN_POLL_S, _DrainingServer
 
     state = _CountingState()
     server = _DrainingServer(uvicorn.Config(app=None), state)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cbatch.workers.kv_cache import BLOCK_TOKENS, OP_COPY, KVCacheManager
+from cbatch.workers.engine.kv.pool import BLOCK_TOKENS, OP_COPY, KVCacheManager
 
 B = BLOCK_TOKENS
 

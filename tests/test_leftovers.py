@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from cbatch.workers.leftovers import remove_leftovers
+from cbatch.workers.daemon.leftovers import remove_leftovers
 from daemonkit import pid_alive
 
 

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from cbatch.async_client import AsyncClient
+from cbatch.client.async_client import AsyncClient
 from cbatch.errors import CbatchError
-from cbatch.workers.logprobs import token_logprobs
+from cbatch.workers.engine.sampling.logprobs import token_logprobs
 from daemonkit import Daemon, serve_module
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -26,7 +26,7 @@ def test_token_logprobs_are_a_log_softmax_with_the_top_k_in_order():
 
 @pytest.mark.parametrize("num_top", [1, 5, 20])
 def test_the_sampled_top_k_search_finds_the_exact_top_k(num_top):
-    from cbatch.workers.logprobs import _top_ids
+    from cbatch.workers.engine.sampling.logprobs import _top_ids
 
     rng = np.random.default_rng(num_top)
     for row in (rng.standard_normal(262_144).astype(np.float32),

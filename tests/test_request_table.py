@@ -3,8 +3,9 @@
 import pytest
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
-from cbatch.workers.messages import TokenEvent, WorkerEvents, WorkerReject, WorkerSubmit, decode, encode
-from cbatch.workers.request_table import Job, RequestTable
+from cbatch.ipc.records import TokenEvent
+from cbatch.ipc.worker_messages import WorkerEvents, WorkerReject, WorkerSubmit, decode, encode
+from cbatch.workers.daemon.request_table import Job, RequestTable
 
 FINISH = {"finish_reason": "stop"}
 
@@ -67,9 +68,9 @@ def test_failed_requests_are_counted_by_code_and_not_kept():
 
 
 def test_worker_messages_round_trip_as_their_structs():
-    events = WorkerEvents([TokenEvent(7, 0, [1, 2], "hi"), TokenEvent(8, 3, [], "", "stop", {"prompt_tokens": 1})],
+    events = WorkerEvents([TokenEvent(7, [1, 2], "hi"), TokenEvent(8, [], "", "stop", {"prompt_tokens": 1}, index=3)],
                           stats={"num_active": 1})
     for message in (events, WorkerSubmit(5, {"prompt": "x"}), WorkerReject(5, "invalid_request", "bad")):
         assert decode(encode(message)) == message
     first, last = events.events
-    assert not first.ring_event().finish and last.ring_event().finish
+    assert not first.finish and last.finish and last.index == 3

@@ -12,16 +12,10 @@ import time
 
 import pytest
 
+from cbatch.ipc.records import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, FLAG_LAST, MAX_TEXT_BYTES, NO_TOKEN, TokenEvent
 from cbatch.ipc.ring import (
-    FINISH_CANCELLED,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    FLAG_LAST,
-    MAX_TEXT_BYTES,
-    NO_TOKEN,
     SHM_DIR,
     RingError,
-    RingEvent,
     RingOverrun,
     RingReader,
     RingRecord,
@@ -29,6 +23,7 @@ from cbatch.ipc.ring import (
     attach_ring,
     create_ring,
 )
+from ringkit import event, publish
 
 _name_counter = itertools.count()
 CHILD_TIMEOUT_S = 60.0
@@ -105,18 +100,18 @@ def test_round_trip_with_long_utf8_text_and_finish_only_events(rings):
         reader.watch(request_id)
     long_text = "héllo wörld ✓ 日本語のテキスト 🎉 ".encode() * 3  # > 3 records of 32 bytes
 
-    next_1 = writer.publish(1, 0, [10], b"Hel")
+    next_1 = publish(writer, 1, 0, [10], b"Hel")
     assert next_1 == 1
-    next_1 = writer.publish(1, next_1, [11, 12], b"lo")
-    next_1 = writer.publish(1, next_1, [13, 14], long_text)
+    next_1 = publish(writer, 1, next_1, [11, 12], b"lo")
+    next_1 = publish(writer, 1, next_1, [13, 14], long_text)
     next_indices = writer.publish_many([
-        RingEvent(2, 0, [20], b"x" * MAX_TEXT_BYTES),
-        RingEvent(3, 0, [], b"", FINISH_CANCELLED),  # finish-only, first and last
-        RingEvent(4, 0, [], "ü".encode() * 20),  # text-only, 40 bytes
-        RingEvent(1, next_1, [], b"", FINISH_STOP),  # finish-only
+        event(2, 0, [20], b"x" * MAX_TEXT_BYTES),
+        event(3, 0, [], b"", FINISH_CANCELLED),  # finish-only, first and last
+        event(4, 0, [], "ü".encode() * 20),  # text-only, 40 bytes
+        event(1, next_1, [], b"", FINISH_STOP),  # finish-only
     ])
-    writer.publish_many([RingEvent(2, next_indices[0], [21], b"y" * 33, FINISH_LENGTH),
-                         RingEvent(4, next_indices[2], [40], b"", FINISH_STOP)])
+    writer.publish_many([event(2, next_indices[0], [21], b"y" * 33, FINISH_LENGTH),
+                         event(4, next_indices[2], [40], b"", FINISH_STOP)])
     grouped = by_request(reader.poll())
     assert reader.poll() == []
 
@@ -140,7 +135,7 @@ def test_exact_records_of_one_event(rings):
     reader = RingReader(ring)
     reader.watch(5)
     text = bytes(range(65, 65 + 26)) * 2 + b"\x00\x00"  # 54 bytes, trailing NULs kept
-    assert RingWriter(ring).publish(5, 0, [1, 2], text, FINISH_STOP) == 3
+    assert publish(RingWriter(ring), 5, 0, [1, 2], text, FINISH_STOP) == 3
     assert reader.poll() == [
         RingRecord(5, 0, 1, 0, 0, 0, b""),
         RingRecord(5, 1, 2, 0, 0, 0, text[:32]),
@@ -154,21 +149,21 @@ def test_reader_gets_only_watched_requests(rings):
     reader_a, reader_b = RingReader(rings.attach(ring.name)), RingReader(ring)
     reader_a.watch(1)
     reader_b.watch(2)
-    writer.publish_many([RingEvent(rid, 0, [rid * 10], b"t") for rid in (1, 2, 3)])
+    writer.publish_many([event(rid, 0, [rid * 10], b"t") for rid in (1, 2, 3)])
     assert [(r.request_id, r.token_id) for r in reader_a.poll()] == [(1, 10)]
     assert [(r.request_id, r.token_id) for r in reader_b.poll()] == [(2, 20)]
     reader_a.unwatch(1)
-    writer.publish(1, 1, [11], b"")
+    publish(writer, 1, 1, [11], b"")
     assert reader_a.poll() == []
 
 
 def test_reader_starts_at_current_cursor_and_writer_continues_after_restart(rings):
     ring = rings.create(capacity=16)
-    RingWriter(ring).publish(1, 0, [1], b"old")
+    publish(RingWriter(ring), 1, 0, [1], b"old")
     reader = RingReader(rings.attach(ring.name))  # starts after the old record
     reader.watch(1, next_index=1)
     restarted = RingWriter(rings.attach(ring.name))  # a new worker on the same segment
-    restarted.publish(1, 1, [2], b"new")
+    publish(restarted, 1, 1, [2], b"new")
     assert [(r.index, r.text) for r in reader.poll()] == [(1, b"new")]
     assert ring.write_cursor == 2 and ring.heartbeat_ns > 0
     replay = RingReader(ring, start_cursor=0)
@@ -178,17 +173,18 @@ def test_reader_starts_at_current_cursor_and_writer_continues_after_restart(ring
 
 WRITER_CHILD = """
     import random, sys
-    from cbatch.ipc.ring import RingEvent, RingWriter, attach_ring
+    from cbatch.ipc.records import TokenEvent
+    from cbatch.ipc.ring import RingWriter, attach_ring
     name, num_tokens, with_noise = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "noise"
     ring = attach_ring(name)
     writer, rng, index = RingWriter(ring), random.Random(1), 0
     while index < num_tokens:
         # An unwatched request's record in every batch, unless the reader must be able to
         # map ring positions to indices (position == index without noise).
-        events = [RingEvent(2, 0, [7], b"noise")] if with_noise else []
+        events = [TokenEvent(2, [7], "noise")] if with_noise else []
         for _ in range(min(rng.randint(1, 16), num_tokens - index)):
-            finish = 1 if index == num_tokens - 1 else 0
-            events.append(RingEvent(1, index, [index], b"<%d>" % index, finish))
+            finish_reason = "stop" if index == num_tokens - 1 else ""
+            events.append(TokenEvent(1, [index], "<%d>" % index, finish_reason, index=index))
             index += 1
         writer.publish_many(events)
     ring.close()
@@ -267,10 +263,10 @@ def test_overrun_names_request_and_recovery_drops_duplicates(rings):
     reader.watch(7)
     reader.watch(8)
     reader.watch(9)
-    writer.publish(9, 0, [], b"", FINISH_STOP)
+    publish(writer, 9, 0, [], b"", FINISH_STOP)
     assert [r.request_id for r in reader.poll()] == [9]  # 9 is finished: cannot lose records
     for index in range(100):
-        writer.publish(7, index, [1000 + index], b"")
+        publish(writer, 7, index, [1000 + index], b"")
     with pytest.raises(RingOverrun) as caught:
         reader.poll()
     assert caught.value.request_ids == {7, 8}
@@ -279,13 +275,13 @@ def test_overrun_names_request_and_recovery_drops_duplicates(rings):
     assert reader.next_index(7) == 0
 
     for index in range(100, 105):  # published while the caller recovers
-        writer.publish(7, index, [1000 + index], b"")
+        publish(writer, 7, index, [1000 + index], b"")
     assert reader.poll() == []  # held back until resume()
     reader.resume(7, 103)  # the other channel delivered indices 0..102
     reader.resume(8, 0)
     assert [r.index for r in reader.poll()] == [103, 104]  # 100..102 dropped as duplicates
-    writer.publish_many([RingEvent(7, 105, [1105], b"", FINISH_STOP),
-                         RingEvent(7, 103, [1103], b"")])  # a duplicate index
+    writer.publish_many([event(7, 105, [1105], b"", FINISH_STOP),
+                         event(7, 103, [1103], b"")])  # a duplicate index
     assert [(r.index, r.finish) for r in reader.poll()] == [(105, FINISH_STOP)]
 
 
@@ -294,7 +290,7 @@ def test_record_overwritten_during_copy_is_an_overrun_not_data(rings):
     writer = RingWriter(ring)
     reader = RingReader(ring)
     reader.watch(1)
-    writer.publish(1, 0, [0, 1, 2, 3], b"")
+    publish(writer, 1, 0, [0, 1, 2, 3], b"")
     ring.seqs[2] = 2 + 1 + ring.capacity  # as if a writer one lap ahead rewrote slot 2
     with pytest.raises(RingOverrun) as caught:
         reader.poll()
@@ -312,7 +308,7 @@ def test_batch_larger_than_the_ring_keeps_only_its_tail(rings):
     ring = rings.create(capacity=8)
     reader = RingReader(ring)
     reader.watch(1)
-    assert RingWriter(ring).publish(1, 0, list(range(20)), b"", FINISH_STOP) == 20
+    assert publish(RingWriter(ring), 1, 0, list(range(20)), b"", FINISH_STOP) == 20
     with pytest.raises(RingOverrun) as caught:
         reader.poll()
     assert caught.value.request_ids == {1}
@@ -328,7 +324,7 @@ def test_index_gap_is_reported_and_held_records_released_by_resume(rings):
     writer = RingWriter(ring)
     reader = RingReader(ring)
     reader.watch(9)
-    writer.publish(9, 3, [30], b"late")
+    publish(writer, 9, 3, [30], b"late")
     with pytest.raises(RingOverrun) as caught:
         reader.poll()
     assert caught.value.request_ids == {9} and reader.next_index(9) == 0
@@ -391,31 +387,32 @@ def test_corrupt_record_raises_ring_error(rings, field, value):
     ring = rings.create(capacity=8)
     reader = RingReader(ring)
     reader.watch(1)
-    RingWriter(ring).publish(1, 0, [5], b"abc", FINISH_STOP)
+    publish(RingWriter(ring), 1, 0, [5], b"abc", FINISH_STOP)
     ring.records[field][0] = value
     with pytest.raises(RingError) as caught:
         reader.poll()
     assert not isinstance(caught.value, RingOverrun)
 
 
-@pytest.mark.parametrize("event", [
-    RingEvent(1, 0, [1], b"", finish=9),
-    RingEvent(1, 0, [1], "text, not bytes"),
-    RingEvent(1, 0, [1 << 40], b""),
-    RingEvent(-1, 0, [1], b""),
+@pytest.mark.parametrize("bad_event", [
+    TokenEvent(1, [1], "", "no such reason"),
+    TokenEvent(1, [1], b"bytes, not text"),
+    TokenEvent(1, [1 << 40], ""),
+    TokenEvent(-1, [1], ""),
 ])
-def test_invalid_event_publishes_nothing(rings, event):
+def test_invalid_event_publishes_nothing(rings, bad_event):
     ring = rings.create(capacity=8)
     with pytest.raises(RingError):
-        RingWriter(ring).publish_many([RingEvent(2, 0, [1], b"ok"), event])
+        RingWriter(ring).publish_many([event(2, 0, [1], b"ok"), bad_event])
     assert ring.write_cursor == 0
 
 
 ATTACH_CHILD = """
     import sys
+    from cbatch.ipc.records import TokenEvent
     from cbatch.ipc.ring import RingWriter, attach_ring
     ring = attach_ring(sys.argv[1])
-    RingWriter(ring).publish(1, 0, [1], b"child")
+    RingWriter(ring).publish_many([TokenEvent(1, [1], "child")])
     if sys.argv[2] == "close":
         ring.close()
 """
@@ -459,7 +456,7 @@ def test_plain_shared_memory_attach_would_lose_the_segment():
 
 def _spawned_attach(name: str) -> None:
     with attach_ring(name) as ring:
-        RingWriter(ring).publish(1, 0, [1], b"spawned")
+        publish(RingWriter(ring), 1, 0, [1], b"spawned")
 
 
 def test_spawned_child_sharing_the_tracker_leaves_the_segment_alone(rings):

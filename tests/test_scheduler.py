@@ -5,9 +5,9 @@ import pytest
 
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.params import SamplingParams
-from cbatch.workers.kv_cache import BLOCK_TOKENS, KVCacheManager
-from cbatch.workers.scheduler import Scheduler
-from cbatch.workers.sequence import Sequence
+from cbatch.workers.engine.kv.pool import BLOCK_TOKENS, KVCacheManager
+from cbatch.workers.engine.scheduler import Scheduler
+from cbatch.workers.engine.sequence import Sequence
 
 
 def make_seq(request_id, num_prompt, first_token=None):

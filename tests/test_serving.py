@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from cbatch.async_client import AsyncClient
+from cbatch.client.async_client import AsyncClient
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError
-from cbatch.workers.engine import Engine
+from cbatch.workers.engine.engine import Engine
 from daemonkit import SCRIPTS_DIR, Daemon, pid_alive, serve_module, wait_until
 from enginekit import generate
 

@@ -5,9 +5,11 @@ import os
 import pytest
 
 from cbatch.errors import CbatchError
-from cbatch.ipc.ring import FINISH_LENGTH, RingReader, RingWriter, attach_ring, create_ring
+from cbatch.ipc.records import FINISH_LENGTH
+from cbatch.ipc.ring import RingReader, RingWriter, attach_ring, create_ring
+from ringkit import publish
 from cbatch.protocol import MsgType, pack
-from cbatch.session import Session
+from cbatch.client.session import Session
 
 
 @pytest.fixture
@@ -31,8 +33,8 @@ def test_ring_records_and_finish_make_one_completion(ring):
     stream = session.submit({"prompt": "x"})
     writer = RingWriter(ring)
     text = "héllo wörld, a text longer than one record's 32 bytes".encode()
-    next_index = writer.publish(stream.request_id, 0, [5, 6], text)
-    next_index = writer.publish(stream.request_id, next_index, [7], b"!", FINISH_LENGTH)
+    next_index = publish(writer, stream.request_id, 0, [5, 6], text)
+    next_index = publish(writer, stream.request_id, next_index, [7], b"!", FINISH_LENGTH)
     session.read_ring()
     session.on_frames(pack(MsgType.FINISHED, {"request_id": stream.request_id, "finish_reason": "length",
                                               "usage": {"prompt_tokens": 2, "completion_tokens": 3},
@@ -58,7 +60,7 @@ def test_finish_with_records_missing_asks_the_front_end_for_them(ring):
 def test_corrupt_ring_record_is_a_coded_error(ring):
     session, _ = make_session(ring)
     stream = session.submit({"prompt": "x"})
-    RingWriter(ring).publish(stream.request_id, 0, [5], b"ok")
+    publish(RingWriter(ring), stream.request_id, 0, [5], b"ok")
     ring.records["text_len"][0] = 200  # no record holds more than 32 bytes of text
     with pytest.raises(CbatchError) as err:
         session.read_ring()
@@ -71,7 +73,7 @@ def test_liveness_is_judged_per_request_while_others_stream():
     records of another request keep arriving, and fails once the daemon calls it lost."""
     from cbatch.errors import UNAVAILABLE
     from cbatch.protocol import unpack
-    from cbatch.session import LIVENESS_S
+    from cbatch.client.session import LIVENESS_S
 
     sent, now = [], [100.0]
     session = Session(sent.append, use_ring=False, clock=lambda: now[0])
@@ -95,7 +97,7 @@ def test_liveness_is_judged_per_request_while_others_stream():
 def test_a_daemon_that_stops_answering_fails_waiting_streams_within_5_s_without_raising():
     from cbatch.errors import UNAVAILABLE
     from cbatch.protocol import unpack
-    from cbatch.session import SAFETY_POLL_S
+    from cbatch.client.session import SAFETY_POLL_S
 
     sent = []
     session = Session(sent.append, use_ring=False)

@@ -1,8 +1,8 @@
 """Prefix cache over per-sequence KV streams, without a model: what is reused in place,
 what is copied as a whole stream, and which stream a request gets."""
 
-from cbatch.workers.kv_cache import OP_COPY, OP_REMOVE
-from cbatch.workers.stream_cache import WHOLE_STREAM, StreamCacheManager
+from cbatch.workers.engine.kv.pool import OP_COPY, OP_REMOVE
+from cbatch.workers.engine.kv.streams import WHOLE_STREAM, StreamCacheManager
 
 
 def slicer(tokens):

@@ -1,6 +1,6 @@
 """Released text: whole UTF-8 characters only, and never any part of a stop string."""
 
-from cbatch.workers.text_stream import TextStream
+from cbatch.workers.engine.text_stream import TextStream
 
 
 def push_all(stream, pieces):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import cbatch
-from cbatch.async_client import AsyncClient
+from cbatch.client.async_client import AsyncClient
 from daemonkit import SCRIPTS_DIR, Daemon, serve_module, wait_until
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -16,9 +16,10 @@ import zmq
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
 from cbatch.protocol import MsgType, pack
-from cbatch.workers import decode_worker
-from cbatch.workers.decode_worker import WorkerPlan, run_decode_worker, worker_identity
-from cbatch.workers.messages import WorkerEvents, WorkerReady, WorkerReject, WorkerStop, WorkerSubmit, decode, encode
+from cbatch.workers.decode.plan import WorkerPlan, worker_identity
+from cbatch.workers.decode.worker import run_decode_worker
+from cbatch.workers.engine.engine import Engine
+from cbatch.ipc.worker_messages import WorkerEvents, WorkerReady, WorkerReject, WorkerStop, WorkerSubmit, decode, encode
 
 GENERATION = 1
 REPLY_TIMEOUT_S = 60.0  # the first reply includes loading the model
@@ -28,14 +29,14 @@ FAULTY_PROMPT = "the preparer fails on this one"
 def run_worker_with_a_faulty_prepare(plan: WorkerPlan) -> None:
     """The worker, with prepare failing as a bug would (not a CbatchError or ValueError)
     on one prompt."""
-    prepare = decode_worker.Engine.prepare
+    prepare = Engine.prepare
 
     def faulty_prepare(engine, request):
         if request.prompt == FAULTY_PROMPT:
             raise KeyError("a bug")
         return prepare(engine, request)
 
-    decode_worker.Engine.prepare = faulty_prepare
+    Engine.prepare = faulty_prepare
     run_decode_worker(plan)
 
 

@@ -1,0 +1,100 @@
+"""Runs a batch file through the daemon: every line's requests (one per choice) go out
+with at most `max_in_flight` outstanding, and one result line per input line is written
+in input order, flushed as it is written, so an interrupted run keeps what it finished
+(`--resume` continues from there). The kinds of file differ only in their line class."""
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol
+
+from cbatch.errors import CbatchError
+from cbatch.wording import counted
+
+PROGRESS_INTERVAL_S = 0.2  # how often the progress line is redrawn on a terminal
+
+
+class BatchLine(Protocol):
+    """One input line: the requests it sends and its result once all of them ended."""
+
+    bodies: list[dict]  # one request per choice; empty for a line that cannot run
+    result: dict | None  # the output line, None until every choice ended (or the line failed)
+
+    @property
+    def is_ok(self) -> bool: ...
+
+    def add(self, choice: int, chunk_or_error) -> None: ...
+
+
+@dataclass
+class RunSummary:
+    num_written: int
+    num_failed: int
+    num_tokens: int
+    elapsed_s: float
+
+    def line(self, noun: str) -> str:
+        rate = self.num_tokens / max(self.elapsed_s, 1e-9)
+        return (f"cbatch-submit: {counted(self.num_written, noun)}, {self.num_written - self.num_failed} ok, "
+                f"{self.num_failed} failed; {counted(self.num_tokens, 'token')} in {self.elapsed_s:.1f} s "
+                f"({rate:.1f} tok/s)")
+
+
+class _InOrderWriter:
+    """Writes finished lines to `out` in input order, keeping nothing of a written line."""
+
+    def __init__(self, out):
+        self.out = out
+        self.lines: list[BatchLine | None] = []
+        self.num_written = self.num_failed = 0
+
+    def write_ready(self) -> None:
+        num_before = self.num_written
+        while self.num_written < len(self.lines) and self.lines[self.num_written].result is not None:
+            line = self.lines[self.num_written]
+            self.num_failed += not line.is_ok
+            self.out.write(json.dumps(line.result, ensure_ascii=False) + "\n")
+            self.lines[self.num_written] = None
+            self.num_written += 1
+        if self.num_written > num_before:
+            self.out.flush()  # what is written survives an interruption, for --resume
+
+    @property
+    def num_done(self) -> int:
+        """Written, or finished and waiting for an earlier line."""
+        return self.num_written + sum(1 for line in self.lines[self.num_written:] if line.result is not None)
+
+
+def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object], BatchLine], out,
+              max_in_flight: int, num_lines: int | None = None) -> RunSummary:
+    """`numbered_items` yields (line number, dict or CbatchError); `num_lines`, when
+    known, is shown in the progress line (drawn only when stderr is a terminal)."""
+    writer = _InOrderWriter(out)
+    owners: list[tuple[int, int]] = []  # batch position -> (line index, choice)
+    num_tokens = 0
+    started_s = shown_s = time.monotonic()
+    show_progress = sys.stderr.isatty()
+
+    def bodies():
+        for number, item in numbered_items:
+            writer.lines.append(make_line(number, item))
+            for choice, body in enumerate(writer.lines[-1].bodies):
+                owners.append((len(writer.lines) - 1, choice))
+                yield body
+
+    for position, chunk in client.stream_batch(bodies(), max_in_flight):
+        line_index, choice = owners[position]
+        writer.lines[line_index].add(choice, chunk)
+        if not isinstance(chunk, CbatchError):
+            num_tokens += len(chunk.token_ids)
+        writer.write_ready()
+        if show_progress and time.monotonic() - shown_s >= PROGRESS_INTERVAL_S:
+            shown_s = time.monotonic()
+            total = "" if num_lines is None else f"/{num_lines}"
+            rate = num_tokens / max(shown_s - started_s, 1e-9)
+            print(f"\r{writer.num_done}{total} done, {rate:.1f} tok/s", end="", file=sys.stderr)
+    writer.write_ready()  # lines that sent no request (bad lines at the end)
+    if show_progress:
+        print(file=sys.stderr)
+    return RunSummary(writer.num_written, writer.num_failed, num_tokens, time.monotonic() - started_s)

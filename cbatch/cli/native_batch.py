@@ -1,0 +1,53 @@
+"""cbatch's own batch files: one request per line, {"id", "prompt" or "messages",
+params...}; one result line per input line: {"id", "text", "finish_reason", "usage"}, or
+{"id", "usage", "choices": [...]} for a line with `n`, or {"id", "error"}."""
+
+from cbatch.client.streams import Completion, completion_from_chunks
+from cbatch.errors import CbatchError
+from cbatch.params import expand_choices
+
+
+class NativeLine:
+    """One input line's choices as they complete (several with `n`)."""
+
+    def __init__(self, number: int, item):
+        self.id = item.get("id") if isinstance(item, dict) else number
+        self.has_n = isinstance(item, dict) and "n" in item
+        self.bodies: list[dict] = []
+        self.result: dict | None = None
+        self._chunks: dict[int, list] = {}  # choice -> chunks so far
+        self._ended: dict[int, Completion | CbatchError] = {}  # choice -> how it ended
+        try:
+            if isinstance(item, CbatchError):
+                raise item
+            self.bodies = expand_choices(item)
+        except CbatchError as err:
+            self.result = {"id": self.id, "error": err.to_dict()}
+
+    @property
+    def is_ok(self) -> bool:
+        return "error" not in self.result
+
+    def add(self, choice: int, chunk) -> None:
+        if isinstance(chunk, CbatchError):
+            self._ended[choice] = chunk
+        else:
+            self._chunks.setdefault(choice, []).append(chunk)
+            if chunk.finish_reason:
+                self._ended[choice] = completion_from_chunks(self._chunks.pop(choice))
+        if len(self._ended) == len(self.bodies):
+            self.result = self._output()
+
+    def _output(self) -> dict:
+        errors = [r for r in self._ended.values() if isinstance(r, CbatchError)]
+        if errors:
+            return {"id": self.id, "error": errors[0].to_dict()}
+        choices = [self._ended[i] for i in range(len(self.bodies))]
+        if not self.has_n:
+            c = choices[0]
+            return {"id": self.id, "text": c.text, "finish_reason": c.finish_reason, "usage": c.usage}
+        usage = {"prompt_tokens": choices[0].usage["prompt_tokens"],
+                 "completion_tokens": sum(c.usage["completion_tokens"] for c in choices)}
+        return {"id": self.id, "usage": usage, "choices": [
+            {"index": i, "text": c.text, "finish_reason": c.finish_reason, "usage": c.usage}
+            for i, c in enumerate(choices)]}

@@ -1,0 +1,80 @@
+"""OpenAI batch files for cbatch-submit.
+
+Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+"/v1/completions", "body"}. Output lines, in input order: {"id", "custom_id",
+"response": {"status_code", "request_id", "body"}, "error"}. A request that fails has
+the OpenAI error object as its response body and its HTTP status; a line that is not a
+request at all has `response: null` and `error: {"code", "message"}`.
+"""
+
+import uuid
+
+from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.http_api.openai_mapping import CHAT, COMPLETION, ResponseBuilder, WholeResponse, error_body, error_status, \
+    parse_api_request
+
+URL_KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
+
+
+def is_openai_batch(numbered_items) -> bool:
+    """The file is an OpenAI batch file when its first line that is a JSON object has a
+    `custom_id` (lines before it that do not parse say nothing about the file)."""
+    for _number, item in numbered_items:
+        if isinstance(item, dict):
+            return "custom_id" in item
+    return False
+
+
+def _line_failure(custom_id, err: CbatchError) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": err.code, "message": err.message}}
+
+
+def _request_failure(custom_id, err: CbatchError) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": error_status(err.code), "request_id": uuid.uuid4().hex,
+                         "body": error_body(err)}, "error": None}
+
+
+class OpenAILine:
+    """One input line: its parsed request, or why it cannot run, and its result so far."""
+
+    def __init__(self, number: int, item):
+        self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
+        self.bodies: list[dict] = []
+        self.whole: WholeResponse | None = None
+        self.result: dict | None = None
+        try:
+            if isinstance(item, CbatchError):
+                raise item
+            if not isinstance(self.custom_id, str) or not isinstance(item.get("body"), dict):
+                raise CbatchError(INVALID_REQUEST, f"line {number} needs a string custom_id and an object body")
+            kind = URL_KINDS.get(item.get("url"))
+            if kind is None or item.get("method", "POST") != "POST":
+                raise CbatchError(INVALID_REQUEST, f"line {number}: url must be one of {sorted(URL_KINDS)} with POST")
+        except CbatchError as err:
+            self.result = _line_failure(self.custom_id, err)
+            return
+        try:
+            request = parse_api_request(kind, {**item["body"], "stream": False}, None)
+        except CbatchError as err:
+            self.result = _request_failure(self.custom_id, err)
+            return
+        self.bodies = request.bodies
+        self.whole = WholeResponse(ResponseBuilder(request, str(item["body"].get("model", ""))))
+
+    def add(self, choice: int, chunk) -> None:
+        if self.result is not None:
+            return  # already failed: the other choices' chunks are dropped
+        if isinstance(chunk, CbatchError):
+            self.result = _request_failure(self.custom_id, chunk)
+            return
+        self.whole.add(choice, chunk)
+        if not self.whole.num_left:
+            response = self.whole.response()
+            self.result = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": self.custom_id, "error": None,
+                           "response": {"status_code": 200, "request_id": response["id"], "body": response}}
+
+    @property
+    def is_ok(self) -> bool:
+        return self.result["error"] is None and self.result["response"]["status_code"] == 200

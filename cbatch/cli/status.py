@@ -1,0 +1,69 @@
+"""cbatch-status: what a running daemon is doing (health, the stats, one row per running request)."""
+
+import argparse
+import json
+import sys
+
+from cbatch.cli.common import add_version
+from cbatch.errors import CbatchError, UNAVAILABLE
+from cbatch.wording import counted
+
+EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
+SLOT_COLUMNS = ("slot", "request", "state", "prompt", "tokens", "age")
+
+
+def format_status(endpoint: str, health: dict, stats: dict) -> str:
+    lines = [
+        f"cbatch-worker at {endpoint}: {health['status']}, model {health['model']}, worker pid {health['worker_pid']}",
+        f"parallel {stats['parallel']}, context {health['ctx_per_seq']} per sequence; "
+        f"{stats['num_active']} active, {stats['num_queued']} queued, "
+        f"{counted(stats.get('num_in_flight', 0), 'request')} in flight, "
+        f"{counted(stats['num_requests_ended'], 'request')} ended",
+        f"decode {stats.get('decode_tokens_per_s', 0.0):.1f} tok/s, prefill {stats.get('prefill_tokens_per_s', 0.0):.1f} "
+        f"tok/s, {stats.get('avg_concurrent_seqs', 0.0):.1f} sequences per decode step on average",
+    ]
+    if "kv_cells_total" in stats:  # the worker has reported once
+        lines.append(
+            f"prefix cache {'on' if stats['prefix_cache'] else 'off'}: hit rate {100 * stats['cache_hit_rate']:.0f}%, "
+            f"{counted(stats['prompt_tokens_reused'], 'prompt token')} reused; KV cells {stats['kv_cells_used']} of "
+            f"{stats['kv_cells_total']} used, {stats['kv_cells_cached']} cached")
+    slots = stats.get("slots", [])
+    if not slots:
+        lines.append("no request running")
+        return "\n".join(lines)
+    rows = [SLOT_COLUMNS] + [(
+        str(slot["seq_id"]), str(slot["request_id"]), slot["state"],
+        f"{slot['prompt_tokens_done']}/{slot['prompt_tokens']}", str(slot["tokens"]), f"{slot['age_s']:.1f} s",
+    ) for slot in slots]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(SLOT_COLUMNS))]
+    lines += ["  ".join(cell.rjust(width) if i != 2 else cell.ljust(width) for i, (cell, width) in
+                        enumerate(zip(row, widths))).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="cbatch-status", description="Show what a cbatch-worker daemon is doing.")
+    parser.add_argument("--endpoint", default=None, help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
+    parser.add_argument("--json", action="store_true", help="print {\"health\": ..., \"stats\": ...} as JSON")
+    parser.add_argument("--curve-server-key", help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
+    parser.add_argument("--curve-client-key", help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
+    add_version(parser)
+    args = parser.parse_args(argv)
+    from cbatch.client import Client
+
+    try:
+        with Client(args.endpoint, use_ring=False, curve_server_key=args.curve_server_key,
+                    curve_client_key=args.curve_client_key) as client:
+            health, stats = client.health(), client.stats()
+            endpoint = client.endpoint
+    except CbatchError as err:
+        print(f"cbatch-status: {err.message}", file=sys.stderr)
+        sys.exit(EXIT_UNREACHABLE if err.code == UNAVAILABLE else EXIT_FAILED)
+    for reply in (health, stats):
+        reply.pop("nonce", None)
+    health.pop("lost_request_ids", None)
+    if args.json:
+        print(json.dumps({"health": health, "stats": stats}))
+    else:
+        print(format_status(endpoint, health, stats))
+    sys.exit(EXIT_OK)

@@ -1,0 +1,121 @@
+"""cbatch-submit: run a JSONL file of requests (cbatch's own or an OpenAI batch file)
+through a daemon and write one result line per input line, in input order."""
+
+import argparse
+import itertools
+import json
+import sys
+
+from cbatch.cli.batch_run import RunSummary, run_batch
+from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
+from cbatch.cli.native_batch import NativeLine
+from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
+from cbatch.cli.resume import id_key, prepare_resume
+from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
+from cbatch.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, INVALID_REQUEST, CbatchError
+
+PROG = "cbatch-submit"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Run a JSONL file of prompts through cbatch-worker.")
+    parser.add_argument("prompts", help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line; - reads stdin")
+    parser.add_argument("-o", "--output", help="results JSONL (default: stdout)")
+    parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
+                        help=f"requests outstanding at once (default {DEFAULT_MAX_IN_FLIGHT})")
+    parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
+    parser.add_argument("--resume", action="store_true", help="skip the lines whose ids the output already holds, append the rest")
+    add_client_flags(parser)
+    add_version(parser)
+    return parser
+
+
+def read_items(lines):
+    """Yield (line number, request dict or CbatchError) per non-blank line."""
+    with lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield number, CbatchError(INVALID_REQUEST, f"line {number} is not valid JSON: {err.msg}")
+                continue
+            if not isinstance(item, dict):
+                yield number, CbatchError(INVALID_REQUEST, f"line {number} must be a JSON object")
+                continue
+            if not all(isinstance(key, str) for key in item):
+                yield number, CbatchError(INVALID_REQUEST, f"line {number} has non-string keys")
+                continue
+            item.setdefault("id", number)
+            yield number, item
+
+
+def open_input(path: str):
+    """(number of lines or None for stdin, the open text stream); exits EXIT_USAGE if unreadable."""
+    if path == "-":  # read as it comes: the number of lines is not known ahead
+        return None, open(sys.stdin.fileno(), encoding="utf-8", errors="strict", closefd=False)
+    try:
+        with open(path, encoding="utf-8") as f:
+            num_lines = sum(1 for line in f if line.strip())
+        return num_lines, open(path, encoding="utf-8", errors="strict")
+    except OSError as err:
+        exit_with(PROG, f"cannot read {path}: {err.strerror}", EXIT_USAGE)
+    except UnicodeDecodeError as err:
+        exit_with(PROG, f"{path} is not UTF-8 text (byte {err.start})", EXIT_USAGE)
+
+
+def open_output(path: str | None, resume: bool):
+    """(ids already written, the output stream); exits EXIT_USAGE if unwritable."""
+    if not path:
+        return set(), sys.stdout
+    try:
+        done_ids = prepare_resume(path) if resume else set()
+        return done_ids, open(path, "a" if resume else "w", encoding="utf-8")
+    except OSError as err:
+        exit_with(PROG, f"cannot write {path}: {err.strerror}", EXIT_USAGE)
+
+
+def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, out,
+             max_in_flight: int) -> tuple[RunSummary, str]:
+    """Tell the kind of file by its first JSON object, skip lines already done, run the rest."""
+    first = []  # the lines up to the first JSON object
+    for numbered_item in numbered_items:
+        first.append(numbered_item)
+        if isinstance(numbered_item[1], dict):
+            break
+    items = ((n, item) for n, item in itertools.chain(first, numbered_items)
+             if not (isinstance(item, dict) and id_key(item) in done_ids))
+    num_left = None if num_lines is None else num_lines - len(done_ids)
+    make_line, noun = (OpenAILine, "OpenAI batch line") if is_openai_batch(first) else (NativeLine, "line")
+    return run_batch(client, items, make_line, out, max_in_flight, num_left), noun
+
+
+def main(argv=None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.max_in_flight < 1:
+        parser.error("--max-in-flight must be >= 1")
+    if args.resume and not args.output:
+        parser.error("--resume needs -o/--output")
+    num_lines, lines = open_input(args.prompts)
+    from cbatch.client import Client
+
+    done_ids, out = open_output(args.output, args.resume)
+    try:
+        client = Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
+                        curve_client_key=args.curve_client_key)
+    except CbatchError as err:
+        exit_on_error(PROG, err)
+    try:
+        summary, noun = run_file(client, read_items(lines), done_ids, num_lines, out, args.max_in_flight)
+    except CbatchError as err:
+        exit_on_error(PROG, err)
+    except UnicodeDecodeError as err:  # standard input, read as it comes (a file was checked first)
+        exit_with(PROG, f"standard input is not UTF-8 text (byte {err.start} of a read)", EXIT_USAGE)
+    finally:
+        client.close()
+        if out is not sys.stdout:
+            out.close()
+    print(summary.line(noun), file=sys.stderr)
+    sys.exit(EXIT_FAILED if summary.num_failed else EXIT_OK)

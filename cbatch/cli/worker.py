@@ -1,0 +1,87 @@
+"""cbatch-worker: the daemon (a front-end, the decode worker and, with --http, the HTTP server)."""
+
+import argparse
+import logging
+import sys
+
+from cbatch.cli.common import add_version, exit_with
+from cbatch.config import DaemonConfig, EngineConfig, parse_http_address
+from cbatch.errors import EXIT_FAILED, CbatchError
+
+ENGINE = EngineConfig()  # the defaults the flags show
+DAEMON = DaemonConfig(ENGINE, endpoint="ipc://unused")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cbatch-worker", description="Serve one GGUF model to many clients.")
+    add_version(parser)
+    add = parser.add_argument
+    add("-m", "--model", help="GGUF file (default: the embedded gemma-3-270m)")
+    add("-np", "--parallel", type=int, default=ENGINE.parallel,
+        help=f"sequences decoded together (default {ENGINE.parallel})")
+    add("-c", "--ctx-size", type=int, default=ENGINE.ctx_size, help="total context for all sequences (default 4096 each)")
+    add("-b", "--batch-size", type=int, default=ENGINE.batch_size,
+        help=f"tokens per decode step (default {ENGINE.batch_size})")
+    add("-t", "--threads", type=int, default=ENGINE.threads, help="CPU threads (default: all cores)")
+    add("-ngl", "--n-gpu-layers", type=int, default=ENGINE.n_gpu_layers,
+        help="layers to offload to a GPU (default -1: all of them on a GPU build)")
+    add("--max-queue", type=int, default=ENGINE.max_queue,
+        help=f"requests waiting beyond --parallel (default {ENGINE.max_queue})")
+    add("--kv-unified", action=argparse.BooleanOptionalAction, default=ENGINE.kv_unified,
+        help="one KV pool shared by all sequences, or one stream per sequence (default)")
+    add("--prefix-cache", action=argparse.BooleanOptionalAction, default=ENGINE.prefix_cache,
+        help="reuse the KV of cached prompt prefixes (default on)")
+    add("--cache-tokens", type=int, default=ENGINE.cache_tokens,
+        help="unified pool: KV cells kept for finished requests' prefixes (default: one sequence's context)")
+    add("--backend-sampling", action=argparse.BooleanOptionalAction, default=ENGINE.backend_sampling,
+        help="sample inside llama.cpp's graph when a request allows (default: on a GPU build only)")
+    add("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
+    add("--ring-capacity", type=int, default=DAEMON.ring_capacity, help="token ring records (power of two)")
+    add("--drain-grace", type=float, default=DAEMON.drain_grace_s, help="seconds in-flight requests get on SIGTERM")
+    add("--retention", type=float, default=DAEMON.retention_s,
+        help=f"seconds a finished request's tokens stay fetchable by a reader the ring lapped "
+             f"(default {DAEMON.retention_s:g})")
+    add("--worker-timeout", type=float, default=DAEMON.worker_timeout_s,
+        help="seconds without a step before the decode worker is restarted (0 = never)")
+    add("--progress-interval", type=float, default=DAEMON.progress_interval_s,
+        help=f"seconds between progress lines in the log while requests are in flight "
+             f"(default {DAEMON.progress_interval_s:g})")
+    add("-q", "--quiet", action="store_true", help="no progress lines")
+    add("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
+    add("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
+    add("--curve-clients", default="", help="directory of client public certificates allowed in")
+    add("--http", default="", metavar="[HOST:]PORT", help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    """Raises CbatchError(INVALID_CONFIG) naming the flag to change."""
+    engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
+                          batch_size=args.batch_size, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                          max_queue=args.max_queue, kv_unified=args.kv_unified, prefix_cache=args.prefix_cache,
+                          cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling)
+    return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
+                        drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
+                        allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,
+                        curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
+                        http_address=parse_http_address(args.http) if args.http else None)
+
+
+def main(argv=None) -> None:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from cbatch.workers.daemon.http_manager import listen_http
+    from cbatch.workers.daemon.supervisor import run_daemon
+
+    try:
+        config = config_from_args(args)
+    except CbatchError as err:
+        parser.error(err.message)
+    # Bound before the model loads, so a taken port ends the daemon at once, as a taken
+    # endpoint does (exit 1: cannot serve); the HTTP server processes serve this socket.
+    try:
+        http_socket = listen_http(*config.http_address) if config.http_address else None
+    except CbatchError as err:
+        exit_with("cbatch-worker", err.message, EXIT_FAILED)
+    sys.exit(run_daemon(config, http_socket))

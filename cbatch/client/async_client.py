@@ -1,0 +1,197 @@
+"""cbatch.AsyncClient: the asyncio twin of cbatch.Client, over the same Session.
+
+One pump task reads the socket and the ring for every coroutine sharing the client and
+wakes only the waiters of the streams and replies that got something; waiting coroutines
+never spin.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from cbatch.client.base import CONNECT_TIMEOUT_S, ClientBase, check_endpoint, choice_items, raise_any, unreachable
+from cbatch.config import default_endpoint
+from cbatch.errors import CbatchError, UNAVAILABLE
+from cbatch.protocol import MsgType
+from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
+from cbatch.client.session import CONNECTION, LIVENESS_S, SAFETY_POLL_S, Session
+from cbatch.client.sockets import make_dealer, make_tick_socket
+from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
+
+
+class AsyncClient(ClientBase):
+    """asyncio client: `client = await AsyncClient.connect()`; many coroutines may share it."""
+
+    def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
+                 curve_server_key: str | None = None, curve_client_key: str | None = None):
+        self.endpoint = endpoint or default_endpoint()
+        check_endpoint(self.endpoint)
+        self._zctx = zmq.asyncio.Context.instance()  # never terminated by us: see Client
+        self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
+        self._session = Session(self._send, use_ring and self.endpoint.startswith("ipc://"),
+                                on_arrival=self._on_arrival)
+        # What each waiting coroutine waits on (a stream, a reply's nonce, CONNECTION) -> its
+        # futures: an arrival wakes those, and the hundreds of requests an HTTP server
+        # waits on at once do not all wake whenever one of them gets a token.
+        self._waiters: dict[object, set[asyncio.Future]] = {}
+        self._failure: BaseException | None = None
+        self._pump_task: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, endpoint: str | None = None, *, use_ring: bool = True,
+                      connect_timeout_s: float = CONNECT_TIMEOUT_S, **curve_keys) -> "AsyncClient":
+        client = cls(endpoint, use_ring=use_ring, **curve_keys)
+        client._pump_task = asyncio.create_task(client._pump())
+        try:
+            client._session.hello()
+            await asyncio.wait_for(client._wait(lambda: client._session.welcome is not None, [CONNECTION]),
+                                   connect_timeout_s)
+        except asyncio.TimeoutError:
+            await client.close()
+            raise unreachable(client.endpoint) from None
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def _pump(self) -> None:
+        session, tick = self._session, None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        try:
+            while True:
+                if tick is None and session.tick_endpoint:
+                    tick = make_tick_socket(self._zctx, session.tick_endpoint)
+                    poller.register(tick, zmq.POLLIN)
+                timeout_s = SAFETY_POLL_S if session.is_waiting else LIVENESS_S
+                ready = dict(await poller.poll(int(timeout_s * 1000)))
+                if self._dealer in ready:
+                    while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        session.on_frames(await self._dealer.recv_multipart())
+                if tick is not None and tick in ready:
+                    while tick.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        await tick.recv()
+                session.read_ring()
+                session.check_liveness(time.monotonic())
+        except BaseException as exc:  # including CancelledError at close()
+            self._failure = exc
+            for key in list(self._waiters):
+                self._on_arrival(key)
+            raise
+        finally:
+            if tick is not None:
+                tick.close(linger=0)
+
+    def _send(self, frames: list[bytes]) -> None:
+        """The session's send. pyzmq's asyncio socket sends at once when the daemon takes the
+        message; otherwise it queues it and returns a future that fails with zmq.Again after
+        SEND_TIMEOUT_S. Nobody awaits that future, so its failure is handed to the session
+        here, which fails what waits on the daemon, as the blocking client's send does."""
+        sending = self._dealer.send_multipart(frames)
+        if sending.done():
+            sending.result()  # raises what the immediate send raised
+        else:
+            sending.add_done_callback(self._on_late_send)
+
+    def _on_late_send(self, sending: asyncio.Future) -> None:
+        if not sending.cancelled() and sending.exception() is not None and not self._session.is_closed:
+            self._session.on_send_failed(sending.exception())
+
+    def _on_arrival(self, key) -> None:
+        for waiter in self._waiters.get(key, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self, is_done, keys) -> None:
+        """Until is_done() holds, sleep until something arrives for one of keys."""
+        while not is_done():
+            if self._session.failure is not None:
+                raise self._session.failure
+            if self._failure is not None:
+                if isinstance(self._failure, CbatchError):
+                    raise self._failure
+                raise CbatchError(UNAVAILABLE, f"the client's connection stopped: {self._failure!r}")
+            waiter = asyncio.get_running_loop().create_future()
+            for key in keys:
+                self._waiters.setdefault(key, set()).add(waiter)
+            try:
+                await waiter
+            finally:
+                for key in keys:
+                    waiters = self._waiters[key]
+                    waiters.discard(waiter)
+                    if not waiters:
+                        del self._waiters[key]
+
+    async def read(self, stream: RequestStream) -> AsyncIterator[Chunk]:
+        with self._session.reading(stream):
+            while not stream.is_drained:
+                await self._wait(lambda: stream.pending, [stream])
+                yield self._session.take(stream)
+
+    async def generate(self, prompt: str | None = None, messages: list | None = None,
+                       **params) -> Completion | list[Completion]:
+        """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
+        if "n" in params:
+            return raise_any(await self.generate_batch(choice_items(prompt, messages, params)))
+        stream = self.submit(prompt, messages, **params)
+        async for _ in self.read(stream):
+            pass
+        return stream.completion()
+
+    async def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> AsyncIterator[tuple[int, Chunk | CbatchError]]:
+        """Yield (item position, chunk or error) as they arrive, at most max_in_flight
+        requests outstanding. Each item's last chunk has finish_reason, or is an error."""
+        feeder = BatchFeeder(self._session, items, max_in_flight)
+        try:
+            while True:
+                for arrival in feeder.fill():
+                    yield arrival
+                if feeder.is_done:
+                    return
+                await self._wait(feeder.has_arrivals, feeder.streams)
+                for arrival in feeder.take_arrivals():
+                    yield arrival
+        finally:
+            feeder.close()
+
+    async def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
+        """Results in input order: a Completion, or the CbatchError that item got."""
+        items = list(items)
+        batch = BatchResults(len(items))
+        async for position, item in self.stream_batch(items, max_in_flight):
+            batch.add(position, item)
+        return batch.results
+
+    async def _ask(self, msg_type: MsgType) -> dict:
+        nonce = self._session.ask(msg_type)
+        try:
+            await self._wait(lambda: self._session.replies[nonce] is not None, [nonce])
+            return self._session.take_reply(nonce)
+        finally:  # a caller that gave up (a timeout, a cancel) leaves no entry to wait on
+            self._session.replies.pop(nonce, None)
+
+    async def health(self) -> dict:
+        return await self._ask(MsgType.HEALTH)
+
+    async def stats(self) -> dict:
+        return await self._ask(MsgType.STATS)
+
+    async def close(self) -> None:
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            try:
+                await self._pump_task
+            except BaseException:
+                pass
+        self._session.close()
+        self._dealer.close(linger=0)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info):
+        await self.close()

@@ -1,0 +1,54 @@
+"""The sockets a client opens towards a daemon: the DEALER to the front-end (with
+CurveZMQ when the daemon requires it) and the SUB for the worker's ticks."""
+
+import os
+import secrets
+
+import zmq
+import zmq.auth
+
+from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.client import session  # SEND_TIMEOUT_S read at each connect: tests shorten it
+
+
+def use_curve(sock, server_key_file: str | None, client_key_file: str | None) -> None:
+    """Speak CurveZMQ to a daemon that requires it. server_key_file: the daemon's public
+    certificate; client_key_file: this client's secret certificate (without one, a fresh
+    key pair, which a daemon that admits only listed clients refuses). Defaults come from
+    CBATCH_CURVE_SERVER_KEY and CBATCH_CURVE_CLIENT_KEY."""
+    server_key_file = server_key_file or os.environ.get("CBATCH_CURVE_SERVER_KEY")
+    client_key_file = client_key_file or os.environ.get("CBATCH_CURVE_CLIENT_KEY")
+    if not server_key_file:
+        return
+    try:
+        server_public, _ = zmq.auth.load_certificate(server_key_file)
+        if client_key_file:
+            client_public, client_secret = zmq.auth.load_certificate(client_key_file)
+        else:
+            client_public, client_secret = zmq.curve_keypair()
+    except (OSError, ValueError) as err:
+        raise CbatchError(INVALID_CONFIG, f"cannot read a CurveZMQ certificate: {err}") from None
+    if not client_secret:
+        raise CbatchError(INVALID_CONFIG, f"{client_key_file} holds no secret key (use the .key_secret file)")
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, client_public, client_secret
+
+
+def make_dealer(zctx, endpoint: str, server_key_file: str | None, client_key_file: str | None):
+    """The client's socket to the front-end. Its routing id is fixed for the client's life,
+    so after a reconnect the front-end still knows whose requests these are."""
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.SNDTIMEO, int(session.SEND_TIMEOUT_S * 1000))
+    dealer.setsockopt(zmq.ROUTING_ID, b"c" + secrets.token_bytes(15))  # ids starting 0x00 are libzmq's
+    use_curve(dealer, server_key_file, client_key_file)
+    dealer.connect(endpoint)
+    return dealer
+
+
+def make_tick_socket(zctx, endpoint: str):
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 16)  # ticks carry no data: a few queued are as good as many
+    sub.connect(endpoint)
+    return sub

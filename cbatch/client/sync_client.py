@@ -1,0 +1,131 @@
+"""cbatch.Client, the blocking client; cbatch.AsyncClient (asyncio) is its twin.
+
+A client on the daemon's host reads its tokens straight from the shared-memory ring,
+woken by the worker's ticks; elsewhere (or with use_ring=False) the front-end relays
+the same records over ZeroMQ. Both look the same to the caller.
+
+One Client per thread (ZeroMQ sockets are not thread-safe); one AsyncClient per event loop.
+"""
+
+import time
+from collections.abc import Iterator
+
+import zmq
+
+from cbatch.client.base import CONNECT_TIMEOUT_S, ClientBase, check_endpoint, choice_items, raise_any, unreachable
+from cbatch.config import default_endpoint
+from cbatch.errors import CbatchError
+from cbatch.protocol import MsgType
+from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
+from cbatch.client.session import SAFETY_POLL_S, Session
+from cbatch.client.sockets import make_dealer, make_tick_socket
+from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
+
+class Client(ClientBase):
+    def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 curve_server_key: str | None = None, curve_client_key: str | None = None):
+        self.endpoint = endpoint or default_endpoint()
+        check_endpoint(self.endpoint)
+        # The process-wide context, never terminated by us: a Client that is garbage
+        # collected unclosed (say, in a reference cycle) must not make the collector block
+        # in zmq_ctx_term waiting for sockets the same collection already dropped.
+        self._zctx = zmq.Context.instance()
+        self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
+        self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
+        self._poller = zmq.Poller()
+        self._poller.register(self._dealer, zmq.POLLIN)
+        self._tick = None
+        try:
+            self._session.hello()
+            self._wait(lambda: self._session.welcome is not None, time.monotonic() + connect_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        if self._session.tick_endpoint:
+            self._tick = make_tick_socket(self._zctx, self._session.tick_endpoint)
+            self._poller.register(self._tick, zmq.POLLIN)
+
+    def _wait(self, is_done, deadline: float | None = None) -> None:
+        """Pump messages and ring records until is_done() holds."""
+        session = self._session
+        while not is_done():
+            if session.failure is not None:
+                raise session.failure
+            if deadline is not None and time.monotonic() > deadline:
+                raise unreachable(self.endpoint)
+            ready = dict(self._poller.poll(int(SAFETY_POLL_S * 1000)))  # waiting: liveness is due that often
+            if self._dealer in ready:
+                while self._dealer.poll(0):
+                    session.on_frames(self._dealer.recv_multipart())
+            if self._tick is not None and self._tick in ready:
+                while self._tick.poll(0):
+                    self._tick.recv()
+            session.read_ring()
+            session.check_liveness(time.monotonic())
+
+    def read(self, stream: RequestStream) -> Iterator[Chunk]:
+        """Chunks of a submitted request; leaving early cancels it."""
+        with self._session.reading(stream):
+            while not stream.is_drained:
+                self._wait(lambda: stream.pending)
+                yield self._session.take(stream)
+
+    def generate(self, prompt: str | None = None, messages: list | None = None,
+                 **params) -> Completion | list[Completion]:
+        """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
+        if "n" in params:
+            return raise_any(self.generate_batch(choice_items(prompt, messages, params)))
+        stream = self.submit(prompt, messages, **params)
+        for _ in self.read(stream):
+            pass
+        return stream.completion()
+
+    def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> Iterator[tuple[int, Chunk | CbatchError]]:
+        """Run items with at most max_in_flight outstanding; yield (item position, chunk or
+        error) as they arrive. Each item's last chunk has finish_reason, or is an error."""
+        feeder = BatchFeeder(self._session, items, max_in_flight)
+        try:
+            while True:
+                yield from feeder.fill()
+                if feeder.is_done:
+                    return
+                self._wait(feeder.has_arrivals)
+                yield from feeder.take_arrivals()
+        finally:
+            feeder.close()
+
+    def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
+        """Results in input order: a Completion, or the CbatchError that item got."""
+        items = list(items)
+        batch = BatchResults(len(items))
+        for position, item in self.stream_batch(items, max_in_flight):
+            batch.add(position, item)
+        return batch.results
+
+    def _ask(self, msg_type: MsgType) -> dict:
+        nonce = self._session.ask(msg_type)
+        try:
+            self._wait(lambda: self._session.replies[nonce] is not None)
+            return self._session.take_reply(nonce)
+        finally:  # a caller that gave up (an error, Ctrl-C) leaves no entry to wait on
+            self._session.replies.pop(nonce, None)
+
+    def health(self) -> dict:
+        return self._ask(MsgType.HEALTH)
+
+    def stats(self) -> dict:
+        return self._ask(MsgType.STATS)
+
+    def close(self) -> None:
+        self._session.close()
+        self._dealer.close(linger=0)
+        if self._tick is not None:
+            self._tick.close(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+

@@ -1,0 +1,86 @@
+"""The messages between the front-end and the decode worker: one small struct per type.
+
+On the wire each is [type byte, msgpack map of its fields] (cbatch.protocol's framing).
+A struct grows by a field with a default at the end; both ends are always the same
+version (the supervisor starts the worker from its own install), so no field is ever
+optional on the wire. Token events (cbatch.ipc.records) travel as lists in field order: a step of 64
+sequences is 64 of them, and map keys would be most of the bytes.
+"""
+
+from dataclasses import dataclass, field, fields
+
+from cbatch.ipc.records import TokenEvent
+from cbatch.protocol import MsgType, pack, unpack
+
+
+@dataclass
+class WorkerReady:
+    pid: int
+    model: str
+    ctx_per_seq: int
+    prefix_cache: str
+
+
+@dataclass
+class WorkerFailed:
+    """The worker cannot start (model, context, ring); it exits next."""
+
+    message: str
+    code: str  # INVALID_CONFIG: a setting is wrong and a restart cannot help
+
+
+@dataclass
+class WorkerSubmit:
+    request_id: int
+    body: dict
+
+
+@dataclass
+class WorkerCancel:
+    request_id: int
+
+
+@dataclass
+class WorkerStop:
+    pass
+
+
+@dataclass
+class WorkerReject:
+    request_id: int
+    code: str
+    message: str
+
+
+@dataclass
+class WorkerEvents:
+    events: list[TokenEvent] = field(default_factory=list)
+    stats: dict | None = None  # the engine's snapshot, at most every STATS_INTERVAL_S
+
+
+_TYPES = {
+    WorkerReady: MsgType.WORKER_READY, WorkerFailed: MsgType.WORKER_FAILED, WorkerSubmit: MsgType.WORKER_SUBMIT,
+    WorkerCancel: MsgType.WORKER_CANCEL, WorkerStop: MsgType.WORKER_STOP, WorkerReject: MsgType.WORKER_REJECT,
+    WorkerEvents: MsgType.WORKER_EVENTS,
+}
+_CLASSES = {msg_type: cls for cls, msg_type in _TYPES.items()}
+_EVENT_FIELDS = tuple(f.name for f in fields(TokenEvent))
+
+
+def encode(message) -> list[bytes]:
+    body = {f.name: getattr(message, f.name) for f in fields(message)}
+    if isinstance(message, WorkerEvents):
+        body["events"] = [[getattr(event, name) for name in _EVENT_FIELDS] for event in message.events]
+    return pack(_TYPES[type(message)], body)
+
+
+def decode(frames: list[bytes]):
+    """The struct a worker or front-end sent; both ends are ours, so a malformed message
+    is a bug and raises (ProtocolError, TypeError)."""
+    msg_type, body = unpack(frames)
+    cls = _CLASSES.get(msg_type)
+    if cls is None:
+        raise TypeError(f"{msg_type.name} is not a worker message")
+    if cls is WorkerEvents:
+        body["events"] = [TokenEvent(*row) for row in body["events"]]
+    return cls(**body)

@@ -1,0 +1,85 @@
+"""The package layout's rules: imports point one way, and modules stay small enough to read.
+
+    cbatch/ (errors, protocol, params, config, model, wording)  shared by all
+    cbatch/client  ->  never cbatch.workers
+    cbatch/http_api  ->  the client and its own modules only (beside the shared ones)
+    cbatch/ipc (ipc/)  ->  never cbatch.workers
+    cbatch/workers/engine  ->  never the daemon or the decode process
+    cbatch/protocol  ->  nothing of the project
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"cbatch": REPO / "cbatch", "cbatch.workers": REPO / "workers", "cbatch.ipc": REPO / "ipc"}
+SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch.config", "cbatch.model",
+          "cbatch.wording"}
+MAX_MODULE_LINES = 300
+LONGER_ALLOWED = {"cbatch.ipc.ring"}  # the ring's memory-ordering contract is one piece
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for prefix, root in PACKAGE_DIRS.items():
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((prefix, *parts))] = path
+    return found
+
+
+def project_imports(path: Path) -> set[str]:
+    """Every cbatch module a file imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in names if name == "cbatch" or name.startswith("cbatch.")}
+
+
+def imports_under(package: str) -> dict[str, set[str]]:
+    return {name: project_imports(path) for name, path in modules().items()
+            if name == package or name.startswith(package + ".")}
+
+
+def offenders(package: str, is_allowed) -> list[str]:
+    return [f"{module} imports {imported}" for module, imported_names in imports_under(package).items()
+            for imported in sorted(imported_names) if not is_allowed(imported)]
+
+
+def outside(*forbidden: str):
+    return lambda name: not any(name == f or name.startswith(f + ".") for f in forbidden)
+
+
+@pytest.mark.parametrize("package, is_allowed", [
+    ("cbatch.client", outside("cbatch.workers", "cbatch.http_api", "cbatch.cli")),
+    ("cbatch.ipc", outside("cbatch.workers", "cbatch.client", "cbatch.http_api", "cbatch.cli")),
+    ("cbatch.workers.engine", outside("cbatch.workers.daemon", "cbatch.workers.decode", "cbatch.client",
+                                      "cbatch.http_api", "cbatch.cli")),
+    ("cbatch.http_api", lambda name: name in SHARED or name.startswith(("cbatch.client", "cbatch.http_api"))),
+    ("cbatch.protocol", lambda name: False),
+])
+def test_imports_point_one_way(package, is_allowed):
+    assert imports_under(package), f"no modules found under {package}"
+    assert offenders(package, is_allowed) == []
+
+
+def test_the_rules_see_a_wrong_import(tmp_path):
+    """Control: an engine module importing the daemon is caught."""
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("def f():\n    from cbatch.workers.daemon.supervisor import run_daemon\n")
+    assert "cbatch.workers.daemon.supervisor" in project_imports(wrong)
+    assert not outside("cbatch.workers.daemon")("cbatch.workers.daemon.supervisor")
+
+
+def test_modules_stay_readable():
+    too_long = {name: n for name, path in modules().items()
+                if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES and name not in LONGER_ALLOWED}
+    assert too_long == {}

@@ -1,0 +1,265 @@
+"""The front-end: the one socket clients talk to. It never touches the model.
+
+It validates every client message, keeps the bounded table of in-flight requests
+(request_table), forwards submits and cancels to the decode worker (worker_link), and
+relays the worker's events: the finish (with usage and the record count) to every owner,
+and the records themselves to clients that do not read the ring (client_link). The
+supervisor owns the worker link (it starts and stops workers); the front-end only sends
+requests over it and reads what it knows of the live worker.
+"""
+
+import logging
+import time
+
+import msgpack
+import zmq
+
+from cbatch.config import DaemonConfig
+from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
+from cbatch.ipc.records import NO_TOKEN, RingRecord, TokenEvent
+from cbatch.params import parse_request
+from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
+from cbatch.workers.daemon.client_link import ClientLink
+from cbatch.ipc.worker_messages import WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
+from cbatch.workers.daemon.request_table import Job, RequestTable
+from cbatch.workers.daemon.worker_link import WorkerLink
+
+log = logging.getLogger("cbatch.daemon.front_end")
+
+MAX_REQUEST_ID = (1 << 63) - 1
+MAX_RECORDS_PER_MESSAGE = 4096  # RECORDS replies are split to stay far inside the unpack limits
+
+
+class FrontEnd:
+    def __init__(self, zctx: zmq.Context, config: DaemonConfig, worker: WorkerLink, ring_name: str,
+                 tick_endpoint: str):
+        self.config = config
+        self.worker = worker
+        self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
+        self.clients = ClientLink(zctx, config)
+        engine = config.engine
+        self.requests = RequestTable(engine.parallel + engine.max_queue, config.retention_s)
+        self._use_ring: dict[bytes, bool] = {}
+        self._is_draining = False
+        self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)
+
+    @property
+    def client_sockets(self) -> list:
+        """What the supervisor polls for clients: their disconnects, their messages."""
+        return [self.clients.disconnects, self.clients.socket]
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.requests.active)
+
+    @property
+    def num_ended(self) -> int:
+        return sum(self.requests.num_ended_by_outcome.values())
+
+    def start_draining(self) -> None:
+        """From now on a submit gets SHUTTING_DOWN; requests in flight run on."""
+        self._is_draining = True
+
+    # ---- clients ----------------------------------------------------------------
+    def on_client_messages(self) -> None:
+        self.requests.expire(time.monotonic())  # also on an idle daemon, before a FETCH could find them
+        for identity, frames in self.clients.receive(self._on_disconnect, self._resend_owed):
+            body: dict = {}
+            try:
+                msg_type, body = unpack(frames)
+                handler = self._CLIENT_HANDLERS.get(msg_type)
+                if handler is None:
+                    raise ProtocolError(f"message type {msg_type.name} is not sent by clients")
+                handler(self, identity, body)
+            except ProtocolError as err:
+                self._error(identity, INVALID_REQUEST, str(err), body or reply_ids(frames))
+            except CbatchError as err:
+                self._error(identity, err.code, err.message, body)
+            except Exception as err:  # a bug must cost one reply, not the daemon
+                log.exception("front-end failed on a client message")
+                self._error(identity, INTERNAL, f"the front-end failed on this message: {type(err).__name__}", body)
+        self._cancel_stalled()
+
+    def on_disconnects(self) -> None:
+        self.clients.take_disconnects(self._on_disconnect)
+
+    def _on_disconnect(self, identity: bytes) -> None:
+        """The client went away (closed, crashed, killed): nobody will read its requests."""
+        self._use_ring.pop(identity, None)
+        for job in self.requests.active_of(identity):
+            self._cancel_job(job)
+
+    def _cancel_stalled(self) -> None:
+        """A client that lets ZeroMQ's queue to it fill up stops costing the others: its
+        requests are cancelled. What it missed stays fetchable."""
+        while self.clients.newly_stalled:
+            for job in self.requests.active_of(self.clients.newly_stalled.pop()):
+                self._cancel_job(job)
+
+    def _resend_owed(self, identity: bytes) -> None:
+        """The stalled client speaks again: resend the finishes it may have lost, so it
+        can fetch any records it lacks and end those streams."""
+        for job in self.requests.owed_to(identity):
+            if not self._deliver_finish(job):
+                break  # its queue is full again: the rest waits for its next message
+
+    def _deliver_finish(self, job: Job) -> bool:
+        """Only what a client is owed is ever re-sent, so a flooding client that stalls
+        costs the loop one failed send per message, not a pass over every finished request."""
+        is_delivered = self.clients.send(job.owner, MsgType.FINISHED, job.finish)
+        self.requests.set_delivered(job, is_delivered)
+        return is_delivered
+
+    def _error(self, identity: bytes, code: str, message: str, body: dict) -> None:
+        """Every reply to a request names it (and a reply to a nonce its nonce)."""
+        reply = {"code": code, "message": message}
+        for key in ("request_id", "nonce"):
+            if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
+                reply[key] = body[key]
+        self.clients.send(identity, MsgType.ERROR, reply)
+
+    def _hello(self, identity: bytes, body: dict) -> None:
+        version = field(body, "version", int)
+        if version != PROTOCOL_VERSION:
+            raise CbatchError(VERSION_MISMATCH, f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade cbatch")
+        use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://")
+        self._use_ring[identity] = use_ring
+        ready = self.worker.ready
+        self.clients.send(identity, MsgType.WELCOME, {
+            "version": PROTOCOL_VERSION, "model": ready.model if ready else "", "parallel": self.config.engine.parallel,
+            "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring,
+            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else "",
+        })
+
+    def _submit(self, identity: bytes, body: dict) -> None:
+        request_id = field(body, "request_id", int)
+        if not 1 <= request_id <= MAX_REQUEST_ID:
+            raise ProtocolError("request_id must be in [1, 2**63 - 1]")
+        request_body = field(body, "body", dict)
+        parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
+        if len(msgpack.packb(request_body)) > MAX_FRAME_BYTES - 1024:  # floats re-encode wider
+            raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
+        if self._is_draining:
+            raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
+        # Log-probabilities do not fit the ring's records: such a request is relayed whole.
+        wants_logprobs = request_body.get("logprobs") is not None
+        job = Job(request_id, identity, is_relayed=wants_logprobs or not self._use_ring.get(identity, False),
+                  body=request_body, logprobs={} if wants_logprobs else None)
+        self.requests.add(job)
+        self._forward(job)  # held here while the worker (re)starts, sent when it is ready
+
+    def _forward(self, job: Job) -> None:
+        if self.worker.ready is not None and job.is_held:
+            self.worker.send(WorkerSubmit(job.request_id, job.body))
+            job.body = None
+
+    def _cancel(self, identity: bytes, body: dict) -> None:
+        job = self.requests.owned(identity, field(body, "request_id", int))
+        if job.finish is None:
+            self._cancel_job(job)
+
+    def _cancel_job(self, job: Job) -> None:
+        if not job.is_held:
+            self.worker.send(WorkerCancel(job.request_id))
+        else:  # never reached the worker: it ends here, with nothing produced
+            usage = {"prompt_tokens": 0, "completion_tokens": 0}
+            self._on_event(TokenEvent(job.request_id, [], "", "cancelled", usage), is_made_here=True)
+
+    def _fetch(self, identity: bytes, body: dict) -> None:
+        job = self.requests.owned(identity, field(body, "request_id", int))
+        from_index = field(body, "from_index", int)
+        self.num_fetches += 1
+        self._send_records(job, job.records[max(from_index, 0):], even_if_empty=True)
+
+    def _health(self, identity: bytes, body: dict) -> None:
+        """Also the liveness ping of a waiting client, listing the requests it waits for:
+        their finishes are sent again, and ids this client does not own are named lost."""
+        status = "draining" if self._is_draining else "ok" if self.worker.ready else "starting"
+        ready = self.worker.ready
+        lost = []
+        for request_id in (field(body, "request_ids", list, optional=True) or [])[:MAX_RECORDS_PER_MESSAGE]:
+            job = self.requests.get(request_id) if isinstance(request_id, int) else None
+            if job is None or job.owner != identity:
+                lost.append(request_id)
+            elif job.finish is not None:
+                self._deliver_finish(job)
+        self.clients.send(identity, MsgType.HEALTH_REPLY, {
+            "nonce": body.get("nonce", 0), "status": status, "model": ready.model if ready else "",
+            "parallel": self.config.engine.parallel, "worker_pid": ready.pid if ready else 0,
+            "ctx_per_seq": ready.ctx_per_seq if ready else 0, "lost_request_ids": lost,
+        })
+
+    def _stats(self, identity: bytes, body: dict) -> None:
+        ended = self.requests.num_ended_by_outcome
+        stats = {"num_active": 0, "num_queued": 0, **self.worker.stats, "parallel": self.config.engine.parallel,
+                 "num_in_flight": len(self.requests.active), "num_requests_ended": sum(ended.values()),
+                 "num_requests_by_outcome": dict(ended), "num_fetches": self.num_fetches}
+        self.clients.send(identity, MsgType.STATS_REPLY, {"nonce": body.get("nonce", 0), **stats})
+
+    _CLIENT_HANDLERS = {
+        MsgType.HELLO: _hello, MsgType.SUBMIT: _submit, MsgType.CANCEL: _cancel, MsgType.FETCH: _fetch,
+        MsgType.HEALTH: _health, MsgType.STATS: _stats,
+    }
+
+    def _send_records(self, job: Job, records: list[RingRecord], *, even_if_empty: bool = False) -> None:
+        """Even an empty answer matters to a FETCH: it lets the reader resume the ring."""
+        if not records and even_if_empty:
+            self.clients.send(job.owner, MsgType.RECORDS, {"request_id": job.request_id, "records": []})
+        for at in range(0, len(records), MAX_RECORDS_PER_MESSAGE):
+            rows = [[r.index, r.token_id, r.flags, r.finish, r.count, r.text]
+                    for r in records[at:at + MAX_RECORDS_PER_MESSAGE]]
+            if job.logprobs is not None:  # a seventh column: the token's logprobs entry
+                rows = [[*row, job.logprobs.get(row[0])] for row in rows]
+            self.clients.send(job.owner, MsgType.RECORDS, {"request_id": job.request_id, "records": rows})
+
+    # ---- decode worker ------------------------------------------------------------
+    def on_worker_messages(self) -> None:
+        for message in self.worker.receive():
+            if isinstance(message, WorkerReady):
+                for job in self.requests.active.values():
+                    self._forward(job)
+            elif isinstance(message, WorkerReject):
+                job = self.requests.active.get(message.request_id)
+                if job is not None:
+                    self.fail(job, message.code, message.message)
+            elif isinstance(message, WorkerEvents):
+                for event in message.events:
+                    self._on_event(event)
+            self._cancel_stalled()
+
+    def _on_event(self, event: TokenEvent, *, is_made_here: bool = False) -> None:
+        """is_made_here: a finish the front-end made itself; the worker never wrote it to
+        the ring, so even a ring reader gets its records sent."""
+        job = self.requests.active.get(event.request_id)
+        if job is None:
+            return  # already failed (worker restart) or rejected
+        records = event.records()
+        job.records += records
+        if job.logprobs is not None and event.logprobs:
+            token_records = [record for record in records if record.token_id != NO_TOKEN]
+            job.logprobs.update((record.index, entry) for record, entry in zip(token_records, event.logprobs))
+        if job.is_relayed or is_made_here:
+            self._send_records(job, records)
+        if event.finish_reason:
+            self.requests.finish(job, {"request_id": job.request_id, "finish_reason": event.finish_reason,
+                                       "usage": event.usage, "num_records": len(job.records), "error": event.error},
+                                 time.monotonic())
+            self._deliver_finish(job)
+
+    def fail(self, job: Job, code: str, message: str) -> None:
+        self.requests.fail(job, code)
+        self._error(job.owner, code, message, {"request_id": job.request_id})
+
+    def fail_all(self, code: str, message: str, *, include_held: bool = True) -> None:
+        """End in-flight requests with an error. Without include_held, requests still held
+        here (not yet sent to a worker) survive, to go to the next worker."""
+        for job in list(self.requests.active.values()):
+            if include_held or not job.is_held:
+                self.fail(job, code, message)
+
+    def cancel_all(self) -> None:
+        for job in list(self.requests.active.values()):
+            self._cancel_job(job)
+
+    def close(self) -> None:
+        self.clients.close()

@@ -1,0 +1,96 @@
+"""The front-end's table of requests: who owns each, its lifecycle, and how long it is kept.
+
+Pure bookkeeping, no sockets. A request is active from its submit until its finish (or
+until it is failed), then retained for `retention_s` so that a reader the ring lapped can
+fetch its records and a client that missed its finish can have it again. Invariants: a
+request id is in at most one of `active` and the retained set; `owed` names only
+retained requests whose finish could not be sent to their owner.
+"""
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
+from cbatch.ipc.records import RingRecord
+from cbatch.wording import counted
+
+
+@dataclass(eq=False)
+class Job:
+    request_id: int
+    owner: bytes  # the client's ROUTER identity
+    is_relayed: bool  # the owner reads records over ZeroMQ instead of the ring
+    body: dict | None = None  # the request, kept only until it reaches a ready worker
+    finish: dict | None = None  # the FINISHED body, once finished (resent on request)
+    records: list[RingRecord] = field(default_factory=list)
+    finished_at_s: float | None = None
+    logprobs: dict[int, list] | None = None  # record index -> logprobs entry, when the request asked
+
+    @property
+    def is_held(self) -> bool:
+        """Not yet handed to a worker (none was ready): nothing has run."""
+        return self.body is not None
+
+
+class RequestTable:
+    def __init__(self, max_in_flight: int, retention_s: float):
+        self.max_in_flight = max_in_flight
+        self.retention_s = retention_s
+        self.active: dict[int, Job] = {}
+        self._retained: OrderedDict[int, Job] = OrderedDict()  # in finishing order
+        self._owed: dict[bytes, dict[int, Job]] = {}  # owner -> retained jobs whose finish it lacks
+        self.num_ended_by_outcome: Counter = Counter()  # finish reason, or the error code it failed with
+
+    def add(self, job: Job) -> None:
+        if job.request_id in self.active or job.request_id in self._retained:
+            raise CbatchError(INVALID_REQUEST, f"request_id {job.request_id} is already in use")
+        if len(self.active) >= self.max_in_flight:
+            raise CbatchError(QUEUE_FULL, f"{counted(len(self.active), 'request')} in flight; retry later or raise --max-queue")
+        self.active[job.request_id] = job
+
+    def get(self, request_id) -> Job | None:
+        return self.active.get(request_id) or self._retained.get(request_id)
+
+    def owned(self, owner: bytes, request_id) -> Job:
+        """The owner's request, active or retained; NOT_FOUND for anyone else's."""
+        job = self.get(request_id)
+        if job is None or job.owner != owner:
+            raise CbatchError(NOT_FOUND, f"no request {request_id} of yours is known")
+        return job
+
+    def active_of(self, owner: bytes) -> list[Job]:
+        return [job for job in self.active.values() if job.owner == owner]
+
+    def finish(self, job: Job, finish: dict, now_s: float) -> None:
+        """The request ended with `finish` (the FINISHED body): retain it, forget the expired."""
+        job.finish, job.finished_at_s = finish, now_s
+        del self.active[job.request_id]
+        self.num_ended_by_outcome[finish["finish_reason"]] += 1
+        self._retained[job.request_id] = job
+        self.expire(now_s)
+
+    def expire(self, now_s: float) -> None:
+        """Forget the retained requests that finished more than retention_s ago."""
+        while self._retained and next(iter(self._retained.values())).finished_at_s < now_s - self.retention_s:
+            _, old = self._retained.popitem(last=False)
+            self._set_owed(old, False)
+
+    def fail(self, job: Job, code: str) -> None:
+        """The request ended with an error reply: nothing of it is kept."""
+        del self.active[job.request_id]
+        self.num_ended_by_outcome[code] += 1
+
+    def set_delivered(self, job: Job, is_delivered: bool) -> None:
+        self._set_owed(job, not is_delivered)
+
+    def owed_to(self, owner: bytes) -> list[Job]:
+        return list(self._owed.get(owner, {}).values())
+
+    def _set_owed(self, job: Job, is_owed: bool) -> None:
+        owed = self._owed.setdefault(job.owner, {})
+        if is_owed:
+            owed[job.request_id] = job
+        else:
+            owed.pop(job.request_id, None)
+        if not owed:
+            del self._owed[job.owner]

@@ -1,0 +1,272 @@
+"""The daemon's main process: supervisor of the decode worker, host of the front-end.
+
+run_daemon() creates the ring (so it outlives worker restarts), starts the worker and
+waits for its READY, restarts it when it dies (failing the requests it held), and on
+SIGTERM/SIGINT drains: no new requests, in-flight ones finish within the grace period
+or are cancelled, then everything it created is removed.
+"""
+
+import fcntl
+import logging
+import multiprocessing
+import os
+import resource
+import signal
+import socket
+import time
+
+import zmq
+
+from cbatch.config import DaemonConfig, runtime_dir
+from cbatch.errors import EXIT_FAILED, EXIT_OK, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
+from cbatch.ipc.ring import RingError, create_ring
+from cbatch.model import resolve_model_path
+from cbatch.wording import counted
+from cbatch.workers.decode.plan import WorkerPlan
+from cbatch.workers.decode.worker import run_decode_worker
+from cbatch.workers.daemon.front_end import FrontEnd
+from cbatch.workers.daemon.http_manager import HttpProcess
+from cbatch.workers.daemon.leftovers import remove_leftovers
+from cbatch.ipc.worker_messages import WorkerStop
+from cbatch.workers.daemon.progress import ProgressLog
+from cbatch.workers.daemon.worker_link import WorkerLink
+
+log = logging.getLogger("cbatch.daemon")
+
+
+LOOP_POLL_MS = 100  # how often the loop looks at signals and deadlines when idle
+READY_TIMEOUT_S = 600.0  # model load, including a first mmap from a cold disk
+MAX_STARTUP_FAILURES = 3  # consecutive worker deaths before READY, then the daemon gives up
+RESTART_BACKOFF_S = 1.0  # doubled after each consecutive start-up failure
+CANCEL_GRACE_S = 5.0  # after cancelling at the end of a drain, wait this long for the finishes
+STOP_TIMEOUT_S = 10.0
+MAX_OPEN_FILES = 1 << 20  # the soft limit asked for when the hard limit is unlimited
+
+
+def _raise_open_file_limit() -> None:
+    """Every client connection is a descriptor, and libzmq aborts the process when an
+    accept fails for lack of one: take all the descriptors the hard limit allows (the
+    common soft limit of 1024 is about a thousand local clients)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            pass  # keep the limit we have
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+def _lock_endpoint(endpoint: str) -> int | None:
+    """Hold an exclusive lock beside an ipc:// socket: a second daemon fails fast instead of
+    silently taking the socket file over (ZeroMQ replaces an existing ipc file on bind)."""
+    path = _ipc_path(endpoint)
+    if path is None:
+        return None  # tcp:// bind fails by itself when the port is taken
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        raise CbatchError(INVALID_CONFIG, f"cannot use {endpoint}: {err.strerror} (does its directory exist?)") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CbatchError(ENDPOINT_IN_USE, f"another cbatch-worker is serving {endpoint}; stop it or pass --endpoint") from None
+    return fd
+
+
+class Supervisor:
+    def __init__(self, config: DaemonConfig, http_socket: socket.socket | None = None):
+        self.config = config
+        self.stop_requested = False
+        self.http = None
+        if http_socket is not None:  # the API names the model by its file, as llama.cpp's server does
+            model_id = os.path.basename(resolve_model_path(config.engine.model_path))
+            self.http = HttpProcess(http_socket, config.endpoint, model_id)
+        tag = f"cbatch-{os.getpid()}"
+        self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
+        self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
+        try:
+            self.ring = create_ring(tag, config.ring_capacity)
+        except RingError as err:
+            raise CbatchError(INVALID_CONFIG, f"cannot create the token ring: {err}") from None
+        self.zctx = zmq.Context()
+        try:
+            self.worker_link = WorkerLink(self.zctx, self.control_endpoint)
+            self.frontend = FrontEnd(self.zctx, config, self.worker_link, self.ring.name, self.tick_endpoint)
+        except (zmq.ZMQError, CbatchError, ValueError, OSError) as err:
+            self.zctx.destroy(linger=0)
+            self.ring.close()
+            self.ring.unlink()
+            if isinstance(err, CbatchError):
+                raise
+            if isinstance(err, zmq.ZMQError):
+                raise CbatchError(ENDPOINT_IN_USE, f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
+            raise CbatchError(INVALID_CONFIG, f"cannot read the CurveZMQ certificates: {err}") from None
+        client_path = _ipc_path(config.endpoint)
+        if client_path:
+            os.chmod(client_path, 0o600)
+            self._files.append(client_path)
+        self.worker: multiprocessing.Process | None = None
+        self._generation = 0
+
+    def _start_worker(self) -> None:
+        self._generation += 1
+        plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
+        self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
+        self.worker_link.expect(self._generation)
+        self.worker.start()
+
+    def _poll(self, timeout_ms: int) -> bool:
+        """Serve both sockets once; return True if the worker process has exited."""
+        poller = zmq.Poller()
+        for sock in (self.worker_link.socket, *self.frontend.client_sockets, self.worker.sentinel):
+            poller.register(sock, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        disconnects, clients = self.frontend.client_sockets
+        if self.worker_link.socket in ready:
+            self.frontend.on_worker_messages()
+        if disconnects in ready:  # before new messages, which may reuse a closed descriptor
+            self.frontend.on_disconnects()
+        if clients in ready:
+            self.frontend.on_client_messages()
+        return self.worker.sentinel in ready
+
+    def _start_until_ready(self) -> None:
+        """Start workers until one reports READY; give up after repeated start-up deaths,
+        or at once when the worker says a setting is wrong (a model that does not load)."""
+        for attempt in range(MAX_STARTUP_FAILURES):
+            if attempt:
+                time.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
+            self._start_worker()
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while self.worker_link.ready is None and time.monotonic() < deadline and not self.stop_requested:
+                if self._poll(LOOP_POLL_MS):
+                    self.worker.join()
+                    break
+            failure = self.worker_link.failure
+            if self.worker_link.ready is not None or self.stop_requested:
+                return
+            if failure is not None and failure.code == INVALID_CONFIG:
+                raise CbatchError(INVALID_CONFIG, failure.message)  # the same settings fail again
+            if self.worker.is_alive():
+                self.worker.kill()
+                self.worker.join()
+        failure = self.worker_link.failure
+        reason = failure.message if failure is not None else f"exit code {self.worker.exitcode}"
+        raise CbatchError(WORKER_RESTARTED, f"the decode worker failed to start {MAX_STARTUP_FAILURES} times: {reason}")
+
+    def serve(self) -> None:
+        if self.http is not None:  # it answers 503 until the model has loaded
+            self.http.start()
+        self._start_until_ready()
+        if self.stop_requested:
+            return
+        ready = self.worker_link.ready
+        log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, endpoint %s, "
+                 "ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
+                 ready.prefix_cache, self.config.endpoint, self.ring.name, ready.pid)
+        drain_deadline, is_cancelled = None, False
+        progress = ProgressLog(self.config.progress_interval_s)
+        while True:
+            progress.update(time.monotonic(), self.frontend.num_in_flight, self.worker_link.stats,
+                            self.frontend.num_ended)
+            if self.http is not None and drain_deadline is None:
+                self.http.poll()
+            if self._poll(LOOP_POLL_MS):
+                self.worker.join()
+                self.frontend.fail_all(WORKER_RESTARTED, f"the decode worker died (exit code {self.worker.exitcode}); "
+                                                         "the request was lost, submit it again", include_held=False)
+                if drain_deadline is not None:
+                    return
+                log.warning("decode worker died (exit code %s); restarting", self.worker.exitcode)
+                self._start_until_ready()
+                continue
+            if self._is_hung():
+                log.warning("decode worker made no step for %.0f s; killing it", self.config.worker_timeout_s)
+                self.worker.kill()  # the next poll sees it gone and takes the restart path
+                continue
+            if self.stop_requested and drain_deadline is None:
+                log.info("draining: %s in flight, grace %.0f s", counted(self.frontend.num_in_flight, "request"),
+                         self.config.drain_grace_s)
+                self.frontend.start_draining()
+                if self.http is not None:
+                    self.http.drain()
+                drain_deadline = time.monotonic() + self.config.drain_grace_s
+            if drain_deadline is not None:
+                now = time.monotonic()
+                if not self.frontend.num_in_flight:
+                    return
+                if now > drain_deadline and not is_cancelled:
+                    self.frontend.cancel_all()
+                    is_cancelled = True
+                if now > drain_deadline + CANCEL_GRACE_S:
+                    self.frontend.fail_all(SHUTTING_DOWN, "the daemon shut down before the request finished")
+                    return
+
+    def _is_hung(self) -> bool:
+        """The worker stamps the ring after every step and every idle wake-up."""
+        timeout_s = self.config.worker_timeout_s
+        if not timeout_s or self.worker_link.ready is None:
+            return False
+        return (time.monotonic_ns() - self.ring.heartbeat_ns) / 1e9 > timeout_s
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.stop()  # its last responses end before the daemon stops answering
+        self.frontend.fail_all(UNAVAILABLE, "the cbatch daemon stopped")
+        if self.worker is not None and self.worker.is_alive():
+            if self.worker_link.ready is not None:  # it runs its loop: ask it to leave and clean up
+                self.worker_link.send(WorkerStop())
+                self.worker.join(STOP_TIMEOUT_S)
+            if self.worker.is_alive():  # still loading the model, or stuck
+                self.worker.kill()
+                self.worker.join()
+        self.frontend.close()
+        self.worker_link.close()
+        self.zctx.term()
+        self.ring.close()
+        self.ring.unlink()
+        for path in self._files:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit code. `http_socket`, bound by
+    the caller, is served by the OpenAI-compatible HTTP server."""
+    _raise_open_file_limit()
+    lock_fd = supervisor = None
+    try:  # every mistake a user can make ends here as one line and exit code 1
+        lock_fd = _lock_endpoint(config.endpoint)  # first: a second daemon fails at once
+        resolve_model_path(config.engine.model_path)  # a wrong --model fails now, not in a worker
+        removed = remove_leftovers(runtime_dir())
+        if removed:
+            log.info("removed %s left by daemons that are no longer running", counted(len(removed), "file"))
+        supervisor = Supervisor(config, http_socket)
+
+        def request_stop(signum, frame):
+            supervisor.stop_requested = True
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+        supervisor.serve()
+        log.info("cbatch-worker stopped")
+        return EXIT_OK
+    except CbatchError as err:
+        log.error("cbatch-worker: %s", err.message)
+        return EXIT_FAILED
+    finally:
+        if supervisor is not None:
+            supervisor.close()
+        if lock_fd is not None:
+            os.unlink(_ipc_path(config.endpoint) + ".lock")
+            os.close(lock_fd)
+        # Everything is cleaned up: a repeated stop signal must not turn the exit code into
+        # "killed by SIGTERM" while the interpreter shuts down (it restores the default
+        # handler of a signal that has a Python one, but not of an ignored signal).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,51 @@
+"""Applies the prepared commands to the engine between steps, on the decode loop's thread."""
+
+import queue
+
+from cbatch.errors import CbatchError
+from cbatch.ipc.worker_messages import WorkerCancel, WorkerReject, WorkerStop
+from cbatch.workers.decode.io_thread import WorkerIO
+from cbatch.workers.decode.preparer import rejection
+from cbatch.workers.decode.publisher import EventPublisher
+from cbatch.workers.engine.engine import Engine
+from cbatch.workers.engine.sequence import Sequence
+
+# An idle worker reports its stats, which also stamps the ring's heartbeat that the
+# supervisor's watchdog reads, at least this often.
+IDLE_WAIT_S = 0.5
+
+
+class CommandHandler:
+    """Applies prepared commands to the engine between steps."""
+
+    def __init__(self, engine: Engine, io: WorkerIO, inbox: queue.SimpleQueue, publisher: EventPublisher):
+        self._engine, self._io, self._inbox, self._publisher = engine, io, inbox, publisher
+        self.is_stopped = False  # a WorkerStop was applied
+
+    def apply_pending(self, wait_for_one: bool) -> bool:
+        """Apply every command waiting (first waiting up to IDLE_WAIT_S for one when
+        `wait_for_one`: the engine is idle); return whether the loop goes on."""
+        if wait_for_one:
+            self._publisher.send_stats()  # the engine just went idle: report zero active
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if wait_for_one else self._inbox.get_nowait()
+            while True:
+                self._apply(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return not self.is_stopped
+
+    def _apply(self, item) -> None:
+        """item: a prepared Sequence, or a message the preparer passed through."""
+        if isinstance(item, Sequence):
+            try:
+                self._engine.add(item)
+            except (CbatchError, ValueError) as err:
+                self._io.send(rejection(item.request_id, err))
+        elif isinstance(item, WorkerReject):
+            self._io.send(item)
+        elif isinstance(item, WorkerCancel):
+            self._engine.cancel(item.request_id)
+        elif isinstance(item, WorkerStop):
+            self.is_stopped = True

@@ -1,0 +1,104 @@
+"""The decode worker's I/O thread: the only thread that touches the front-end's socket.
+
+It puts what the front-end sends into `inbox` and sends what the loop thread hands it
+through an inproc pipe, so the decode loop never blocks on a socket. It also watches the
+supervisor: a worker whose supervisor died stops itself.
+"""
+
+import multiprocessing
+import os
+import queue
+import threading
+import traceback
+from collections import deque
+
+import zmq
+
+from cbatch.ipc.worker_messages import WorkerStop, decode, encode
+from cbatch.protocol import ProtocolError
+from cbatch.workers.decode.plan import WorkerPlan, worker_identity
+
+IO_POLL_MS = 500
+ORPHAN_EXIT_S = 1.5  # a worker whose supervisor died is gone this long after noticing, whatever it was doing
+
+
+class WorkerIO(threading.Thread):
+    """Receives commands into `inbox`; forwards what the loop thread `send`s."""
+
+    def __init__(self, zctx: zmq.Context, plan: WorkerPlan):
+        super().__init__(name="worker-io", daemon=True)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._zctx, self._plan = zctx, plan
+        self._pipe_address = f"inproc://worker-io-{id(self)}"
+        self._pipe = zctx.socket(zmq.PAIR)  # loop-thread end
+        self._pipe.setsockopt(zmq.SNDHWM, 0)  # a PAIR at its mark would block the decode loop
+        self._pipe.bind(self._pipe_address)
+
+    def send(self, message) -> None:
+        self._pipe.send_multipart(encode(message))
+
+    def close(self) -> None:
+        if self.is_alive():
+            self._pipe.send_multipart([b""])  # the stop sentinel: not a protocol message
+            self.join(timeout=5)
+        self._pipe.close(linger=0)
+
+    def run(self) -> None:
+        control = self._zctx.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 1000)  # let the last events and the goodbye reach the front-end
+        control.setsockopt(zmq.SNDHWM, 0)  # events are never dropped on the way to the front-end
+        control.setsockopt(zmq.RCVHWM, 0)
+        control.setsockopt(zmq.IDENTITY, worker_identity(self._plan.generation))
+        control.connect(self._plan.control_endpoint)
+        pipe = self._zctx.socket(zmq.PAIR)
+        pipe.setsockopt(zmq.RCVHWM, 0)
+        pipe.connect(self._pipe_address)
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(pipe, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            poller.register(parent.sentinel, zmq.POLLIN)
+        outgoing: deque[list[bytes]] = deque()  # for the front-end; a DEALER with no peer would block a send
+        orphaned = False
+        try:
+            while True:
+                ready = dict(poller.poll(IO_POLL_MS))
+                if parent is not None and parent.sentinel in ready and not orphaned:
+                    # The supervisor died (SIGKILL, OOM): nobody will read or stop us. Ask
+                    # the loop to stop, keep taking its sends (a send to a closed pipe would
+                    # block it forever), and end the process if it is slow to go (a long
+                    # llama_decode, a tokenizer busy with a large prompt).
+                    orphaned = True
+                    poller.unregister(parent.sentinel)
+                    outgoing.clear()
+                    self.inbox.put(WorkerStop())
+                    deadline = threading.Timer(ORPHAN_EXIT_S, os._exit, (1,))
+                    deadline.daemon = True  # a clean exit must not wait for it
+                    deadline.start()
+                if pipe in ready:
+                    frames = pipe.recv_multipart()
+                    if frames == [b""]:
+                        return
+                    if not orphaned:
+                        outgoing.append(frames)
+                if control in ready and ready[control] & zmq.POLLIN:
+                    try:
+                        self.inbox.put(decode(control.recv_multipart()))
+                    except (ProtocolError, TypeError):
+                        pass  # only the front-end talks to this socket, and it sends valid messages
+                while outgoing:
+                    try:
+                        control.send_multipart(outgoing[0], zmq.NOBLOCK)
+                    except zmq.Again:  # no front-end connected (yet, or any more)
+                        break
+                    outgoing.popleft()
+                poller.modify(control, zmq.POLLIN | (zmq.POLLOUT if outgoing else 0))
+        except BaseException:
+            # Without this thread the worker can neither hear nor answer the front-end while
+            # its heartbeat keeps the watchdog content: end it, and the supervisor restarts it.
+            traceback.print_exc()
+            os._exit(1)
+        finally:
+            pipe.close(linger=0)
+            control.close()

@@ -1,0 +1,49 @@
+"""The decode worker's preparer thread: tokenizing, chat templates and grammars run here,
+off the decode loop's thread (ctypes releases the GIL inside llama.cpp's tokenizer), so a
+1 MB prompt or a large grammar never stalls a step. Commands keep their arrival order."""
+
+import queue
+import threading
+import traceback
+
+from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST
+from cbatch.ipc.worker_messages import WorkerReject, WorkerSubmit
+from cbatch.params import parse_request
+from cbatch.workers.engine.engine import Engine
+from cbatch.workers.engine.sequence import Sequence
+
+
+class RequestPreparer(threading.Thread):
+    """Turns each SUBMIT from the I/O thread into a prepared Sequence (or a REJECT) and
+    passes every other command through, all in arrival order."""
+
+    def __init__(self, engine: Engine, source: queue.SimpleQueue):
+        super().__init__(name="worker-prepare", daemon=True)
+        self._engine, self._source = engine, source
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            message = self._source.get()
+            self.outbox.put(self._prepare(message) if isinstance(message, WorkerSubmit) else message)
+
+    def _prepare(self, submit: WorkerSubmit) -> Sequence | WorkerReject:
+        try:
+            return self._engine.prepare(parse_request(submit.request_id, submit.body))
+        except (CbatchError, ValueError) as err:
+            return rejection(submit.request_id, err)
+        except Exception as err:
+            # A bug costs this request an `internal` error, not the worker: prepare reads only
+            # the model, never engine state, so nothing the running requests rely on can be
+            # broken, and ending the worker would fail all of them. The thread must live on:
+            # without it every later submit would wait forever while the heartbeat (stamped by
+            # the loop) kept the watchdog content.
+            traceback.print_exc()
+            return WorkerReject(submit.request_id, INTERNAL, f"the worker failed to prepare this request: "
+                                                             f"{type(err).__name__}")
+
+
+def rejection(request_id: int, err: Exception) -> WorkerReject:
+    if isinstance(err, CbatchError):
+        return WorkerReject(request_id, err.code, err.message)
+    return WorkerReject(request_id, INVALID_REQUEST, str(err))

@@ -1,0 +1,53 @@
+"""Publishes each step: records into the ring, a tick to wake local readers, the events
+and (now and then) the engine's stats to the front-end."""
+
+import time
+
+import zmq
+
+from cbatch.ipc.records import TokenEvent
+from cbatch.ipc.ring import RingWriter
+from cbatch.ipc.worker_messages import WorkerEvents
+from cbatch.workers.decode.io_thread import WorkerIO
+from cbatch.workers.engine.engine import Engine
+
+STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers with
+
+
+class EventPublisher:
+    """Writes each step's outputs to the ring, ticks readers, and tells the front-end."""
+
+    def __init__(self, engine: Engine, ring, io: WorkerIO, tick: zmq.Socket):
+        self._engine, self._io, self._tick = engine, io, tick
+        self._writer = RingWriter(ring)
+        self._writer.heartbeat()  # before READY: the previous worker's stamp must not count
+        self._next_index: dict[int, int] = {}
+        self._stats_sent_at = 0.0
+
+    def publish(self, events: list[TokenEvent]) -> None:
+        if not events:  # a step of prompt chunks only: nothing to tell but liveness and stats
+            if time.monotonic() - self._stats_sent_at >= STATS_INTERVAL_S:
+                self.send_stats()
+            else:
+                self._writer.heartbeat()
+            return
+        for event in events:
+            event.index = self._next_index.get(event.request_id, 0)
+        for event, next_index in zip(events, self._writer.publish_many(events)):
+            if event.finish_reason:
+                self._next_index.pop(event.request_id, None)
+            else:
+                self._next_index[event.request_id] = next_index
+        # Invariant: the records are in the ring before the tick and before the front-end
+        # hears of them, so a reader told of a finish finds every record already there.
+        self._tick.send(b"", zmq.NOBLOCK)
+        is_stats_due = time.monotonic() - self._stats_sent_at >= STATS_INTERVAL_S
+        self._io.send(WorkerEvents(events, self._stats() if is_stats_due else None))
+
+    def send_stats(self) -> None:
+        self._writer.heartbeat()  # idle is alive too: the supervisor's watchdog reads this
+        self._io.send(WorkerEvents([], self._stats()))
+
+    def _stats(self) -> dict:
+        self._stats_sent_at = time.monotonic()
+        return self._engine.snapshot()

@@ -1,0 +1,62 @@
+"""The decode worker process: the only process that loads the model.
+
+Three threads, so that nothing but decoding runs on the loop's:
+    WorkerIO (sockets) -> RequestPreparer (tokenize, chat template, grammar) -> engine loop
+The main thread runs the engine loop and writes tokens into the shared-memory ring; a
+slow or chatty front-end, a 1 MB prompt or a large grammar never stalls a decode step
+(ctypes releases the GIL inside llama.cpp's tokenizer). Commands keep their order through
+the preparer, so a cancel never overtakes its submit. After each step the loop publishes
+the records, sends a tick on its PUB socket (waking local readers), and hands the step's
+events to the front-end.
+"""
+
+import os
+import signal
+
+import llama_cpp  # noqa: F401  before zmq, see cbatch/__init__.py
+import zmq
+
+from cbatch.errors import INTERNAL
+from cbatch.ipc.ring import attach_ring
+from cbatch.ipc.worker_messages import WorkerFailed, WorkerReady
+from cbatch.workers.decode.commands import CommandHandler
+from cbatch.workers.decode.io_thread import WorkerIO
+from cbatch.workers.decode.plan import WorkerPlan
+from cbatch.workers.decode.preparer import RequestPreparer
+from cbatch.workers.decode.publisher import EventPublisher
+from cbatch.workers.engine.engine import Engine, run_engine_loop
+
+
+def run_decode_worker(plan: WorkerPlan) -> None:
+    # Ctrl-C, and SIGTERM sent to the whole process group (systemd, kill -TERM -PGID), reach
+    # this process too; the supervisor drains and then stops it with WORKER_STOP.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    zctx = zmq.Context()
+    io = WorkerIO(zctx, plan)
+    io.start()
+    tick = zctx.socket(zmq.PUB)
+    tick.setsockopt(zmq.LINGER, 0)
+    engine = ring = None
+    try:
+        try:
+            tick.bind(plan.tick_endpoint)
+            ring = attach_ring(plan.ring_name)
+            engine = Engine(plan.engine)
+        except Exception as exc:
+            io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
+            raise SystemExit(1)
+        publisher = EventPublisher(engine, ring, io, tick)
+        preparer = RequestPreparer(engine, io.inbox)
+        preparer.start()
+        io.send(WorkerReady(os.getpid(), engine.runner.description, engine.ctx_per_seq, engine.prefix_cache_note))
+        handler = CommandHandler(engine, io, preparer.outbox, publisher)
+        run_engine_loop(engine, handler.apply_pending, publisher.publish)
+    finally:
+        io.close()
+        tick.close()
+        if ring is not None:
+            ring.close()
+        if engine is not None:
+            engine.close()
+        zctx.term()

@@ -1,0 +1,166 @@
+"""KV accounting and the prefix cache over per-sequence KV streams (--no-kv-unified).
+
+In this layout every sequence id owns a stream of `cells_per_stream` cells, and a token
+attends over its own stream only (in the unified pool it attends over the used range of
+the whole pool, other sequences' cells masked): long prompts that share nothing run
+several times faster. But llama.cpp copies between streams only whole streams, so cells
+cannot be shared the way kv_cache.py shares them. Here instead:
+- a running request owns one stream, which holds any sequence (the engine caps a sequence
+  at a stream's size): admission needs only a free stream, never eviction or preemption;
+- a finished request's computed blocks stay in its stream, cached, until the stream is
+  given to another request; free streams are given least recently used first;
+- the index is a radix tree over BLOCK_TOKENS-token blocks whose nodes name the streams
+  holding that prefix; a new request reuses the longest indexed prefix in place when a
+  free stream holds it (trim the rest), or copies the whole stream that holds it (a
+  running one, say) and trims the copy, when that saves at least MIN_COPY_BLOCKS blocks.
+
+Invariant: a stream's cells hold positions 0, 1, ... in order. llama.cpp fills a stream
+from its head, a trim moves the head back to the first freed cell, and no sequence grows
+past its stream, so the head never wraps: a sliding-window layer never hands a cell of a
+cached prefix to new tokens, and a prefix longer than the window stays whole (with the
+full-size window cache the runner asks for).
+
+Like kv_cache.py this only collects the operations llama.cpp must apply (`ops`) and is
+tested without a model.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from cbatch.workers.engine.kv.pool import BLOCK_TOKENS, OP_COPY, OP_REMOVE, TokenSlice
+
+MIN_COPY_BLOCKS = 4  # a whole-stream copy is a memcpy of every layer's stream: worth it past 64 tokens
+WHOLE_STREAM = -1  # as the end of an OP_COPY: llama.cpp copies whole streams only
+
+
+@dataclass(eq=False)
+class StreamNode:
+    parent: "StreamNode | None"
+    key: tuple[int, ...]
+    stream_ids: set[int] = field(default_factory=set)  # streams whose cells hold this prefix
+    children: dict = field(default_factory=dict)
+
+
+class StreamCacheManager:
+    pin_indexed_cells = False  # see the invariant: nothing needs pinning here
+
+    def __init__(self, num_streams: int, cells_per_stream: int, enable_prefix_cache: bool):
+        self.num_cells = num_streams * cells_per_stream
+        self.cells_per_stream = cells_per_stream
+        self.enable_prefix_cache = enable_prefix_cache
+        self.num_tokens_reused = 0
+        self.ops: list[tuple] = []
+        self._free: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_streams))  # LRU first
+        self._paths: dict[int, list[StreamNode]] = {s: [] for s in range(num_streams)}
+        self._num_held = [0] * num_streams  # cells reserved (running) or cached (free)
+        self._root = StreamNode(None, ())
+
+    @property
+    def num_cells_used(self) -> int:
+        return sum(self._num_held)
+
+    @property
+    def num_cells_evictable(self) -> int:
+        return sum(self._num_held[s] for s in self._free)
+
+    @property
+    def num_cached_holders(self) -> int:
+        return sum(1 for s in self._free if self._num_held[s])
+
+    def take_ops(self) -> list[tuple]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def num_reusable(self, token_slice: TokenSlice, num_tokens: int) -> int:
+        return BLOCK_TOKENS * len(self._match(token_slice, num_tokens))
+
+    def admit(self, token_slice: TokenSlice, num_tokens: int) -> tuple[int, int] | None:
+        """A free stream for a sequence of `num_tokens` tokens, holding the longest cached
+        prefix it can. Returns (seq_id, tokens reused), or None when every stream runs."""
+        if not self._free or num_tokens > self.cells_per_stream:
+            return None
+        path = self._match(token_slice, num_tokens)
+        free_depth, free_id = 0, None
+        for depth, node in enumerate(path, 1):
+            held_free = [s for s in node.stream_ids if s in self._free]
+            if held_free:
+                free_depth, free_id = depth, held_free[0]
+        if len(path) - free_depth >= MIN_COPY_BLOCKS:
+            seq_id, num_reused = next(iter(self._free)), len(path)
+            self.ops.append((OP_COPY, next(iter(path[-1].stream_ids)), seq_id, 0, WHOLE_STREAM))
+        elif free_id is not None:
+            seq_id, num_reused = free_id, free_depth
+        else:
+            seq_id, num_reused = next(iter(self._free)), 0
+        self.ops.append((OP_REMOVE, seq_id, num_reused * BLOCK_TOKENS))
+        self._set_path(seq_id, path[:num_reused])
+        del self._free[seq_id]
+        self._num_held[seq_id] = num_tokens
+        self.num_tokens_reused += num_reused * BLOCK_TOKENS
+        return seq_id, num_reused * BLOCK_TOKENS
+
+    def grow(self, seq_id: int, num_tokens: int) -> bool:
+        if num_tokens > self.cells_per_stream:
+            return False
+        self._num_held[seq_id] = max(self._num_held[seq_id], num_tokens)
+        return True
+
+    def commit(self, seq_id: int, token_slice: TokenSlice, num_computed: int) -> None:
+        """Index the stream's full blocks whose tokens are now computed."""
+        if not self.enable_prefix_cache:
+            return
+        path = self._paths[seq_id]
+        while (len(path) + 1) * BLOCK_TOKENS <= num_computed:
+            i = len(path)
+            parent = path[-1] if path else self._root
+            key = tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS))
+            node = parent.children.get(key)
+            if node is None:
+                node = parent.children[key] = StreamNode(parent, key)
+            node.stream_ids.add(seq_id)
+            path.append(node)
+
+    def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool) -> None:
+        """A running stream is done. With `keep` (and the cache on) its computed blocks stay
+        cached in it; otherwise it is emptied."""
+        if keep and self.enable_prefix_cache:
+            self.commit(seq_id, token_slice, num_computed)
+        else:
+            self._set_path(seq_id, [])
+        num_kept = len(self._paths[seq_id]) * BLOCK_TOKENS
+        self.ops.append((OP_REMOVE, seq_id, num_kept))
+        self._num_held[seq_id] = num_kept
+        self._free[seq_id] = None  # the most recently used free stream
+
+    def clear_cache(self) -> None:
+        """Empty every free stream (running ones are untouched)."""
+        for seq_id in self._free:
+            self._set_path(seq_id, [])
+            self.ops.append((OP_REMOVE, seq_id, 0))
+            self._num_held[seq_id] = 0
+
+    def _match(self, token_slice: TokenSlice, num_tokens: int) -> list[StreamNode]:
+        path: list[StreamNode] = []
+        if not self.enable_prefix_cache:
+            return path
+        node = self._root
+        for i in range((num_tokens - 1) // BLOCK_TOKENS):  # the last token is always computed
+            node = node.children.get(tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def _set_path(self, seq_id: int, new_path: list[StreamNode]) -> None:
+        """The stream now holds exactly the prefix `new_path` names."""
+        old_path = self._paths[seq_id]
+        num_common = 0
+        while num_common < min(len(old_path), len(new_path)) and old_path[num_common] is new_path[num_common]:
+            num_common += 1
+        for node in reversed(old_path[num_common:]):
+            node.stream_ids.discard(seq_id)
+            if not node.stream_ids and not node.children:  # who holds a child holds its parent
+                del node.parent.children[node.key]
+        for node in new_path[num_common:]:
+            node.stream_ids.add(seq_id)
+        self._paths[seq_id] = list(new_path)

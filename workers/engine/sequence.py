@@ -1,0 +1,64 @@
+"""A request as the engine tracks it while it waits, runs and finishes."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cbatch.params import SamplingParams
+from cbatch.workers.engine.text_stream import TextStream
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens or the per-sequence context cap
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq_id: int | None = None  # KV sequence id while running
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # leading tokens of prompt + output whose KV is computed
+    sampler: object | None = None  # llama.cpp sampler chain, None for plain greedy
+    is_backend_sampled: bool = False  # sampled inside llama_decode's graph (backend sampling)
+    text: TextStream = None  # type: ignore[assignment]
+    arrived_s: float = field(default_factory=time.monotonic)  # when the engine got it (monotonic clock)
+
+    def __post_init__(self):
+        if self.text is None:
+            self.text = TextStream(self.params.stop)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        """Tokens to feed before the next sample: the prompt (or its rest) while
+        prefilling, exactly one (the last sampled token) while generating."""
+        return self.num_tokens - self.num_cached
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncached > 1
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the concatenation."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - num_prompt]

@@ -1,0 +1,70 @@
+"""Engine statistics, timed by the engine itself.
+
+llama.cpp's own perf counters book every multi-token decode as prompt evaluation, so
+they cannot tell batched generation from prefill. Here a step that produced at least
+one generated token counts as a decode step (a mixed step included); a step of prompt
+chunks only counts as prefill.
+"""
+
+from dataclasses import dataclass
+
+from cbatch.workers.engine.sequence import Sequence
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    step_s: float = 0.0  # wall time of all steps
+    llama_decode_s: float = 0.0  # of which inside llama_decode
+    num_decode_steps: int = 0
+    decode_steps_s: float = 0.0
+    num_generated_tokens: int = 0  # sampled in decode steps
+    seq_decode_steps: int = 0  # sum over decode steps of sequences generating in it
+    prefill_steps_s: float = 0.0
+    num_prefill_tokens: int = 0  # tokens fed in pure-prefill steps
+    num_prompt_tokens_computed: int = 0  # prompt tokens fed in any step (not served by the cache)
+    requests_ended: int = 0  # finished for any reason: stop, length, cancelled, error
+
+    def record_step(self, step_s: float, llama_decode_s: float, num_batch_tokens: int, num_prompt_tokens: int,
+                    num_decode_seqs: int, num_generated: int) -> None:
+        self.num_steps += 1
+        self.num_prompt_tokens_computed += num_prompt_tokens
+        self.step_s += step_s
+        self.llama_decode_s += llama_decode_s
+        if num_decode_seqs:
+            self.num_decode_steps += 1
+            self.decode_steps_s += step_s
+            self.num_generated_tokens += num_generated
+            self.seq_decode_steps += num_decode_seqs
+        else:
+            self.prefill_steps_s += step_s
+            self.num_prefill_tokens += num_batch_tokens
+
+    def snapshot(self) -> dict:
+        def ratio(a, b):
+            return a / b if b else 0.0
+
+        return {
+            "decode_tokens_per_s": ratio(self.num_generated_tokens, self.decode_steps_s),
+            "prefill_tokens_per_s": ratio(self.num_prefill_tokens, self.prefill_steps_s),
+            "avg_concurrent_seqs": ratio(self.seq_decode_steps, self.num_decode_steps),
+            "decode_fraction": ratio(self.llama_decode_s, self.step_s),
+            "avg_step_ms": 1000 * ratio(self.step_s, self.num_steps),
+            "num_steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "requests_ended": self.requests_ended,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
+        }
+
+
+def slot_snapshot(seq: Sequence, now_s: float) -> dict:
+    """One running request, for `cbatch-status`: where it is and how far it got."""
+    return {
+        "request_id": seq.request_id,
+        "seq_id": seq.seq_id,
+        "state": "prefill" if seq.is_prefilling else "decode",
+        "prompt_tokens": seq.num_prompt_tokens,
+        "prompt_tokens_done": min(seq.num_cached, seq.num_prompt_tokens),
+        "tokens": seq.num_output_tokens,
+        "age_s": now_s - seq.arrived_s,
+    }
