@@ -33,14 +33,15 @@ def modules() -> dict[str, Path]:
 
 
 def project_imports(path: Path) -> set[str]:
-    """Every cbatch module a file imports, at the top or inside a function."""
-    names = set()
+    """Every cbatch module a file imports, at the top or inside a function (`from
+    cbatch.client import session` names the module cbatch.client.session)."""
+    known, names = modules(), set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+            names |= {f"{node.module}.{alias.name}" for alias in node.names} & known.keys()
     return {name for name in names if name == "cbatch" or name.startswith("cbatch.")}
 
 
