@@ -36,3 +36,4 @@ EXIT_FAILED = 1  # some lines failed; a query failed; a daemon that cannot serve
 #                  a model it cannot load, a worker that cannot start)
 EXIT_USAGE = 2  # bad arguments (argparse's own code), an input or output file that cannot be used
 EXIT_UNREACHABLE = 3  # no daemon answered at the endpoint
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports Ctrl-C)

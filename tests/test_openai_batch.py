@@ -22,6 +22,8 @@ def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
     daemon = start_daemon(tiny_model_path)
     lines = [  # a first line that does not parse does not make the file a native one
         "{not json",
+        # both choices are rejected by the daemon: the line fails once, the next lines still run
+        _line("two-bad", {"model": "m", "prompt": "hey " * 5000, "n": 2}),
         _line("ok", {"model": "m", "prompt": "hello", "max_tokens": 5, "temperature": 0}),
         _line("bad-url", {"prompt": "x"}, url="/v1/embeddings"),
         _line("bad-value", {"model": "m", "prompt": "x", "temperature": -1}),
@@ -34,8 +36,11 @@ def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 1, stderr
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [o["custom_id"] for o in out] == [None, "ok", "bad-url", "bad-value", "two", "no-template"]
-    assert "6 OpenAI batch lines, 2 ok, 4 failed; 11 tokens in" in stderr
+    assert [o["custom_id"] for o in out] == [None, "two-bad", "ok", "bad-url", "bad-value", "two", "no-template"]
+    assert "7 OpenAI batch lines, 2 ok, 5 failed; 11 tokens in" in stderr
+    assert out[1]["response"]["status_code"] == 400
+    assert out[1]["response"]["body"]["error"]["code"] == "prompt_too_long"
+    out.pop(1)
     ok = out[1]["response"]
     assert out[1]["error"] is None and ok["status_code"] == 200
     assert ok["body"]["object"] == "text_completion" and ok["body"]["usage"]["completion_tokens"] == 5

@@ -41,6 +41,14 @@ class RunSummary:
                 f"({rate:.1f} tok/s)")
 
 
+class BatchInterrupted(Exception):
+    """Ctrl-C or SIGTERM stopped the run; `summary` says what was written before."""
+
+    def __init__(self, summary: RunSummary):
+        super().__init__("interrupted")
+        self.summary = summary
+
+
 class _InOrderWriter:
     """Writes finished lines to `out` in input order, keeping nothing of a written line."""
 
@@ -69,7 +77,9 @@ class _InOrderWriter:
 def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object], BatchLine], out,
               max_in_flight: int, num_lines: int | None = None) -> RunSummary:
     """`numbered_items` yields (line number, dict or CbatchError); `num_lines`, when
-    known, is shown in the progress line (drawn only when stderr is a terminal)."""
+    known, is shown in the progress line (drawn only when stderr is a terminal). A
+    KeyboardInterrupt ends the run with BatchInterrupted: what was written stays written,
+    and the requests still outstanding are cancelled."""
     writer = _InOrderWriter(out)
     owners: list[tuple[int, int]] = []  # batch position -> (line index, choice)
     num_tokens = 0
@@ -83,18 +93,29 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
                 owners.append((len(writer.lines) - 1, choice))
                 yield body
 
-    for position, chunk in client.stream_batch(bodies(), max_in_flight):
-        line_index, choice = owners[position]
-        writer.lines[line_index].add(choice, chunk)
-        if not isinstance(chunk, CbatchError):
-            num_tokens += len(chunk.token_ids)
-        writer.write_ready()
-        if show_progress and time.monotonic() - shown_s >= PROGRESS_INTERVAL_S:
-            shown_s = time.monotonic()
-            total = "" if num_lines is None else f"/{num_lines}"
-            rate = num_tokens / max(shown_s - started_s, 1e-9)
-            print(f"\r{writer.num_done}{total} done, {rate:.1f} tok/s", end="", file=sys.stderr)
-    writer.write_ready()  # lines that sent no request (bad lines at the end)
-    if show_progress:
-        print(file=sys.stderr)
-    return RunSummary(writer.num_written, writer.num_failed, num_tokens, time.monotonic() - started_s)
+    def summary() -> RunSummary:
+        return RunSummary(writer.num_written, writer.num_failed, num_tokens, time.monotonic() - started_s)
+
+    arrivals = client.stream_batch(bodies(), max_in_flight)
+    try:
+        for position, chunk in arrivals:
+            line_index, choice = owners[position]
+            line = writer.lines[line_index]
+            if line is not None:  # None: already written (its first failure ended it): a sibling's late chunk
+                line.add(choice, chunk)
+            if not isinstance(chunk, CbatchError):
+                num_tokens += len(chunk.token_ids)
+            writer.write_ready()
+            if show_progress and time.monotonic() - shown_s >= PROGRESS_INTERVAL_S:
+                shown_s = time.monotonic()
+                total = "" if num_lines is None else f"/{num_lines}"
+                rate = num_tokens / max(shown_s - started_s, 1e-9)
+                print(f"\r{writer.num_done}{total} done, {rate:.1f} tok/s", end="", file=sys.stderr)
+        writer.write_ready()  # lines that sent no request (bad lines at the end)
+    except KeyboardInterrupt:
+        arrivals.close()  # cancels the outstanding requests
+        raise BatchInterrupted(summary()) from None
+    finally:
+        if show_progress:
+            print(file=sys.stderr)
+    return summary()

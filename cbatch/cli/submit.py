@@ -4,15 +4,16 @@ through a daemon and write one result line per input line, in input order."""
 import argparse
 import itertools
 import json
+import signal
 import sys
 
-from cbatch.cli.batch_run import RunSummary, run_batch
+from cbatch.cli.batch_run import BatchInterrupted, RunSummary, run_batch
 from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
 from cbatch.cli.native_batch import NativeLine
 from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
 from cbatch.cli.resume import id_key, prepare_resume
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
-from cbatch.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, INVALID_REQUEST, CbatchError
+from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, INVALID_REQUEST, CbatchError
 
 PROG = "cbatch-submit"
 
@@ -91,7 +92,20 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
     return run_batch(client, items, make_line, out, max_in_flight, num_left), noun
 
 
+def interrupted_line(summary: RunSummary, num_done_before: int, num_lines: int | None, output: str | None) -> str:
+    num_written = num_done_before + summary.num_written
+    of_total = "" if num_lines is None else f" of {num_lines}"
+    where = f" to {output}; rerun with --resume" if output else ""
+    return f"interrupted: {num_written}{of_total} lines written{where}"
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> None:
+    # SIGTERM (a service manager, `kill`) stops a run as Ctrl-C does: what is written is kept.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.max_in_flight < 1:
@@ -111,6 +125,10 @@ def main(argv=None) -> None:
         summary, noun = run_file(client, read_items(lines), done_ids, num_lines, out, args.max_in_flight)
     except CbatchError as err:
         exit_on_error(PROG, err)
+    except BatchInterrupted as interrupted:
+        exit_with(PROG, interrupted_line(interrupted.summary, len(done_ids), num_lines, args.output), EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        exit_with(PROG, "interrupted", EXIT_INTERRUPTED)
     except UnicodeDecodeError as err:  # standard input, read as it comes (a file was checked first)
         exit_with(PROG, f"standard input is not UTF-8 text (byte {err.start} of a read)", EXIT_USAGE)
     finally:
