@@ -6,7 +6,7 @@ import pytest
 
 from cbatch.errors import CbatchError
 from cbatch.ipc.records import FINISH_LENGTH
-from cbatch.ipc.ring import RingReader, RingWriter, attach_ring, create_ring
+from cbatch.ipc.ring import RingWriter, create_ring
 from ringkit import publish
 from cbatch.protocol import MsgType, pack
 from cbatch.client.session import Session
@@ -21,10 +21,12 @@ def ring():
 
 
 def make_session(ring) -> tuple[Session, list]:
+    """A session that took the daemon's welcome to read this ring (no worker ticks: the
+    tests read with is_pumped, on their own thread)."""
     sent = []
     session = Session(sent.append, use_ring=True)
-    session._ring = attach_ring(ring.name)
-    session.reader = RingReader(session._ring)
+    session.on_frames(pack(MsgType.WELCOME, {"use_ring": True, "ring_name": ring.name,
+                                             "tick_endpoint": f"ipc://{ring.name}-no-ticks"}))
     return session, sent
 
 
@@ -35,7 +37,7 @@ def test_ring_records_and_finish_make_one_completion(ring):
     text = "héllo wörld, a text longer than one record's 32 bytes".encode()
     next_index = publish(writer, stream.request_id, 0, [5, 6], text)
     next_index = publish(writer, stream.request_id, next_index, [7], b"!", FINISH_LENGTH)
-    session.read_ring()
+    session.read_ring(is_pumped=True)
     session.on_frames(pack(MsgType.FINISHED, {"request_id": stream.request_id, "finish_reason": "length",
                                               "usage": {"prompt_tokens": 2, "completion_tokens": 3},
                                               "num_records": next_index, "error": None}))
@@ -63,7 +65,7 @@ def test_corrupt_ring_record_is_a_coded_error(ring):
     publish(RingWriter(ring), stream.request_id, 0, [5], b"ok")
     ring.records["text_len"][0] = 200  # no record holds more than 32 bytes of text
     with pytest.raises(CbatchError) as err:
-        session.read_ring()
+        session.read_ring(is_pumped=True)
     assert err.value.code == "internal" and "corrupt" in err.value.message
     session.close()
 
@@ -152,9 +154,9 @@ def test_a_failed_decode_ends_its_stream_with_the_workers_reason():
     session.on_frames(pack(MsgType.FINISHED, {"request_id": stream.request_id, "finish_reason": "error",
                                               "usage": {"prompt_tokens": 1, "completion_tokens": 1},
                                               "num_records": 2, "error": "llama_decode failed with status -3"}))
-    assert session.take(stream).token_ids == [9]
+    assert stream.take().token_ids == [9]
     with pytest.raises(CbatchError) as err:
-        session.take(stream)
+        stream.take()
     assert err.value.code == DECODE_FAILED and err.value.message == "llama_decode failed with status -3"
     assert stream.is_drained
     with pytest.raises(CbatchError) as again:

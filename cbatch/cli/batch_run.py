@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
+from cbatch.client.batch_feeder import Choices
 from cbatch.errors import CbatchError
 from cbatch.wording import counted
 
@@ -86,17 +87,22 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
     started_s = shown_s = time.monotonic()
     show_progress = sys.stderr.isatty()
 
-    def bodies():
+    def batch_items():
+        """One batch item per line that runs: its request, or its choices, which end
+        together (the first to fail cancels the others)."""
         for number, item in numbered_items:
             writer.lines.append(make_line(number, item))
-            for choice, body in enumerate(writer.lines[-1].bodies):
-                owners.append((len(writer.lines) - 1, choice))
-                yield body
+            bodies = writer.lines[-1].bodies
+            owners.extend((len(writer.lines) - 1, choice) for choice in range(len(bodies)))
+            if len(bodies) == 1:
+                yield bodies[0]
+            elif bodies:
+                yield Choices(bodies)
 
     def summary() -> RunSummary:
         return RunSummary(writer.num_written, writer.num_failed, num_tokens, time.monotonic() - started_s)
 
-    arrivals = client.stream_batch(bodies(), max_in_flight)
+    arrivals = client.stream_batch(batch_items(), max_in_flight)
     try:
         for position, chunk in arrivals:
             line_index, choice = owners[position]

@@ -12,13 +12,14 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from cbatch.client.base import CONNECT_TIMEOUT_S, ClientBase, check_endpoint, choice_items, raise_any, unreachable
+from cbatch.client.base import (CONNECT_TIMEOUT_S, ClientBase, check_endpoint, choice_items, num_positions,
+                                raise_any, unreachable)
 from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.session import CONNECTION, LIVENESS_S, SAFETY_POLL_S, Session
-from cbatch.client.sockets import make_dealer, make_tick_socket
+from cbatch.client.sockets import make_dealer
 from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
 
 
@@ -58,22 +59,19 @@ class AsyncClient(ClientBase):
         return client
 
     async def _pump(self) -> None:
-        session, tick = self._session, None
+        session, wake_fd = self._session, None
         poller = zmq.asyncio.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         try:
             while True:
-                if tick is None and session.tick_endpoint:
-                    tick = make_tick_socket(self._zctx, session.tick_endpoint)
-                    poller.register(tick, zmq.POLLIN)
+                if wake_fd is None and session.wake_fd is not None:
+                    wake_fd = session.wake_fd
+                    poller.register(wake_fd, zmq.POLLIN)
                 timeout_s = SAFETY_POLL_S if session.is_waiting else LIVENESS_S
                 ready = dict(await poller.poll(int(timeout_s * 1000)))
                 if self._dealer in ready:
                     while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         session.on_frames(await self._dealer.recv_multipart())
-                if tick is not None and tick in ready:
-                    while tick.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        await tick.recv()
                 session.read_ring()
                 session.check_liveness(time.monotonic())
         except BaseException as exc:  # including CancelledError at close()
@@ -81,9 +79,6 @@ class AsyncClient(ClientBase):
             for key in list(self._waiters):
                 self._on_arrival(key)
             raise
-        finally:
-            if tick is not None:
-                tick.close(linger=0)
 
     def _send(self, frames: list[bytes]) -> None:
         """The session's send. pyzmq's asyncio socket sends at once when the daemon takes the
@@ -127,16 +122,16 @@ class AsyncClient(ClientBase):
                         del self._waiters[key]
 
     async def read(self, stream: RequestStream) -> AsyncIterator[Chunk]:
-        with self._session.reading(stream):
+        with self._reading(stream):
             while not stream.is_drained:
                 await self._wait(lambda: stream.pending, [stream])
-                yield self._session.take(stream)
+                yield stream.take()
 
     async def generate(self, prompt: str | None = None, messages: list | None = None,
                        **params) -> Completion | list[Completion]:
         """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
         if "n" in params:
-            return raise_any(await self.generate_batch(choice_items(prompt, messages, params)))
+            return raise_any(await self.generate_batch([choice_items(prompt, messages, params)]))
         stream = self.submit(prompt, messages, **params)
         async for _ in self.read(stream):
             pass
@@ -161,7 +156,7 @@ class AsyncClient(ClientBase):
     async def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
         """Results in input order: a Completion, or the CbatchError that item got."""
         items = list(items)
-        batch = BatchResults(len(items))
+        batch = BatchResults(num_positions(items))
         async for position, item in self.stream_batch(items, max_in_flight):
             batch.add(position, item)
         return batch.results

@@ -1,7 +1,9 @@
 """What both clients share: the endpoint check, request bodies, and everything that does not wait."""
 
+import contextlib
 import os
 
+from cbatch.client.batch_feeder import Choices
 from cbatch.client.session import Session
 from cbatch.client.streams import Completion, RequestStream
 from cbatch.errors import CbatchError, UNAVAILABLE
@@ -30,9 +32,14 @@ def _request_body(prompt, messages, params) -> dict:
     return body
 
 
-def choice_items(prompt, messages, params) -> list[dict]:
-    """The batch items of a request with `n`: one per choice, named by its index."""
-    return [{**body, "id": i} for i, body in enumerate(expand_choices(_request_body(prompt, messages, params)))]
+def choice_items(prompt, messages, params) -> Choices:
+    """The batch item of a request with `n`: one request per choice, named by its index."""
+    return Choices({**body, "id": i} for i, body in enumerate(expand_choices(_request_body(prompt, messages, params))))
+
+
+def num_positions(items: list) -> int:
+    """How many results a batch of these items has: one per choice of a Choices item."""
+    return sum(len(item) if isinstance(item, Choices) else 1 for item in items)
 
 
 def raise_any(results: list) -> list[Completion]:
@@ -66,3 +73,16 @@ class ClientBase:
         """Chunks as tokens arrive (an iterator, or an async one); the last one has
         finish_reason and usage."""
         return self.read(self.submit(prompt, messages, **params))
+
+    @contextlib.contextmanager
+    def _reading(self, stream: RequestStream):
+        """Around a caller's read of a stream: however it ends (done, an error, the caller
+        leaving early), the stream is cancelled if still running and forgotten. After
+        close() (an iterator outliving its client) there is no socket left to tell."""
+        try:
+            yield
+        finally:
+            if not self._session.is_closed:
+                if not stream.is_done:
+                    self._session.cancel(stream.request_id)
+                self._session.forget(stream)

@@ -1,5 +1,5 @@
-"""The sockets a client opens towards a daemon: the DEALER to the front-end (with
-CurveZMQ when the daemon requires it) and the SUB for the worker's ticks."""
+"""The socket a client opens towards a daemon: the DEALER to the front-end, with
+CurveZMQ when the daemon requires it."""
 
 import os
 import secrets
@@ -43,12 +43,3 @@ def make_dealer(zctx, endpoint: str, server_key_file: str | None, client_key_fil
     use_curve(dealer, server_key_file, client_key_file)
     dealer.connect(endpoint)
     return dealer
-
-
-def make_tick_socket(zctx, endpoint: str):
-    sub = zctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVHWM, 16)  # ticks carry no data: a few queued are as good as many
-    sub.connect(endpoint)
-    return sub

@@ -86,6 +86,13 @@ class RequestStream:
         self.error, self.is_done = error, True
         self.pending.append(error)
 
+    def take(self):
+        """The next chunk (the caller waited until there is one); raises the stream's error."""
+        item = self.pending.popleft()
+        if isinstance(item, CbatchError):
+            raise item
+        return item
+
     @property
     def is_drained(self) -> bool:
         """Done, and every chunk handed to the caller."""
@@ -142,8 +149,8 @@ class BatchResults:
     a Completion, or the CbatchError that item got. What finished is kept whatever
     happens to the rest."""
 
-    def __init__(self, num_items: int):
-        self.results: list[Completion | CbatchError | None] = [None] * num_items
+    def __init__(self, num_positions: int):
+        self.results: list[Completion | CbatchError | None] = [None] * num_positions
         self._chunks: dict[int, list[Chunk]] = {}
 
     def add(self, position: int, item: Chunk | CbatchError) -> None:

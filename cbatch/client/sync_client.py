@@ -1,7 +1,8 @@
 """cbatch.Client, the blocking client; cbatch.AsyncClient (asyncio) is its twin.
 
 A client on the daemon's host reads its tokens straight from the shared-memory ring,
-woken by the worker's ticks; elsewhere (or with use_ring=False) the front-end relays
+through the one ring reader its process shares (it wakes this client only when one of
+its requests has records); elsewhere (or with use_ring=False) the front-end relays
 the same records over ZeroMQ. Both look the same to the caller.
 
 One Client per thread (ZeroMQ sockets are not thread-safe); one AsyncClient per event loop.
@@ -12,13 +13,14 @@ from collections.abc import Iterator
 
 import zmq
 
-from cbatch.client.base import CONNECT_TIMEOUT_S, ClientBase, check_endpoint, choice_items, raise_any, unreachable
+from cbatch.client.base import (CONNECT_TIMEOUT_S, ClientBase, check_endpoint, choice_items, num_positions,
+                                raise_any, unreachable)
 from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError
 from cbatch.protocol import MsgType
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.session import SAFETY_POLL_S, Session
-from cbatch.client.sockets import make_dealer, make_tick_socket
+from cbatch.client.sockets import make_dealer
 from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
 
 class Client(ClientBase):
@@ -35,16 +37,14 @@ class Client(ClientBase):
         self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
         self._poller = zmq.Poller()
         self._poller.register(self._dealer, zmq.POLLIN)
-        self._tick = None
         try:
             self._session.hello()
             self._wait(lambda: self._session.welcome is not None, time.monotonic() + connect_timeout_s)
         except BaseException:
             self.close()
             raise
-        if self._session.tick_endpoint:
-            self._tick = make_tick_socket(self._zctx, self._session.tick_endpoint)
-            self._poller.register(self._tick, zmq.POLLIN)
+        if self._session.wake_fd is not None:
+            self._poller.register(self._session.wake_fd, zmq.POLLIN)
 
     def _wait(self, is_done, deadline: float | None = None) -> None:
         """Pump messages and ring records until is_done() holds."""
@@ -58,24 +58,21 @@ class Client(ClientBase):
             if self._dealer in ready:
                 while self._dealer.poll(0):
                     session.on_frames(self._dealer.recv_multipart())
-            if self._tick is not None and self._tick in ready:
-                while self._tick.poll(0):
-                    self._tick.recv()
             session.read_ring()
             session.check_liveness(time.monotonic())
 
     def read(self, stream: RequestStream) -> Iterator[Chunk]:
         """Chunks of a submitted request; leaving early cancels it."""
-        with self._session.reading(stream):
+        with self._reading(stream):
             while not stream.is_drained:
                 self._wait(lambda: stream.pending)
-                yield self._session.take(stream)
+                yield stream.take()
 
     def generate(self, prompt: str | None = None, messages: list | None = None,
                  **params) -> Completion | list[Completion]:
         """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
         if "n" in params:
-            return raise_any(self.generate_batch(choice_items(prompt, messages, params)))
+            return raise_any(self.generate_batch([choice_items(prompt, messages, params)]))
         stream = self.submit(prompt, messages, **params)
         for _ in self.read(stream):
             pass
@@ -98,7 +95,7 @@ class Client(ClientBase):
     def generate_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[Completion | CbatchError]:
         """Results in input order: a Completion, or the CbatchError that item got."""
         items = list(items)
-        batch = BatchResults(len(items))
+        batch = BatchResults(num_positions(items))
         for position, item in self.stream_batch(items, max_in_flight):
             batch.add(position, item)
         return batch.results
@@ -120,8 +117,6 @@ class Client(ClientBase):
     def close(self) -> None:
         self._session.close()
         self._dealer.close(linger=0)
-        if self._tick is not None:
-            self._tick.close(linger=0)
 
     def __enter__(self):
         return self

@@ -1,0 +1,232 @@
+"""One ring reader per client process, shared by every session that reads the same ring.
+
+A session used to scan the ring itself on every tick, so 64 Clients in one process (a
+threaded web app) woke 64 times a step, parsed every record 64 times and took turns on
+the GIL. Now one reader per ring per process does the reading: a thread wakes on the
+worker's tick, reads each published step once and puts each watched request's records
+into the inbox of the session that watches it, waking only the sessions that got
+something. A session drains its inbox on its own thread, so session state is only ever
+touched by the thread that owns it.
+
+Exactly once: the one RingReader, under a lock, returns each record once, and each
+record goes to the one inbox that watches its request. Overruns: the ids the RingReader
+reports as gapped reach their inbox as gap notices; the session fetches what it missed
+over ZeroMQ and calls resume(). Any thread may also pump the reader itself (`pump()`),
+as a session does before it acts on a FINISHED message, whose records the worker wrote
+before the message was sent.
+"""
+
+import os
+import threading
+
+import zmq
+
+from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
+
+TICK_POLL_MS = 100  # read at least this often while requests are watched: a tick can be dropped
+IDLE_POLL_MS = 1000  # and this often while none are (a watch does not wake the thread)
+
+
+def _make_tick_socket(zctx, endpoint: str):
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 16)  # ticks carry no data: a few queued are as good as many
+    sub.connect(endpoint)
+    return sub
+
+
+class RingInbox:
+    """What the shared reader hands one session: record rows per request, the ids whose
+    records may be missing, and a ring error. Filled by any thread; drained by the
+    session's own, which `wake_fd` (a pipe) wakes once per fill until it drains."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._rows: dict[int, list] = {}  # request id -> [(index, token_id, flags, finish, count, text)]
+        self._gapped_ids: set[int] = set()
+        self._error: RingError | None = None
+        self._is_woken = False
+        self.wake_fd, self._wake_write_fd = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_write_fd, False)
+
+    def put(self, rows_by_request: dict[int, list], gapped_ids=(), error: RingError | None = None) -> None:
+        with self._lock:
+            for request_id, rows in rows_by_request.items():
+                self._rows.setdefault(request_id, []).extend(rows)
+            self._gapped_ids.update(gapped_ids)
+            self._error = self._error or error
+            if self._is_woken:
+                return
+            self._is_woken = True
+        try:
+            os.write(self._wake_write_fd, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a full pipe already wakes the reader; a closed one has no reader left
+
+    def drain(self) -> tuple[dict[int, list], set[int], RingError | None]:
+        """Everything put since the last drain; clears the wake-up."""
+        with self._lock:
+            if not self._is_woken:
+                return {}, set(), None  # the common case of a driver's safety poll
+            taken = self._rows, self._gapped_ids, self._error
+            self._rows, self._gapped_ids, self._error = {}, set(), None
+            self._is_woken = False
+        try:
+            os.read(self.wake_fd, 4096)
+        except (BlockingIOError, OSError):
+            pass
+        return taken
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+        os.close(self._wake_write_fd)
+
+
+class SharedRingReader:
+    """The process's reader of one ring; get it with acquire(), give it back with release()."""
+
+    _instances: dict[tuple[int, str], "SharedRingReader"] = {}  # (pid, ring name) -> reader
+    _instances_lock = threading.Lock()
+
+    @classmethod
+    def acquire(cls, ring_name: str, tick_endpoint: str) -> "SharedRingReader":
+        """Raises RingError when the ring cannot be attached (another host, no access)."""
+        key = (os.getpid(), ring_name)  # a forked child starts its own: the parent's thread is not there
+        with cls._instances_lock:
+            reader = cls._instances.get(key)
+            if reader is None:
+                reader = cls._instances[key] = cls(ring_name, tick_endpoint)
+            reader._num_users += 1
+            return reader
+
+    def release(self) -> None:
+        with self._instances_lock:
+            self._num_users -= 1
+            if self._num_users:
+                return
+            del self._instances[(os.getpid(), self._ring.name)]
+        os.write(self._stop_write_fd, b"\0")
+        self._thread.join()
+        os.close(self._stop_read_fd)
+        os.close(self._stop_write_fd)
+        self._ring.close()
+
+    def __init__(self, ring_name: str, tick_endpoint: str):
+        self._ring = attach_ring(ring_name)
+        self._reader = RingReader(self._ring)
+        self._lock = threading.Lock()  # over _reader and _inbox_of
+        self._inbox_of: dict[int, RingInbox] = {}  # watched request id -> the inbox of its session
+        self._num_users = 0
+        self._stop_read_fd, self._stop_write_fd = os.pipe()  # written once, by the last release()
+        self._thread = threading.Thread(target=self._run, args=(tick_endpoint,), name="cbatch-ring-reader",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def heartbeat_ns(self) -> int:
+        return self._ring.heartbeat_ns
+
+    def watch(self, request_id: int, inbox: RingInbox) -> None:
+        """Before the request is sent: its records may be published at once."""
+        with self._lock:
+            if not self._inbox_of:
+                self._reader = RingReader(self._ring)  # idle until now: start at the ring's present
+            self._reader.watch(request_id)
+            self._inbox_of[request_id] = inbox
+
+    def unwatch(self, request_id: int) -> None:
+        with self._lock:
+            self._reader.unwatch(request_id)
+            self._inbox_of.pop(request_id, None)
+
+    def resume(self, request_id: int, next_index: int) -> None:
+        """The session recovered this request's records up to next_index - 1 over ZeroMQ."""
+        with self._lock:
+            if request_id in self._inbox_of:
+                self._reader.resume(request_id, next_index)
+
+    def pump(self) -> None:
+        """Read what was published since the last read and hand it out."""
+        with self._lock:
+            gapped_ids = ()
+            try:
+                records = self._reader.poll()
+            except RingOverrun as overrun:
+                records, gapped_ids = overrun.records, overrun.request_ids
+            except RingError as err:
+                for inbox in set(self._inbox_of.values()):
+                    inbox.put({}, error=err)
+                return
+            if not records and not gapped_ids:
+                return
+            rows_by_inbox: dict[RingInbox, dict[int, list]] = {}
+            for r in records:
+                rows = rows_by_inbox.setdefault(self._inbox_of[r.request_id], {}).setdefault(r.request_id, [])
+                rows.append((r.index, r.token_id, r.flags, r.finish, r.count, r.text))
+            gapped_by_inbox: dict[RingInbox, list[int]] = {}
+            for request_id in gapped_ids:
+                gapped_by_inbox.setdefault(self._inbox_of[request_id], []).append(request_id)
+            for inbox in rows_by_inbox.keys() | gapped_by_inbox.keys():
+                inbox.put(rows_by_inbox.get(inbox, {}), gapped_by_inbox.get(inbox, ()))
+
+    def _run(self, tick_endpoint: str) -> None:
+        tick = _make_tick_socket(zmq.Context.instance(), tick_endpoint)
+        poller = zmq.Poller()
+        poller.register(tick, zmq.POLLIN)
+        poller.register(self._stop_read_fd, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(TICK_POLL_MS if self._inbox_of else IDLE_POLL_MS))
+                if self._stop_read_fd in ready:
+                    return
+                while tick.poll(0):
+                    tick.recv()
+                self.pump()
+        finally:
+            tick.close(linger=0)
+
+
+class RingTap:
+    """One session's use of its process's shared reader: the session's inbox and the
+    requests it watches. Used by the session's own thread only."""
+
+    def __init__(self, ring_name: str, tick_endpoint: str):
+        self._reader = SharedRingReader.acquire(ring_name, tick_endpoint)  # raises RingError
+        self._inbox = RingInbox()
+        self._watched_ids: set[int] = set()
+
+    @property
+    def wake_fd(self) -> int:
+        return self._inbox.wake_fd
+
+    @property
+    def heartbeat_ns(self) -> int:
+        return self._reader.heartbeat_ns
+
+    def watch(self, request_id: int) -> None:
+        self._watched_ids.add(request_id)
+        self._reader.watch(request_id, self._inbox)
+
+    def unwatch(self, request_id: int) -> None:
+        self._watched_ids.discard(request_id)
+        self._reader.unwatch(request_id)
+
+    def recovered(self, request_id: int, next_index: int) -> None:
+        """Records up to next_index - 1 came over ZeroMQ: the ring's later ones are due again."""
+        self._reader.resume(request_id, next_index)
+        self._reader.pump()
+
+    def take(self, is_pumped: bool = False) -> tuple[dict[int, list], set[int], RingError | None]:
+        """What the reader put for this session (see RingInbox.drain); with is_pumped, read
+        the ring first, on this thread."""
+        if is_pumped:
+            self._reader.pump()
+        return self._inbox.drain()
+
+    def close(self) -> None:
+        for request_id in self._watched_ids:  # the reader must not put into a closed inbox
+            self._reader.unwatch(request_id)
+        self._reader.release()
+        self._inbox.close()
