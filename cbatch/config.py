@@ -82,6 +82,9 @@ class EngineConfig:
 LOOPBACK_HOSTS = ("localhost", "[::1]", "::1")  # and 127.0.0.0/8
 MAX_IPC_PATH_BYTES = 107  # sun_path of a Unix socket, less its terminating NUL
 RING_CAPACITY_RECORDS = 1 << 16  # 64k records x 64 bytes = 4 MiB of shared memory
+MAX_HTTP_PROCESSES = 16
+MAX_DEFAULT_HTTP_PROCESSES = 4
+CPUS_PER_HTTP_PROCESS = 8
 RETENTION_S = 60.0  # how long a finished request's records stay fetchable (ring overrun recovery)
 DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
 WORKER_TIMEOUT_S = 120.0  # longer than any single decode step should take
@@ -107,6 +110,13 @@ def _is_loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
+def default_http_processes() -> int:
+    """One HTTP process per 8 CPUs this process may run on, at least 1 and at most 4. A
+    process needs a core of its own to add anything: on fewer CPUs the decode worker's
+    threads, the front-end and one HTTP process already fill them."""
+    return max(1, min(MAX_DEFAULT_HTTP_PROCESSES, len(os.sched_getaffinity(0)) // CPUS_PER_HTTP_PROCESS))
+
+
 def parse_http_address(value: str) -> tuple[str, int]:
     """`--http [HOST:]PORT` -> (host, port); the host defaults to 127.0.0.1."""
     host, _, port = value.rpartition(":")
@@ -129,6 +139,7 @@ class DaemonConfig:
     curve_clients_dir: str = ""  # public certificates of the only clients let in (needs the above)
     progress_interval_s: float = PROGRESS_INTERVAL_S  # 0 = no progress lines (--quiet)
     http_address: tuple[str, int] | None = None  # (host, port) of the OpenAI-compatible HTTP server; None = off
+    http_processes: int = 0  # HTTP server processes on that port; 0 = default_http_processes()
 
     def __post_init__(self):
         if not self.endpoint:
@@ -151,6 +162,11 @@ class DaemonConfig:
                                                   "--allow-remote")
             if self.curve_secret_key:  # the HTTP server is a client of the daemon and holds no certificate
                 raise CbatchError(INVALID_CONFIG, "--http cannot be combined with --curve-secret-key")
+        if not 0 <= self.http_processes <= MAX_HTTP_PROCESSES:
+            raise CbatchError(INVALID_CONFIG, f"--http-processes must be in [0, {MAX_HTTP_PROCESSES}], "
+                                              f"got {self.http_processes}")
+        if not self.http_processes:
+            object.__setattr__(self, "http_processes", default_http_processes())
         if self.curve_clients_dir and not self.curve_secret_key:
             raise CbatchError(INVALID_CONFIG, "--curve-clients needs --curve-secret-key")
         for path in (self.curve_secret_key, self.curve_clients_dir):

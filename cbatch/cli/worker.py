@@ -51,6 +51,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
     add("--curve-clients", default="", help="directory of client public certificates allowed in")
     add("--http", default="", metavar="[HOST:]PORT", help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
+    add("--http-processes", type=int, default=0, metavar="N",
+        help="HTTP server processes sharing the --http port (default: one per 8 CPUs this daemon may use, 1 to 4)")
     return parser
 
 
@@ -64,7 +66,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
                         allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
-                        http_address=parse_http_address(args.http) if args.http else None)
+                        http_address=parse_http_address(args.http) if args.http else None,
+                        http_processes=args.http_processes)
 
 
 def main(argv=None) -> None:

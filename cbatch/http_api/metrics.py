@@ -5,7 +5,10 @@ The HTTP process counts its requests and times their tokens; the daemon-wide fig
 reply, read when /metrics is scraped.
 """
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: they double the text and no dashboard reads them
@@ -66,6 +69,13 @@ class HttpMetrics:
                              buckets=ITL_BUCKETS_S, registry=self.registry)
         self._daemon = _DaemonStats()
         self.registry.register(self._daemon)
+        # With several HTTP processes (the daemon then sets PROMETHEUS_MULTIPROC_DIR), the
+        # counters above live in files shared by all of them, and a scrape sums the files.
+        self._scraped = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self._scraped = CollectorRegistry()
+            MultiProcessCollector(self._scraped)
+            self._scraped.register(self._daemon)
 
     def on_finished(self, endpoint: str, finish_reason: str, usage: dict | None, is_new_prompt: bool) -> None:
         """One finished choice; is_new_prompt is false for the other choices of a prompt
@@ -78,7 +88,7 @@ class HttpMetrics:
 
     def render(self, daemon_stats: dict) -> bytes:
         self._daemon.stats = daemon_stats
-        return generate_latest(self.registry)
+        return generate_latest(self._scraped)
 
 
 class TokenTimer:

@@ -1,21 +1,28 @@
-"""The HTTP server process as the supervisor sees it: started before the model loads (it
-answers 503 until the daemon is ready), restarted if it dies, drained with SIGTERM when
-the daemon drains, killed if it lingers.
+"""The HTTP server processes as the supervisor sees them: started before the model loads
+(they answer 503 until the daemon is ready), each restarted if it dies, drained with
+SIGTERM when the daemon drains, killed if they linger.
 
-The server (cbatch/http_server.py) is a separate process so that its event loop and
-JSON work never delay the front-end's poll loop; it reaches the daemon as any local
-client does. The listening socket is bound once, by the daemon, and handed to each
-server process: a taken port fails the daemon's start instead of every restart, and
-connections that arrive while a server restarts wait in the backlog.
+A server (cbatch/http_api/app.py) is a separate process so that its event loop and JSON
+work never delay the front-end's poll loop; it reaches the daemon as any local client
+does. Several serve one port when one cannot keep up (`--http-processes`): the listening
+socket is bound once, by the daemon, and every server process accepts from that same
+socket, as a pre-forking web server's workers do. A taken port fails the daemon's start
+instead of every restart; connections that arrive while a server restarts wait in the
+backlog or go to the others; and the kernel wakes whichever process is free to accept,
+so a busy one takes fewer. (Separate sockets with SO_REUSEPORT would hash connections
+to processes whatever their load, and refuse those hashed to one that is restarting.)
 """
 
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+from cbatch.config import runtime_dir
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE
 
 log = logging.getLogger("cbatch.daemon.http")
@@ -44,22 +51,70 @@ def listen_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+class HttpServers:
+    """The daemon's HTTP server processes, all on its one listening socket."""
+
+    def __init__(self, sock: socket.socket, endpoint: str, model_id: str, num_processes: int):
+        self.sock = sock
+        env = None
+        self.metrics_dir = None
+        if num_processes > 1:
+            # Several processes count HTTP metrics: each writes its counters to files here
+            # (prometheus_client's multiprocess mode) and a scrape of any sums them all.
+            self.metrics_dir = os.path.join(runtime_dir(), f"cbatch-{os.getpid()}-http-metrics")
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            os.makedirs(self.metrics_dir, mode=0o700)
+            env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
+        self.processes = [HttpProcess(sock, endpoint, model_id, i, env) for i in range(num_processes)]
+
+    def start(self) -> None:
+        for process in self.processes:
+            process.start()
+
+    def poll(self) -> None:
+        for process in self.processes:
+            process.poll()
+        if all(process.is_given_up for process in self.processes) and self.sock.fileno() != -1:
+            log.error("cbatch http: no longer serving HTTP (ZeroMQ clients are still served)")
+            self.sock.close()  # HTTP clients get "connection refused" instead of waiting in the backlog
+
+    def drain(self) -> None:
+        """New requests get 503, in-flight responses finish; each process then exits by
+        itself. The daemon's copy of the socket closes, so the port stops taking
+        connections once the servers' copies close too."""
+        self.sock.close()
+        for process in self.processes:
+            process.drain()
+
+    def stop(self) -> None:
+        self.drain()
+        for process in self.processes:
+            process.stop()
+        if self.metrics_dir is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+
 class HttpProcess:
-    def __init__(self, sock: socket.socket, endpoint: str, model_id: str):
-        self.sock, self.endpoint, self.model_id = sock, endpoint, model_id
+    """One server process on the daemon's listening socket (which it does not own)."""
+
+    def __init__(self, sock: socket.socket, endpoint: str, model_id: str, number: int, env: dict | None):
+        self.sock, self.endpoint, self.model_id, self.number = sock, endpoint, model_id, number
+        self.env = env  # None: the daemon's own
         self.host, self.port = sock.getsockname()[:2]
         self.process: subprocess.Popen | None = None
         self._started_s = 0.0
         self._died_s: float | None = None
         self.num_quick_deaths = 0
         self.num_restarts = 0
+        self.is_given_up = False  # it kept dying at once, and is not restarted again
 
     def start(self) -> None:
         self._started_s, self._died_s = time.monotonic(), None
         fd = self.sock.fileno()
         self.process = subprocess.Popen([sys.executable, "-m", "cbatch.http_api.app", "--endpoint", self.endpoint,
-                                         "--fd", str(fd), "--model-id", self.model_id], pass_fds=(fd,))
-        log.info("cbatch http: serving http://%s:%d (pid %d)", self.host, self.port, self.process.pid)
+                                         "--fd", str(fd), "--model-id", self.model_id], pass_fds=(fd,), env=self.env)
+        log.info("cbatch http: serving http://%s:%d (server %d, pid %d)", self.host, self.port, self.number,
+                 self.process.pid)
 
     def poll(self) -> None:
         """Restart a server that died (not while the daemon drains: see drain()), after a
@@ -72,22 +127,17 @@ class HttpProcess:
             is_quick = now - self._started_s < QUICK_DEATH_S
             self.num_quick_deaths = self.num_quick_deaths + 1 if is_quick else 0
             if self.num_quick_deaths >= MAX_QUICK_DEATHS:
-                log.error("cbatch http: server exited (code %s), %d times in a row within %.0f s of its start; "
-                          "no longer serving HTTP (ZeroMQ clients are still served)",
-                          self.process.returncode, self.num_quick_deaths, QUICK_DEATH_S)
-                self.process = None
-                self.sock.close()  # HTTP clients get "connection refused" instead of waiting in the backlog
+                log.error("cbatch http: server %d exited (code %s), %d times in a row within %.0f s of its "
+                          "start; it is not restarted again",
+                          self.number, self.process.returncode, self.num_quick_deaths, QUICK_DEATH_S)
+                self.process, self.is_given_up = None, True
                 return
-            log.warning("cbatch http: server exited (code %s); restarting", self.process.returncode)
+            log.warning("cbatch http: server %d exited (code %s); restarting", self.number, self.process.returncode)
         if now - self._died_s >= RESTART_BACKOFF_S * 2 ** max(self.num_quick_deaths - 1, 0):
             self.num_restarts += 1
             self.start()
 
     def drain(self) -> None:
-        """New requests get 503, in-flight responses finish; the process then exits by itself.
-        The daemon's copy of the socket closes, so the port stops taking connections once
-        the server's copy closes too."""
-        self.sock.close()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 

@@ -1,7 +1,8 @@
 """What daemons that died without cleaning up (SIGKILL, OOM, a power cut) left behind.
 
-A daemon names its files after its pid: `cbatch-PID-control.sock` and `cbatch-PID-tick.sock`
-in the runtime directory, and its ring `cbatch-PID` in /dev/shm. Such a file whose pid is
+A daemon names its files after its pid: `cbatch-PID-control.sock`, `cbatch-PID-tick.sock`
+and, with several HTTP processes, the directory `cbatch-PID-http-metrics` in the runtime
+directory, and its ring `cbatch-PID` in /dev/shm. Such a file whose pid is
 no longer running belongs to nobody. A client endpoint's `PATH.lock` is held (flock) for
 the daemon's life, so a lock that can be taken marks PATH and the lock as left over.
 Files of a live daemon are never touched; only the current user's files are looked at.
@@ -10,10 +11,11 @@ Files of a live daemon are never touched; only the current user's files are look
 import fcntl
 import os
 import re
+import shutil
 
 from cbatch.ipc.ring import SHM_DIR
 
-_TAGGED = re.compile(r"cbatch-(\d+)(-control\.sock|-tick\.sock)?")
+_TAGGED = re.compile(r"cbatch-(\d+)(-control\.sock|-tick\.sock|-http-metrics)?")
 
 
 def _pid_running(pid: int) -> bool:
@@ -35,7 +37,10 @@ def _owned(path: str) -> bool:
 
 def _unlink(path: str, removed: list[str]) -> None:
     try:
-        os.unlink(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
         removed.append(path)
     except FileNotFoundError:
         pass

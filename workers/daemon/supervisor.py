@@ -25,7 +25,7 @@ from cbatch.wording import counted
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.worker import run_decode_worker
 from cbatch.workers.daemon.front_end import FrontEnd
-from cbatch.workers.daemon.http_manager import HttpProcess
+from cbatch.workers.daemon.http_manager import HttpServers
 from cbatch.workers.daemon.leftovers import remove_leftovers
 from cbatch.ipc.worker_messages import WorkerStop
 from cbatch.workers.daemon.progress import ProgressLog
@@ -85,7 +85,7 @@ class Supervisor:
         self.http = None
         if http_socket is not None:  # the API names the model by its file, as llama.cpp's server does
             model_id = os.path.basename(resolve_model_path(config.engine.model_path))
-            self.http = HttpProcess(http_socket, config.endpoint, model_id)
+            self.http = HttpServers(http_socket, config.endpoint, model_id, config.http_processes)
         tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
