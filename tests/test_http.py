@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import httpx
 import openai
@@ -272,3 +273,25 @@ def test_killed_http_server_is_restarted(daemon, api):
 def test_bad_http_flags_are_usage_errors(flags, message):
     result = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), *flags], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_a_server_that_falls_behind_sends_a_rounds_tokens_in_one_event(daemon):
+    """Tokens that arrived by one wake-up go out as one SSE event: held up for a moment,
+    the server catches up with a few large events, which reassemble to the same text."""
+    body = {"model": MODEL_ID, "prompt": "behind", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1}
+    events = []
+    with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json={**body, "stream": True}, timeout=60) as reply:
+        lines = (line for line in reply.iter_lines() if line.startswith("data: {"))
+        events.append(json.loads(next(lines)[len("data: "):]))
+        os.kill(daemon.http_pids()[-1], signal.SIGSTOP)  # the decode worker goes on meanwhile
+        time.sleep(0.5)
+        os.kill(daemon.http_pids()[-1], signal.SIGCONT)
+        events += [json.loads(line[len("data: "):]) for line in lines]
+    tokens_per_event = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"][0]["logprobs"]]
+    assert sum(tokens_per_event) == 300 and max(tokens_per_event) > 1
+    streamed_text = "".join(e["choices"][0]["text"] for e in events)
+    assert streamed_text == "".join(token for e in events if e["choices"][0]["logprobs"]
+                                    for token in e["choices"][0]["logprobs"]["tokens"])
+    whole = httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=60).json()
+    assert streamed_text == whole["choices"][0]["text"]

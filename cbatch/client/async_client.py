@@ -6,6 +6,7 @@ never spin.
 """
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -140,16 +141,24 @@ class AsyncClient(ClientBase):
     async def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> AsyncIterator[tuple[int, Chunk | CbatchError]]:
         """Yield (item position, chunk or error) as they arrive, at most max_in_flight
         requests outstanding. Each item's last chunk has finish_reason, or is an error."""
+        async with contextlib.aclosing(self.stream_batch_rounds(items, max_in_flight)) as rounds:
+            async for arrivals in rounds:
+                for arrival in arrivals:
+                    yield arrival
+
+    async def stream_batch_rounds(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> AsyncIterator[list[tuple[int, Chunk | CbatchError]]]:
+        """stream_batch's arrivals a round at a time: everything that arrived by one wake-up,
+        for a server that writes each round to its callers at once."""
         feeder = BatchFeeder(self._session, items, max_in_flight)
         try:
             while True:
-                for arrival in feeder.fill():
-                    yield arrival
+                errors = feeder.fill()
+                if errors:
+                    yield errors
                 if feeder.is_done:
                     return
                 await self._wait(feeder.has_arrivals, feeder.streams)
-                for arrival in feeder.take_arrivals():
-                    yield arrival
+                yield feeder.take_arrivals()
         finally:
             feeder.close()
 

@@ -127,13 +127,20 @@ class RequestStream:
                           self.finished["usage"], self.request_id, self.logprobs if self.wants_logprobs else None)
 
 
+def merge_chunks(chunks: list[Chunk]) -> Chunk:
+    """Consecutive chunks of one request as one: what a server sends as one event."""
+    last = chunks[-1]
+    if len(chunks) == 1:
+        return last
+    logprobs = None if last.logprobs is None else list(itertools.chain.from_iterable(c.logprobs for c in chunks))
+    return Chunk(last.id, "".join(c.text for c in chunks), list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
+                 last.finish_reason, last.usage, logprobs)
+
+
 def completion_from_chunks(chunks: list[Chunk]) -> Completion:
     """One request's chunks, as the caller got them, made into its Completion."""
-    last = chunks[-1]
-    token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
-    logprobs = None if last.logprobs is None else list(itertools.chain.from_iterable(c.logprobs for c in chunks))
-    return Completion(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage,
-                      logprobs=logprobs)
+    whole = merge_chunks(chunks)
+    return Completion(whole.id, whole.text, whole.token_ids, whole.finish_reason, whole.usage, logprobs=whole.logprobs)
 
 
 def _logprob_entry(wire: list) -> dict:

@@ -1,0 +1,106 @@
+"""One API request's choices on their way from the daemon to the HTTP caller.
+
+The client hands arrivals over a round at a time (all that came by one wake-up). A
+choice's chunks of one round go out as one chunk, and a stream's events of one round as
+one write: when the server falls behind the decode steps, it sends fewer, larger events
+instead of falling further behind (OpenAI clients take several tokens' text in one
+chunk, and llama-server and vLLM send them so too).
+"""
+
+import asyncio
+import json
+import time
+
+from cbatch.client.streams import merge_chunks
+from cbatch.errors import CbatchError
+from cbatch.http_api.metrics import TokenTimer
+from cbatch.http_api.openai_mapping import ApiRequest, ResponseBuilder, WholeResponse, error_body, error_status
+from cbatch.http_api.state import HttpState
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class Generation:
+    def __init__(self, state: HttpState, api: ApiRequest, endpoint: str):
+        self.state, self.api, self.endpoint = state, api, endpoint
+        self.builder = ResponseBuilder(api, state.model_id)
+        self.rounds = state.client.stream_batch_rounds([{**b, "id": i} for i, b in enumerate(api.bodies)],
+                                                       max_in_flight=len(api.bodies))
+        arrived_s = time.monotonic()
+        self.timers = [TokenTimer(state.metrics, arrived_s) for _ in api.bodies]
+        self.usages: list[dict | None] = [None] * len(api.bodies)
+        self._finished_prompts: set[int] = set()
+        self._error: CbatchError | None = None  # arrived in a round after chunks that went out first
+
+    async def next_round(self) -> list[tuple[int, object]]:
+        """[(choice, chunk)], one merged chunk per choice that got something; a request
+        error raises CbatchError (after the chunks that arrived before it)."""
+        if self._error is not None:
+            raise self._error
+        chunks_by_choice: dict[int, list] = {}
+        now_s = time.monotonic()
+        for choice, item in await self.rounds.__anext__():
+            if isinstance(item, CbatchError):
+                self._error = item
+                break
+            self.timers[choice].on_tokens(len(item.token_ids), now_s)
+            chunks_by_choice.setdefault(choice, []).append(item)
+            if item.finish_reason:
+                self._on_finished(choice, item)
+        if not chunks_by_choice and self._error is not None:
+            raise self._error
+        return [(choice, merge_chunks(chunks)) for choice, chunks in chunks_by_choice.items()]
+
+    def _on_finished(self, choice: int, chunk) -> None:
+        self.usages[choice] = chunk.usage
+        prompt = self.api.prompt_of_choice[choice]
+        self.state.metrics.on_finished(self.endpoint, chunk.finish_reason, chunk.usage,
+                                       prompt not in self._finished_prompts)
+        self._finished_prompts.add(prompt)
+
+    async def close(self) -> None:
+        await self.rounds.aclose()  # cancels choices still running
+
+
+async def collect(gen: Generation) -> dict:
+    """The whole response of a request that does not stream."""
+    whole = WholeResponse(gen.builder)
+    while whole.num_left:
+        for choice, chunk in await gen.next_round():
+            whole.add(choice, chunk)
+    return whole.response()
+
+
+async def stream_events(gen: Generation, first_round: list):
+    """Server-sent events, a round's in one write: chunks, the usage chunk if asked, [DONE]."""
+    is_first = [True] * len(gen.api.bodies)
+    num_done = 0
+    try:
+        arrivals = first_round
+        while True:
+            events = []
+            for choice, chunk in arrivals:
+                events.append(sse(gen.builder.chunk(choice, chunk.text, chunk.finish_reason,
+                                                    gen.builder.logprobs(choice, chunk.logprobs), is_first[choice])))
+                is_first[choice] = False
+                num_done += chunk.finish_reason is not None
+            if num_done == len(gen.api.bodies):
+                if gen.api.include_usage:
+                    events.append(sse(gen.builder.usage_chunk(gen.usages)))
+                yield b"".join(events) + b"data: [DONE]\n\n"
+                return
+            yield b"".join(events)
+            try:
+                arrivals = await gen.next_round()
+            except CbatchError as err:  # after the 200 went out: an error event, then the end
+                gen.state.metrics.errors.labels(gen.endpoint, str(error_status(err.code)), err.code).inc()
+                yield sse(error_body(err)) + b"data: [DONE]\n\n"
+                return
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up mid-stream
+        gen.state.metrics.disconnects.labels(gen.endpoint).inc()
+        raise
+    finally:
+        await gen.close()
+        gen.state.num_in_flight -= 1

@@ -1,0 +1,71 @@
+"""What the HTTP app shares across requests: the daemon client, the model, drain state."""
+
+import asyncio
+import json
+import logging
+import time
+
+from starlette.responses import Response
+
+from cbatch.client.async_client import AsyncClient
+from cbatch.errors import CbatchError, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.http_api.metrics import HttpMetrics
+from cbatch.http_api.openai_mapping import RETRY_AFTER_S, error_body, error_status
+
+log = logging.getLogger("cbatch.http")
+
+CONNECT_RETRY_S = 0.5  # between attempts to reach the daemon at start-up
+HEALTH_TIMEOUT_S = 2.0
+
+
+def json_response(obj, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json.dumps(obj, separators=(",", ":"), ensure_ascii=False), status, headers,
+                    media_type="application/json")
+
+
+class HttpState:
+    def __init__(self, endpoint: str, model_id: str):
+        self.endpoint = endpoint
+        self.client: AsyncClient | None = None
+        self.model_id = model_id
+        self.started = int(time.time())
+        self.metrics = HttpMetrics()
+        self.is_draining = False
+        self.has_been_ready = False  # the daemon answered "ok" once: the model has loaded
+        self.num_in_flight = 0
+
+    async def connect(self) -> None:
+        while self.client is None:
+            try:
+                self.client = await AsyncClient.connect(self.endpoint)
+            except CbatchError as err:
+                log.info("cbatch http: daemon not reachable yet (%s)", err.message)
+                await asyncio.sleep(CONNECT_RETRY_S)
+
+    async def status(self) -> str:
+        """The daemon's health status: "ok", "starting" (loading the model, or restarting
+        the decode worker), "draining" or "unavailable"."""
+        if self.is_draining or self.client is None:
+            return "draining" if self.is_draining else "starting"
+        try:
+            reply = await asyncio.wait_for(self.client.health(), HEALTH_TIMEOUT_S)
+        except (CbatchError, asyncio.TimeoutError):
+            return "unavailable"
+        self.has_been_ready |= reply["status"] == "ok"
+        return reply["status"]
+
+    async def refusal(self) -> CbatchError | None:
+        """Why a generation request cannot be taken now. Until the model has loaded the
+        daemon would hold the request for as long as loading takes: answer 503 instead.
+        (A request during a worker restart is held by the daemon and served after it.)"""
+        if self.is_draining:
+            return CbatchError(SHUTTING_DOWN, "the server is draining")
+        if not self.has_been_ready and await self.status() != "ok":
+            return CbatchError(UNAVAILABLE, "the server is starting: the model is not loaded yet")
+        return None
+
+    def error(self, endpoint: str, err: CbatchError, param: str | None = None) -> Response:
+        status = error_status(err.code)
+        self.metrics.errors.labels(endpoint, str(status), err.code).inc()
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+        return json_response(error_body(err, param), status, headers)
