@@ -2,6 +2,7 @@
 share it, each gets exactly its own tokens (through ring overruns too), and a thread
 waiting on a quiet request is not woken by other requests' steps."""
 
+import gc
 import threading
 
 from cbatch.client.shared_ring import SharedRingReader
@@ -16,10 +17,16 @@ def reader_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "cbatch-ring-reader"]
 
 
+def readers_of(ring_name: str) -> list[SharedRingReader]:
+    """This process's readers of one ring (other tests' clients may read other rings)."""
+    return [reader for (_, name), reader in SharedRingReader._instances.items() if name == ring_name]
+
+
 def test_client_threads_share_one_reader_and_each_gets_its_own_tokens_through_overruns(tiny_model_path,
                                                                                          start_daemon):
     d = start_daemon(tiny_model_path, "--parallel", "8", "--ring-capacity", str(RING_RECORDS))
     results: dict[int, list] = {}
+    threads_before = reader_threads()
     is_started = threading.Barrier(NUM_THREADS + 1)
 
     def run(i: int) -> None:
@@ -36,11 +43,11 @@ def test_client_threads_share_one_reader_and_each_gets_its_own_tokens_through_ov
         for t in threads:
             t.start()
         is_started.wait(timeout=60)
-        assert len(reader_threads()) == 1 and len(SharedRingReader._instances) == 1
+        (reader,) = readers_of(d.ring_name())  # twelve clients, one reader
+        assert len(reader_threads()) == len(threads_before) + 1
         before = watcher.stats()
         # Hold the shared reader for several laps of the ring: every reader thread's
         # requests lose records, which their sessions recover over ZeroMQ.
-        (reader,) = SharedRingReader._instances.values()
         with reader._lock:
             wait_until(lambda: watcher.stats()["num_steps"] >= before["num_steps"] + 3 * RING_RECORDS, timeout_s=30)
         for t in threads:
@@ -53,7 +60,7 @@ def test_client_threads_share_one_reader_and_each_gets_its_own_tokens_through_ov
         assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 200 + 7 * i
         assert len(token_ids) == 200 + 7 * i
     assert num_fetches >= 1  # the overrun really happened and was recovered
-    assert reader_threads() == []  # the last client's close stopped it
+    assert readers_of(d.ring_name()) == [] and reader_threads() == threads_before  # the last close stopped it
 
 
 def test_a_thread_waiting_on_a_quiet_request_is_not_woken_by_other_requests(tiny_model_path, start_daemon):
@@ -78,3 +85,15 @@ def test_a_thread_waiting_on_a_quiet_request_is_not_woken_by_other_requests(tiny
     assert num_busy_tokens == 400
     assert num_puts_while_quiet == 0
     assert len(num_puts) >= 1 and quiet_chunks[-1].usage["completion_tokens"] == 20
+
+
+def test_a_client_dropped_without_close_gives_the_reader_back(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path)
+    ring_name = d.ring_name()
+    threads_before = reader_threads()
+    client = d.client()
+    assert client.generate(prompt="x", max_tokens=2).usage["completion_tokens"] == 2
+    assert len(readers_of(ring_name)) == 1
+    del client
+    gc.collect()
+    wait_until(lambda: readers_of(ring_name) == [] and reader_threads() == threads_before, timeout_s=5.0)

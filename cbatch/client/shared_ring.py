@@ -18,6 +18,7 @@ before the message was sent.
 
 import os
 import threading
+import weakref
 
 import zmq
 
@@ -108,10 +109,8 @@ class SharedRingReader:
                 return
             del self._instances[(os.getpid(), self._ring.name)]
         os.write(self._stop_write_fd, b"\0")
-        self._thread.join()
-        os.close(self._stop_read_fd)
-        os.close(self._stop_write_fd)
-        self._ring.close()
+        if threading.current_thread() is not self._thread:  # a collected client's finalizer may run on it
+            self._thread.join()
 
     def __init__(self, ring_name: str, tick_endpoint: str):
         self._ring = attach_ring(ring_name)
@@ -184,8 +183,11 @@ class SharedRingReader:
                 while tick.poll(0):
                     tick.recv()
                 self.pump()
-        finally:
+        finally:  # the thread owns what it reads with, so nothing is closed under it
             tick.close(linger=0)
+            os.close(self._stop_read_fd)
+            os.close(self._stop_write_fd)
+            self._ring.close()
 
 
 class RingTap:
@@ -196,6 +198,9 @@ class RingTap:
         self._reader = SharedRingReader.acquire(ring_name, tick_endpoint)  # raises RingError
         self._inbox = RingInbox()
         self._watched_ids: set[int] = set()
+        # A client dropped without close() still gives the reader back (and the last user's
+        # going stops its thread) once it is collected.
+        self.close = weakref.finalize(self, _give_back, self._reader, self._inbox, self._watched_ids)
 
     @property
     def wake_fd(self) -> int:
@@ -225,8 +230,10 @@ class RingTap:
             self._reader.pump()
         return self._inbox.drain()
 
-    def close(self) -> None:
-        for request_id in self._watched_ids:  # the reader must not put into a closed inbox
-            self._reader.unwatch(request_id)
-        self._reader.release()
-        self._inbox.close()
+
+def _give_back(reader: SharedRingReader, inbox: RingInbox, watched_ids: set[int]) -> None:
+    """RingTap.close(): runs once, at close() or when the tap is collected."""
+    for request_id in watched_ids:  # the reader must not put into a closed inbox
+        reader.unwatch(request_id)
+    reader.release()
+    inbox.close()
