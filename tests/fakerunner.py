@@ -9,7 +9,7 @@ recomputes changes the output, as it would with a real model.
 
 import numpy as np
 
-from cbatch.workers.engine.kv.pool import OP_COPY
+from cbatch.workers.engine.kv.base import OP_COPY
 from cbatch.workers.engine.kv.streams import WHOLE_STREAM
 
 NUM_VOCAB = 97

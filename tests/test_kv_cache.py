@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from cbatch.workers.engine.kv.pool import BLOCK_TOKENS, OP_COPY, KVCacheManager
+from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_COPY
+from cbatch.workers.engine.kv.pool import KVCacheManager
 
 B = BLOCK_TOKENS
 

@@ -5,7 +5,8 @@ import pytest
 
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.params import SamplingParams
-from cbatch.workers.engine.kv.pool import BLOCK_TOKENS, KVCacheManager
+from cbatch.workers.engine.kv.base import BLOCK_TOKENS
+from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import Sequence
 
@@ -21,10 +22,10 @@ def Sched(num_slots, max_batch_tokens, max_queue, num_cells=4096, prefix_cache=T
     return Scheduler(kv, num_slots, max_batch_tokens, max_queue)
 
 
-def feed(chunks):
-    """What the engine does after a decode: cache the chunk, sample if it asked to."""
+def feed(sched, chunks):
+    """What the engine does after a decode: the chunk is computed, sample if it asked to."""
     for chunk in chunks:
-        chunk.seq.num_cached += chunk.num_tokens
+        sched.on_computed(chunk)
         if chunk.wants_logits:
             chunk.seq.output_ids.append(7)
 
@@ -54,7 +55,7 @@ def test_decode_tokens_first_then_prefill_chunks_within_budget():
     sched = Sched(num_slots=4, max_batch_tokens=16, max_queue=8)
     short = make_seq(0, 3)
     sched.add(short)
-    feed(sched.schedule())  # short prefilled, now generating
+    feed(sched, sched.schedule())  # short prefilled, now generating
     long_a, long_b = make_seq(1, 40), make_seq(2, 40)
     sched.add(long_a)
     sched.add(long_b)
@@ -62,11 +63,11 @@ def test_decode_tokens_first_then_prefill_chunks_within_budget():
     assert [(c.seq.request_id, c.num_tokens) for c in chunks] == [(0, 1), (1, 15)]
     assert chunks[0].wants_logits and not chunks[1].wants_logits
     assert sum(c.num_tokens for c in chunks) == 16
-    feed(chunks)
+    feed(sched, chunks)
     chunks = sched.schedule()
     # long_a continues from where its first chunk ended; long_b starts once there is room.
     assert [(c.seq.request_id, c.start, c.num_tokens) for c in chunks] == [(0, 4, 1), (1, 15, 15)]
-    feed(chunks)
+    feed(sched, chunks)
     chunks = sched.schedule()
     assert [(c.seq.request_id, c.start, c.num_tokens) for c in chunks] == [(0, 5, 1), (1, 30, 10), (2, 0, 5)]
     assert chunks[1].wants_logits and not chunks[2].wants_logits
@@ -77,7 +78,7 @@ def test_a_finished_sequence_frees_its_running_place_for_the_next_waiting_reques
     first, second = make_seq(0, 2), make_seq(1, 2)
     sched.add(first)
     sched.add(second)
-    feed(sched.schedule())
+    feed(sched, sched.schedule())
     sched.finish(first, keep_cached=False)
     assert first.seq_id is None and sched.kv.num_cells_used == 0
     chunks = sched.schedule()
@@ -100,7 +101,7 @@ def test_preempt_newest_requeues_it_at_the_head_for_recompute():
     old, new, queued = make_seq(0, 3), make_seq(1, 3), make_seq(2, 3)
     for s in (old, new, queued):
         sched.add(s)
-    feed(sched.schedule())
+    feed(sched, sched.schedule())
     seq = sched.preempt_newest()
     assert seq is new and new.seq_id is None
     assert new.num_cached == 0 and new.output_ids == [7]
@@ -124,14 +125,10 @@ def test_a_prompt_waits_while_another_sequence_computes_the_prefix_it_would_reus
     # second is passed over, keeping its place; other (nothing shared) is admitted.
     assert sched.running == [first, other] and list(sched.waiting) == [second]
     assert [(c.seq, c.num_tokens) for c in chunks] == [(first, 40)]
-    feed(chunks)  # first has computed 40 tokens: two whole blocks are indexed
-    for c in chunks:
-        sched.kv.commit(c.seq.seq_id, c.seq.token_slice, c.seq.num_cached)
+    feed(sched, chunks)  # first has computed 40 tokens: two whole blocks are indexed
     chunks = sched.schedule()
     assert second not in [c.seq for c in chunks], "its third block is still being computed"
-    feed(chunks)
-    for c in chunks:
-        sched.kv.commit(c.seq.seq_id, c.seq.token_slice, c.seq.num_cached)
+    feed(sched, chunks)
     chunks = sched.schedule()
     assert second in sched.running and second.num_cached == shared
     assert sched.kv.num_tokens_reused == shared
@@ -142,9 +139,26 @@ def test_out_of_cells_a_generating_sequence_preempts_the_newest():
     old, new = make_seq(0, 19), make_seq(1, 19)
     sched.add(old)
     sched.add(new)
-    feed(sched.schedule())  # 38 of 40 cells reserved; each now needs one more, then another
-    feed(sched.schedule())
+    feed(sched, sched.schedule())  # 38 of 40 cells reserved; each now needs one more, then another
+    feed(sched, sched.schedule())
     assert sched.kv.num_cells_used == 40
     chunks = sched.schedule()
     assert [c.seq for c in chunks] == [old] and list(sched.waiting) == [new] and new.num_cached == 0
     assert sched.kv.num_cells_used == 21
+
+
+def test_a_sequence_states_where_it_is():
+    from cbatch.workers.engine.sequence import SeqStatus
+
+    sched = Sched(num_slots=1, max_batch_tokens=8, max_queue=8, prefix_cache=False)
+    seq, queued = make_seq(0, 12), make_seq(1, 4)
+    sched.add(seq)
+    sched.add(queued)
+    assert seq.status is queued.status is SeqStatus.WAITING
+    feed(sched, sched.schedule())  # 8 of 12 prompt tokens
+    assert seq.status is SeqStatus.PREFILLING and queued.status is SeqStatus.WAITING
+    feed(sched, sched.schedule())  # the last 4: sampled
+    assert seq.status is SeqStatus.DECODING
+    assert sched.preempt_newest() is seq and seq.status is SeqStatus.WAITING and seq.seq_id is None
+    sched.finish(queued, keep_cached=False)
+    assert queued.status is SeqStatus.FINISHED and list(sched.waiting) == [seq]

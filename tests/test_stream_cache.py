@@ -1,7 +1,7 @@
 """Prefix cache over per-sequence KV streams, without a model: what is reused in place,
 what is copied as a whole stream, and which stream a request gets."""
 
-from cbatch.workers.engine.kv.pool import OP_COPY, OP_REMOVE
+from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
 from cbatch.workers.engine.kv.streams import WHOLE_STREAM, StreamCacheManager
 
 

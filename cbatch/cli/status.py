@@ -26,7 +26,7 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
         lines.append(
             f"prefix cache {'on' if stats['prefix_cache'] else 'off'}: hit rate {100 * stats['cache_hit_rate']:.0f}%, "
             f"{counted(stats['prompt_tokens_reused'], 'prompt token')} reused; KV cells {stats['kv_cells_used']} of "
-            f"{stats['kv_cells_total']} used, {stats['kv_cells_cached']} cached")
+            f"{stats['kv_cells_total']} used, {stats['kv_cells_evictable']} evictable")
     slots = stats.get("slots", [])
     if not slots:
         lines.append("no request running")

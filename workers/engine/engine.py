@@ -146,12 +146,11 @@ class Engine:
 
     def _sample(self, spans: list[BatchSpan]) -> list[tuple[Sequence, int]]:
         batch_index, logit_rows = -1, []  # (seq, row in logits, batch index)
-        kv = self.scheduler.kv
         for span in spans:
             batch_index += span.num_tokens
-            span.seq.num_cached += span.num_tokens
-            kv.commit(span.seq.seq_id, span.seq.token_slice, span.seq.num_cached)
-            if span.wants_logits:
+            is_sampled = span.wants_logits  # before the span counts as computed
+            self.scheduler.on_computed(span)
+            if is_sampled:
                 logit_rows.append((span.seq, len(logit_rows), batch_index))
         sampled = [(seq, self.runner.sampled_token(index)) for seq, _, index in logit_rows if seq.is_backend_sampled]
         greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
@@ -246,7 +245,7 @@ class Engine:
             "cache_hit_rate": reused / (reused + computed) if reused + computed else 0.0,
             "kv_cells_total": kv.num_cells,
             "kv_cells_used": kv.num_cells_used,
-            "kv_cells_cached": kv.num_cells_evictable,
+            "kv_cells_evictable": kv.num_cells_evictable,
             "cached_prefixes": kv.num_cached_holders,
             "slots": [slot_snapshot(seq, now_s) for seq in sorted(self.scheduler.running, key=lambda s: s.seq_id)],
         }

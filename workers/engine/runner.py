@@ -14,7 +14,7 @@ import numpy as np
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST
 from cbatch.workers.engine.sampling.backend import BackendSamplers
-from cbatch.workers.engine.kv.pool import OP_COPY, OP_REMOVE
+from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
 from cbatch.workers.engine.scheduler import BatchSpan
 
 MAX_PIECE_BYTES = 256

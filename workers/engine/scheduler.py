@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.wording import counted
-from cbatch.workers.engine.kv.pool import BLOCK_TOKENS, KVCacheManager
-from cbatch.workers.engine.sequence import Sequence
+from cbatch.workers.engine.kv.base import BLOCK_TOKENS, KVManager
+from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -41,7 +41,7 @@ class BatchSpan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_running: int, max_batch_tokens: int, max_queue: int):
+    def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int):
         if max_batch_tokens < max_running:
             raise ValueError("max_batch_tokens must cover one token per running sequence")
         self.kv = kv
@@ -85,22 +85,32 @@ class Scheduler:
         spans.sort(key=lambda c: c.seq.seq_id)
         return spans
 
+    def on_computed(self, span: BatchSpan) -> None:
+        """The step computed the span's tokens: a sequence whose prompt is now computed
+        samples from here on."""
+        seq = span.seq
+        seq.num_cached += span.num_tokens
+        self.kv.commit(seq.seq_id, seq.token_slice, seq.num_cached)
+        if seq.status is SeqStatus.PREFILLING and span.wants_logits:
+            seq.status = SeqStatus.DECODING
+
     def finish(self, seq: Sequence, keep_cached: bool) -> None:
         """Drop a sequence from the queue or the running set. A running one's KV stays
         cached for later prompts when `keep_cached` (it is known to be sound)."""
-        if seq in self.waiting:
+        if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-            return
-        self.running.remove(seq)
-        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
-        seq.seq_id = None
+        else:
+            self.running.remove(seq)
+            self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
+            seq.seq_id = None
+        seq.status = SeqStatus.FINISHED
 
     def preempt_newest(self) -> Sequence:
         """Send the most recently admitted running sequence back to the head of the queue;
         its prompt + output so far is recomputed on re-admission."""
         seq = self.running.pop()
         self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, False)
-        seq.seq_id, seq.num_cached = None, 0
+        seq.seq_id, seq.num_cached, seq.status = None, 0, SeqStatus.WAITING
         self.waiting.appendleft(seq)
         return seq
 
@@ -116,6 +126,7 @@ class Scheduler:
                 self.waiting.appendleft(seq)
                 break
             seq.seq_id, seq.num_cached = placed
+            seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING
             self.running.append(seq)
         self.waiting.extendleft(reversed(passed_over))
 

@@ -8,6 +8,21 @@ from cbatch.params import SamplingParams
 from cbatch.workers.engine.text_stream import TextStream
 
 
+class SeqStatus(enum.Enum):
+    """Where a sequence is; the scheduler makes every transition.
+
+    WAITING -> PREFILLING (admitted with more than its last token to compute) or DECODING
+    PREFILLING -> DECODING (its last prompt token computed: it samples from now on)
+    PREFILLING / DECODING -> WAITING (preempted: recomputed on re-admission)
+    any -> FINISHED
+    """
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # end-of-generation token or a stop string
     LENGTH = "length"  # max_tokens or the per-sequence context cap
@@ -20,7 +35,8 @@ class Sequence:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    seq_id: int | None = None  # KV sequence id while running
+    status: SeqStatus = SeqStatus.WAITING
+    seq_id: int | None = None  # KV sequence id while running (prefilling or decoding)
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading tokens of prompt + output whose KV is computed
     sampler: object | None = None  # llama.cpp sampler chain, None for plain greedy
@@ -52,7 +68,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_uncached > 1
+        return self.status is SeqStatus.PREFILLING
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output, without building the concatenation."""

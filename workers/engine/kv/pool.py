@@ -28,18 +28,13 @@ With `pin_indexed_cells`, every holder has a twin sequence id (its pin) that own
 holder's indexed cells too, so they are never owned by one sequence alone.
 
 The memory operations llama.cpp must apply, in order, before the next decode collect in
-`ops`; nothing here calls llama.cpp, so it is tested without a model.
+`ops` (see kv/base.py).
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
 
-BLOCK_TOKENS = 16
-OP_COPY = "copy"  # (OP_COPY, src_seq_id, dst_seq_id, start, end): positions [start, end)
-OP_REMOVE = "remove"  # (OP_REMOVE, seq_id, start): positions [start, end)
-
-TokenSlice = Callable[[int, int], list[int]]  # tokens [start, stop) of a sequence
+from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_COPY, OP_REMOVE, TokenSlice, match_prefix
 
 
 @dataclass(eq=False)
@@ -209,16 +204,7 @@ class KVCacheManager:
             self._evict(next(iter(self._cached.values())))
 
     def _match(self, token_slice: TokenSlice, num_tokens: int) -> list[Node]:
-        path: list[Node] = []
-        if not self.enable_prefix_cache:
-            return path
-        node = self._root
-        for i in range((num_tokens - 1) // BLOCK_TOKENS):
-            node = node.children.get(tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)))
-            if node is None:
-                break
-            path.append(node)
-        return path
+        return match_prefix(self._root, token_slice, num_tokens) if self.enable_prefix_cache else []
 
     def _owner_of(self, block: Block) -> Holder:
         # Any owner holds the whole chain (see the invariants); a running one is preferred

@@ -4,7 +4,7 @@ In this layout every sequence id owns a stream of `cells_per_stream` cells, and 
 attends over its own stream only (in the unified pool it attends over the used range of
 the whole pool, other sequences' cells masked): long prompts that share nothing run
 several times faster. But llama.cpp copies between streams only whole streams, so cells
-cannot be shared the way kv_cache.py shares them. Here instead:
+cannot be shared the way the unified pool (kv/pool.py) shares them. Here instead:
 - a running request owns one stream, which holds any sequence (the engine caps a sequence
   at a stream's size): admission needs only a free stream, never eviction or preemption;
 - a finished request's computed blocks stay in its stream, cached, until the stream is
@@ -20,14 +20,14 @@ past its stream, so the head never wraps: a sliding-window layer never hands a c
 cached prefix to new tokens, and a prefix longer than the window stays whole (with the
 full-size window cache the runner asks for).
 
-Like kv_cache.py this only collects the operations llama.cpp must apply (`ops`) and is
-tested without a model.
+Like the pool, this only collects the operations llama.cpp must apply (`ops`, see
+kv/base.py).
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from cbatch.workers.engine.kv.pool import BLOCK_TOKENS, OP_COPY, OP_REMOVE, TokenSlice
+from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_COPY, OP_REMOVE, TokenSlice, match_prefix
 
 MIN_COPY_BLOCKS = 4  # a whole-stream copy is a memcpy of every layer's stream: worth it past 64 tokens
 WHOLE_STREAM = -1  # as the end of an OP_COPY: llama.cpp copies whole streams only
@@ -140,16 +140,7 @@ class StreamCacheManager:
             self._num_held[seq_id] = 0
 
     def _match(self, token_slice: TokenSlice, num_tokens: int) -> list[StreamNode]:
-        path: list[StreamNode] = []
-        if not self.enable_prefix_cache:
-            return path
-        node = self._root
-        for i in range((num_tokens - 1) // BLOCK_TOKENS):  # the last token is always computed
-            node = node.children.get(tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)))
-            if node is None:
-                break
-            path.append(node)
-        return path
+        return match_prefix(self._root, token_slice, num_tokens) if self.enable_prefix_cache else []
 
     def _set_path(self, seq_id: int, new_path: list[StreamNode]) -> None:
         """The stream now holds exactly the prefix `new_path` names."""

@@ -1,0 +1,70 @@
+"""What the scheduler asks of a KV layout, and what both layouts share.
+
+Two layouts implement KVManager: the unified pool (kv/pool.py, `--kv-unified`), where
+shared prefixes share cells, and per-sequence streams (kv/streams.py, the default), where
+a prefix is reused in place or by copying a whole stream. Both index computed prompt
+blocks in a radix tree of BLOCK_TOKENS-token edges, matched by `match_prefix`.
+
+Neither calls llama.cpp: each collects the memory operations llama.cpp must apply before
+the next decode (`take_ops`), so both are tested without a model.
+"""
+
+from typing import Callable, Protocol
+
+BLOCK_TOKENS = 16
+OP_COPY = "copy"  # (OP_COPY, src_seq_id, dst_seq_id, start, end): positions [start, end)
+OP_REMOVE = "remove"  # (OP_REMOVE, seq_id, start): positions [start, end of the sequence)
+
+TokenSlice = Callable[[int, int], list[int]]  # tokens [start, stop) of a sequence
+
+
+def match_prefix(root, token_slice: TokenSlice, num_tokens: int) -> list:
+    """The index nodes of the longest indexed prefix of a sequence's tokens, one per
+    block, from the root's child down. A node's `children` maps a block's token tuple to
+    the next node. The block holding the last token is never matched: the sequence must
+    compute that token itself to get its logits."""
+    path = []
+    node = root
+    for i in range((num_tokens - 1) // BLOCK_TOKENS):
+        node = node.children.get(tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)))
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
+class KVManager(Protocol):
+    num_cells: int
+    enable_prefix_cache: bool
+    pin_indexed_cells: bool
+    num_tokens_reused: int  # prompt tokens served from the cache at admission
+
+    @property
+    def num_cells_used(self) -> int: ...
+
+    @property
+    def num_cells_evictable(self) -> int:
+        """Cells that hold only cached prefixes, which the next admission may take."""
+
+    @property
+    def num_cached_holders(self) -> int: ...
+
+    def take_ops(self) -> list[tuple]:
+        """The memory operations to apply before the next decode, in order."""
+
+    def num_reusable(self, token_slice: TokenSlice, num_tokens: int) -> int:
+        """How many leading tokens an admission now would reuse."""
+
+    def admit(self, token_slice: TokenSlice, num_tokens: int) -> tuple[int, int] | None:
+        """(sequence id, tokens reused) for a new sequence, or None when there is no room."""
+
+    def grow(self, seq_id: int, num_tokens: int) -> bool:
+        """Room for positions [0, num_tokens) of a running sequence; False when none."""
+
+    def commit(self, seq_id: int, token_slice: TokenSlice, num_computed: int) -> None:
+        """Positions [0, num_computed) are computed: index the blocks that became full."""
+
+    def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool) -> None:
+        """The sequence ended; with keep, its computed prefix stays cached."""
+
+    def clear_cache(self) -> None: ...
