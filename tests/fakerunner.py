@@ -17,8 +17,12 @@ EOG_ID = 0
 
 
 class FakeRunner:
-    def __init__(self, num_cells=1024, parallel=4, num_seq_ids=16, prefix_cache=True, has_swa=False, unified=True):
+    def __init__(self, num_cells=1024, parallel=4, num_seq_ids=16, prefix_cache=True, has_swa=False, unified=True,
+                 eog_at_length: int | None = None):
         self.unified = unified
+        # From a sequence of this many tokens on, the "model" likes end-of-generation
+        # best: greedy picks it unless ignore_eos or min_tokens masks it.
+        self.eog_at_length = eog_at_length
         self.num_cells, self.has_prefix_cache = num_cells, prefix_cache
         self.num_seq_ids = num_seq_ids if unified else parallel
         self.ctx_per_seq = num_cells // parallel
@@ -71,6 +75,8 @@ class FakeRunner:
         logits = np.zeros((num_outputs, NUM_VOCAB), np.float32)
         for row, tokens in enumerate(self._rows):
             logits[row, 1 + (sum(t * (i + 1) for i, t in enumerate(tokens)) % (NUM_VOCAB - 1))] = 1.0
+            if self.eog_at_length is not None and len(tokens) >= self.eog_at_length:
+                logits[row, EOG_ID] = 2.0
         return logits
 
     def close(self) -> None:

@@ -15,10 +15,23 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 def fake_engine(prefix_cache=True, num_cells=1024, parallel=4, batch_size=64, cache_tokens=0, has_swa=False,
-                unified=True):
+                unified=True, eog_at_length=None):
     config = EngineConfig(parallel=parallel, ctx_size=num_cells, batch_size=batch_size,
                           prefix_cache=prefix_cache, cache_tokens=cache_tokens, kv_unified=unified)
-    return Engine(config, FakeRunner(num_cells, parallel, config.num_seq_ids, prefix_cache, has_swa, unified))
+    return Engine(config, FakeRunner(num_cells, parallel, config.num_seq_ids, prefix_cache, has_swa, unified,
+                                     eog_at_length))
+
+
+# Greedy only: a sampler chain (min_tokens, temperature) needs a real vocabulary; those
+# are tested on the tiny model (test_logit_bias_min_tokens.py).
+@pytest.mark.parametrize("params, num_tokens, finish_reason", [
+    ({"temperature": 0}, 5, "stop"),  # a 3-token prompt: the model picks end-of-generation at 8 tokens
+    ({"temperature": 0, "ignore_eos": True}, 12, "length"),
+])
+def test_end_of_generation_ends_a_sequence_unless_ignore_eos(params, num_tokens, finish_reason):
+    engine = fake_engine(eog_at_length=8)
+    (result,) = generate(engine, [{"prompt": "abc", "max_tokens": 12, **params}])
+    assert (len(result.token_ids), result.finish_reason) == (num_tokens, finish_reason)
 
 
 def shared_prefix_bodies(seed, count, prefix_lengths=(5, 40, 90, 150)):
