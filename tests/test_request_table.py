@@ -5,38 +5,38 @@ import pytest
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
 from cbatch.ipc.records import TokenEvent
 from cbatch.ipc.worker_messages import WorkerEvents, WorkerReject, WorkerSubmit, decode, encode
-from cbatch.workers.daemon.request_table import Job, RequestTable
+from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
 
 FINISH = {"finish_reason": "stop"}
 
 
 def test_add_refuses_ids_in_use_and_a_full_table():
     table = RequestTable(max_in_flight=2, retention_s=60.0)
-    table.add(Job(1, b"a", is_relayed=False))
+    table.add(TrackedRequest(1, b"a", is_relayed=False))
     with pytest.raises(CbatchError) as err:
-        table.add(Job(1, b"b", is_relayed=False))
+        table.add(TrackedRequest(1, b"b", is_relayed=False))
     assert err.value.code == INVALID_REQUEST
-    table.add(Job(2, b"a", is_relayed=False))
+    table.add(TrackedRequest(2, b"a", is_relayed=False))
     with pytest.raises(CbatchError) as err:
-        table.add(Job(3, b"a", is_relayed=False))
+        table.add(TrackedRequest(3, b"a", is_relayed=False))
     assert err.value.code == QUEUE_FULL
     table.finish(table.active[1], FINISH, now_s=0.0)
     with pytest.raises(CbatchError) as err:  # a retained id is still in use
-        table.add(Job(1, b"a", is_relayed=False))
+        table.add(TrackedRequest(1, b"a", is_relayed=False))
     assert err.value.code == INVALID_REQUEST
-    table.add(Job(3, b"a", is_relayed=False))  # the finished one freed its place
+    table.add(TrackedRequest(3, b"a", is_relayed=False))  # the finished one freed its place
 
 
 def test_only_the_owner_finds_its_request_and_retention_expires_it():
     table = RequestTable(max_in_flight=8, retention_s=10.0)
-    table.add(Job(1, b"a", is_relayed=False))
+    table.add(TrackedRequest(1, b"a", is_relayed=False))
     assert table.owned(b"a", 1).request_id == 1
     with pytest.raises(CbatchError) as err:
         table.owned(b"b", 1)
     assert err.value.code == NOT_FOUND
     table.finish(table.active[1], FINISH, now_s=100.0)
     assert table.owned(b"a", 1).finish == FINISH  # retained
-    table.add(Job(2, b"a", is_relayed=False))
+    table.add(TrackedRequest(2, b"a", is_relayed=False))
     table.finish(table.active[2], FINISH, now_s=111.0)  # 1 finished more than 10 s before this
     assert table.get(1) is None and table.get(2) is not None
     assert table.num_ended_by_outcome == {"stop": 2}
@@ -47,21 +47,21 @@ def test_only_the_owner_finds_its_request_and_retention_expires_it():
 def test_owed_finishes_are_per_owner_and_forgotten_at_expiry():
     table = RequestTable(max_in_flight=8, retention_s=10.0)
     for request_id, owner in ((1, b"a"), (2, b"a"), (3, b"b")):
-        table.add(Job(request_id, owner, is_relayed=False))
-        job = table.active[request_id]
-        table.finish(job, FINISH, now_s=0.0)
-        table.set_delivered(job, owner == b"b")
-    assert [job.request_id for job in table.owed_to(b"a")] == [1, 2] and table.owed_to(b"b") == []
+        table.add(TrackedRequest(request_id, owner, is_relayed=False))
+        tracked = table.active[request_id]
+        table.finish(tracked, FINISH, now_s=0.0)
+        table.set_delivered(tracked, owner == b"b")
+    assert [tracked.request_id for tracked in table.owed_to(b"a")] == [1, 2] and table.owed_to(b"b") == []
     table.set_delivered(table.get(1), True)
-    assert [job.request_id for job in table.owed_to(b"a")] == [2]
-    table.add(Job(4, b"c", is_relayed=False))
+    assert [tracked.request_id for tracked in table.owed_to(b"a")] == [2]
+    table.add(TrackedRequest(4, b"c", is_relayed=False))
     table.finish(table.active[4], FINISH, now_s=20.0)  # expires 1-3
     assert table.owed_to(b"a") == []
 
 
 def test_failed_requests_are_counted_by_code_and_not_kept():
     table = RequestTable(max_in_flight=8, retention_s=10.0)
-    table.add(Job(1, b"a", is_relayed=False, body={"prompt": "x"}))
+    table.add(TrackedRequest(1, b"a", is_relayed=False, body={"prompt": "x"}))
     assert table.active[1].is_held
     table.fail(table.active[1], "worker_restarted")
     assert table.get(1) is None and table.num_ended_by_outcome == {"worker_restarted": 1}

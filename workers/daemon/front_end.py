@@ -21,7 +21,7 @@ from cbatch.params import parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.ipc.worker_messages import WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
-from cbatch.workers.daemon.request_table import Job, RequestTable
+from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
 from cbatch.workers.daemon.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.daemon.front_end")
@@ -86,28 +86,28 @@ class FrontEnd:
     def _on_disconnect(self, identity: bytes) -> None:
         """The client went away (closed, crashed, killed): nobody will read its requests."""
         self._use_ring.pop(identity, None)
-        for job in self.requests.active_of(identity):
-            self._cancel_job(job)
+        for tracked in self.requests.active_of(identity):
+            self._cancel_tracked(tracked)
 
     def _cancel_stalled(self) -> None:
         """A client that lets ZeroMQ's queue to it fill up stops costing the others: its
         requests are cancelled. What it missed stays fetchable."""
         while self.clients.newly_stalled:
-            for job in self.requests.active_of(self.clients.newly_stalled.pop()):
-                self._cancel_job(job)
+            for tracked in self.requests.active_of(self.clients.newly_stalled.pop()):
+                self._cancel_tracked(tracked)
 
     def _resend_owed(self, identity: bytes) -> None:
         """The stalled client speaks again: resend the finishes it may have lost, so it
         can fetch any records it lacks and end those streams."""
-        for job in self.requests.owed_to(identity):
-            if not self._deliver_finish(job):
+        for tracked in self.requests.owed_to(identity):
+            if not self._deliver_finish(tracked):
                 break  # its queue is full again: the rest waits for its next message
 
-    def _deliver_finish(self, job: Job) -> bool:
+    def _deliver_finish(self, tracked: TrackedRequest) -> bool:
         """Only what a client is owed is ever re-sent, so a flooding client that stalls
         costs the loop one failed send per message, not a pass over every finished request."""
-        is_delivered = self.clients.send(job.owner, MsgType.FINISHED, job.finish)
-        self.requests.set_delivered(job, is_delivered)
+        is_delivered = self.clients.send(tracked.owner, MsgType.FINISHED, tracked.finish)
+        self.requests.set_delivered(tracked, is_delivered)
         return is_delivered
 
     def _error(self, identity: bytes, code: str, message: str, body: dict) -> None:
@@ -143,33 +143,33 @@ class FrontEnd:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request_body.get("logprobs") is not None
-        job = Job(request_id, identity, is_relayed=wants_logprobs or not self._use_ring.get(identity, False),
+        tracked = TrackedRequest(request_id, identity, is_relayed=wants_logprobs or not self._use_ring.get(identity, False),
                   body=request_body, logprobs={} if wants_logprobs else None)
-        self.requests.add(job)
-        self._forward(job)  # held here while the worker (re)starts, sent when it is ready
+        self.requests.add(tracked)
+        self._forward(tracked)  # held here while the worker (re)starts, sent when it is ready
 
-    def _forward(self, job: Job) -> None:
-        if self.worker.ready is not None and job.is_held:
-            self.worker.send(WorkerSubmit(job.request_id, job.body))
-            job.body = None
+    def _forward(self, tracked: TrackedRequest) -> None:
+        if self.worker.ready is not None and tracked.is_held:
+            self.worker.send(WorkerSubmit(tracked.request_id, tracked.body))
+            tracked.body = None
 
     def _cancel(self, identity: bytes, body: dict) -> None:
-        job = self.requests.owned(identity, field(body, "request_id", int))
-        if job.finish is None:
-            self._cancel_job(job)
+        tracked = self.requests.owned(identity, field(body, "request_id", int))
+        if tracked.finish is None:
+            self._cancel_tracked(tracked)
 
-    def _cancel_job(self, job: Job) -> None:
-        if not job.is_held:
-            self.worker.send(WorkerCancel(job.request_id))
+    def _cancel_tracked(self, tracked: TrackedRequest) -> None:
+        if not tracked.is_held:
+            self.worker.send(WorkerCancel(tracked.request_id))
         else:  # never reached the worker: it ends here, with nothing produced
             usage = {"prompt_tokens": 0, "completion_tokens": 0}
-            self._on_event(TokenEvent(job.request_id, [], "", "cancelled", usage), is_made_here=True)
+            self._on_event(TokenEvent(tracked.request_id, [], "", "cancelled", usage), is_front_end_finish=True)
 
     def _fetch(self, identity: bytes, body: dict) -> None:
-        job = self.requests.owned(identity, field(body, "request_id", int))
+        tracked = self.requests.owned(identity, field(body, "request_id", int))
         from_index = field(body, "from_index", int)
         self.num_fetches += 1
-        self._send_records(job, job.records[max(from_index, 0):], even_if_empty=True)
+        self._send_records(tracked, tracked.records[max(from_index, 0):], even_if_empty=True)
 
     def _health(self, identity: bytes, body: dict) -> None:
         """Also the liveness ping of a waiting client, listing the requests it waits for:
@@ -178,11 +178,11 @@ class FrontEnd:
         ready = self.worker.ready
         lost = []
         for request_id in (field(body, "request_ids", list, optional=True) or [])[:MAX_RECORDS_PER_MESSAGE]:
-            job = self.requests.get(request_id) if isinstance(request_id, int) else None
-            if job is None or job.owner != identity:
+            tracked = self.requests.get(request_id) if isinstance(request_id, int) else None
+            if tracked is None or tracked.owner != identity:
                 lost.append(request_id)
-            elif job.finish is not None:
-                self._deliver_finish(job)
+            elif tracked.finish is not None:
+                self._deliver_finish(tracked)
         self.clients.send(identity, MsgType.HEALTH_REPLY, {
             "nonce": body.get("nonce", 0), "status": status, "model": ready.model if ready else "",
             "parallel": self.config.engine.parallel, "worker_pid": ready.pid if ready else 0,
@@ -201,65 +201,65 @@ class FrontEnd:
         MsgType.HEALTH: _health, MsgType.STATS: _stats,
     }
 
-    def _send_records(self, job: Job, records: list[RingRecord], *, even_if_empty: bool = False) -> None:
+    def _send_records(self, tracked: TrackedRequest, records: list[RingRecord], *, even_if_empty: bool = False) -> None:
         """Even an empty answer matters to a FETCH: it lets the reader resume the ring."""
         if not records and even_if_empty:
-            self.clients.send(job.owner, MsgType.RECORDS, {"request_id": job.request_id, "records": []})
+            self.clients.send(tracked.owner, MsgType.RECORDS, {"request_id": tracked.request_id, "records": []})
         for at in range(0, len(records), MAX_RECORDS_PER_MESSAGE):
             rows = [[r.index, r.token_id, r.flags, r.finish, r.count, r.text]
                     for r in records[at:at + MAX_RECORDS_PER_MESSAGE]]
-            if job.logprobs is not None:  # a seventh column: the token's logprobs entry
-                rows = [[*row, job.logprobs.get(row[0])] for row in rows]
-            self.clients.send(job.owner, MsgType.RECORDS, {"request_id": job.request_id, "records": rows})
+            if tracked.logprobs is not None:  # a seventh column: the token's logprobs entry
+                rows = [[*row, tracked.logprobs.get(row[0])] for row in rows]
+            self.clients.send(tracked.owner, MsgType.RECORDS, {"request_id": tracked.request_id, "records": rows})
 
     # ---- decode worker ------------------------------------------------------------
     def on_worker_messages(self) -> None:
         for message in self.worker.receive():
             if isinstance(message, WorkerReady):
-                for job in self.requests.active.values():
-                    self._forward(job)
+                for tracked in self.requests.active.values():
+                    self._forward(tracked)
             elif isinstance(message, WorkerReject):
-                job = self.requests.active.get(message.request_id)
-                if job is not None:
-                    self.fail(job, message.code, message.message)
+                tracked = self.requests.active.get(message.request_id)
+                if tracked is not None:
+                    self.fail(tracked, message.code, message.message)
             elif isinstance(message, WorkerEvents):
                 for event in message.events:
                     self._on_event(event)
             self._cancel_stalled()
 
-    def _on_event(self, event: TokenEvent, *, is_made_here: bool = False) -> None:
-        """is_made_here: a finish the front-end made itself; the worker never wrote it to
+    def _on_event(self, event: TokenEvent, *, is_front_end_finish: bool = False) -> None:
+        """is_front_end_finish: a finish the front-end made itself; the worker never wrote it to
         the ring, so even a ring reader gets its records sent."""
-        job = self.requests.active.get(event.request_id)
-        if job is None:
+        tracked = self.requests.active.get(event.request_id)
+        if tracked is None:
             return  # already failed (worker restart) or rejected
         records = event.records()
-        job.records += records
-        if job.logprobs is not None and event.logprobs:
+        tracked.records += records
+        if tracked.logprobs is not None and event.logprobs:
             token_records = [record for record in records if record.token_id != NO_TOKEN]
-            job.logprobs.update((record.index, entry) for record, entry in zip(token_records, event.logprobs))
-        if job.is_relayed or is_made_here:
-            self._send_records(job, records)
+            tracked.logprobs.update((record.index, entry) for record, entry in zip(token_records, event.logprobs))
+        if tracked.is_relayed or is_front_end_finish:
+            self._send_records(tracked, records)
         if event.finish_reason:
-            self.requests.finish(job, {"request_id": job.request_id, "finish_reason": event.finish_reason,
-                                       "usage": event.usage, "num_records": len(job.records), "error": event.error},
+            self.requests.finish(tracked, {"request_id": tracked.request_id, "finish_reason": event.finish_reason,
+                                       "usage": event.usage, "num_records": len(tracked.records), "error": event.error},
                                  time.monotonic())
-            self._deliver_finish(job)
+            self._deliver_finish(tracked)
 
-    def fail(self, job: Job, code: str, message: str) -> None:
-        self.requests.fail(job, code)
-        self._error(job.owner, code, message, {"request_id": job.request_id})
+    def fail(self, tracked: TrackedRequest, code: str, message: str) -> None:
+        self.requests.fail(tracked, code)
+        self._error(tracked.owner, code, message, {"request_id": tracked.request_id})
 
     def fail_all(self, code: str, message: str, *, include_held: bool = True) -> None:
         """End in-flight requests with an error. Without include_held, requests still held
         here (not yet sent to a worker) survive, to go to the next worker."""
-        for job in list(self.requests.active.values()):
-            if include_held or not job.is_held:
-                self.fail(job, code, message)
+        for tracked in list(self.requests.active.values()):
+            if include_held or not tracked.is_held:
+                self.fail(tracked, code, message)
 
     def cancel_all(self) -> None:
-        for job in list(self.requests.active.values()):
-            self._cancel_job(job)
+        for tracked in list(self.requests.active.values()):
+            self._cancel_tracked(tracked)
 
     def close(self) -> None:
         self.clients.close()

@@ -16,7 +16,9 @@ from cbatch.wording import counted
 
 
 @dataclass(eq=False)
-class Job:
+class TrackedRequest:
+    """A request as the front-end tracks it, from its submit until its retention ends."""
+
     request_id: int
     owner: bytes  # the client's ROUTER identity
     is_relayed: bool  # the owner reads records over ZeroMQ instead of the ring
@@ -36,37 +38,37 @@ class RequestTable:
     def __init__(self, max_in_flight: int, retention_s: float):
         self.max_in_flight = max_in_flight
         self.retention_s = retention_s
-        self.active: dict[int, Job] = {}
-        self._retained: OrderedDict[int, Job] = OrderedDict()  # in finishing order
-        self._owed: dict[bytes, dict[int, Job]] = {}  # owner -> retained jobs whose finish it lacks
+        self.active: dict[int, TrackedRequest] = {}
+        self._retained: OrderedDict[int, TrackedRequest] = OrderedDict()  # in finishing order
+        self._owed: dict[bytes, dict[int, TrackedRequest]] = {}  # owner -> retained tracked_requests whose finish it lacks
         self.num_ended_by_outcome: Counter = Counter()  # finish reason, or the error code it failed with
 
-    def add(self, job: Job) -> None:
-        if job.request_id in self.active or job.request_id in self._retained:
-            raise CbatchError(INVALID_REQUEST, f"request_id {job.request_id} is already in use")
+    def add(self, tracked: TrackedRequest) -> None:
+        if tracked.request_id in self.active or tracked.request_id in self._retained:
+            raise CbatchError(INVALID_REQUEST, f"request_id {tracked.request_id} is already in use")
         if len(self.active) >= self.max_in_flight:
             raise CbatchError(QUEUE_FULL, f"{counted(len(self.active), 'request')} in flight; retry later or raise --max-queue")
-        self.active[job.request_id] = job
+        self.active[tracked.request_id] = tracked
 
-    def get(self, request_id) -> Job | None:
+    def get(self, request_id) -> TrackedRequest | None:
         return self.active.get(request_id) or self._retained.get(request_id)
 
-    def owned(self, owner: bytes, request_id) -> Job:
+    def owned(self, owner: bytes, request_id) -> TrackedRequest:
         """The owner's request, active or retained; NOT_FOUND for anyone else's."""
-        job = self.get(request_id)
-        if job is None or job.owner != owner:
+        tracked = self.get(request_id)
+        if tracked is None or tracked.owner != owner:
             raise CbatchError(NOT_FOUND, f"no request {request_id} of yours is known")
-        return job
+        return tracked
 
-    def active_of(self, owner: bytes) -> list[Job]:
-        return [job for job in self.active.values() if job.owner == owner]
+    def active_of(self, owner: bytes) -> list[TrackedRequest]:
+        return [tracked for tracked in self.active.values() if tracked.owner == owner]
 
-    def finish(self, job: Job, finish: dict, now_s: float) -> None:
+    def finish(self, tracked: TrackedRequest, finish: dict, now_s: float) -> None:
         """The request ended with `finish` (the FINISHED body): retain it, forget the expired."""
-        job.finish, job.finished_at_s = finish, now_s
-        del self.active[job.request_id]
+        tracked.finish, tracked.finished_at_s = finish, now_s
+        del self.active[tracked.request_id]
         self.num_ended_by_outcome[finish["finish_reason"]] += 1
-        self._retained[job.request_id] = job
+        self._retained[tracked.request_id] = tracked
         self.expire(now_s)
 
     def expire(self, now_s: float) -> None:
@@ -75,22 +77,22 @@ class RequestTable:
             _, old = self._retained.popitem(last=False)
             self._set_owed(old, False)
 
-    def fail(self, job: Job, code: str) -> None:
+    def fail(self, tracked: TrackedRequest, code: str) -> None:
         """The request ended with an error reply: nothing of it is kept."""
-        del self.active[job.request_id]
+        del self.active[tracked.request_id]
         self.num_ended_by_outcome[code] += 1
 
-    def set_delivered(self, job: Job, is_delivered: bool) -> None:
-        self._set_owed(job, not is_delivered)
+    def set_delivered(self, tracked: TrackedRequest, is_delivered: bool) -> None:
+        self._set_owed(tracked, not is_delivered)
 
-    def owed_to(self, owner: bytes) -> list[Job]:
+    def owed_to(self, owner: bytes) -> list[TrackedRequest]:
         return list(self._owed.get(owner, {}).values())
 
-    def _set_owed(self, job: Job, is_owed: bool) -> None:
-        owed = self._owed.setdefault(job.owner, {})
+    def _set_owed(self, tracked: TrackedRequest, is_owed: bool) -> None:
+        owed = self._owed.setdefault(tracked.owner, {})
         if is_owed:
-            owed[job.request_id] = job
+            owed[tracked.request_id] = tracked
         else:
-            owed.pop(job.request_id, None)
+            owed.pop(tracked.request_id, None)
         if not owed:
-            del self._owed[job.owner]
+            del self._owed[tracked.owner]

@@ -6,6 +6,7 @@ SIGTERM/SIGINT drains: no new requests, in-flight ones finish within the grace p
 or are cancelled, then everything it created is removed.
 """
 
+import enum
 import fcntl
 import logging
 import multiprocessing
@@ -78,6 +79,13 @@ def _lock_endpoint(endpoint: str) -> int | None:
     return fd
 
 
+class DaemonState(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"  # stop asked: no new requests; the running ones get the grace period
+    CANCELLING = "cancelling"  # the grace period is over: what still runs was cancelled
+    STOPPED = "stopped"
+
+
 class Supervisor:
     def __init__(self, config: DaemonConfig, http_socket: socket.socket | None = None):
         self.config = config
@@ -112,6 +120,8 @@ class Supervisor:
             self._files.append(client_path)
         self.worker: multiprocessing.Process | None = None
         self._generation = 0
+        self.state = DaemonState.SERVING
+        self._drain_deadline_s = 0.0  # when DRAINING turns to CANCELLING
 
     def _start_worker(self) -> None:
         self._generation += 1
@@ -120,8 +130,8 @@ class Supervisor:
         self.worker_link.expect(self._generation)
         self.worker.start()
 
-    def _poll(self, timeout_ms: int) -> bool:
-        """Serve both sockets once; return True if the worker process has exited."""
+    def _serve_sockets(self, timeout_ms: int) -> bool:
+        """Serve the worker's and the clients' sockets once; True if the worker process has exited."""
         poller = zmq.Poller()
         for sock in (self.worker_link.socket, *self.frontend.client_sockets, self.worker.sentinel):
             poller.register(sock, zmq.POLLIN)
@@ -144,7 +154,7 @@ class Supervisor:
             self._start_worker()
             deadline = time.monotonic() + READY_TIMEOUT_S
             while self.worker_link.ready is None and time.monotonic() < deadline and not self.stop_requested:
-                if self._poll(LOOP_POLL_MS):
+                if self._serve_sockets(LOOP_POLL_MS):
                     self.worker.join()
                     break
             failure = self.worker_link.failure
@@ -169,43 +179,53 @@ class Supervisor:
         log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, endpoint %s, "
                  "ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
                  ready.prefix_cache, self.config.endpoint, self.ring.name, ready.pid)
-        drain_deadline, is_cancelled = None, False
         progress = ProgressLog(self.config.progress_interval_s)
-        while True:
+        while self.state is not DaemonState.STOPPED:
             progress.update(time.monotonic(), self.frontend.num_in_flight, self.worker_link.stats,
                             self.frontend.num_ended)
-            if self.http is not None and drain_deadline is None:
+            if self.http is not None and self.state is DaemonState.SERVING:
                 self.http.poll()
-            if self._poll(LOOP_POLL_MS):
-                self.worker.join()
-                self.frontend.fail_all(WORKER_RESTARTED, f"the decode worker died (exit code {self.worker.exitcode}); "
-                                                         "the request was lost, submit it again", include_held=False)
-                if drain_deadline is not None:
-                    return
-                log.warning("decode worker died (exit code %s); restarting", self.worker.exitcode)
-                self._start_until_ready()
-                continue
-            if self._is_hung():
+            if self._serve_sockets(LOOP_POLL_MS):
+                self._on_worker_exit()
+            elif self._is_hung():
                 log.warning("decode worker made no step for %.0f s; killing it", self.config.worker_timeout_s)
-                self.worker.kill()  # the next poll sees it gone and takes the restart path
-                continue
-            if self.stop_requested and drain_deadline is None:
-                log.info("draining: %s in flight, grace %.0f s", counted(self.frontend.num_in_flight, "request"),
-                         self.config.drain_grace_s)
-                self.frontend.start_draining()
-                if self.http is not None:
-                    self.http.drain()
-                drain_deadline = time.monotonic() + self.config.drain_grace_s
-            if drain_deadline is not None:
-                now = time.monotonic()
-                if not self.frontend.num_in_flight:
-                    return
-                if now > drain_deadline and not is_cancelled:
-                    self.frontend.cancel_all()
-                    is_cancelled = True
-                if now > drain_deadline + CANCEL_GRACE_S:
-                    self.frontend.fail_all(SHUTTING_DOWN, "the daemon shut down before the request finished")
-                    return
+                self.worker.kill()  # the next round sees it gone and takes the restart path
+            else:
+                self._advance_drain(time.monotonic())
+
+    def _on_worker_exit(self) -> None:
+        """The requests it held fail; a serving daemon starts another worker."""
+        self.worker.join()
+        self.frontend.fail_all(WORKER_RESTARTED, f"the decode worker died (exit code {self.worker.exitcode}); "
+                                                 "the request was lost, submit it again", include_held=False)
+        if self.state is not DaemonState.SERVING:
+            self.state = DaemonState.STOPPED
+            return
+        log.warning("decode worker died (exit code %s); restarting", self.worker.exitcode)
+        self._start_until_ready()
+
+    def _advance_drain(self, now_s: float) -> None:
+        """SERVING -> DRAINING on a stop request: no new requests, the HTTP servers drain;
+        DRAINING -> CANCELLING when the grace period is over: what runs is cancelled;
+        -> STOPPED once nothing is in flight, or CANCEL_GRACE_S after the cancel."""
+        if self.state is DaemonState.SERVING:
+            if not self.stop_requested:
+                return
+            log.info("draining: %s in flight, grace %.0f s", counted(self.frontend.num_in_flight, "request"),
+                     self.config.drain_grace_s)
+            self.frontend.start_draining()
+            if self.http is not None:
+                self.http.drain()
+            self._drain_deadline_s = now_s + self.config.drain_grace_s
+            self.state = DaemonState.DRAINING
+        if not self.frontend.num_in_flight:
+            self.state = DaemonState.STOPPED
+        elif self.state is DaemonState.DRAINING and now_s > self._drain_deadline_s:
+            self.frontend.cancel_all()
+            self.state = DaemonState.CANCELLING
+        elif self.state is DaemonState.CANCELLING and now_s > self._drain_deadline_s + CANCEL_GRACE_S:
+            self.frontend.fail_all(SHUTTING_DOWN, "the daemon shut down before the request finished")
+            self.state = DaemonState.STOPPED
 
     def _is_hung(self) -> bool:
         """The worker stamps the ring after every step and every idle wake-up."""

@@ -33,6 +33,10 @@ class WorkerIO(threading.Thread):
         self._pipe = zctx.socket(zmq.PAIR)  # loop-thread end
         self._pipe.setsockopt(zmq.SNDHWM, 0)  # a PAIR at its mark would block the decode loop
         self._pipe.bind(self._pipe_address)
+        # For the front-end, in order; a DEALER with no peer would block a send. Touched by
+        # this thread only.
+        self._outgoing: deque[list[bytes]] = deque()
+        self._is_orphaned = False
 
     def send(self, message) -> None:
         self._pipe.send_multipart(encode(message))
@@ -44,6 +48,36 @@ class WorkerIO(threading.Thread):
         self._pipe.close(linger=0)
 
     def run(self) -> None:
+        control, pipe = self._open_sockets()
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        poller.register(pipe, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            poller.register(parent.sentinel, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(IO_POLL_MS))
+                if parent is not None and parent.sentinel in ready:
+                    poller.unregister(parent.sentinel)
+                    self._on_orphaned()
+                if pipe in ready and not self._take_from_loop(pipe):
+                    return
+                if control in ready and ready[control] & zmq.POLLIN:
+                    self._receive(control)
+                self._flush(control)
+                poller.modify(control, zmq.POLLIN | (zmq.POLLOUT if self._outgoing else 0))
+        except BaseException:
+            # Without this thread the worker can neither hear nor answer the front-end while
+            # its heartbeat keeps the watchdog content: end it, and the supervisor restarts it.
+            traceback.print_exc()
+            os._exit(1)
+        finally:
+            pipe.close(linger=0)
+            control.close()
+
+    def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """The DEALER to the front-end, and this thread's end of the loop thread's pipe."""
         control = self._zctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 1000)  # let the last events and the goodbye reach the front-end
         control.setsockopt(zmq.SNDHWM, 0)  # events are never dropped on the way to the front-end
@@ -53,52 +87,39 @@ class WorkerIO(threading.Thread):
         pipe = self._zctx.socket(zmq.PAIR)
         pipe.setsockopt(zmq.RCVHWM, 0)
         pipe.connect(self._pipe_address)
-        poller = zmq.Poller()
-        poller.register(control, zmq.POLLIN)
-        poller.register(pipe, zmq.POLLIN)
-        parent = multiprocessing.parent_process()
-        if parent is not None:
-            poller.register(parent.sentinel, zmq.POLLIN)
-        outgoing: deque[list[bytes]] = deque()  # for the front-end; a DEALER with no peer would block a send
-        orphaned = False
+        return control, pipe
+
+    def _on_orphaned(self) -> None:
+        """The supervisor died (SIGKILL, OOM): nobody will read or stop us. Ask the loop to
+        stop, keep taking its sends (a send to a closed pipe would block it forever), and
+        end the process if it is slow to go (a long llama_decode, a tokenizer busy with a
+        large prompt)."""
+        self._is_orphaned = True
+        self._outgoing.clear()
+        self.inbox.put(WorkerStop())
+        deadline = threading.Timer(ORPHAN_EXIT_S, os._exit, (1,))
+        deadline.daemon = True  # a clean exit must not wait for it
+        deadline.start()
+
+    def _take_from_loop(self, pipe: zmq.Socket) -> bool:
+        """Queue what the loop thread sent for the front-end; False at its stop sentinel."""
+        frames = pipe.recv_multipart()
+        if frames == [b""]:
+            return False
+        if not self._is_orphaned:
+            self._outgoing.append(frames)
+        return True
+
+    def _receive(self, control: zmq.Socket) -> None:
         try:
-            while True:
-                ready = dict(poller.poll(IO_POLL_MS))
-                if parent is not None and parent.sentinel in ready and not orphaned:
-                    # The supervisor died (SIGKILL, OOM): nobody will read or stop us. Ask
-                    # the loop to stop, keep taking its sends (a send to a closed pipe would
-                    # block it forever), and end the process if it is slow to go (a long
-                    # llama_decode, a tokenizer busy with a large prompt).
-                    orphaned = True
-                    poller.unregister(parent.sentinel)
-                    outgoing.clear()
-                    self.inbox.put(WorkerStop())
-                    deadline = threading.Timer(ORPHAN_EXIT_S, os._exit, (1,))
-                    deadline.daemon = True  # a clean exit must not wait for it
-                    deadline.start()
-                if pipe in ready:
-                    frames = pipe.recv_multipart()
-                    if frames == [b""]:
-                        return
-                    if not orphaned:
-                        outgoing.append(frames)
-                if control in ready and ready[control] & zmq.POLLIN:
-                    try:
-                        self.inbox.put(decode(control.recv_multipart()))
-                    except (ProtocolError, TypeError):
-                        pass  # only the front-end talks to this socket, and it sends valid messages
-                while outgoing:
-                    try:
-                        control.send_multipart(outgoing[0], zmq.NOBLOCK)
-                    except zmq.Again:  # no front-end connected (yet, or any more)
-                        break
-                    outgoing.popleft()
-                poller.modify(control, zmq.POLLIN | (zmq.POLLOUT if outgoing else 0))
-        except BaseException:
-            # Without this thread the worker can neither hear nor answer the front-end while
-            # its heartbeat keeps the watchdog content: end it, and the supervisor restarts it.
-            traceback.print_exc()
-            os._exit(1)
-        finally:
-            pipe.close(linger=0)
-            control.close()
+            self.inbox.put(decode(control.recv_multipart()))
+        except (ProtocolError, TypeError):
+            pass  # only the front-end talks to this socket, and it sends valid messages
+
+    def _flush(self, control: zmq.Socket) -> None:
+        while self._outgoing:
+            try:
+                control.send_multipart(self._outgoing[0], zmq.NOBLOCK)
+            except zmq.Again:  # no front-end connected (yet, or any more)
+                return
+            self._outgoing.popleft()
