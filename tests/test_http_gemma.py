@@ -86,21 +86,27 @@ def test_logprobs_under_min_tokens_are_the_raw_logits(api):
     assert token_logprobs(min_tokens=3) == pytest.approx(token_logprobs(), rel=0, abs=2e-5)
 
 
-def _readme_blocks() -> tuple[str, str]:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### The OpenAI-compatible HTTP API"):]
-    shell, python = re.findall(r"```(?:python)?\n(.*?)```", section, re.S)[:2]
-    return shell, python
+HTTP_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_http_gemma.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+
+
+def _http_examples() -> list[tuple[str, str, str]]:
+    """(file, language, code) of every HTTP example in the README and docs/http.md."""
+    return [(name, language, code) for name in ("README.md", "docs/http.md")
+            for language, code in HTTP_EXAMPLE.findall((REPO / name).read_text())]
 
 
 def test_readme_examples_run_as_printed(daemon):
-    """The README's commands, with the port of this test's daemon for 8000 (a fixed port
-    may be taken on a shared machine); the daemon itself is the one started here."""
-    shell, python = _readme_blocks()
-    curl = next(line for line in shell.splitlines() if line.startswith("curl "))
-    out = subprocess.run(["bash", "-c", curl.replace(README_PORT, str(daemon.port))], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
-    assert "100" in json.loads(out)["choices"][0]["text"]
-    out = subprocess.run([sys.executable, "-c", python.replace(README_PORT, str(daemon.port))], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
-    assert "100" in out
+    """The HTTP examples of the README and docs/http.md, with the port of this test's
+    daemon for 8000 (a fixed port may be taken on a shared machine); the daemon itself is
+    the one started here."""
+    examples = _http_examples()
+    assert {name for name, _, _ in examples} == {"README.md", "docs/http.md"}
+    for name, language, code in examples:
+        code = code.replace(README_PORT, str(daemon.port))
+        if language == "python":
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+            assert "100" in out, name
+            continue
+        curl = next(line for line in code.splitlines() if line.startswith("curl "))
+        out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60, check=True).stdout
+        assert "100" in json.loads(out)["choices"][0]["text"], name

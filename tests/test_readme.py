@@ -1,6 +1,7 @@
-"""The README's examples, run as printed, so that they cannot drift.
+"""The examples of the README and of every file in docs/, run as printed, so that they
+cannot drift.
 
-Every fenced block in README.md follows a marker comment (invisible when rendered):
+Every fenced block in those files follows a marker comment (invisible when rendered):
   <!-- readme-test: run -->           run it: `sh` blocks line by line with bash (a line
                                       ending in `&` starts a daemon, and the next line runs
                                       once it answers), `python` blocks with this interpreter
@@ -9,9 +10,9 @@ Every fenced block in README.md follows a marker comment (invisible when rendere
   <!-- readme-test: skip: REASON -->  a command that cannot run in a test (the full setup,
                                       a GPU build), skipped for the reason given
   <!-- readme-test: text -->          not a command: a synopsis, a signature list, figures
-A block without a marker fails. The blocks run in order in a scratch directory that has the
-repository's `.venv` and `scripts/`, so the README's relative paths work, and with a
-private runtime directory, so the README's daemon listens on the default endpoint.
+A block without a marker fails. Each file's blocks run in order in a scratch directory of
+its own that has the repository's `.venv` and `scripts/`, so relative paths work, and with
+a private runtime directory, so the daemon a file starts listens on the default endpoint.
 """
 
 import os
@@ -39,17 +40,20 @@ COMMAND_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 
 
+DOC_FILES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
+
+
 @dataclass
 class Block:
-    line: int  # of the opening fence in README.md
+    where: str  # FILE:LINE of the opening fence
     language: str
     code: str
     marker: str | None
     exit_code: int = 0
 
 
-def readme_blocks() -> list[Block]:
-    lines = (REPO / "README.md").read_text().splitlines()
+def doc_blocks(name: str) -> list[Block]:
+    lines = (REPO / name).read_text().splitlines()
     blocks, i = [], 0
     while i < len(lines):
         if not lines[i].startswith("```"):
@@ -58,20 +62,23 @@ def readme_blocks() -> list[Block]:
         start, language = i, lines[i][3:].strip()
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         match = MARKER.fullmatch(lines[start - 1].strip()) if start else None
-        blocks.append(Block(start + 1, language, "\n".join(lines[start + 1:end]), match and match.group(1),
+        blocks.append(Block(f"{name}:{start + 1}", language, "\n".join(lines[start + 1:end]), match and match.group(1),
                             int(match.group(2)) if match and match.group(2) else 0))
         i = end + 1
     return blocks
 
 
-def test_every_readme_block_is_marked():
-    unmarked = [f"README.md:{b.line}" for b in readme_blocks() if b.marker is None]
+def test_every_block_is_marked():
+    blocks = [block for name in DOC_FILES for block in doc_blocks(name)]
+    unmarked = [b.where for b in blocks if b.marker is None]
     assert not unmarked, f"blocks without a readme-test marker: {unmarked}"
-    assert all(b.language in ("sh", "python") for b in readme_blocks() if b.marker.startswith("run"))
+    assert all(b.language in ("sh", "python") for b in blocks if b.marker.startswith("run"))
+    skipped = [b for b in blocks if b.marker.startswith("skip")]
+    assert all(len(b.marker) > len("skip: ") for b in skipped)  # each says why
 
 
 class Scratch:
-    """Where the README's commands run, and the daemons they started."""
+    """Where one file's commands run, and the daemons they started."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -120,7 +127,7 @@ class Scratch:
 
 
 def run_block(scratch: Scratch, block: Block) -> None:
-    where = f"README.md:{block.line}"
+    where = block.where
     if block.language == "python":
         result = scratch.run([sys.executable, "-c", block.code])
         assert result.returncode == block.exit_code, f"{where}: exit {result.returncode}\n{result.stderr}"
@@ -144,16 +151,14 @@ def scratch_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_readme_examples_run_as_printed(scratch_dir):
+@pytest.mark.parametrize("name", DOC_FILES)
+def test_examples_run_as_printed(scratch_dir, name):
     scratch = Scratch(scratch_dir)
-    blocks = readme_blocks()
+    runnable = [block for block in doc_blocks(name) if block.marker.startswith("run")]
     try:
-        for block in blocks:
-            if block.marker.startswith("run"):
-                run_block(scratch, block)
+        for block in runnable:
+            run_block(scratch, block)
     finally:
         exit_codes = scratch.stop_daemons()
-    assert scratch.daemons, "the README starts no daemon"
+    assert not runnable or scratch.daemons, f"{name} runs examples but starts no daemon for them"
     assert exit_codes == [0] * len(exit_codes)
-    skipped = [b for b in blocks if b.marker.startswith("skip")]
-    assert all(len(b.marker) > len("skip: ") for b in skipped)  # each says why
