@@ -44,3 +44,9 @@ def start_daemon():
     for daemon in started:
         daemon.stop()
         daemon.remove_workdir()
+
+
+@pytest.fixture
+def api(daemon):
+    """An openai client of the test module's HTTP daemon (its `daemon` fixture)."""
+    return daemon.openai()

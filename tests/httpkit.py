@@ -1,19 +1,13 @@
 """A real cbatch-worker daemon with its HTTP server, for the HTTP tests."""
 
-import socket
 import time
 
 import httpx
 
+from common import free_port
 from daemonkit import Daemon, child_pids
 
 HTTP_READY_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class HttpDaemon(Daemon):

@@ -13,8 +13,8 @@ from daemonkit import Daemon, serve_module
 
 from cbatch.client.async_client import AsyncClient
 from cbatch.errors import CbatchError
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 # Long enough that no request here ends by itself within a test (8000 tokens take a
 # minute on the tiny model): only a cancel ends it.
 ENDLESS = {"prompt": "on and on", "max_tokens": 16000, **GREEDY}

@@ -5,8 +5,8 @@ import pytest
 from cbatch.config import EngineConfig
 from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 SAMPLED = {"temperature": 1.5, "top_k": 50, "top_p": 0.98, "min_p": 0.0, "ignore_eos": True}
 YES_NO = 'root ::= ("yes" | "no") "."'
 

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, pack, unpack
 from daemonkit import Daemon, RawPeer
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 REPLY_TIMEOUT_MS = 5000
 
 

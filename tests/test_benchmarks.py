@@ -25,12 +25,14 @@ def run_script(name: str, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_bench_decode_step_prints_a_row_per_level(tiny_model_path):
     out = run_script("bench_decode_step", "--model", tiny_model_path, "--parallel", "1", "2")
     rows = [line.split() for line in out.splitlines() if re.fullmatch(rf"\s*\d+(\s+{NUMBER}){{3}}\s*", line)]
     assert [row[0] for row in rows] == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_bench_engine_prints_in_turn_and_batched_rows(tiny_model_path):
     out = run_script("bench_engine", "--model", tiny_model_path, "--parallel", "2", "--prompt-tokens", "16",
                      "--max-tokens", "4", "--modes", "greedy")
@@ -39,6 +41,7 @@ def test_bench_engine_prints_in_turn_and_batched_rows(tiny_model_path):
 
 
 @pytest.mark.parametrize("backend", ["off", "on"])
+@pytest.mark.slow
 def test_bench_host_work_prints_every_phase(tmp_path, backend):
     out = run_script("bench_host_work", "--vocab", "1024", "--model", str(tmp_path / "stand-in.gguf"),
                      "--parallel", "2", "--steps", "2", "--modes", "greedy", "sampled",
@@ -47,6 +50,7 @@ def test_bench_host_work_prints_every_phase(tmp_path, backend):
     assert [mode for mode, _ in rows] == ["greedy", "sampled"], out
 
 
+@pytest.mark.slow
 def test_bench_logprobs_prints_each_top_count_and_the_engine_ratio(tiny_model_path):
     out = run_script("bench_logprobs", "--vocab", "1000", "--calls", "3", "--model", tiny_model_path,
                      "--parallel", "2", "--max-tokens", "4", "--rounds", "1")

@@ -11,8 +11,8 @@ import pytest
 from cbatch import AsyncClient
 from cbatch.errors import CbatchError, QUEUE_FULL
 from daemonkit import SCRIPTS_DIR, wait_until
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 MAX_TOKENS = 3000
 # One slot and two queue places: of four choices, three are accepted and the fourth is
 # refused with queue_full at once. Left running, the three would decode 3 x MAX_TOKENS.

@@ -6,8 +6,8 @@ import time
 
 from cbatch.errors import CbatchError
 from daemonkit import pid_alive, wait_until
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 LIMIT = 64  # about 24 are the daemon's own: libzmq aborted it at the 41st client
 NUM_CLIENTS = 24  # about 10 fit under LIMIT; the old code refused none
 REFUSE_TIMEOUT_S = 1.5

@@ -6,8 +6,7 @@ from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, INVALID_REQUEST, PROMPT_TOO_LONG, QUEUE_FULL
 from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
-
-GREEDY = {"temperature": 0, "ignore_eos": True}
+from common import GREEDY
 
 
 @pytest.fixture

@@ -12,8 +12,6 @@ import pytest
 from cbatch.errors import CbatchError
 from daemonkit import SCRIPTS_DIR, pid_alive, wait_until
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
-
 
 def test_killed_client_has_its_requests_cancelled_and_slots_freed(tiny_model_path, start_daemon):
     d = start_daemon(tiny_model_path, "--parallel", "3", "--ctx-size", str(3 * 16384))
@@ -231,6 +229,7 @@ def test_hung_worker_is_killed_and_replaced(tiny_model_path, start_daemon):
 FLOOD = """
 import sys
 from cbatch.client import Client
+from common import GREEDY
 client = Client(sys.argv[1])
 while True:
     client.submit(prompt="flood " * 20, max_tokens=200, temperature=0)

@@ -24,11 +24,6 @@ def daemon(tiny_model_path):
     yield from serve_module(HttpDaemon(tiny_model_path, "--parallel", "4"))
 
 
-@pytest.fixture
-def api(daemon):
-    return daemon.openai()
-
-
 def test_models_lists_the_served_model(api):
     assert [m.id for m in api.models.list().data] == [MODEL_ID]
 

@@ -20,11 +20,6 @@ def daemon(gemma_model_path):
     yield from serve_module(HttpDaemon(gemma_model_path, "--parallel", "2"))
 
 
-@pytest.fixture
-def api(daemon):
-    return daemon.openai()
-
-
 def _model(api) -> str:
     return api.models.list().data[0].id
 

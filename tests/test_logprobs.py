@@ -10,8 +10,7 @@ from cbatch.client.async_client import AsyncClient
 from cbatch.errors import CbatchError
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
 from daemonkit import Daemon, serve_module
-
-GREEDY = {"temperature": 0, "ignore_eos": True}
+from common import GREEDY
 
 
 def test_token_logprobs_are_a_log_softmax_with_the_top_k_in_order():

@@ -9,8 +9,8 @@ import pytest
 
 from cbatch.errors import CbatchError
 from daemonkit import child_pids, pid_alive, wait_until
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 DAEMON_ARGS = ("--parallel", "2", "--ctx-size", str(2 * 16384))
 RESTART_TIMEOUT_S = 60.0
 

@@ -409,12 +409,15 @@ def test_invalid_event_publishes_nothing(rings, bad_event):
 
 ATTACH_CHILD = """
     import sys
+    from multiprocessing import resource_tracker
     from cbatch.ipc.records import TokenEvent
     from cbatch.ipc.ring import RingWriter, attach_ring
     ring = attach_ring(sys.argv[1])
     RingWriter(ring).publish_many([TokenEvent(1, [1], "child")])
     if sys.argv[2] == "close":
         ring.close()
+    resource_tracker.ensure_running()  # what would unlink a registered segment once we exit
+    print(resource_tracker._resource_tracker._pid)
 """
 
 
@@ -430,11 +433,12 @@ def wait_until(predicate, timeout_s: float = 2.0) -> bool:
 def test_segment_survives_a_child_that_attached_and_exited(rings):
     ring = rings.create(capacity=8)
     assert stat.S_IMODE(os.stat(shm_path(ring.name)).st_mode) == 0o600
-    run_child(ATTACH_CHILD, ring.name, "close")
-    run_child(ATTACH_CHILD, ring.name, "leave-open")
-    # A child's resource tracker would unlink right after the child's exit: give it time.
-    time.sleep(0.5)
-    assert os.path.exists(shm_path(ring.name))
+    for how in ("close", "leave-open"):
+        tracker_pid = int(run_child(ATTACH_CHILD, ring.name, how).stdout)
+        # The child's resource tracker unlinks what the child registered once the child
+        # has exited, and then exits itself: after that, the segment is still there.
+        assert wait_until(lambda: not os.path.exists(f"/proc/{tracker_pid}"), timeout_s=10.0)
+        assert os.path.exists(shm_path(ring.name))
     assert ring.write_cursor == 2
     assert rings.attach(ring.name).write_cursor == 2
 

@@ -7,8 +7,8 @@ import time
 
 from cbatch.protocol import MsgType
 from daemonkit import RawPeer, wait_until
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 RING_RECORDS = 8
 # One sequence at a time and no prefix cache: every request is decoded alone and in full,
 # the same batches whoever reads it, so a ring reader and a relayed one get the same tokens.

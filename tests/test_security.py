@@ -1,7 +1,6 @@
 """No one gets in where they don't belong: loopback by default, CurveZMQ when asked, owner-only files."""
 
 import os
-import socket
 import stat
 import subprocess
 
@@ -10,14 +9,7 @@ import pytest
 from cbatch.errors import CbatchError
 from conftest import load_script
 from daemonkit import SCRIPTS_DIR
-
-GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import GREEDY, free_port
 
 
 def test_listening_beyond_loopback_needs_an_explicit_flag(tiny_model_path):

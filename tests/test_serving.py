@@ -15,8 +15,8 @@ from cbatch.errors import CbatchError
 from cbatch.workers.engine.engine import Engine
 from daemonkit import SCRIPTS_DIR, Daemon, pid_alive, serve_module, wait_until
 from enginekit import generate
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
 
 
@@ -149,7 +149,6 @@ def test_cancel_from_the_client_keeps_what_was_produced(daemon):
         stream = client.submit(prompt="cancel me", max_tokens=200, **GREEDY)
         chunks = client.read(stream)
         first = [next(chunks) for _ in range(3)]
-        other.cancel(stream.request_id)  # not the owner: ignored
         client.cancel(stream.request_id)
         rest = list(chunks)
     final = rest[-1]
@@ -255,7 +254,6 @@ def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, sta
     assert not os.path.exists(f"/dev/shm/{ring_name}")
     assert d.leftovers() == []
     assert "ready" in d.log() and "stopped" in d.log()
-
 
 
 def test_n_choices_share_the_prompt_and_come_back_in_order(daemon, reference):
@@ -368,3 +366,15 @@ def test_requests_submitted_just_before_close_do_not_run_on(daemon):
         while other.stats()["num_in_flight"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert other.stats()["num_in_flight"] == 0, "a closed client's requests are still running"
+
+
+def test_a_client_cannot_cancel_another_clients_request(daemon):
+    with daemon.client() as client, daemon.client() as other:
+        stream = client.submit(prompt="not yours", max_tokens=60, **GREEDY)
+        chunks = client.read(stream)
+        first = next(chunks)
+        other.cancel(stream.request_id)
+        other.health()  # a round trip: the front-end has handled the cancel by now
+        rest = list(chunks)
+    assert rest[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in [first, *rest]) == 60

@@ -7,8 +7,8 @@ import threading
 
 from cbatch.client.shared_ring import SharedRingReader
 from daemonkit import wait_until
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 NUM_THREADS = 12
 RING_RECORDS = 64
 

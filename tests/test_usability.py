@@ -11,8 +11,8 @@ import pytest
 import cbatch
 from cbatch.client.async_client import AsyncClient
 from daemonkit import SCRIPTS_DIR, Daemon, serve_module, wait_until
+from common import GREEDY
 
-GREEDY = {"temperature": 0, "ignore_eos": True}
 DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
 COMMANDS = ("cbatch-worker", "cbatch-submit", "cbatch-status")
 
