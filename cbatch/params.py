@@ -65,45 +65,46 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
 
 
-def _fail(message: str) -> CbatchError:
+def invalid(message: str) -> CbatchError:
+    """The error of a request that cannot run as given (400 over HTTP)."""
     return CbatchError(INVALID_REQUEST, message)
 
 
 def _int(name, value, lo, hi):
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _fail(f"{name} must be an integer, got {type(value).__name__}")
+        raise invalid(f"{name} must be an integer, got {type(value).__name__}")
     if not lo <= value <= hi:
-        raise _fail(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise invalid(f"{name} must be in [{lo}, {hi}], got {value}")
     return value
 
 
 def _float(name, value, lo, hi, *, lo_open=False):
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise _fail(f"{name} must be a number, got {type(value).__name__}")
+        raise invalid(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
-        raise _fail(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+        raise invalid(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
     return value
 
 
 def _bool(name, value):
     if not isinstance(value, bool):
-        raise _fail(f"{name} must be true or false, got {type(value).__name__}")
+        raise invalid(f"{name} must be true or false, got {type(value).__name__}")
     return value
 
 
 def _text(name, value, max_chars, *, allow_empty=False):
     if not isinstance(value, str):
-        raise _fail(f"{name} must be a string, got {type(value).__name__}")
+        raise invalid(f"{name} must be a string, got {type(value).__name__}")
     if not value and not allow_empty:
-        raise _fail(f"{name} must not be empty")
+        raise invalid(f"{name} must not be empty")
     if len(value) > max_chars:
-        raise _fail(f"{name} is longer than {max_chars} characters")
+        raise invalid(f"{name} is longer than {max_chars} characters")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise _fail(f"{name} is not valid UTF-8 (lone surrogate)") from None
+        raise invalid(f"{name} is not valid UTF-8 (lone surrogate)") from None
     return value
 
 
@@ -130,35 +131,35 @@ def _grammar(value):
         elif char == ")":
             depth -= 1
     if max_depth > MAX_GRAMMAR_NESTING:
-        raise _fail(f"grammar nests groups {max_depth} deep; at most {MAX_GRAMMAR_NESTING}")
+        raise invalid(f"grammar nests groups {max_depth} deep; at most {MAX_GRAMMAR_NESTING}")
     return text
 
 
 def _keys_are_strings(name: str, raw: dict) -> None:
     if not all(isinstance(key, str) for key in raw):
-        raise _fail(f"{name} keys must be strings")
+        raise invalid(f"{name} keys must be strings")
 
 
 def _stop(value):
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise _fail("stop must be a string or a list of strings")
+        raise invalid("stop must be a string or a list of strings")
     if len(value) > MAX_STOP_STRINGS:
-        raise _fail(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}")
+        raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}")
     return tuple(_text("stop[]", s, MAX_STOP_CHARS) for s in value)
 
 
 def _logit_bias(value):
     """OpenAI's shape: {"token id": bias}, the ids as strings (JSON and msgpack keys)."""
     if not isinstance(value, dict):
-        raise _fail("logit_bias must be an object mapping token ids (as strings) to numbers")
+        raise invalid("logit_bias must be an object mapping token ids (as strings) to numbers")
     if len(value) > MAX_LOGIT_BIASES:
-        raise _fail(f"logit_bias takes at most {MAX_LOGIT_BIASES} token ids, got {len(value)}")
+        raise invalid(f"logit_bias takes at most {MAX_LOGIT_BIASES} token ids, got {len(value)}")
     biases = []
     for key, bias in value.items():
         if not isinstance(key, str) or not key.isdigit():
-            raise _fail(f"logit_bias keys must be token ids written as decimal strings, got {key!r}")
+            raise invalid(f"logit_bias keys must be token ids written as decimal strings, got {key!r}")
         biases.append((int(key), _float("logit_bias[]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
     return tuple(sorted(biases))
 
@@ -187,22 +188,22 @@ def parse_params(raw: dict) -> SamplingParams:
     _keys_are_strings("parameter", raw)
     unknown = sorted(set(raw) - PARAM_NAMES)
     if unknown:
-        raise _fail(f"unknown parameter(s) {unknown}; known: {sorted(PARAM_NAMES)}")
+        raise invalid(f"unknown parameter(s) {unknown}; known: {sorted(PARAM_NAMES)}")
     return SamplingParams(**{name: _PARAM_CHECKS[name](value) for name, value in raw.items()})
 
 
 def _messages(value):
     if not isinstance(value, (list, tuple)) or not value:
-        raise _fail("messages must be a non-empty list of {role, content} objects")
+        raise invalid("messages must be a non-empty list of {role, content} objects")
     if len(value) > MAX_MESSAGES:
-        raise _fail(f"messages takes at most {MAX_MESSAGES} entries")
+        raise invalid(f"messages takes at most {MAX_MESSAGES} entries")
     parsed = []
     for i, message in enumerate(value):
         if not isinstance(message, dict) or len(message) != 2 or set(message) != {"role", "content"}:
-            raise _fail(f"messages[{i}] must be an object with exactly 'role' and 'content'")
+            raise invalid(f"messages[{i}] must be an object with exactly 'role' and 'content'")
         role = message["role"]
         if role not in CHAT_ROLES:
-            raise _fail(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
+            raise invalid(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
         parsed.append((role, _text(f"messages[{i}].content", message["content"], MAX_PROMPT_CHARS, allow_empty=True)))
     return tuple(parsed)
 
@@ -210,15 +211,15 @@ def _messages(value):
 def parse_request(request_id: int, raw: dict) -> Request:
     """Validate one request body: `prompt` or `messages`, plus any sampling parameter."""
     if not isinstance(raw, dict):
-        raise _fail("a request must be an object")
+        raise invalid("a request must be an object")
     _keys_are_strings("request", raw)
     body = dict(raw)
     prompt, messages = body.pop("prompt", None), body.pop("messages", None)
     if (prompt is None) == (messages is None):
-        raise _fail("give exactly one of 'prompt' or 'messages'")
+        raise invalid("give exactly one of 'prompt' or 'messages'")
     params = parse_params(body)
     if params.grammar is not None and params.ignore_eos:
-        raise _fail("grammar and ignore_eos cannot be combined: a completed grammar allows only end-of-generation")
+        raise invalid("grammar and ignore_eos cannot be combined: a completed grammar allows only end-of-generation")
     if prompt is not None:
         return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params)
     return Request(request_id, messages=_messages(messages), params=params)

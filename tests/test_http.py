@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP endpoint through the official openai package, against a
 real daemon started with --http on the tiny model (content does not matter here)."""
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -290,3 +291,98 @@ def test_a_server_that_falls_behind_sends_a_rounds_tokens_in_one_event(daemon):
                                     for token in e["choices"][0]["logprobs"]["tokens"])
     whole = httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=60).json()
     assert streamed_text == whole["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
+    (b'{"prompt": "\xff\xfe"}', "not UTF-8"),
+    (b'[1, 2]', "JSON object"),
+    (b'{"prompt": "x", "echo": true}', "echo"),
+    (b'{"prompt": "x", "best_of": 3}', "best_of"),
+    (b'{"prompt": "x", "suffix": "!"}', "suffix"),
+])
+def test_a_body_cbatch_cannot_serve_is_a_400_in_openai_shape_and_logs_no_traceback(daemon, body, message):
+    reply = httpx.post(f"{daemon.base_url}/v1/completions", content=body, timeout=30,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "invalid_request" and message in error["message"]
+    assert "Traceback" not in daemon.log()
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(daemon):
+    missing = httpx.post(f"{daemon.base_url}/v1/embeddings", json={"input": "x"}, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong_method = httpx.get(f"{daemon.base_url}/v1/completions", timeout=10)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_request_for_too_many_completions_is_refused_before_it_costs_anyone(daemon):
+    """5,000 prompts in one body: a 400 naming the limit, at once, while another caller's
+    stream runs on to its end."""
+    body = {"prompt": "go", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        flood = httpx.post(f"{daemon.base_url}/v1/completions", timeout=30,
+                           json={"prompt": ["hi"] * 5000, "max_tokens": 1})
+        events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+    assert flood.status_code == 400 and "at most 256" in flood.json()["error"]["message"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_http_server_replaces_a_broken_connection_to_the_daemon(daemon):
+    """A client whose pump died is replaced: /health answers 503 meanwhile, then 200."""
+    from cbatch.http_api.state import HttpState
+
+    async def run() -> tuple[str, str]:
+        state = HttpState(daemon.endpoint, MODEL_ID)
+        await state.connect()
+        assert await state.status() == "ok"
+        broken = state.client
+        broken._pump_task.cancel()  # as if it had died
+        await asyncio.sleep(0.05)
+        status_while_broken = await state.status()
+        await state.replace_broken_client()
+        assert state.client is not broken and not state.client.is_broken
+        status_after = await state.status()
+        await state.client.close()
+        return status_while_broken, status_after
+
+    assert asyncio.run(run()) == ("unavailable", "ok")
+
+
+def test_connections_that_send_no_request_headers_in_time_are_closed(daemon):
+    """A silent connection and one that sends its headers a byte at a time are closed
+    once HEADER_TIMEOUT_S has passed; other callers are served meanwhile."""
+    import socket
+
+    from cbatch.http_api.connection import HEADER_TIMEOUT_S
+
+    silent = socket.create_connection(("127.0.0.1", daemon.port))
+    dribbling = socket.create_connection(("127.0.0.1", daemon.port))
+    started = time.monotonic()
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+    is_closed = {silent: False, dribbling: False}
+    for sock in is_closed:
+        sock.settimeout(0.5)
+    for i in range(int(3 * HEADER_TIMEOUT_S)):
+        if all(is_closed.values()):
+            break
+        if not is_closed[dribbling]:
+            try:
+                dribbling.send(request[i % len(request):i % len(request) + 1])
+            except OSError:
+                is_closed[dribbling] = True
+        for sock in is_closed:
+            try:
+                is_closed[sock] = is_closed[sock] or sock.recv(1) == b""
+            except socket.timeout:
+                pass
+            except OSError:
+                is_closed[sock] = True
+    elapsed_s = time.monotonic() - started
+    assert httpx.get(f"{daemon.base_url}/health", timeout=5).status_code == 200
+    assert all(is_closed.values()) and elapsed_s < 2 * HEADER_TIMEOUT_S
+    silent.close()
+    dribbling.close()

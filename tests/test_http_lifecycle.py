@@ -114,6 +114,9 @@ class _CountingState:
         self.num_checks += 1
         return 1
 
+    async def replace_broken_client(self) -> None:
+        pass  # no client here
+
 
 def test_a_drain_waiting_on_a_response_sleeps_between_checks():
     import asyncio

@@ -42,6 +42,18 @@ class AsyncClient(ClientBase):
         self._failure: BaseException | None = None
         self._pump_task: asyncio.Task | None = None
 
+    @property
+    def is_broken(self) -> bool:
+        """It cannot serve now: its pump stopped, or the daemon stopped answering or taking
+        its messages. (The latter clears if the daemon speaks again.)"""
+        return self.broken_reason is not None
+
+    @property
+    def broken_reason(self) -> str | None:
+        if self._pump_task is not None and self._pump_task.done():
+            return f"the client's pump stopped: {self._failure!r}"
+        return None if self._session.failure is None else self._session.failure.message
+
     @classmethod
     async def connect(cls, endpoint: str | None = None, *, use_ring: bool = True,
                       connect_timeout_s: float = CONNECT_TIMEOUT_S, **curve_keys) -> "AsyncClient":

@@ -19,11 +19,13 @@ import socket
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from cbatch.errors import CbatchError, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.http_api.connection import TimedH11Protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, parse_api_request
 from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState, json_response
@@ -38,6 +40,19 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _json_body(body: bytes):
+    """The request's JSON; a body that is not (bad syntax, not UTF-8, nested too deep for
+    the parser) is the caller's error, a 400, never a traceback."""
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as err:
+        raise CbatchError(INVALID_REQUEST, f"the body is not JSON: {err.msg}") from None
+    except UnicodeDecodeError:
+        raise CbatchError(INVALID_REQUEST, "the body is not UTF-8 text") from None
+    except RecursionError:
+        raise CbatchError(INVALID_REQUEST, "the body's JSON is nested too deep") from None
+
+
 async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     """A completions or chat request: errors before the first token get their status; a
     stream then goes out as server-sent events; a caller that hangs up cancels it."""
@@ -46,9 +61,7 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     if refusal is not None:
         return state.error(endpoint, refusal)
     try:
-        api = parse_api_request(kind, json.loads(await request.body()), state.model_id)
-    except json.JSONDecodeError as err:
-        return state.error(endpoint, CbatchError(INVALID_REQUEST, f"the body is not JSON: {err.msg}"))
+        api = parse_api_request(kind, _json_body(await request.body()), state.model_id)
     except CbatchError as err:
         return state.error(endpoint, err)
     state.num_in_flight += 1
@@ -104,7 +117,16 @@ def make_app(state: HttpState) -> Starlette:
             return await handler(state, request, *args)
         return endpoint
 
-    return Starlette(routes=[
+    async def no_route(request: Request, exc: HTTPException) -> Response:
+        """Unknown paths and methods answer in OpenAI's error shape, as every other error."""
+        if exc.status_code == 405:
+            err = CbatchError(INVALID_REQUEST, f"{request.method} is not allowed on {request.url.path}")
+        else:
+            err = CbatchError(NOT_FOUND, f"no route {request.method} {request.url.path}; this server serves "
+                                         "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics")
+        return json_response(error_body(err), exc.status_code, exc.headers)
+
+    return Starlette(exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/completions", bind(_generate, COMPLETION), methods=["POST"]),
         Route("/v1/chat/completions", bind(_generate, CHAT), methods=["POST"]),
         Route("/v1/models", bind(_models), methods=["GET"]),
@@ -131,6 +153,7 @@ class _DrainingServer(uvicorn.Server):
     async def _watch(self, parent_pid: int) -> None:
         self._loop = asyncio.get_running_loop()
         while not self.should_exit:
+            await self.state.replace_broken_client()
             if os.getppid() != parent_pid:  # the daemon is gone: nothing left to serve
                 self.state.is_draining = True
             if self.state.is_draining and self.state.num_in_flight == 0:
@@ -162,7 +185,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = HttpState(args.endpoint, args.model_id)
-    config = uvicorn.Config(make_app(state), log_level="warning",
+    config = uvicorn.Config(make_app(state), http=TimedH11Protocol, log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM

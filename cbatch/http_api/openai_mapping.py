@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 from cbatch.errors import (CbatchError, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND, PROMPT_TOO_LONG,
                            QUEUE_FULL, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED)
-from cbatch.params import expand_choices
+from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 
 CHAT, COMPLETION = "chat", "completion"
-MAX_TOP_LOGPROBS = 20
 RETRY_AFTER_S = 1  # what a 429 tells the caller to wait
+# Completions (prompts x n) one request may ask for: each is a request of its own in the
+# daemon's queue, and more than this is a batch job, for a batch file.
+MAX_CHOICES_PER_REQUEST = 256
 # OpenAI fields with the same name and meaning in cbatch's request body.
 PASSTHROUGH_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                       "repeat_penalty", "seed", "ignore_eos", "min_tokens", "logit_bias", "grammar")
@@ -51,10 +53,6 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
                       "param": param, "code": err.code}}
 
 
-def _fail(message: str) -> CbatchError:
-    return CbatchError(INVALID_REQUEST, message)
-
-
 @dataclass
 class ApiRequest:
     kind: str  # CHAT or COMPLETION
@@ -69,11 +67,11 @@ def _message(i: int, message) -> dict:
     """An OpenAI chat message as cbatch's {role, content}: text parts are joined,
     `developer` is the system role, `name` and other fields are dropped."""
     if not isinstance(message, dict):
-        raise _fail(f"messages[{i}] must be an object")
+        raise invalid(f"messages[{i}] must be an object")
     role, content = message.get("role"), message.get("content")
     if isinstance(content, list):
         if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-            raise _fail(f"messages[{i}].content: only text parts are supported")
+            raise invalid(f"messages[{i}].content: only text parts are supported")
         content = "".join(str(part.get("text", "")) for part in content)
     return {"role": "system" if role == "developer" else role, "content": "" if content is None else content}
 
@@ -83,7 +81,7 @@ def _grammar_of(response_format) -> str | None:
     from llama_cpp import llama_grammar
 
     if not isinstance(response_format, dict):
-        raise _fail("response_format must be an object")
+        raise invalid("response_format must be an object")
     kind = response_format.get("type")
     if kind in (None, "text"):
         return None
@@ -93,12 +91,12 @@ def _grammar_of(response_format) -> str | None:
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise _fail("response_format.json_schema.schema must be an object")
+            raise invalid("response_format.json_schema.schema must be an object")
         try:
             return llama_grammar.json_schema_to_gbnf(json.dumps(schema))
         except Exception as err:  # the converter raises plain exceptions for schemas it cannot take
-            raise _fail(f"response_format.json_schema cannot be converted to a grammar: {err}") from None
-    raise _fail(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+            raise invalid(f"response_format.json_schema cannot be converted to a grammar: {err}") from None
+    raise invalid(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
 def _top_logprobs(kind: str, raw: dict) -> int | None:
@@ -107,24 +105,35 @@ def _top_logprobs(kind: str, raw: dict) -> int | None:
     else:  # chat: logprobs: true, top_logprobs: N
         is_on = raw.get("logprobs")
         if is_on is not None and not isinstance(is_on, bool):
-            raise _fail("logprobs must be true or false")
+            raise invalid("logprobs must be true or false")
         value = raw.get("top_logprobs")
         if value is not None and not is_on:
-            raise _fail("top_logprobs needs logprobs: true")
+            raise invalid("top_logprobs needs logprobs: true")
         if is_on and value is None:
             value = 0
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise _fail(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        raise invalid(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
     return value
+
+
+def _check_supported(raw: dict) -> None:
+    """OpenAI fields that would change the response and that cbatch does not implement are
+    refused, not ignored: a caller (or a router) must not take a response for what it asked."""
+    if raw.get("echo"):
+        raise invalid("echo is not supported; the response never repeats the prompt")
+    if raw.get("best_of") not in (None, 1):
+        raise invalid("best_of is not supported; use n for several completions")
+    if raw.get("suffix") is not None:
+        raise invalid("suffix is not supported: the model completes only after the prompt")
 
 
 def parse_api_request(kind: str, raw, model_id: str | None) -> ApiRequest:
     """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
     `model` must name `model_id` when both are given."""
     if not isinstance(raw, dict):
-        raise _fail("the request body must be a JSON object")
+        raise invalid("the request body must be a JSON object")
     model = raw.get("model")
     if model_id is not None and model is not None and model != model_id:
         raise CbatchError(NOT_FOUND, f"model {model!r} is not served here; this server serves {model_id!r}")
@@ -140,7 +149,7 @@ def parse_api_request(kind: str, raw, model_id: str | None) -> ApiRequest:
         grammar = _grammar_of(raw["response_format"])
         if grammar is not None:
             if "grammar" in body:
-                raise _fail("give grammar or response_format, not both")
+                raise invalid("give grammar or response_format, not both")
             body["grammar"] = grammar
     top_logprobs = _top_logprobs(kind, raw)
     if top_logprobs is not None:
@@ -148,19 +157,24 @@ def parse_api_request(kind: str, raw, model_id: str | None) -> ApiRequest:
     is_stream = raw.get("stream") or False
     options = raw.get("stream_options") or {}
     if not isinstance(is_stream, bool) or not isinstance(options, dict):
-        raise _fail("stream must be true or false, stream_options an object")
+        raise invalid("stream must be true or false, stream_options an object")
     if kind == CHAT:
         messages = raw.get("messages")
         if not isinstance(messages, list):
-            raise _fail("messages must be a list of {role, content} objects")
+            raise invalid("messages must be a list of {role, content} objects")
         prompts = [{"messages": [_message(i, m) for i, m in enumerate(messages)]}]
     else:
         prompt = raw.get("prompt")
         prompt_list = prompt if isinstance(prompt, list) else [prompt]
         if not prompt_list or not all(isinstance(p, str) for p in prompt_list):
-            raise _fail("prompt must be a string or a non-empty list of strings")
+            raise invalid("prompt must be a string or a non-empty list of strings")
         prompts = [{"prompt": p} for p in prompt_list]
+    _check_supported(raw)
     n = raw.get("n")
+    num_choices = len(prompts) * (n if isinstance(n, int) and not isinstance(n, bool) else 1)
+    if num_choices > MAX_CHOICES_PER_REQUEST:
+        raise invalid(f"the request asks for {num_choices} completions (prompts x n); at most "
+                      f"{MAX_CHOICES_PER_REQUEST} per request: split it, or use a batch file")
     bodies, prompt_of_choice = [], []
     for i, prompt_body in enumerate(prompts):
         choices = expand_choices({**body, **prompt_body, **({"n": n} if n is not None else {})})

@@ -42,11 +42,25 @@ class HttpState:
                 log.info("cbatch http: daemon not reachable yet (%s)", err.message)
                 await asyncio.sleep(CONNECT_RETRY_S)
 
+    async def replace_broken_client(self) -> None:
+        """A client that can no longer reach the daemon (its pump died, or the daemon cut
+        it off and it gave the daemon up) is closed and a new one connected; until then
+        /health and new requests answer 503. Without this one broken connection would
+        answer 503 for good while the daemon serves everyone else."""
+        if self.client is None or not self.client.is_broken:
+            return
+        log.warning("cbatch http: the connection to the daemon broke (%s); reconnecting", self.client.broken_reason)
+        broken, self.client = self.client, None
+        await broken.close()
+        await self.connect()
+
     async def status(self) -> str:
         """The daemon's health status: "ok", "starting" (loading the model, or restarting
         the decode worker), "draining" or "unavailable"."""
-        if self.is_draining or self.client is None:
-            return "draining" if self.is_draining else "starting"
+        if self.is_draining:
+            return "draining"
+        if self.client is None or self.client.is_broken:
+            return "starting" if not self.has_been_ready else "unavailable"
         try:
             reply = await asyncio.wait_for(self.client.health(), HEALTH_TIMEOUT_S)
         except (CbatchError, asyncio.TimeoutError):
@@ -62,6 +76,8 @@ class HttpState:
             return CbatchError(SHUTTING_DOWN, "the server is draining")
         if not self.has_been_ready and await self.status() != "ok":
             return CbatchError(UNAVAILABLE, "the server is starting: the model is not loaded yet")
+        if self.client is None or self.client.is_broken:
+            return CbatchError(UNAVAILABLE, "the server is reconnecting to the daemon")
         return None
 
     def error(self, endpoint: str, err: CbatchError, param: str | None = None) -> Response:

@@ -1,0 +1,34 @@
+"""The HTTP connection protocol: uvicorn's h11 protocol with a header timeout.
+
+uvicorn closes a connection that stays idle after a response (`timeout_keep_alive`) but
+waits forever for a first request, or for a request whose headers arrive a byte at a
+time: enough such connections hold every descriptor of the server. Here a connection
+must have sent a request's headers within HEADER_TIMEOUT_S of opening or of its last
+response's end; a request being answered (a long stream included) is never cut.
+"""
+
+import asyncio
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEADER_TIMEOUT_S = 10.0
+
+
+class TimedH11Protocol(H11Protocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._on_header_timeout)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._on_header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _on_header_timeout(self) -> None:
+        is_answering = self.cycle is not None and not self.cycle.response_complete
+        if not is_answering and not self.transport.is_closing():
+            self.transport.close()
