@@ -8,9 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from cbatch.errors import CbatchError
-from daemonkit import SCRIPTS_DIR, pid_alive, wait_until
+from cbatch.protocol import MsgType
+from cbatch.workers.daemon.backlog import MAX_STALL_S
+from common import GREEDY
+from daemonkit import SCRIPTS_DIR, RawPeer, pid_alive, wait_until
 
 
 def test_killed_client_has_its_requests_cancelled_and_slots_freed(tiny_model_path, start_daemon):
@@ -145,18 +149,20 @@ def test_a_client_that_stops_reading_is_cut_off_without_costing_others(tiny_mode
     with d.client(use_ring=False) as sleeper, d.client() as bystander:
         stalled = [sleeper.stream(prompt=f"flood {i}", max_tokens=15000, **GREEDY) for i in range(2)]
         watch = bystander.stream(prompt="steady", max_tokens=3000, **GREEDY)
-        # The sleeper reads nothing while one RECORDS message per step piles up for it,
-        # until ZeroMQ's queue to it is full and the front-end cancels its requests: then
-        # only the bystander's request is in flight (the front-end's own count, never stale).
-        wait_until(lambda: bystander.stats()["num_in_flight"] == 1, timeout_s=30.0)
+        # The sleeper reads nothing while one RECORDS message per step piles up for it:
+        # once ZeroMQ's queue to it is full the rest waits in the front-end's backlog,
+        # and after MAX_STALL_S without taking anything the front-end cancels its
+        # requests.
+        wait_until(lambda: bystander.stats()["num_requests_by_outcome"].get("cancelled", 0) == 2,
+                   timeout_s=MAX_STALL_S + 30.0)
         chunks = list(watch)
         results = [list(s) for s in stalled]  # reading again: it recovers what it missed
     assert chunks[-1].finish_reason == "length" and len(sum((c.token_ids for c in chunks), [])) == 3000
     for result in results:
         assert result[-1].finish_reason == "cancelled"
         produced = result[-1].usage["completion_tokens"]
-        # Cut off once the queues to it (1000 messages each way) filled, long before its 15000.
-        assert 0 < produced < 5000 and len(sum((c.token_ids for c in result), [])) == produced
+        # Cut off MAX_STALL_S after its queues (1000 messages each way) filled, before its 15000.
+        assert 0 < produced < 15000 and len(sum((c.token_ids for c in result), [])) == produced
 
 
 def test_sigterm_to_the_whole_process_group_still_drains(tiny_model_path):
@@ -229,7 +235,6 @@ def test_hung_worker_is_killed_and_replaced(tiny_model_path, start_daemon):
 FLOOD = """
 import sys
 from cbatch.client import Client
-from common import GREEDY
 client = Client(sys.argv[1])
 while True:
     client.submit(prompt="flood " * 20, max_tokens=200, temperature=0)
@@ -295,3 +300,36 @@ def test_late_messages_of_a_dead_worker_are_ignored(tiny_model_path, start_daemo
         assert (health["worker_pid"], health["model"]) == (d.health["worker_pid"], d.health["model"])
     finally:
         zctx.destroy(linger=0)
+
+
+def test_a_client_that_reads_late_loses_nothing_and_no_request_is_cancelled(tiny_model_path, start_daemon):
+    """A relayed client with a tiny receive queue reads nothing while its four requests
+    produce far more messages than ZeroMQ's queues hold; what does not fit waits in the
+    front-end, merged per request. Reading again, it gets every token of every request,
+    and nothing was cancelled (a client that multiplexes callers, like the HTTP server,
+    must not lose all of them for a moment's delay)."""
+    d = start_daemon(tiny_model_path, "--parallel", "4", "--ctx-size", str(4 * 2048))
+    num_tokens = 1500
+    with RawPeer(d.endpoint) as peer, d.client(use_ring=False) as watcher:
+        peer.sock.setsockopt(zmq.RCVHWM, 10)
+        request_ids = [9000 + i for i in range(4)]
+        for request_id in request_ids:
+            peer.send(MsgType.SUBMIT, {"request_id": request_id,
+                                       "body": {"prompt": f"late {request_id}", "max_tokens": num_tokens, **GREEDY}})
+        # Not reading until every request has finished: 4 x 1500 records, against queues of
+        # about 1000 messages.
+        wait_until(lambda: watcher.stats()["num_requests_by_outcome"].get("length", 0) >= 4, timeout_s=60.0)
+        records: dict[int, list] = {request_id: [] for request_id in request_ids}
+        finishes: dict[int, dict] = {}
+        while len(finishes) < len(request_ids):
+            msg_type, body = peer.recv()
+            if msg_type is MsgType.RECORDS:
+                records[body["request_id"]] += body["records"]
+            elif msg_type is MsgType.FINISHED:
+                finishes[body["request_id"]] = body
+        outcomes = watcher.stats()["num_requests_by_outcome"]
+    for request_id in request_ids:
+        assert finishes[request_id]["finish_reason"] == "length"
+        assert [row[0] for row in records[request_id]] == list(range(finishes[request_id]["num_records"]))
+        assert finishes[request_id]["usage"]["completion_tokens"] == num_tokens
+    assert outcomes.get("cancelled", 0) == 0

@@ -2,7 +2,8 @@
 
 It knows connections, not requests. It tells its owner three things: a message arrived
 (from a live connection), a client went away (closed, crashed, killed), and a client
-stopped reading (its queue filled). A send never blocks the loop.
+stopped reading (it took nothing for MAX_STALL_S while messages waited for it). A send
+never blocks the loop: what does not fit in a client's queue waits in its backlog.
 """
 
 import os
@@ -18,6 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INVALID_CONFIG
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, pack
+from cbatch.workers.daemon.backlog import MAX_STALL_S, Backlog
 
 CLOSE_LINGER_MS = 500  # the last replies still reach clients when the daemon stops
 PEER_HEARTBEAT_MS = 1000
@@ -71,8 +73,10 @@ class ClientLink:
         # identity -> (descriptor, monotonic time) of connections that closed: what they
         # sent before closing may still be queued, and must not start work nobody reads.
         self._closed: dict[bytes, tuple[int, float]] = {}
-        self._stalled: set[bytes] = set()
+        self._stalled: set[bytes] = set()  # cut off: its requests were cancelled
         self.newly_stalled: set[bytes] = set()  # stalled since the owner last looked
+        self._backlogs: dict[bytes, Backlog] = {}  # clients whose queue is full -> what waits for them
+        self.lost_finish_ids: list[int] = []  # FINISHED messages a cut-off client's backlog held
 
     def _require_curve(self, zctx: zmq.Context, config: DaemonConfig) -> ThreadAuthenticator:
         """Encrypt and authenticate with CurveZMQ: the daemon's keys from its certificate
@@ -133,6 +137,7 @@ class ClientLink:
                 self._closed = {i: c for i, c in self._closed.items() if now_s - c[1] < CLOSED_MEMORY_S}
                 self._closed[identity] = (fd, now_s)
                 self._stalled.discard(identity)
+                self._backlogs.pop(identity, None)
                 on_disconnect(identity)
 
     def _is_short_of_descriptors(self) -> bool:
@@ -162,18 +167,43 @@ class ClientLink:
             pass  # closed meanwhile, or not a socket any more
 
     def send(self, identity: bytes, msg_type: MsgType, body: dict) -> bool:
-        """Send without blocking; False if the message was dropped. A client whose queue
-        is full (it stopped reading) is marked stalled until it speaks again."""
+        """Send without blocking, or keep the message in the client's backlog when its
+        queue is full; False if it was dropped (the client is gone, or cut off)."""
+        backlog = self._backlogs.get(identity)
+        if backlog is not None:
+            backlog.add(msg_type, body)
+            return True
         try:
             self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
             return True
         except zmq.Again:
-            if identity not in self._stalled:
+            if identity in self._stalled:
+                return False  # cut off: what it lacks is re-sent or fetched when it speaks again
+            self._backlogs[identity] = backlog = Backlog(time.monotonic())
+            backlog.add(msg_type, body)
+            return True
+        except zmq.ZMQError:
+            return False  # the client is gone; its disconnect event follows
+
+    def flush(self, now_s: float) -> None:
+        """Send what waits in backlogs as far as the clients' queues take it; cut off a
+        client that took nothing for MAX_STALL_S (its backlog is dropped: its FINISHED
+        messages go to lost_finish_ids, its records stay fetchable)."""
+        for identity, backlog in list(self._backlogs.items()):
+            try:
+                while backlog.messages:
+                    msg_type, body = backlog.messages[0]
+                    self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
+                    backlog.sent_first(now_s)
+            except zmq.Again:
+                if now_s - backlog.progress_s < MAX_STALL_S:
+                    continue
+                self.lost_finish_ids += backlog.finished_ids()
                 self._stalled.add(identity)
                 self.newly_stalled.add(identity)
-        except zmq.ZMQError:
-            pass  # the client is gone; its disconnect event follows
-        return False
+            except zmq.ZMQError:
+                pass  # gone: its disconnect event follows
+            del self._backlogs[identity]
 
     def close(self) -> None:
         if self._authenticator is not None:

@@ -89,9 +89,20 @@ class FrontEnd:
         for tracked in self.requests.active_of(identity):
             self._cancel_tracked(tracked)
 
+    def flush_clients(self) -> None:
+        """Send what waits for slow clients; cancel the requests of a client that stopped
+        reading altogether."""
+        self.clients.flush(time.monotonic())
+        self._cancel_stalled()
+
     def _cancel_stalled(self) -> None:
-        """A client that lets ZeroMQ's queue to it fill up stops costing the others: its
-        requests are cancelled. What it missed stays fetchable."""
+        """A client that takes nothing for MAX_STALL_S stops costing the others: its
+        requests are cancelled. What it missed stays fetchable, and the finishes its
+        dropped backlog held are owed to it."""
+        while self.clients.lost_finish_ids:
+            tracked = self.requests.get(self.clients.lost_finish_ids.pop())
+            if tracked is not None:
+                self.requests.set_delivered(tracked, False)
         while self.clients.newly_stalled:
             for tracked in self.requests.active_of(self.clients.newly_stalled.pop()):
                 self._cancel_tracked(tracked)

@@ -143,6 +143,7 @@ class Supervisor:
             self.frontend.on_disconnects()
         if clients in ready:
             self.frontend.on_client_messages()
+        self.frontend.flush_clients()
         return self.worker.sentinel in ready
 
     def _start_until_ready(self) -> None:
