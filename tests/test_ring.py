@@ -23,6 +23,7 @@ from cbatch.ipc.ring import (
     attach_ring,
     create_ring,
 )
+from daemonkit import wait_until
 from ringkit import event, publish
 
 _name_counter = itertools.count()
@@ -421,15 +422,6 @@ ATTACH_CHILD = """
 """
 
 
-def wait_until(predicate, timeout_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_segment_survives_a_child_that_attached_and_exited(rings):
     ring = rings.create(capacity=8)
     assert stat.S_IMODE(os.stat(shm_path(ring.name)).st_mode) == 0o600
@@ -437,7 +429,7 @@ def test_segment_survives_a_child_that_attached_and_exited(rings):
         tracker_pid = int(run_child(ATTACH_CHILD, ring.name, how).stdout)
         # The child's resource tracker unlinks what the child registered once the child
         # has exited, and then exits itself: after that, the segment is still there.
-        assert wait_until(lambda: not os.path.exists(f"/proc/{tracker_pid}"), timeout_s=10.0)
+        wait_until(lambda: not os.path.exists(f"/proc/{tracker_pid}"), timeout_s=10.0)
         assert os.path.exists(shm_path(ring.name))
     assert ring.write_cursor == 2
     assert rings.attach(ring.name).write_cursor == 2
@@ -452,7 +444,7 @@ def test_plain_shared_memory_attach_would_lose_the_segment():
             from multiprocessing import shared_memory
             shared_memory.SharedMemory(sys.argv[1]).close()
         """, ring.name)
-        assert wait_until(lambda: not os.path.exists(shm_path(ring.name)))
+        wait_until(lambda: not os.path.exists(shm_path(ring.name)), timeout_s=10.0)
     finally:
         ring.close()
         ring.unlink()  # tolerates the segment being gone already
