@@ -19,7 +19,7 @@ class EngineConfig:
     parallel: int = 4  # sequences decoded together = KV sequence slots
     ctx_size: int = 0  # total context shared by all slots, as llama.cpp's server; 0 = 4096 per slot
     batch_size: int = 512  # tokens per step: decode tokens first, prompt chunks fill the rest
-    threads: int = 0  # 0 = all cores
+    threads: int = 0  # 0 = the CPUs this process may run on (num_usable_cpus)
     n_gpu_layers: int = -1  # -1 = every layer on a GPU build of llama.cpp, none on a CPU build
     max_queue: int = 1024  # waiting requests beyond `parallel`; more are rejected with queue_full
     # One KV stream per sequence (a token attends over its own stream only) rather than one
@@ -76,7 +76,7 @@ class EngineConfig:
 
     @property
     def num_threads(self) -> int:
-        return self.threads or os.cpu_count() or 1
+        return self.threads or num_usable_cpus()
 
 
 LOOPBACK_HOSTS = ("localhost", "[::1]", "::1")  # and 127.0.0.0/8
@@ -110,11 +110,18 @@ def _is_loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
+def num_usable_cpus() -> int:
+    """The CPUs in this process's affinity mask (taskset, cgroup cpusets, a container's
+    CPU set), not the machine's: llama.cpp's threads spin at their barriers, so more
+    threads than usable CPUs slow every step down by orders of magnitude."""
+    return len(os.sched_getaffinity(0)) or 1
+
+
 def default_http_processes() -> int:
     """One HTTP process per 8 CPUs this process may run on, at least 1 and at most 4. A
     process needs a core of its own to add anything: on fewer CPUs the decode worker's
     threads, the front-end and one HTTP process already fill them."""
-    return max(1, min(MAX_DEFAULT_HTTP_PROCESSES, len(os.sched_getaffinity(0)) // CPUS_PER_HTTP_PROCESS))
+    return max(1, min(MAX_DEFAULT_HTTP_PROCESSES, num_usable_cpus() // CPUS_PER_HTTP_PROCESS))
 
 
 def parse_http_address(value: str) -> tuple[str, int]:
@@ -140,6 +147,7 @@ class DaemonConfig:
     progress_interval_s: float = PROGRESS_INTERVAL_S  # 0 = no progress lines (--quiet)
     http_address: tuple[str, int] | None = None  # (host, port) of the OpenAI-compatible HTTP server; None = off
     http_processes: int = 0  # HTTP server processes on that port; 0 = default_http_processes()
+    api_key: str = ""  # HTTP callers must send `Authorization: Bearer <api_key>`; "" = no key
 
     def __post_init__(self):
         if not self.endpoint:
@@ -160,6 +168,9 @@ class DaemonConfig:
             if not _is_loopback(http_host) and not self.allow_remote:
                 raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine; pass "
                                                   "--allow-remote")
+            if not _is_loopback(http_host) and not self.api_key:
+                raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine, so it "
+                                                  "needs a key: pass --api-key KEY or --api-key-file PATH")
             if self.curve_secret_key:  # the HTTP server is a client of the daemon and holds no certificate
                 raise CbatchError(INVALID_CONFIG, "--http cannot be combined with --curve-secret-key")
         if not 0 <= self.http_processes <= MAX_HTTP_PROCESSES:

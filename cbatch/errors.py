@@ -16,6 +16,7 @@ INTERNAL = "internal"
 INVALID_CONFIG = "invalid_config"
 VERSION_MISMATCH = "version_mismatch"
 ENDPOINT_IN_USE = "endpoint_in_use"
+UNAUTHORIZED = "unauthorized"  # HTTP without the API key
 
 
 class CbatchError(Exception):

@@ -59,7 +59,7 @@ class HttpDaemon(Daemon):
     def openai(self, **options):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", **{"max_retries": 0, **options})
+        return openai.OpenAI(**{"base_url": f"{self.base_url}/v1", "api_key": "unused", "max_retries": 0, **options})
 
     def wait_idle(self, timeout_s: float) -> float:
         """Seconds until the daemon runs no sequence (stats reach the front-end every 0.25 s)."""

@@ -265,7 +265,8 @@ def test_killed_http_server_is_restarted(daemon, api):
 
 @pytest.mark.parametrize("flags, message", [
     (["--http", "0.0.0.0:8000"], "--allow-remote"), (["--http", "80x"], "[HOST:]PORT"),
-    (["--http", "70000"], "port must be")])
+    (["--http", "70000"], "port must be"), (["--http", "0.0.0.0:8000", "--allow-remote"], "--api-key"),
+    (["--http", "8000", "--api-key-file", "/nonexistent/key"], "--api-key-file")])
 def test_bad_http_flags_are_usage_errors(flags, message):
     result = subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), *flags], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr
@@ -386,3 +387,40 @@ def test_connections_that_send_no_request_headers_in_time_are_closed(daemon):
     assert all(is_closed.values()) and elapsed_s < 2 * HEADER_TIMEOUT_S
     silent.close()
     dribbling.close()
+
+
+def test_a_router_finds_the_load_it_asks_for(daemon):
+    """GET /v1/loads in SGLang's worker format, and the vLLM gauge names gateways scrape."""
+    body = {"prompt": "busy", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        wait_until(lambda: httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] >= 1, 5)
+        (load,) = httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"]
+        metrics = {family.name: family.samples[0].value
+                   for family in text_string_to_metric_families(httpx.get(f"{daemon.base_url}/metrics", timeout=5).text)
+                   if family.name.startswith("vllm:")}
+        for _ in lines:
+            pass
+    assert load["num_waiting_reqs"] == 0 and 0 < load["token_usage"] <= 1
+    assert metrics["vllm:num_requests_running"] >= 1 and metrics["vllm:num_requests_waiting"] == 0
+    assert 0 < metrics["vllm:kv_cache_usage_perc"] <= 1
+
+
+def test_an_api_key_is_required_and_checked_except_for_health(tiny_model_path, tmp_path):
+    (tmp_path / "key").write_text("s3cret-key\n")
+    daemon = HttpDaemon(tiny_model_path, "--parallel", "2", "--api-key-file", str(tmp_path / "key"))
+    try:
+        body = {"prompt": "x", "max_tokens": 2}
+        url = f"{daemon.base_url}/v1/completions"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-key"}):
+            refused = httpx.post(url, json=body, headers=headers, timeout=10)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+        assert httpx.get(f"{daemon.base_url}/metrics", timeout=10).status_code == 401
+        assert httpx.get(f"{daemon.base_url}/health", timeout=10).status_code == 200
+        reply = daemon.openai(api_key="s3cret-key").completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+        assert "s3cret-key" not in " ".join(open(f"/proc/{pid}/cmdline").read() for pid in daemon.http_pids())
+    finally:
+        daemon.stop()
+        daemon.remove_workdir()

@@ -101,3 +101,17 @@ def test_an_idle_daemon_stops_at_once_on_sigterm(tiny_model_path, start_daemon):
     assert d.process.wait(timeout=30) == 0, d.log()
     assert time.monotonic() - started < 3.0  # 0.2-0.3 s measured; the bound leaves room for a loaded machine
     assert d.leftovers() == []
+
+
+def test_threads_default_to_the_cpus_the_daemon_may_use(tiny_model_path, start_daemon):
+    """Pinned to one CPU (as taskset or a container's cpuset does), the daemon runs one
+    llama.cpp thread, not one per core of the machine, and its ready line says so."""
+    usable = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(usable)})  # the daemon inherits it
+    try:
+        d = start_daemon(tiny_model_path, "--parallel", "2")
+    finally:
+        os.sched_setaffinity(0, usable)
+    assert ", 1 threads," in d.log()
+    with d.client() as client:
+        assert client.generate(prompt="pinned", max_tokens=4).usage["completion_tokens"] == 4

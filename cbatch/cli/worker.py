@@ -6,7 +6,7 @@ import sys
 
 from cbatch.cli.common import add_version, exit_with
 from cbatch.config import DaemonConfig, EngineConfig, parse_http_address
-from cbatch.errors import EXIT_FAILED, CbatchError
+from cbatch.errors import EXIT_FAILED, INVALID_CONFIG, CbatchError
 
 ENGINE = EngineConfig()  # the defaults the flags show
 DAEMON = DaemonConfig(ENGINE, endpoint="ipc://unused")
@@ -22,7 +22,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("-c", "--ctx-size", type=int, default=ENGINE.ctx_size, help="total context for all sequences (default 4096 each)")
     add("-b", "--batch-size", type=int, default=ENGINE.batch_size,
         help=f"tokens per decode step (default {ENGINE.batch_size})")
-    add("-t", "--threads", type=int, default=ENGINE.threads, help="CPU threads (default: all cores)")
+    add("-t", "--threads", type=int, default=ENGINE.threads, help="CPU threads (default: the CPUs this daemon may run on, from its affinity mask)")
     add("-ngl", "--n-gpu-layers", type=int, default=ENGINE.n_gpu_layers,
         help="layers to offload to a GPU (default -1: all of them on a GPU build)")
     add("--max-queue", type=int, default=ENGINE.max_queue,
@@ -51,9 +51,22 @@ def make_parser() -> argparse.ArgumentParser:
     add("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
     add("--curve-clients", default="", help="directory of client public certificates allowed in")
     add("--http", default="", metavar="[HOST:]PORT", help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
+    add("--api-key", default="", metavar="KEY",
+        help="HTTP callers must send 'Authorization: Bearer KEY' (needed when --http listens beyond loopback)")
+    add("--api-key-file", default="", metavar="PATH", help="read the --api-key from this file (kept out of ps)")
     add("--http-processes", type=int, default=0, metavar="N",
         help="HTTP server processes sharing the --http port (default: one per 8 CPUs this daemon may use, 1 to 4)")
     return parser
+
+
+def _api_key(args) -> str:
+    if not args.api_key_file:
+        return args.api_key
+    try:
+        with open(args.api_key_file) as key_file:
+            return key_file.read().strip()
+    except OSError as err:
+        raise CbatchError(INVALID_CONFIG, f"cannot read --api-key-file {args.api_key_file}: {err.strerror}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
@@ -67,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
                         http_address=parse_http_address(args.http) if args.http else None,
-                        http_processes=args.http_processes)
+                        http_processes=args.http_processes, api_key=_api_key(args))
 
 
 def main(argv=None) -> None:

@@ -20,13 +20,16 @@ import socket
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.http_api.auth import API_KEY_ENV, RequireApiKey
 from cbatch.http_api.connection import TimedH11Protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
+from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, parse_api_request
 from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState, json_response
 
@@ -103,15 +106,29 @@ async def _health(state: HttpState, request: Request) -> Response:
     return json_response({"status": status, **error_body(CbatchError(code, f"the server is {status}"))}, 503)
 
 
-async def _metrics(state: HttpState, request: Request) -> Response:
+async def _loads(state: HttpState, request: Request) -> Response:
+    """The daemon's load in SGLang's worker format, which routers (smg) poll: one entry
+    per data-parallel rank, and a daemon is one."""
+    stats = await _daemon_stats(state)
+    if not stats:
+        return state.error("loads", CbatchError(UNAVAILABLE, "the daemon's load is not known yet"))
+    return json_response({"loads": [{"dp_rank": 0, "worker_generation": f"{state.model_id}@{state.started}",
+                                     "num_running_reqs": stats["num_active"], "num_waiting_reqs": stats["num_queued"],
+                                     "token_usage": kv_cache_usage(stats)}]})
+
+
+async def _daemon_stats(state: HttpState) -> dict:
     try:
-        stats = await asyncio.wait_for(state.client.stats(), HEALTH_TIMEOUT_S) if state.client else {}
+        return await asyncio.wait_for(state.client.stats(), HEALTH_TIMEOUT_S) if state.client else {}
     except (CbatchError, asyncio.TimeoutError):
-        stats = {}
-    return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return {}
 
 
-def make_app(state: HttpState) -> Starlette:
+async def _metrics(state: HttpState, request: Request) -> Response:
+    return Response(state.metrics.render(await _daemon_stats(state)), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def make_app(state: HttpState, api_key: str = "") -> Starlette:
     def bind(handler, *args):
         async def endpoint(request: Request) -> Response:
             return await handler(state, request, *args)
@@ -123,15 +140,17 @@ def make_app(state: HttpState) -> Starlette:
             err = CbatchError(INVALID_REQUEST, f"{request.method} is not allowed on {request.url.path}")
         else:
             err = CbatchError(NOT_FOUND, f"no route {request.method} {request.url.path}; this server serves "
-                                         "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics")
+                                         "/v1/completions, /v1/chat/completions, /v1/models, /v1/loads, /health, /metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
-    return Starlette(exception_handlers={404: no_route, 405: no_route}, routes=[
+    middleware = [Middleware(RequireApiKey, api_key=api_key)] if api_key else []
+    return Starlette(middleware=middleware, exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/completions", bind(_generate, COMPLETION), methods=["POST"]),
         Route("/v1/chat/completions", bind(_generate, CHAT), methods=["POST"]),
         Route("/v1/models", bind(_models), methods=["GET"]),
         Route("/health", bind(_health), methods=["GET"]),
         Route("/metrics", bind(_metrics), methods=["GET"]),
+        Route("/v1/loads", bind(_loads), methods=["GET"]),
     ])
 
 
@@ -185,7 +204,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = HttpState(args.endpoint, args.model_id)
-    config = uvicorn.Config(make_app(state), http=TimedH11Protocol, log_level="warning",
+    api_key = os.environ.pop(API_KEY_ENV, "")  # nothing this process starts inherits it
+    config = uvicorn.Config(make_app(state, api_key), http=TimedH11Protocol, log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM

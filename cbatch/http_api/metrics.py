@@ -45,6 +45,26 @@ class _DaemonStats:
             family = CounterMetricFamily(name, help_text) if is_counter else GaugeMetricFamily(name, help_text)
             family.add_metric([], float(value))
             yield family
+        yield from router_gauges(self.stats)
+
+
+def kv_cache_usage(stats: dict) -> float:
+    """The fraction of KV cells in use, 0 to 1."""
+    return stats["kv_cells_used"] / stats["kv_cells_total"] if stats.get("kv_cells_total") else 0.0
+
+
+def router_gauges(stats: dict):
+    """The load gauges under the names that routers and gateways already scrape from vLLM
+    (load-aware policies, the Kubernetes inference gateway), beside cbatch's own."""
+    if "num_active" not in stats:
+        return
+    for name, help_text, value in (
+            ("vllm:num_requests_running", "Requests being decoded", stats["num_active"]),
+            ("vllm:num_requests_waiting", "Requests waiting for a sequence slot", stats["num_queued"]),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cache cells in use (0 to 1)", kv_cache_usage(stats))):
+        family = GaugeMetricFamily(name, help_text)
+        family.add_metric([], float(value))
+        yield family
 
 
 class HttpMetrics:

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from cbatch.errors import (CbatchError, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND, PROMPT_TOO_LONG,
+from cbatch.errors import (CbatchError, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND, PROMPT_TOO_LONG, UNAUTHORIZED,
                            QUEUE_FULL, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED)
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 
@@ -28,6 +28,7 @@ _STATUS = {
     INVALID_REQUEST: (400, "invalid_request_error"),
     PROMPT_TOO_LONG: (400, "invalid_request_error"),
     NOT_FOUND: (404, "invalid_request_error"),
+    UNAUTHORIZED: (401, "authentication_error"),
     QUEUE_FULL: (429, "rate_limit_error"),
     SHUTTING_DOWN: (503, "service_unavailable"),
     UNAVAILABLE: (503, "service_unavailable"),

@@ -83,5 +83,6 @@ class HttpState:
     def error(self, endpoint: str, err: CbatchError, param: str | None = None) -> Response:
         status = error_status(err.code)
         self.metrics.errors.labels(endpoint, str(status), err.code).inc()
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+        # A router retries these elsewhere, a client later.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
         return json_response(error_body(err, param), status, headers)

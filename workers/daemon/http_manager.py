@@ -23,6 +23,7 @@ import sys
 import time
 
 from cbatch.config import runtime_dir
+from cbatch.http_api.auth import API_KEY_ENV
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE
 
 log = logging.getLogger("cbatch.daemon.http")
@@ -54,9 +55,9 @@ def listen_http(host: str, port: int) -> socket.socket:
 class HttpServers:
     """The daemon's HTTP server processes, all on its one listening socket."""
 
-    def __init__(self, sock: socket.socket, endpoint: str, model_id: str, num_processes: int):
+    def __init__(self, sock: socket.socket, endpoint: str, model_id: str, num_processes: int, api_key: str = ""):
         self.sock = sock
-        env = None
+        env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
         self.metrics_dir = None
         if num_processes > 1:
             # Several processes count HTTP metrics: each writes its counters to files here
@@ -64,7 +65,7 @@ class HttpServers:
             self.metrics_dir = os.path.join(runtime_dir(), f"cbatch-{os.getpid()}-http-metrics")
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             os.makedirs(self.metrics_dir, mode=0o700)
-            env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
+            env = {**(env or os.environ), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         self.processes = [HttpProcess(sock, endpoint, model_id, i, env) for i in range(num_processes)]
 
     def start(self) -> None:

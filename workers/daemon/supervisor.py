@@ -93,7 +93,7 @@ class Supervisor:
         self.http = None
         if http_socket is not None:  # the API names the model by its file, as llama.cpp's server does
             model_id = os.path.basename(resolve_model_path(config.engine.model_path))
-            self.http = HttpServers(http_socket, config.endpoint, model_id, config.http_processes)
+            self.http = HttpServers(http_socket, config.endpoint, model_id, config.http_processes, config.api_key)
         tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
@@ -177,9 +177,9 @@ class Supervisor:
         if self.stop_requested:
             return
         ready = self.worker_link.ready
-        log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, endpoint %s, "
-                 "ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
-                 ready.prefix_cache, self.config.endpoint, self.ring.name, ready.pid)
+        log.info("cbatch-worker ready: model %s, parallel %d, context %d per sequence, prefix cache %s, %d threads, "
+                 "endpoint %s, ring %s, worker pid %d", ready.model, self.config.engine.parallel, ready.ctx_per_seq,
+                 ready.prefix_cache, self.config.engine.num_threads, self.config.endpoint, self.ring.name, ready.pid)
         progress = ProgressLog(self.config.progress_interval_s)
         while self.state is not DaemonState.STOPPED:
             progress.update(time.monotonic(), self.frontend.num_in_flight, self.worker_link.stats,
