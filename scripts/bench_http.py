@@ -73,6 +73,16 @@ def zmq_sender(endpoint: str, max_tokens: int, is_stream: bool = False):
     return make
 
 
+def one_client_batch(endpoint: str, work: list[str], max_tokens: int, max_in_flight: int) -> float:
+    """tok/s of the whole workload through one Client's generate_batch (whole responses)."""
+    items = [{"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True} for prompt in work]
+    with Client(endpoint) as client:
+        started = time.perf_counter()
+        results = client.generate_batch(items, max_in_flight=max_in_flight)
+        elapsed_s = time.perf_counter() - started
+    return sum(r.usage["completion_tokens"] for r in results) / elapsed_s
+
+
 def http_sender(base_url: str, max_tokens: int, model: str, is_stream: bool):
     """/v1/completions; streamed, a token's time is when its SSE event arrives."""
     def make():
@@ -160,6 +170,7 @@ def main(argv=None) -> None:
     try:
         wait_http(base_url)
         closed_loop(work[:args.parallel], args.parallel, zmq_sender(daemon.endpoint, 8))  # warm-up
+        batch_tps = one_client_batch(daemon.endpoint, work, args.max_tokens, args.parallel)
         zmq_tps, _, _ = closed_loop(work, args.parallel, zmq_sender(daemon.endpoint, args.max_tokens))
         zmq_stream_tps, zmq_ttfts, zmq_itls = closed_loop(work, args.parallel,
                                                           zmq_sender(daemon.endpoint, args.max_tokens, True))
@@ -171,7 +182,9 @@ def main(argv=None) -> None:
         daemon.stop()
     print(f"model {model}, parallel {args.parallel}, {args.requests} requests x {args.max_tokens} tokens, "
           f"{args.parallel} closed-loop clients")
-    print(f"ZeroMQ Client:   {zmq_tps:8.1f} tok/s whole responses; {zmq_stream_tps:.1f} tok/s streamed")
+    print(f"one Client, generate_batch: {batch_tps:8.1f} tok/s whole responses")
+    print(f"ZeroMQ Client:   {zmq_tps:8.1f} tok/s whole responses; {zmq_stream_tps:.1f} tok/s streamed "
+          f"({args.parallel} threads, a Client each)")
     print(f"  streamed: TTFT {percentiles(zmq_ttfts)}")
     print(f"  streamed: ITL  {percentiles(zmq_itls)}")
     print(f"HTTP (cbatch):   {http_tps:8.1f} tok/s whole responses = {http_tps / zmq_tps:.2f} of ZeroMQ; "
@@ -188,6 +201,8 @@ def main(argv=None) -> None:
             server.stop()
         print(f"llama-server:    {ls_tps:8.1f} tok/s whole responses; {ls_stream_tps:.1f} tok/s streamed; "
               f"cbatch HTTP / llama-server = {http_tps / ls_tps:.2f} whole, {stream_tps / ls_stream_tps:.2f} streamed")
+        print(f"  vs llama-server whole: one Client's batch {batch_tps / ls_tps:.2f}, "
+              f"threads with a Client each {zmq_tps / ls_tps:.2f}, HTTP {http_tps / ls_tps:.2f}")
         print(f"  streamed: TTFT {percentiles(ls_ttfts)}")
         print(f"  streamed: ITL  {percentiles(ls_itls)}")
 
