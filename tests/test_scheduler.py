@@ -162,3 +162,25 @@ def test_a_sequence_states_where_it_is():
     assert sched.preempt_newest() is seq and seq.status is SeqStatus.WAITING and seq.seq_id is None
     sched.finish(queued, keep_cached=False)
     assert queued.status is SeqStatus.FINISHED and list(sched.waiting) == [seq]
+
+
+def test_a_passed_over_prompt_keeps_a_slot_and_is_not_passed_over_for_nothing():
+    """One slot free beside the prefix's computer: the passed-over request keeps it (a later
+    arrival waits). With per-sequence streams a prefix too short to be worth a stream copy
+    is never waited for: the request is admitted at once and computes it itself."""
+    from cbatch.workers.engine.kv.streams import StreamCacheManager
+
+    shared = 3 * BLOCK_TOKENS
+    pool = Sched(num_slots=2, max_batch_tokens=40, max_queue=8)
+    streams = Scheduler(StreamCacheManager(2, 1024, True), 2, 40, 8)
+    for sched, reuses in ((pool, True), (streams, False)):
+        first = Sequence(0, list(range(shared)) + [900, 901], SamplingParams())
+        second = Sequence(1, list(range(shared)) + [902, 903], SamplingParams())
+        later = make_seq(2, 5)
+        for s in (first, second, later):
+            sched.add(s)
+        sched.schedule()
+        if reuses:
+            assert sched.running == [first] and list(sched.waiting) == [second, later]
+        else:
+            assert sched.running == [first, second] and list(sched.waiting) == [later]

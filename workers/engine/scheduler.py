@@ -4,10 +4,12 @@ Policy:
 - admission is FIFO into at most `max_running` running sequences, each given a KV
   sequence id holding its longest cached prefix by the KV manager, which reserves cells
   for the rest of its tokens (evicting cached prefixes first) or says there is no room;
-- fairness: a waiting request is passed over (keeping its place at the head) only while
-  a running sequence is computing the very block of its prompt that it would reuse next,
-  so two requests never prefill the same uncached prefix at the same time; that block is
-  done within a step or two, and the request is then admitted before anything behind it;
+- fairness: a waiting request is passed over (keeping its place at the head, and a slot
+  kept free for it) only while a running sequence is computing the very block of its
+  prompt that it would reuse next, and only when the KV manager will really reuse that
+  prefix (a stream is copied only for a long enough one), so two requests never prefill
+  the same uncached prefix at the same time; that block is done within a step or two,
+  and the request is then admitted before anything behind it;
 - every generating sequence gets its one decode token first, then prefilling sequences
   share the rest of the step's token budget in admission order (chunked prefill: a long
   prompt costs the others at most one span of latency per step, never a stall);
@@ -115,8 +117,8 @@ class Scheduler:
         return seq
 
     def _admit(self) -> None:
-        passed_over = []
-        while self.waiting and len(self.running) < self.max_running:
+        passed_over = []  # each keeps a slot: later arrivals must not take all of them
+        while self.waiting and len(self.running) + len(passed_over) < self.max_running:
             seq = self.waiting.popleft()
             if self._is_prefilled_elsewhere(seq):
                 passed_over.append(seq)
@@ -139,4 +141,15 @@ class Scheduler:
             return False  # that block holds the last token, which seq computes itself
         prefix = seq.token_slice(0, end)
         return any(other.num_cached < end <= other.num_tokens and other.token_slice(0, end) == prefix
-                   for other in self.running)
+                   and self._num_shared_tokens(seq, other) >= self.kv.min_reuse_tokens for other in self.running)
+
+    @staticmethod
+    def _num_shared_tokens(seq: Sequence, other: Sequence) -> int:
+        """The whole blocks of seq's tokens (its last token excluded: it is always computed)
+        that other's tokens begin with."""
+        num_blocks = min(seq.num_tokens - 1, other.num_tokens) // BLOCK_TOKENS
+        num_shared = 0
+        while num_shared < num_blocks and seq.token_slice(num_shared * BLOCK_TOKENS, (num_shared + 1) * BLOCK_TOKENS) \
+                == other.token_slice(num_shared * BLOCK_TOKENS, (num_shared + 1) * BLOCK_TOKENS):
+            num_shared += 1
+        return num_shared * BLOCK_TOKENS

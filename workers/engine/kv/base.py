@@ -38,6 +38,10 @@ class KVManager(Protocol):
     enable_prefix_cache: bool
     pin_indexed_cells: bool
     num_tokens_reused: int  # prompt tokens served from the cache at admission
+    # A running sequence's computed prefix is reused by another admission only when they
+    # share at least this many tokens (the pool shares any block; a stream is copied
+    # whole, which pays only for longer prefixes).
+    min_reuse_tokens: int
 
     @property
     def num_cells_used(self) -> int: ...

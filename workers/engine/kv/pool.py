@@ -65,6 +65,7 @@ class Holder:
 
 
 class KVCacheManager:
+    min_reuse_tokens = BLOCK_TOKENS  # any full block is shared
     def __init__(self, num_cells: int, num_seq_ids: int, enable_prefix_cache: bool, max_cached_cells: int,
                  pin_indexed_cells: bool = False):
         self.num_cells = num_cells

@@ -43,6 +43,7 @@ class StreamNode:
 
 class StreamCacheManager:
     pin_indexed_cells = False  # see the invariant: nothing needs pinning here
+    min_reuse_tokens = MIN_COPY_BLOCKS * BLOCK_TOKENS  # a shorter prefix is not worth a whole-stream copy
 
     def __init__(self, num_streams: int, cells_per_stream: int, enable_prefix_cache: bool):
         self.num_cells = num_streams * cells_per_stream
