@@ -150,7 +150,8 @@ class LlamaServer:
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(
             [str(LLAMA_SERVER), "-m", model_path, "-np", str(parallel), "-c", str(parallel * ctx_per_seq),
-             "-t", str(threads), "-b", "512", "--port", str(self.port), "--no-webui"],
+             "-t", str(threads), "-b", "512", "--port", str(self.port), "--no-webui",
+             "--threads-http", str(parallel + 4)],  # a connection per client, as for cbatch's HTTP
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
