@@ -35,6 +35,10 @@ class EngineConfig:
     # Sample inside llama_decode's graph when the request allows (only token ids come back);
     # None = on with a GPU build of llama.cpp, off on a CPU build (measured: README).
     backend_sampling: bool | None = None
+    # Queue step N+1's llama_decode before step N's text and publishing, so they run while
+    # it decodes; None = on when layers are offloaded to a GPU, off on a CPU (where the
+    # decode thread would take a core from llama.cpp's own threads). Same tokens either way.
+    overlap: bool | None = None
 
     def __post_init__(self):
         def check(ok: bool, message: str):

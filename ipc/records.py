@@ -5,6 +5,11 @@ A 64-byte record (RECORD_DTYPE) carries one token and up to MAX_TEXT_BYTES of th
 it releases; longer text continues in token-less records. A request's records are
 numbered from 0; its last record has FLAG_LAST, the finish reason and the request's
 total record count, so a reader can prove it saw everything.
+
+`TokenEvent.records()` is the one definition of that framing; `frame_events` builds the
+records of a whole step at once as a numpy array, column by column, and gives each event
+exactly what its records() gives (the common event, one token with at most
+MAX_TEXT_BYTES of text, never becomes a Python record object).
 """
 
 import struct
@@ -35,6 +40,10 @@ RECORD_DTYPE = np.dtype({
 # Same layout as RECORD_DTYPE, for packing/unpacking whole records in one C call each.
 RECORD_STRUCT = struct.Struct("<QQIiHBBI32s")
 assert RECORD_STRUCT.size == RECORD_DTYPE.itemsize == RECORD_SIZE_BYTES
+
+
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_UINT32_MAX = (1 << 32) - 1
 
 
 class RingRecord(NamedTuple):
@@ -94,3 +103,50 @@ class TokenEvent:
             records.append(RingRecord(request_id, index + row_number, token_id, FLAG_LAST if is_last else 0,
                                       finish if is_last else 0, index + row_number + 1 if is_last else 0, piece))
         return records
+
+
+def frame_events(events: list[TokenEvent]) -> tuple[np.ndarray, np.ndarray]:
+    """(records, counts): the records of every event in event order as one RECORD_DTYPE
+    array (seq left 0 for the writer), and each event's number of records. Events of one
+    token and at most MAX_TEXT_BYTES of text (a decode step's usual event) are framed by
+    whole columns; any other event by its records(). Raises KeyError, TypeError,
+    ValueError, AttributeError or OverflowError for an event that cannot be framed."""
+    num_events = len(events)
+    texts = [event.text.encode() for event in events]
+    num_tokens = np.fromiter(map(len, (event.token_ids for event in events)), np.int64, num_events)
+    text_lens = np.fromiter(map(len, texts), np.int64, num_events)
+    is_simple = (num_tokens == 1) & (text_lens <= MAX_TEXT_BYTES)
+    counts = np.ones(num_events, np.int64)
+    others = {int(i): events[i].records() for i in np.flatnonzero(~is_simple)}
+    for i, records in others.items():
+        counts[i] = len(records)
+    offsets = np.cumsum(counts) - counts
+    out = np.zeros(int(counts.sum()), RECORD_DTYPE)
+    simple = np.flatnonzero(is_simple)
+    if len(simple) == num_events:  # the hot path: every event is one record
+        chosen, simple_texts, rows = events, texts, offsets
+    else:
+        chosen, simple_texts, rows = [events[i] for i in simple], [texts[i] for i in simple], offsets[simple]
+    if len(chosen):
+        request_ids = np.array([event.request_id for event in chosen], np.int64)
+        indices = np.array([event.index for event in chosen], np.int64)
+        token_ids = np.array([event.token_ids[0] for event in chosen], np.int64)
+        finish = np.array([FINISH_CODES[event.finish_reason] for event in chosen], np.int64)
+        if request_ids.min() < 0 or indices.min() < 0 or indices.max() >= _UINT32_MAX \
+                or token_ids.min() < _INT32_MIN or token_ids.max() > _INT32_MAX:
+            raise ValueError("a request id, index or token id is out of the record's range")
+        is_last = finish != 0
+        out["request_id"][rows] = request_ids
+        out["index"][rows] = indices
+        out["token_id"][rows] = token_ids
+        out["flags"][rows] = np.where(is_last, FLAG_LAST, 0)
+        out["finish"][rows] = finish
+        out["count"][rows] = np.where(is_last, indices + 1, 0)
+        out["text_len"][rows] = text_lens[simple]
+        padded = b"".join([text.ljust(MAX_TEXT_BYTES, b"\0") for text in simple_texts])
+        out["text"][rows] = np.frombuffer(padded, np.uint8).reshape(len(chosen), MAX_TEXT_BYTES)
+    for i, records in others.items():
+        packed = b"".join([RECORD_STRUCT.pack(0, *record[:5], len(record.text), record.count, record.text)
+                           for record in records])
+        out[offsets[i]:offsets[i] + counts[i]] = np.frombuffer(packed, RECORD_DTYPE)
+    return out, counts

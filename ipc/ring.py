@@ -61,7 +61,7 @@ from typing import Iterable
 import numpy as np
 
 from cbatch.ipc.records import (ALL_FLAGS, FINISH_ERROR, FLAG_LAST, MAX_TEXT_BYTES, NO_TOKEN, RECORD_DTYPE,
-                               RECORD_SIZE_BYTES, RECORD_STRUCT, RingRecord, TokenEvent)
+                               RECORD_SIZE_BYTES, RECORD_STRUCT, RingRecord, TokenEvent, frame_events)
 
 MAGIC = int.from_bytes(b"CBRING01", "little")
 LAYOUT_VERSION = 2  # 2: no generation in the header, FLAG_LAST is the only flag
@@ -210,30 +210,26 @@ class RingWriter:
         self._ring = ring
         self._cursor = ring.write_cursor
 
-    def publish_many(self, events: Iterable[TokenEvent]) -> list[int]:
+    def publish_many(self, events: list[TokenEvent]) -> list[int]:
         """Append the records of several events and advance write_cursor once. Returns each
-        event's next index. All records are packed before anything is stored, so an invalid
-        event publishes nothing (RingError)."""
-        pack = RECORD_STRUCT.pack
-        parts: list[bytes] = []
-        next_indices: list[int] = []
+        event's next index. The step's records are framed as one array (frame_events) before
+        anything is stored, so an invalid event publishes nothing (RingError)."""
         try:
-            for event in events:
-                records = event.records()
-                parts += [pack(0, *record[:5], len(record.text), record.count, record.text) for record in records]
-                next_indices.append(event.index + len(records))
-        except (KeyError, struct.error, TypeError, ValueError, AttributeError) as exc:
+            framed, counts = frame_events(events)
+            next_indices = np.fromiter((event.index for event in events), np.int64, len(events)) + counts
+        except (KeyError, struct.error, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise RingError(f"invalid event: {exc!r}") from exc
-        if parts:
-            self._store(b"".join(parts), len(parts))
+        if len(framed):
+            self._store(framed.view(np.uint8).reshape(len(framed), RECORD_SIZE_BYTES))
         else:
             self.heartbeat()
-        return next_indices
+        return next_indices.tolist()
 
-    def _store(self, packed: bytes, num_records: int) -> None:
+    def _store(self, data: np.ndarray) -> None:
+        """data: (records, RECORD_SIZE_BYTES) uint8, the framed records."""
         ring = self._ring
         capacity = ring.capacity
-        data = np.frombuffer(packed, np.uint8).reshape(num_records, RECORD_SIZE_BYTES)
+        num_records = len(data)
         first_position = self._cursor
         if num_records > capacity:  # the batch laps itself: only its tail survives
             data = data[num_records - capacity:]

@@ -8,6 +8,7 @@ sequences is 64 of them, and map keys would be most of the bytes.
 """
 
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from cbatch.ipc.records import TokenEvent
 from cbatch.protocol import MsgType, pack, unpack
@@ -64,13 +65,13 @@ _TYPES = {
     WorkerEvents: MsgType.WORKER_EVENTS,
 }
 _CLASSES = {msg_type: cls for cls, msg_type in _TYPES.items()}
-_EVENT_FIELDS = tuple(f.name for f in fields(TokenEvent))
+_EVENT_ROW = attrgetter(*(f.name for f in fields(TokenEvent)))  # an event's fields in order, as a tuple
 
 
 def encode(message) -> list[bytes]:
     body = {f.name: getattr(message, f.name) for f in fields(message)}
     if isinstance(message, WorkerEvents):
-        body["events"] = [[getattr(event, name) for name in _EVENT_FIELDS] for event in message.events]
+        body["events"] = [_EVENT_ROW(event) for event in message.events]
     return pack(_TYPES[type(message)], body)
 
 

@@ -35,6 +35,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="unified pool: KV cells kept for finished requests' prefixes (default: one sequence's context)")
     add("--backend-sampling", action=argparse.BooleanOptionalAction, default=ENGINE.backend_sampling,
         help="sample inside llama.cpp's graph when a request allows (default: on a GPU build only)")
+    add("--overlap", action=argparse.BooleanOptionalAction, default=ENGINE.overlap,
+        help="decode step N+1 while step N's text is made and published (default: on when layers are "
+             "offloaded to a GPU, off on a CPU)")
     add("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     add("--ring-capacity", type=int, default=DAEMON.ring_capacity, help="token ring records (power of two)")
     add("--drain-grace", type=float, default=DAEMON.drain_grace_s, help="seconds in-flight requests get on SIGTERM")
@@ -74,7 +77,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
                           batch_size=args.batch_size, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
                           max_queue=args.max_queue, kv_unified=args.kv_unified, prefix_cache=args.prefix_cache,
-                          cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling)
+                          cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
+                          overlap=args.overlap)
     return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                         drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
                         allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,

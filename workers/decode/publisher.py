@@ -31,13 +31,12 @@ class EventPublisher:
             else:
                 self._writer.heartbeat()
             return
+        next_index = self._next_index
         for event in events:
-            event.index = self._next_index.get(event.request_id, 0)
-        for event, next_index in zip(events, self._writer.publish_many(events)):
-            if event.finish_reason:
-                self._next_index.pop(event.request_id, None)
-            else:
-                self._next_index[event.request_id] = next_index
+            event.index = next_index.get(event.request_id, 0)
+        next_index.update(zip([event.request_id for event in events], self._writer.publish_many(events)))
+        for request_id in [event.request_id for event in events if event.finish_reason]:
+            del next_index[request_id]
         # Invariant: the records are in the ring before the tick and before the front-end
         # hears of them, so a reader told of a finish finds every record already there.
         self._tick.send(b"", zmq.NOBLOCK)

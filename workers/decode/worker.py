@@ -12,11 +12,13 @@ events to the front-end.
 
 import os
 import signal
+from typing import Callable
 
 import llama_cpp  # noqa: F401  before zmq, see cbatch/__init__.py
 import zmq
 
 from cbatch.errors import INTERNAL
+from cbatch.ipc.records import TokenEvent
 from cbatch.ipc.ring import attach_ring
 from cbatch.ipc.worker_messages import WorkerFailed, WorkerReady
 from cbatch.workers.decode.commands import CommandHandler
@@ -24,7 +26,7 @@ from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.preparer import RequestPreparer
 from cbatch.workers.decode.publisher import EventPublisher
-from cbatch.workers.engine.engine import Engine, run_engine_loop
+from cbatch.workers.engine.engine import Engine
 
 
 def run_decode_worker(plan: WorkerPlan) -> None:
@@ -49,7 +51,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         publisher = EventPublisher(engine, ring, io, tick)
         preparer = RequestPreparer(engine, io.inbox)
         preparer.start()
-        io.send(WorkerReady(os.getpid(), engine.runner.description, engine.ctx_per_seq, engine.prefix_cache_note))
+        io.send(WorkerReady(os.getpid(), engine.description, engine.ctx_per_seq, engine.prefix_cache_note))
         handler = CommandHandler(engine, io, preparer.outbox, publisher)
         run_engine_loop(engine, handler.apply_pending, publisher.publish)
     finally:
@@ -60,3 +62,17 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         if engine is not None:
             engine.close()
         zctx.term()
+
+
+def run_engine_loop(engine: Engine, apply_pending: Callable[[bool], bool],
+                    publish: Callable[[list[TokenEvent]], None]) -> None:
+    """Drive the engine until `apply_pending` returns False.
+
+    `apply_pending(wait_for_one)` applies pending add/cancel commands to the engine
+    (waiting for one when the engine is idle) and says whether to go on;
+    `publish(events)` gets every step's events, possibly none. With overlap on, the next
+    step is already decoding while `publish` and `apply_pending` run.
+    """
+    while apply_pending(not engine.has_work):
+        if engine.has_work:
+            publish(engine.step())  # even an empty step: publishing is also the liveness beat

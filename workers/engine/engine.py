@@ -1,19 +1,26 @@
 """The continuous-batching engine: many requests, one llama.cpp context, one decode per step.
 
-    prepare() -> add() / cancel()  ->  step(): schedule -> llama_decode -> sample -> postprocess
+    prepare() -> add() / cancel()  ->  step(): schedule -> llama_decode -> sample -> settle -> text
                                        returns the step's TokenEvents for the caller to publish
+
+Overlap (EngineConfig.overlap; on by default when layers are offloaded to a GPU): a step
+reads batch N's tokens, settles what needs ids only (end of generation, max_tokens, the
+context cap, cancels), then schedules and queues batch N+1 (the runner decodes it on its
+decode thread, GIL released) and only then makes batch N's text and returns, so the text,
+the stop strings and the caller's publishing of step N run while N+1 decodes. A sequence
+that a stop string ends at step N is still in batch N+1: its row there is skipped (the
+token never appended nor published), its KV cells are released with it at once (the
+manager's remove operations run before batch N+2), and its sampler chain, which batch
+N+1's graph may use, is freed once N+1 is done. Token streams are the same either way.
 
 `prepare` (tokenize, render chat, compile the grammar) touches no engine state, so the
 decode worker runs it off the decode loop's thread. The engine owns no sockets and no
-threads; the decode worker drives it with `run_engine_loop`, and tests and the benchmarks
-drive it in-process. The runner is handed in, so tests can drive it with a fake one.
+threads (with overlap the runner has one, for llama_decode); the decode worker drives it
+(`run_engine_loop` in workers/decode/worker.py), and tests and the benchmarks drive it
+in-process. The runner is handed in, so tests can drive it with a fake one.
 """
 
 import time
-from dataclasses import dataclass
-from typing import Callable
-
-import numpy as np
 
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, PROMPT_TOO_LONG
@@ -22,13 +29,12 @@ from cbatch.ipc.records import TokenEvent
 from cbatch.params import Request
 from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.runner import LlamaRunner
-from cbatch.workers.engine.sampling.host import (free_sampler_chain, greedy_rows, make_sampler_chain, needs_host_sampling,
-                                    sample_with_chain, suppress_eog)
+from cbatch.workers.engine.sampling.host import free_sampler_chain, make_sampler_chain, needs_host_sampling
+from cbatch.workers.engine.sampling.step import StepSampler
 from cbatch.workers.engine.scheduler import BatchSpan, Scheduler
-from cbatch.workers.engine.sequence import FinishReason, Sequence
+from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 from cbatch.workers.engine.kv.streams import StreamCacheManager
-from cbatch.workers.engine.sampling.logprobs import token_logprobs
-from cbatch.workers.engine.stats import EngineStats, slot_snapshot
+from cbatch.workers.engine.stats import EngineStats, engine_snapshot
 
 LLAMA_DECODE_NO_KV_ROOM = 1
 
@@ -47,10 +53,23 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._cancel_ids: set[int] = set()
         self._eog_set = frozenset(int(t) for t in self.runner.eog_ids)
+        self._sampler = StepSampler(self.runner)
+        # Overlap: queue the next batch before this one's text and publishing (see above).
+        self.is_overlapped = config.overlap if config.overlap is not None else self.runner.num_gpu_layers > 0
+        self._in_flight: list[BatchSpan] | None = None  # the batch decoding now
+        self._status = 0  # llama_decode's status for it, without overlap
+        self._decode_s = 0.0  # this step's time in llama_decode (or waiting for it)
+        self._step_counts = (0, 0, 0, 0)  # see EngineStats.record_step
+        self._deferred_frees: list[Sequence] = []  # ended while their batch decoded
 
     @property
     def ctx_per_seq(self) -> int:
         return self.runner.ctx_per_seq
+
+    @property
+    def description(self) -> str:
+        """For the ready line and health(): the runner's, and whether decode overlaps publishing."""
+        return f"{self.runner.description}, overlap {'on' if self.is_overlapped else 'off'}"
 
     @property
     def prefix_cache_note(self) -> str:
@@ -63,7 +82,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def prepare(self, request: Request) -> Sequence:
         """Tokenize a validated request and build its sampler; raises CbatchError if it
@@ -102,110 +121,133 @@ class Engine:
         return True
 
     def step(self) -> list[TokenEvent]:
+        """One step's events. With overlap on, the next step's batch is already decoding
+        when this returns (see the module docstring): the caller publishes these events
+        beside it."""
         started = time.perf_counter()
-        events = [self._finish(self._seqs[i], FinishReason.CANCELLED) for i in self._cancel_ids]
-        self._cancel_ids.clear()
-        spans = self.scheduler.schedule()
-        if not spans:
-            return events
-        spans, llama_decode_s, status = self._decode(spans)
+        events = []
+        if self._in_flight is None:
+            events += self._apply_cancels()
+            self._launch()
+            if self._in_flight is None:
+                return events
+        spans, status = self._wait()
+        llama_decode_s = self._decode_s
         if status != 0:
-            message = (
-                "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
-                if status == LLAMA_DECODE_NO_KV_ROOM
-                else f"llama_decode failed with status {status}"
-            )
-            events += [self._finish(c.seq, FinishReason.ERROR, message) for c in spans]
-            return events
-        num_decode_seqs = sum(1 for c in spans if c.num_tokens == 1 and c.wants_logits)
-        num_batch_tokens = sum(c.num_tokens for c in spans)
-        num_prompt_tokens = sum(max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start) for c in spans)
-        raw_rows = self._rows_before_masking(spans)
-        sampled = self._sample(spans)
-        events += self._postprocess(spans, sampled, self._logprobs(spans, sampled, raw_rows))
-        self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_batch_tokens, num_prompt_tokens,
-                               num_decode_seqs, len(sampled))
+            return events + self._fail(spans, status)
+        sampled, logprobs = self._sample(spans)
+        events += self._apply_cancels()  # with overlap: cancels that came while the batch decoded
+        sampled = [(seq, token) for seq, token in sampled if seq.status is not SeqStatus.FINISHED]
+        to_text = self._settle(sampled, logprobs, events)
+        if self.is_overlapped and self.scheduler.has_work:
+            self._launch()  # decodes while the text below is made and the caller publishes
+        events += self._postprocess(to_text, logprobs)
+        self.stats.record_step(time.perf_counter() - started, llama_decode_s, *self._step_counts)
         return events
 
-    def _decode(self, spans: list[BatchSpan]) -> tuple[list[BatchSpan], float, int]:
-        """llama_decode; when the KV cache has no room, preempt the newest sequence
-        back to the queue and retry with the rest."""
-        decode_s = 0.0
-        while True:
+    def _launch(self) -> None:
+        """Schedule the next batch and start decoding it (to completion, without overlap)."""
+        spans = self.scheduler.schedule()
+        self._in_flight = spans or None
+        if not spans:
+            return
+        self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
+        t0 = time.perf_counter()
+        if self.is_overlapped:
+            self.runner.start_decode(spans)  # its status comes with wait_decode()
+        else:
+            self._status = self.runner.decode(spans)
+        self._decode_s = time.perf_counter() - t0
+
+    def _wait(self) -> tuple[list[BatchSpan], int]:
+        """The batch in flight, decoded; its sequences' deferred sampler frees then run.
+        When the KV cache has no room, preempt the newest sequence back to the queue and
+        retry with the rest (the KV manager keeps room for every batch: a safety net)."""
+        spans, self._in_flight = self._in_flight, None
+        t0 = time.perf_counter()
+        status = self.runner.wait_decode() if self.is_overlapped else self._status
+        self._decode_s += time.perf_counter() - t0
+        for seq in self._deferred_frees:
+            self._free_sampler(seq)
+        self._deferred_frees.clear()
+        while status == LLAMA_DECODE_NO_KV_ROOM and len(self.scheduler.running) >= 2:
+            seq = self.scheduler.preempt_newest()
+            spans = [c for c in spans if c.seq is not seq and c.seq.status is not SeqStatus.FINISHED]
+            if not spans:
+                return spans, 0
             self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
             t0 = time.perf_counter()
             status = self.runner.decode(spans)
-            decode_s += time.perf_counter() - t0
-            # The KV manager keeps room for every batch, so this is only a safety net.
-            if status != LLAMA_DECODE_NO_KV_ROOM or len(self.scheduler.running) < 2:
-                return spans, decode_s, status
-            seq = self.scheduler.preempt_newest()
-            spans = [c for c in spans if c.seq is not seq]
-            if not spans:
-                return spans, decode_s, 0
+            self._decode_s += time.perf_counter() - t0
+        return spans, status
 
-    def _sample(self, spans: list[BatchSpan]) -> list[tuple[Sequence, int]]:
-        batch_index, logit_rows = -1, []  # (seq, row in logits, batch index)
+    def _fail(self, spans: list[BatchSpan], status: int) -> list[TokenEvent]:
+        message = (
+            "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
+            if status == LLAMA_DECODE_NO_KV_ROOM
+            else f"llama_decode failed with status {status}"
+        )
+        return [self._finish(c.seq, FinishReason.ERROR, message) for c in spans if c.seq.status is not SeqStatus.FINISHED]
+
+    def _apply_cancels(self) -> list[TokenEvent]:
+        events = [self._finish(self._seqs[i], FinishReason.CANCELLED) for i in self._cancel_ids if i in self._seqs]
+        self._cancel_ids.clear()
+        return events
+
+    def _sample(self, spans: list[BatchSpan]) -> tuple[list[tuple[Sequence, int]], dict[int, list]]:
+        """Count the batch's spans as computed and sample the sequences that reached their
+        last token; a sequence that ended while the batch decoded keeps its output row
+        but is skipped."""
+        logit_rows, num_outputs, batch_index = [], 0, -1  # (seq, output row, batch index)
+        num_batch_tokens = num_prompt_tokens = num_decode_seqs = 0
         for span in spans:
-            batch_index += span.num_tokens
+            seq, start, num_tokens = span.seq, span.start, span.num_tokens
+            batch_index += num_tokens
+            num_batch_tokens += num_tokens
+            num_prompt_tokens += max(0, min(start + num_tokens, seq.num_prompt_tokens) - start)
             is_sampled = span.wants_logits  # before the span counts as computed
-            self.scheduler.on_computed(span)
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.on_computed(span)
+                if is_sampled:
+                    logit_rows.append((seq, num_outputs, batch_index))
             if is_sampled:
-                logit_rows.append((span.seq, len(logit_rows), batch_index))
-        sampled = [(seq, self.runner.sampled_token(index)) for seq, _, index in logit_rows if seq.is_backend_sampled]
-        greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
-        if greedy:
-            logits = self.runner.logits(len(logit_rows))
-            masked = [row for seq, row in greedy if seq.params.ignore_eos]
-            token_ids = greedy_rows(logits, [row for _, row in greedy], masked, self.runner.eog_ids)
-            sampled += [(seq, int(t)) for (seq, _), t in zip(greedy, token_ids)]
-        for seq, row, index in logit_rows:
-            if seq.sampler is not None and not seq.is_backend_sampled:
-                if seq.num_output_tokens < seq.params.min_tokens:
-                    suppress_eog(self.runner.logits(len(logit_rows)), row, self.runner.eog_ids)
-                sampled.append((seq, sample_with_chain(seq.sampler, self.runner.ctx, index)))
-        return sampled
+                num_outputs += 1
+                num_decode_seqs += num_tokens == 1
+        sampled, logprobs = self._sampler.sample(logit_rows, num_outputs)
+        self._step_counts = (num_batch_tokens, num_prompt_tokens, num_decode_seqs, len(sampled))
+        return sampled, logprobs
 
-    def _rows_before_masking(self, spans: list[BatchSpan]) -> dict[int, np.ndarray]:
-        """request id -> a copy of its logit row, for the requests that ask for logprobs and
-        whose end-of-generation logits _sample() is about to overwrite with -inf (ignore_eos
-        when greedy, min_tokens not reached): logprobs are the raw row's."""
-        logit_seqs = [span.seq for span in spans if span.wants_logits]
-        masked = [(row, seq) for row, seq in enumerate(logit_seqs) if seq.params.logprobs is not None
-                  and (seq.params.ignore_eos if seq.sampler is None else seq.num_output_tokens < seq.params.min_tokens)]
-        if not masked:
-            return {}
-        logits = self.runner.logits(len(logit_seqs))
-        return {seq.request_id: logits[row].copy() for row, seq in masked}
-
-    def _logprobs(self, spans: list[BatchSpan], sampled: list[tuple[Sequence, int]],
-                  raw_rows: dict[int, np.ndarray]) -> dict[int, list]:
-        """request id -> the logprobs entry of its sampled token, for the requests that asked."""
-        asking = [(seq, token) for seq, token in sampled if seq.params.logprobs is not None]
-        if not asking:
-            return {}
-        logit_seqs = [span.seq for span in spans if span.wants_logits]
-        logits = self.runner.logits(len(logit_seqs))
-        row_of = {seq.request_id: row for row, seq in enumerate(logit_seqs)}
-        return {seq.request_id: token_logprobs(raw_rows.get(seq.request_id, logits[row_of[seq.request_id]]), token,
-                                               seq.params.logprobs, self.runner.token_piece) for seq, token in asking}
-
-    def _postprocess(self, spans: list[BatchSpan], sampled: list[tuple[Sequence, int]],
-                     logprobs: dict[int, list]) -> list[TokenEvent]:
-        events = []
+    def _settle(self, sampled: list[tuple[Sequence, int]], logprobs: dict[int, list],
+                events: list[TokenEvent]) -> list[tuple[Sequence, int]]:
+        """What needs token ids only, before the next batch is scheduled: an end of
+        generation or a last allowed token ends its sequence now (into `events`); the
+        others get their token appended and are returned for their text."""
+        to_text = []
         for seq, token in sampled:
             if token in self._eog_set and not seq.params.ignore_eos:
                 events.append(self._finish(seq, FinishReason.STOP, text=seq.text.finish()))
                 continue
             seq.output_ids.append(token)
-            text = seq.text.push(self.runner.token_piece(token))
+            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.ctx_per_seq:
+                events += self._postprocess([(seq, token)], logprobs)
+            else:
+                to_text.append((seq, token))
+        return to_text
+
+    def _postprocess(self, to_text: list[tuple[Sequence, int]], logprobs: dict[int, list]) -> list[TokenEvent]:
+        """Text for each appended token; a stop string ends its sequence (with overlap on,
+        after the next batch was queued: that batch's token for it is never used)."""
+        events = []
+        token_piece = self.runner.token_piece
+        for seq, token in to_text:
+            text = seq.text.push(token_piece(token))
             if seq.text.is_stopped:
                 event = self._finish(seq, FinishReason.STOP, token_ids=[token], text=text)
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.ctx_per_seq:
                 event = self._finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish())
             else:
                 event = TokenEvent(seq.request_id, [token], text)
-            if seq.request_id in logprobs:
+            if logprobs and seq.request_id in logprobs:
                 event.logprobs = [logprobs[seq.request_id]]
             events.append(event)
         return events
@@ -214,8 +256,10 @@ class Engine:
                 token_ids: list[int] | None = None, text: str | None = None) -> TokenEvent:
         # A failed decode may have left this sequence's cells half written: never reuse them.
         self.scheduler.finish(seq, keep_cached=reason is not FinishReason.ERROR)
-        self._free_sampler(seq)
-        seq.sampler = None
+        if self._in_flight is not None:  # its chain may be in the decoding batch's graph
+            self._deferred_frees.append(seq)
+        else:
+            self._free_sampler(seq)
         del self._seqs[seq.request_id]
         self.stats.requests_ended += 1
         if text is None:
@@ -229,42 +273,18 @@ class Engine:
         if seq.is_backend_sampled:
             self.runner.release_sampler(seq.sampler)  # a chain still attached must not be freed
         free_sampler_chain(seq.sampler)
+        seq.sampler = None
 
     def snapshot(self) -> dict:
         """Statistics: the engine's own, the queue, the KV pool and prefix cache, and one
         entry per running request (`slots`, by sequence id)."""
-        kv = self.scheduler.kv
-        now_s = time.monotonic()
-        reused, computed = kv.num_tokens_reused, self.stats.num_prompt_tokens_computed
-        return {
-            **self.stats.snapshot(),
-            "num_active": len(self.scheduler.running),
-            "num_queued": len(self.scheduler.waiting),
-            "prefix_cache": kv.enable_prefix_cache,
-            "prompt_tokens_reused": reused,
-            "cache_hit_rate": reused / (reused + computed) if reused + computed else 0.0,
-            "kv_cells_total": kv.num_cells,
-            "kv_cells_used": kv.num_cells_used,
-            "kv_cells_evictable": kv.num_cells_evictable,
-            "cached_prefixes": kv.num_cached_holders,
-            "slots": [slot_snapshot(seq, now_s) for seq in sorted(self.scheduler.running, key=lambda s: s.seq_id)],
-        }
+        return engine_snapshot(self.stats, self.scheduler)
 
     def close(self) -> None:
+        if self._in_flight is not None:
+            self._wait()
         for seq in list(self._seqs.values()):
             self._free_sampler(seq)
         self._seqs.clear()
         self.runner.close()
 
-
-def run_engine_loop(engine: Engine, apply_pending: Callable[[bool], bool],
-                    publish: Callable[[list[TokenEvent]], None]) -> None:
-    """Drive the engine until `apply_pending` returns False.
-
-    `apply_pending(wait_for_one)` applies pending add/cancel commands to the engine
-    (waiting for one when the engine is idle) and says whether to go on;
-    `publish(events)` gets every step's events, possibly none.
-    """
-    while apply_pending(not engine.has_work):
-        if engine.has_work:
-            publish(engine.step())  # even an empty step: publishing is also the liveness beat

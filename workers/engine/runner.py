@@ -7,6 +7,7 @@ threads of the worker (socket I/O) run while llama_decode computes.
 
 import ctypes
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llama_cpp.llama_cpp as lc
 import numpy as np
@@ -81,6 +82,7 @@ class LlamaRunner:
         self.has_gpu = bool(lc.llama_supports_gpu_offload())
         num_gpu_layers = config.n_gpu_layers if config.n_gpu_layers >= 0 else ALL_LAYERS
         model_params.n_gpu_layers = num_gpu_layers if self.has_gpu else 0
+        self.num_gpu_layers = model_params.n_gpu_layers  # > 0: layers are offloaded (the engine overlaps)
         self.model = lc.llama_model_load_from_file(model_path.encode(), model_params)
         if not self.model:
             raise CbatchError(INVALID_CONFIG, f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
@@ -130,6 +132,8 @@ class LlamaRunner:
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(MAX_PIECE_BYTES)
+        self._decode_thread: ThreadPoolExecutor | None = None  # made by the first start_decode
+        self._decoding: Future | None = None
         self.description = self._describe(model_path, model_params.n_gpu_layers)
 
     def _describe(self, model_path: str, num_gpu_layers: int) -> str:
@@ -203,6 +207,22 @@ class LlamaRunner:
         self._batch.fill(spans)
         return lc.llama_decode(self.ctx, self._batch.batch)
 
+    def start_decode(self, spans: list[BatchSpan]) -> None:
+        """Fill the batch and queue its llama_decode on the decode thread; the caller may
+        run Python meanwhile (ctypes releases the GIL) but must call nothing else of this
+        runner's context, and no model call that writes, until wait_decode()."""
+        if self._decode_thread is None:
+            self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="cbatch-decode")
+        if self.backend_samplers is not None:
+            self.backend_samplers.prepare(spans)
+        self._batch.fill(spans)
+        self._decoding = self._decode_thread.submit(lc.llama_decode, self.ctx, self._batch.batch)
+
+    def wait_decode(self) -> int:
+        """The status of the decode that start_decode queued, once it is done."""
+        decoding, self._decoding = self._decoding, None
+        return decoding.result()
+
     def logits(self, num_outputs: int) -> np.ndarray:
         """The last decode's logits, one row per span that wanted them, in batch order.
         A view into llama.cpp's buffer: valid (and writable) until the next decode."""
@@ -229,6 +249,9 @@ class LlamaRunner:
                 lc.llama_memory_seq_rm(self.memory, seq_id, start, -1)
 
     def close(self) -> None:
+        if self._decode_thread is not None:  # a decode in flight finishes before the context goes
+            self._decode_thread.shutdown(wait=True)
+            self._decode_thread = None
         if self.backend_samplers is not None:
             self.backend_samplers.close()
             self.backend_samplers = None

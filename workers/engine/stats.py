@@ -6,6 +6,7 @@ one generated token counts as a decode step (a mixed step included); a step of p
 chunks only counts as prefill.
 """
 
+import time
 from dataclasses import dataclass
 
 from cbatch.workers.engine.sequence import Sequence
@@ -67,4 +68,25 @@ def slot_snapshot(seq: Sequence, now_s: float) -> dict:
         "prompt_tokens_done": min(seq.num_cached, seq.num_prompt_tokens),
         "tokens": seq.num_output_tokens,
         "age_s": now_s - seq.arrived_s,
+    }
+
+
+def engine_snapshot(stats: EngineStats, scheduler) -> dict:
+    """The engine's statistics, the queue, the KV pool and prefix cache, and one entry per
+    running request (`slots`, by sequence id)."""
+    kv = scheduler.kv
+    now_s = time.monotonic()
+    reused, computed = kv.num_tokens_reused, stats.num_prompt_tokens_computed
+    return {
+        **stats.snapshot(),
+        "num_active": len(scheduler.running),
+        "num_queued": len(scheduler.waiting),
+        "prefix_cache": kv.enable_prefix_cache,
+        "prompt_tokens_reused": reused,
+        "cache_hit_rate": reused / (reused + computed) if reused + computed else 0.0,
+        "kv_cells_total": kv.num_cells,
+        "kv_cells_used": kv.num_cells_used,
+        "kv_cells_evictable": kv.num_cells_evictable,
+        "cached_prefixes": kv.num_cached_holders,
+        "slots": [slot_snapshot(seq, now_s) for seq in sorted(scheduler.running, key=lambda s: s.seq_id)],
     }

@@ -4,6 +4,10 @@ Two things are held back until they are safe to release:
 - bytes of a UTF-8 character that is not complete yet (a token may end mid-character);
 - a tail of text that could still grow into one of the stop strings.
 Invariant: released text never contains a stop string and never splits a character.
+
+A stream without stop strings holds nothing back but an incomplete character, so while
+no bytes are pending an ASCII piece (most tokens) is released as it is, without the
+incremental decoder (a Python-level frame per call).
 """
 
 import codecs
@@ -15,13 +19,18 @@ class TextStream:
         self._stop = stop
         self._held = ""  # decoded text not yet released
         self.is_stopped = False
+        # Invariant: True only without stop strings and with no undecoded bytes pending.
+        self._is_passthrough = not stop
 
     def push(self, piece: bytes) -> str:
         """Add a token's bytes; return the text that is now safe to release."""
-        self._held += self._decoder.decode(piece)
+        if self._is_passthrough and piece.isascii():
+            return piece.decode("ascii")
         if not self._stop:
-            released, self._held = self._held, ""
+            released = self._decoder.decode(piece)
+            self._is_passthrough = not self._decoder.getstate()[0]
             return released
+        self._held += self._decoder.decode(piece)
         cut = self._first_stop_index()
         if cut is not None:
             self.is_stopped = True

@@ -1,0 +1,61 @@
+"""Reading one decoded batch: which row each sampling sequence got, its token (sampled in
+llama.cpp's graph, by one numpy argmax for plain greedy, or by its host chain), and the
+log-probabilities of those that asked.
+
+A batch may still hold the span of a sequence that ended after the batch was queued (a
+stop string found while it decoded, with overlap on): its row keeps its place in the
+output, so the others' rows stay right, but it is neither counted nor sampled.
+"""
+
+import numpy as np
+
+from cbatch.workers.engine.sampling.host import greedy_rows, sample_with_chain, suppress_eog
+from cbatch.workers.engine.sampling.logprobs import token_logprobs
+from cbatch.workers.engine.sequence import Sequence
+
+
+class StepSampler:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def sample(self, logit_rows: list[tuple[Sequence, int, int]], num_outputs: int
+               ) -> tuple[list[tuple[Sequence, int]], dict[int, list]]:
+        """logit_rows: (sequence, output row, batch index) of the live sequences that sample;
+        num_outputs: the batch's output rows, ended sequences' included. Returns the
+        (sequence, token) pairs and request id -> logprobs entry for those that asked."""
+        runner = self.runner
+        raw_rows = self._rows_before_masking(logit_rows, num_outputs)
+        sampled = [(seq, runner.sampled_token(index)) for seq, _, index in logit_rows if seq.is_backend_sampled]
+        greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
+        if greedy:
+            logits = runner.logits(num_outputs)
+            masked = [row for seq, row in greedy if seq.params.ignore_eos]
+            token_ids = greedy_rows(logits, [row for _, row in greedy], masked, runner.eog_ids)
+            sampled += [(seq, int(t)) for (seq, _), t in zip(greedy, token_ids.tolist())]
+        for seq, row, index in logit_rows:
+            if seq.sampler is not None and not seq.is_backend_sampled:
+                if seq.num_output_tokens < seq.params.min_tokens:
+                    suppress_eog(runner.logits(num_outputs), row, runner.eog_ids)
+                sampled.append((seq, sample_with_chain(seq.sampler, runner.ctx, index)))
+        return sampled, self._logprobs(logit_rows, num_outputs, sampled, raw_rows)
+
+    def _rows_before_masking(self, logit_rows, num_outputs: int) -> dict[int, np.ndarray]:
+        """request id -> a copy of its logit row, for the requests that ask for logprobs and
+        whose end-of-generation logits sample() is about to overwrite with -inf (ignore_eos
+        when greedy, min_tokens not reached): logprobs are the raw row's."""
+        masked = [(row, seq) for seq, row, _ in logit_rows if seq.params.logprobs is not None
+                  and (seq.params.ignore_eos if seq.sampler is None else seq.num_output_tokens < seq.params.min_tokens)]
+        if not masked:
+            return {}
+        logits = self.runner.logits(num_outputs)
+        return {seq.request_id: logits[row].copy() for row, seq in masked}
+
+    def _logprobs(self, logit_rows, num_outputs: int, sampled: list[tuple[Sequence, int]],
+                  raw_rows: dict[int, np.ndarray]) -> dict[int, list]:
+        asking = [(seq, token) for seq, token in sampled if seq.params.logprobs is not None]
+        if not asking:
+            return {}
+        logits = self.runner.logits(num_outputs)
+        row_of = {seq.request_id: row for seq, row, _ in logit_rows}
+        return {seq.request_id: token_logprobs(raw_rows.get(seq.request_id, logits[row_of[seq.request_id]]), token,
+                                               seq.params.logprobs, self.runner.token_piece) for seq, token in asking}
