@@ -16,6 +16,35 @@ PROMPT_TOKENS = 128
 NUM_STEPS = 20
 
 
+def bare_decode(model_path: str, parallel: int, prompt_tokens: int = PROMPT_TOKENS, num_steps: int = NUM_STEPS,
+                ctx_per_seq: int = 512) -> tuple[float, float]:
+    """(prefill tok/s, seconds per decode step): `parallel` prompts of `prompt_tokens` tokens
+    prefilled one per decode, then `num_steps` steps of one token for each sequence."""
+    runner = LlamaRunner(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=ctx_per_seq * parallel),
+                         model_path)
+    try:
+        # Token ids wrap at the vocabulary's size, so a tiny test model runs it too.
+        seqs = [Sequence(i, [(1000 + i + k) % runner.n_vocab for k in range(prompt_tokens)], SamplingParams())
+                for i in range(parallel)]
+        for seq_id, seq in enumerate(seqs):
+            seq.seq_id = seq_id
+        started = time.perf_counter()
+        for seq in seqs:  # one prompt per decode, as a server would meet them
+            assert runner.decode([BatchSpan(seq, 0, prompt_tokens)]) == 0
+            seq.num_cached = prompt_tokens
+        prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for step in range(num_steps):
+            for seq in seqs:
+                seq.output_ids.append((2000 + step) % runner.n_vocab)
+            assert runner.decode([BatchSpan(seq, seq.num_cached, 1) for seq in seqs]) == 0
+            for seq in seqs:
+                seq.num_cached += 1
+        return parallel * prompt_tokens / prefill_s, (time.perf_counter() - started) / num_steps
+    finally:
+        runner.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
@@ -25,28 +54,8 @@ def main() -> None:
     print(f"model {model_path}; {PROMPT_TOKENS}-token prompts, {NUM_STEPS} decode steps")
     print(f"{'sequences':>9} {'prefill tok/s':>13} {'step ms':>8} {'decode tok/s':>12}")
     for parallel in args.parallel:
-        runner = LlamaRunner(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=512 * parallel), model_path)
-        # Token ids wrap at the vocabulary's size, so a tiny test model runs it too.
-        seqs = [Sequence(i, [(1000 + i + k) % runner.n_vocab for k in range(PROMPT_TOKENS)], SamplingParams())
-                for i in range(parallel)]
-        for seq_id, seq in enumerate(seqs):
-            seq.seq_id = seq_id
-        started = time.perf_counter()
-        for seq in seqs:  # one prompt per decode, as a server would meet them
-            assert runner.decode([BatchSpan(seq, 0, PROMPT_TOKENS)]) == 0
-            seq.num_cached = PROMPT_TOKENS
-        prefill_s = time.perf_counter() - started
-        started = time.perf_counter()
-        for step in range(NUM_STEPS):
-            for seq in seqs:
-                seq.output_ids.append((2000 + step) % runner.n_vocab)
-            assert runner.decode([BatchSpan(seq, seq.num_cached, 1) for seq in seqs]) == 0
-            for seq in seqs:
-                seq.num_cached += 1
-        step_s = (time.perf_counter() - started) / NUM_STEPS
-        print(f"{parallel:9d} {parallel * PROMPT_TOKENS / prefill_s:13.1f} {1000 * step_s:8.1f} {parallel / step_s:12.1f}",
-              flush=True)
-        runner.close()
+        prefill_tps, step_s = bare_decode(model_path, parallel)
+        print(f"{parallel:9d} {prefill_tps:13.1f} {1000 * step_s:8.1f} {parallel / step_s:12.1f}", flush=True)
 
 
 if __name__ == "__main__":

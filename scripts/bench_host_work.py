@@ -8,7 +8,7 @@ llama_decode, split by phase:
     schedule+fill  scheduling, KV bookkeeping and filling the llama_batch
     logits         reading what the step produced: the logit rows (or the sampled ids)
     sample         argmax or the sampler chains, accepting tokens
-    text           token pieces, stop strings, finish checks
+    text           finish checks on token ids, token pieces, stop strings
     publish        ring writes, the tick and the events message, as the decode worker does
 
 The engine is not changed for this: its methods and llama_decode are wrapped with timers
@@ -97,6 +97,7 @@ def run_level(model_path: str, parallel: int, params: dict, backend_sampling: bo
         publisher = EventPublisher(engine, ring, DroppingIO(), tick)
         engine.step = timers.wrap("step", engine.step)
         engine._sample = timers.wrap("sample", engine._sample)
+        engine._settle = timers.wrap("text", engine._settle)  # ids: end of generation, max_tokens
         engine._postprocess = timers.wrap("text", engine._postprocess)
         engine.runner.logits = timers.wrap("logits", engine.runner.logits)
         engine.runner.sampled_token = timers.wrap("logits", engine.runner.sampled_token)

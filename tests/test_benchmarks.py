@@ -56,3 +56,15 @@ def test_bench_logprobs_prints_each_top_count_and_the_engine_ratio(tiny_model_pa
                      "--parallel", "2", "--max-tokens", "4", "--rounds", "1")
     assert [int(k) for k in re.findall(rf"^logprobs=(\d+)\s+{NUMBER} ms per token", out, re.M)] == [0, 1, 5, 20]
     assert re.search(rf"^\s+with/without: {NUMBER}$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_serving_prints_every_path_with_its_ratio_to_bare_decode(tiny_model_path):
+    out = run_script("bench_serving", "--model", tiny_model_path, "--parallel", "2", "--clients", "2",
+                     "--requests", "2", "--max-tokens", "2")
+    paths = re.findall(rf"^(\S.*?)\s+{NUMBER}\s+-\s+({NUMBER})\s*$", out, re.M)
+    assert [name for name, _ in paths] == [
+        "bare llama_decode", "one Client, generate_batch", "2 threads, a Client each", "AsyncClient, 2 coroutines",
+        "cbatch HTTP whole", "cbatch HTTP streamed"], out
+    assert paths[0][1] == "1.00"
+    assert re.search(rf"^--parallel 2 cbatch HTTP streamed: TTFT p50 {NUMBER} ms.*; ITL ", out, re.M), out
