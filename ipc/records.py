@@ -30,13 +30,17 @@ NO_TOKEN = -1
 FINISH_CODES = {"": FINISH_NONE, "stop": FINISH_STOP, "length": FINISH_LENGTH, "cancelled": FINISH_CANCELLED,
                 "error": FINISH_ERROR}
 
-RECORD_DTYPE = np.dtype({
+_RECORD_FIELDS = {
     "names": ["seq", "request_id", "index", "token_id", "flags", "finish", "text_len",
               "count", "text"],
     "formats": ["<u8", "<u8", "<u4", "<i4", "<u2", "u1", "u1", "<u4", ("u1", MAX_TEXT_BYTES)],
     "offsets": [0, 8, 16, 20, 24, 26, 27, 28, 32],
     "itemsize": RECORD_SIZE_BYTES,
-})
+}
+RECORD_DTYPE = np.dtype(_RECORD_FIELDS)
+# The same layout with the text as one fixed-size bytes field, which numpy fills from a
+# list of bytes (padding each with zeros) in one C loop; frame_events views it as RECORD_DTYPE.
+_FRAMING_DTYPE = np.dtype({**_RECORD_FIELDS, "formats": _RECORD_FIELDS["formats"][:-1] + [f"S{MAX_TEXT_BYTES}"]})
 # Same layout as RECORD_DTYPE, for packing/unpacking whole records in one C call each.
 RECORD_STRUCT = struct.Struct("<QQIiHBBI32s")
 assert RECORD_STRUCT.size == RECORD_DTYPE.itemsize == RECORD_SIZE_BYTES
@@ -105,48 +109,44 @@ class TokenEvent:
         return records
 
 
-def frame_events(events: list[TokenEvent]) -> tuple[np.ndarray, np.ndarray]:
+def frame_events(events: list[TokenEvent]) -> tuple[np.ndarray, list[int]]:
     """(records, counts): the records of every event in event order as one RECORD_DTYPE
-    array (seq left 0 for the writer), and each event's number of records. Events of one
-    token and at most MAX_TEXT_BYTES of text (a decode step's usual event) are framed by
-    whole columns; any other event by its records(). Raises KeyError, TypeError,
-    ValueError, AttributeError or OverflowError for an event that cannot be framed."""
+    array (seq left 0 for the writer), and each event's number of records. A step whose
+    events are each one token with at most MAX_TEXT_BYTES of text (a decode step's usual
+    events) is framed by whole columns, with no per-record Python object; any other step
+    through each event's records(). Raises KeyError, TypeError, ValueError, AttributeError,
+    OverflowError or struct.error for an event that cannot be framed."""
     num_events = len(events)
     texts = [event.text.encode() for event in events]
-    num_tokens = np.fromiter(map(len, (event.token_ids for event in events)), np.int64, num_events)
-    text_lens = np.fromiter(map(len, texts), np.int64, num_events)
-    is_simple = (num_tokens == 1) & (text_lens <= MAX_TEXT_BYTES)
-    counts = np.ones(num_events, np.int64)
-    others = {int(i): events[i].records() for i in np.flatnonzero(~is_simple)}
-    for i, records in others.items():
-        counts[i] = len(records)
-    offsets = np.cumsum(counts) - counts
-    out = np.zeros(int(counts.sum()), RECORD_DTYPE)
-    simple = np.flatnonzero(is_simple)
-    if len(simple) == num_events:  # the hot path: every event is one record
-        chosen, simple_texts, rows = events, texts, offsets
-    else:
-        chosen, simple_texts, rows = [events[i] for i in simple], [texts[i] for i in simple], offsets[simple]
-    if len(chosen):
-        request_ids = np.array([event.request_id for event in chosen], np.int64)
-        indices = np.array([event.index for event in chosen], np.int64)
-        token_ids = np.array([event.token_ids[0] for event in chosen], np.int64)
-        finish = np.array([FINISH_CODES[event.finish_reason] for event in chosen], np.int64)
-        if request_ids.min() < 0 or indices.min() < 0 or indices.max() >= _UINT32_MAX \
-                or token_ids.min() < _INT32_MIN or token_ids.max() > _INT32_MAX:
-            raise ValueError("a request id, index or token id is out of the record's range")
-        is_last = finish != 0
-        out["request_id"][rows] = request_ids
-        out["index"][rows] = indices
-        out["token_id"][rows] = token_ids
-        out["flags"][rows] = np.where(is_last, FLAG_LAST, 0)
-        out["finish"][rows] = finish
-        out["count"][rows] = np.where(is_last, indices + 1, 0)
-        out["text_len"][rows] = text_lens[simple]
-        padded = b"".join([text.ljust(MAX_TEXT_BYTES, b"\0") for text in simple_texts])
-        out["text"][rows] = np.frombuffer(padded, np.uint8).reshape(len(chosen), MAX_TEXT_BYTES)
-    for i, records in others.items():
-        packed = b"".join([RECORD_STRUCT.pack(0, *record[:5], len(record.text), record.count, record.text)
-                           for record in records])
-        out[offsets[i]:offsets[i] + counts[i]] = np.frombuffer(packed, RECORD_DTYPE)
-    return out, counts
+    if not num_events or max(map(len, texts)) > MAX_TEXT_BYTES \
+            or any(len(event.token_ids) != 1 for event in events):
+        return _frame_each(events)
+    request_ids = [event.request_id for event in events]
+    indices = [event.index for event in events]
+    token_ids = [event.token_ids[0] for event in events]
+    # Checked here because numpy before 2.0 wraps an out-of-range Python int silently.
+    if min(request_ids) < 0 or max(request_ids) >> 64 or min(indices) < 0 or max(indices) >= _UINT32_MAX \
+            or min(token_ids) < _INT32_MIN or max(token_ids) > _INT32_MAX:
+        raise ValueError("a request id, index or token id is out of the record's range")
+    out = np.zeros(num_events, _FRAMING_DTYPE)
+    out["request_id"] = request_ids
+    out["index"] = indices
+    out["token_id"] = token_ids
+    finishes = [FINISH_CODES[event.finish_reason] for event in events]
+    if any(finishes):
+        out["finish"] = finishes
+        out["flags"] = [FLAG_LAST if finish else 0 for finish in finishes]
+        out["count"] = [index + 1 if finish else 0 for index, finish in zip(indices, finishes)]
+    out["text_len"] = [len(text) for text in texts]
+    out["text"] = texts
+    return out.view(RECORD_DTYPE), [1] * num_events
+
+
+def _frame_each(events: list[TokenEvent]) -> tuple[np.ndarray, list[int]]:
+    pack = RECORD_STRUCT.pack
+    parts, counts = [], []
+    for event in events:
+        records = event.records()
+        parts += [pack(0, *record[:5], len(record.text), record.count, record.text) for record in records]
+        counts.append(len(records))
+    return np.frombuffer(b"".join(parts), RECORD_DTYPE), counts

@@ -216,14 +216,14 @@ class RingWriter:
         anything is stored, so an invalid event publishes nothing (RingError)."""
         try:
             framed, counts = frame_events(events)
-            next_indices = np.fromiter((event.index for event in events), np.int64, len(events)) + counts
+            next_indices = [event.index + count for event, count in zip(events, counts)]
         except (KeyError, struct.error, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise RingError(f"invalid event: {exc!r}") from exc
         if len(framed):
-            self._store(framed.view(np.uint8).reshape(len(framed), RECORD_SIZE_BYTES))
+            self._store(framed.view(np.uint8).reshape(len(framed), RECORD_SIZE_BYTES))  # one write for the step
         else:
             self.heartbeat()
-        return next_indices.tolist()
+        return next_indices
 
     def _store(self, data: np.ndarray) -> None:
         """data: (records, RECORD_SIZE_BYTES) uint8, the framed records."""

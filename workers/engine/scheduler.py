@@ -19,7 +19,6 @@ No model here: it is tested on its own.
 """
 
 from collections import deque
-from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.wording import counted
@@ -27,19 +26,20 @@ from cbatch.workers.engine.kv.base import BLOCK_TOKENS, KVManager
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 
-@dataclass
 class BatchSpan:
     """One sequence's run of tokens in this step's batch: `num_tokens` tokens of `seq` from KV
-    position `start` (a prompt chunk, or the one decode token of a generating sequence)."""
+    position `start` (a prompt chunk, or the one decode token of a generating sequence).
+    A plain slotted class: a step makes one per running sequence."""
 
-    seq: Sequence
-    start: int
-    num_tokens: int
+    __slots__ = ("seq", "start", "num_tokens", "wants_logits")
 
-    @property
-    def wants_logits(self) -> bool:
-        # Only a span that reaches the last known token yields a sample.
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __init__(self, seq: Sequence, start: int, num_tokens: int):
+        self.seq, self.start, self.num_tokens = seq, start, num_tokens
+        # Only a span that reaches the last known token (when it is scheduled) yields a sample.
+        self.wants_logits = start + num_tokens == seq.num_tokens
+
+    def __repr__(self) -> str:
+        return f"BatchSpan(request {self.seq.request_id}, start {self.start}, {self.num_tokens} tokens)"
 
 
 class Scheduler:
@@ -67,10 +67,14 @@ class Scheduler:
 
     def schedule(self) -> list[BatchSpan]:
         self._admit()
-        for seq in list(self.running):
+        running, i = self.running, 0
+        while i < len(running):
+            seq = running[i]
             # A generating sequence feeds its last sampled token at position num_tokens - 1.
-            while seq in self.running and not seq.is_prefilling and not self.kv.grow(seq.seq_id, seq.num_tokens):
-                self.preempt_newest()
+            if seq.status is SeqStatus.DECODING and not self.kv.grow(seq.seq_id, seq.num_tokens):
+                self.preempt_newest()  # the newest: maybe seq itself, which ends the loop
+                continue
+            i += 1
         spans = [BatchSpan(s, s.num_cached, 1) for s in self.running if not s.is_prefilling]
         budget = self.max_batch_tokens - len(spans)
         for seq in self.running:
