@@ -60,7 +60,7 @@ class RingRecord(NamedTuple):
     text: bytes
 
 
-@dataclass
+@dataclass(slots=True)  # slotted: a decode step makes one per generating sequence
 class TokenEvent:
     """What one decode step produced for one request: made by the engine, numbered
     (`index`) by the decode worker's publisher, written to the ring as records and sent to
