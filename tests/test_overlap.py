@@ -124,3 +124,16 @@ def test_a_daemon_with_overlap_serves_the_same_completions(start_daemon, tiny_mo
     assert all(r.finish_reason in ("stop", "length") and len(r.token_ids) == r.usage["completion_tokens"]
                for r in many)
     assert all(bodies[0]["stop"][0] not in r.text for r in many[::3])
+
+
+def test_backend_sampled_streams_match_and_a_stopped_sequences_chain_outlives_its_batch(make_engine):
+    # A seeded chain runs inside llama_decode's graph: the chain of a sequence that a stop
+    # string ended is still attached while the batch queued after it decodes.
+    off, on = make_engine(False, backend_sampling=True), make_engine(True, backend_sampling=True)
+    free = generate(off, [{"prompt": "graph", "max_tokens": 40, "temperature": 0.7, "seed": 3}])[0]
+    bodies = [{"prompt": "graph", "max_tokens": 40, "temperature": 0.7, "seed": 3, "stop": [free.text[6:9]]},
+              {"prompt": "graph", "max_tokens": 9, **GREEDY},
+              {"prompt": "other graph", "max_tokens": 30, "temperature": 1.1, "seed": 9, "ignore_eos": True}]
+    expected = run_steps(off, bodies, {2: 6})
+    assert [r[2] for r in expected] == ["stop", "length", "cancelled"]
+    assert run_steps(on, bodies, {2: 6}) == expected
