@@ -45,7 +45,7 @@ def test_bench_engine_prints_in_turn_and_batched_rows(tiny_model_path):
 def test_bench_host_work_prints_every_phase(tmp_path, backend):
     out = run_script("bench_host_work", "--vocab", "1024", "--model", str(tmp_path / "stand-in.gguf"),
                      "--parallel", "2", "--steps", "2", "--modes", "greedy", "sampled",
-                     "--backend-sampling", backend)
+                     "--backend-sampling", backend, "--clock", "thread" if backend == "on" else "wall")
     rows = re.findall(rf"^(greedy|sampled)\s+2\s+{backend}((?:\s+{NUMBER}){{8}})\s*$", out, re.M)
     assert [mode for mode, _ in rows] == ["greedy", "sampled"], out
 
