@@ -35,6 +35,7 @@ import zmq
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
 from cbatch.params import parse_request
+from cbatch.workers.decode import publisher as publisher_module
 from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.engine import Engine
 from cbatch.ipc.worker_messages import encode
@@ -153,7 +154,12 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
                         help="time the phases by the wall clock, or by the loop thread's CPU time (steadier on a "
                              "shared machine; llama_decode's figure is then only the loop thread's share of it)")
+    parser.add_argument("--stats-interval", type=float, default=publisher_module.STATS_INTERVAL_S,
+                        help="seconds between the stats the publisher sends with a step's events (default: the "
+                             "worker's); a step slower than that sends them every time, as on this CPU, where "
+                             "a GPU's steps of a few ms send them once in ~100 steps: 'inf' leaves them out")
     args = parser.parse_args()
+    publisher_module.STATS_INTERVAL_S = args.stats_interval
 
     model_path = load_make_tiny_model()(args.model, num_tokens=args.vocab)
     timers = Timers(time.thread_time_ns if args.clock == "thread" else time.perf_counter_ns)

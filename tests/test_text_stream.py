@@ -1,5 +1,9 @@
 """Released text: whole UTF-8 characters only, and never any part of a stop string."""
 
+import codecs
+
+from hypothesis import given, settings, strategies as st
+
 from cbatch.workers.engine.text_stream import TextStream
 
 
@@ -37,3 +41,15 @@ def test_incomplete_character_at_the_end_becomes_a_replacement():
     stream = TextStream()
     assert stream.push(b"ok\xe2\x9c") == "ok"
     assert stream.finish() == "\ufffd"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=4), st.sampled_from([b"ab", b" the", b"\xc3", b"\xa9", b"\xf0\x9f"])),
+                max_size=30))
+def test_without_stop_strings_each_piece_releases_what_a_utf8_decoder_does(pieces):
+    # Such a stream passes ASCII pieces through when no bytes are pending: it must release,
+    # piece by piece, exactly what the incremental decoder releases.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stream = TextStream()
+    assert push_all(stream, pieces) == [decoder.decode(piece) for piece in pieces]
+    assert stream.finish() == decoder.decode(b"", final=True)

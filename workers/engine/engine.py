@@ -3,15 +3,12 @@
     prepare() -> add() / cancel()  ->  step(): schedule -> llama_decode -> sample -> settle -> text
                                        returns the step's TokenEvents for the caller to publish
 
-Overlap (EngineConfig.overlap; on by default when layers are offloaded to a GPU): a step
-reads batch N's tokens, settles what needs ids only (end of generation, max_tokens, the
-context cap, cancels), then schedules and queues batch N+1 (the runner decodes it on its
-decode thread, GIL released) and only then makes batch N's text and returns, so the text,
-the stop strings and the caller's publishing of step N run while N+1 decodes. A sequence
-that a stop string ends at step N is still in batch N+1: its row there is skipped (the
-token never appended nor published), its KV cells are released with it at once (the
-manager's remove operations run before batch N+2), and its sampler chain, which batch
-N+1's graph may use, is freed once N+1 is done. Token streams are the same either way.
+Overlap (EngineConfig.overlap; docs/design.md): a step reads batch N's tokens, settles
+what needs ids only (end of generation, max_tokens, the context cap, cancels), queues
+batch N+1 on the runner's decode thread, and only then makes step N's text, so that and
+the caller's publishing run while N+1 decodes. A sequence a stop string ends at step N is
+still in batch N+1: its row there is skipped, its KV released at once (the remove
+operations run before batch N+2), its sampler chain freed once N+1 is done.
 
 `prepare` (tokenize, render chat, compile the grammar) touches no engine state, so the
 decode worker runs it off the decode loop's thread. The engine owns no sockets and no
@@ -105,6 +102,8 @@ class Engine:
             if seq.request_id in self._seqs:
                 raise ValueError(f"request id {seq.request_id} is already in use")
             self.scheduler.add(seq)
+            # The output length that ends it: max_tokens, or the sequence's context cap.
+            seq.max_output_tokens = min(seq.params.max_tokens, self.ctx_per_seq - seq.num_prompt_tokens)
         except (CbatchError, ValueError):
             free_sampler_chain(seq.sampler)
             raise
@@ -223,33 +222,38 @@ class Engine:
         generation or a last allowed token ends its sequence now (into `events`); the
         others get their token appended and are returned for their text."""
         to_text = []
+        eog_set = self._eog_set
         for seq, token in sampled:
-            if token in self._eog_set and not seq.params.ignore_eos:
+            if token in eog_set and not seq.params.ignore_eos:
                 events.append(self._finish(seq, FinishReason.STOP, text=seq.text.finish()))
                 continue
-            seq.output_ids.append(token)
-            if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.ctx_per_seq:
-                events += self._postprocess([(seq, token)], logprobs)
+            output_ids = seq.output_ids
+            output_ids.append(token)
+            if len(output_ids) >= seq.max_output_tokens:
+                text = seq.text.push(self.runner.token_piece(token))
+                event = (self._finish(seq, FinishReason.STOP, token_ids=[token], text=text) if seq.text.is_stopped
+                         else self._finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish()))
+                events.append(_with_logprobs(event, logprobs))
             else:
                 to_text.append((seq, token))
         return to_text
 
     def _postprocess(self, to_text: list[tuple[Sequence, int]], logprobs: dict[int, list]) -> list[TokenEvent]:
-        """Text for each appended token; a stop string ends its sequence (with overlap on,
-        after the next batch was queued: that batch's token for it is never used)."""
+        """Text for each appended token of a sequence that goes on; a stop string ends it
+        (with overlap on, after the next batch was queued: that batch's token for it is
+        never used)."""
         events = []
         token_piece = self.runner.token_piece
         for seq, token in to_text:
-            text = seq.text.push(token_piece(token))
-            if seq.text.is_stopped:
-                event = self._finish(seq, FinishReason.STOP, token_ids=[token], text=text)
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.ctx_per_seq:
-                event = self._finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish())
+            text_stream = seq.text
+            text = text_stream.push(token_piece(token))
+            if text_stream.is_stopped:
+                events.append(self._finish(seq, FinishReason.STOP, token_ids=[token], text=text))
             else:
-                event = TokenEvent(seq.request_id, [token], text)
-            if logprobs and seq.request_id in logprobs:
-                event.logprobs = [logprobs[seq.request_id]]
-            events.append(event)
+                events.append(TokenEvent(seq.request_id, [token], text))
+        if logprobs:
+            for event in events:
+                _with_logprobs(event, logprobs)
         return events
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
@@ -288,3 +292,9 @@ class Engine:
         self._seqs.clear()
         self.runner.close()
 
+
+def _with_logprobs(event: TokenEvent, logprobs: dict[int, list]) -> TokenEvent:
+    """The event with its token's logprobs entry, when its request asked for them."""
+    if event.request_id in logprobs:
+        event.logprobs = [logprobs[event.request_id]]
+    return event
