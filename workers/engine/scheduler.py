@@ -19,6 +19,7 @@ No model here: it is tested on its own.
 """
 
 from collections import deque
+from operator import attrgetter
 
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.wording import counted
@@ -40,6 +41,9 @@ class BatchSpan:
 
     def __repr__(self) -> str:
         return f"BatchSpan(request {self.seq.request_id}, start {self.start}, {self.num_tokens} tokens)"
+
+
+_SPAN_SEQ_ID = attrgetter("seq.seq_id")
 
 
 class Scheduler:
@@ -75,12 +79,13 @@ class Scheduler:
                 self.preempt_newest()  # the newest: maybe seq itself, which ends the loop
                 continue
             i += 1
-        spans = [BatchSpan(s, s.num_cached, 1) for s in self.running if not s.is_prefilling]
+        decoding = SeqStatus.DECODING
+        spans = [BatchSpan(s, s.num_cached, 1) for s in running if s.status is decoding]
         budget = self.max_batch_tokens - len(spans)
-        for seq in self.running:
+        for seq in running if len(spans) < len(running) else ():
             if budget == 0:
                 break
-            if seq.is_prefilling:
+            if seq.status is SeqStatus.PREFILLING:
                 num_tokens = min(seq.num_uncached, budget)
                 spans.append(BatchSpan(seq, seq.num_cached, num_tokens))
                 budget -= num_tokens
@@ -88,7 +93,7 @@ class Scheduler:
         # llama.cpp cuts a batch into one micro-batch per run of consecutive seq ids (and
         # equal token counts): in id order a step stays one or two micro-batches, in
         # admission order it falls apart once reused slots interleave.
-        spans.sort(key=lambda c: c.seq.seq_id)
+        spans.sort(key=_SPAN_SEQ_ID)
         return spans
 
     def on_computed(self, span: BatchSpan) -> None:
