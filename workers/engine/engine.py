@@ -120,9 +120,10 @@ class Engine:
         num_decode_seqs = sum(1 for c in spans if c.num_tokens == 1 and c.wants_logits)
         num_batch_tokens = sum(c.num_tokens for c in spans)
         num_prompt_tokens = sum(max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start) for c in spans)
-        raw_rows = self._rows_before_masking(spans)
-        sampled = self._sample(spans)
-        events += self._postprocess(spans, sampled, self._logprobs(spans, sampled, raw_rows))
+        rows = self._output_rows(spans)
+        raw_rows = self._rows_before_masking(rows)
+        sampled = self._sample(spans, rows)
+        events += self._postprocess(spans, sampled, self._logprobs(rows, sampled, raw_rows))
         self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_batch_tokens, num_prompt_tokens,
                                num_decode_seqs, len(sampled))
         return events
@@ -144,49 +145,55 @@ class Engine:
             if not spans:
                 return spans, decode_s, 0
 
-    def _sample(self, spans: list[BatchSpan]) -> list[tuple[Sequence, int]]:
-        batch_index, logit_rows = -1, []  # (seq, row in logits, batch index)
+    def _output_rows(self, spans: list[BatchSpan]) -> list[tuple[Sequence, int, int]]:
+        """(seq, row in logits, batch index) of every sequence that samples this step: each
+        span reaching its last known token has a row, which the forks waiting for that
+        prompt share (before on_computed, which forks them)."""
+        batch_index, num_rows, rows = -1, 0, []
         for span in spans:
             batch_index += span.num_tokens
-            is_sampled = span.wants_logits  # before the span counts as computed
+            if span.wants_logits:
+                rows += [(seq, num_rows, batch_index) for seq in (span.seq, *self.scheduler.row_sharers(span))]
+                num_rows += 1
+        return rows
+
+    def _sample(self, spans: list[BatchSpan], logit_rows: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int]]:
+        for span in spans:
             self.scheduler.on_computed(span)
-            if is_sampled:
-                logit_rows.append((span.seq, len(logit_rows), batch_index))
+        num_rows = _num_rows(logit_rows)
         sampled = [(seq, self.runner.sampled_token(index)) for seq, _, index in logit_rows if seq.is_backend_sampled]
         greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
         if greedy:
-            logits = self.runner.logits(len(logit_rows))
+            logits = self.runner.logits(num_rows)
             masked = [row for seq, row in greedy if seq.params.ignore_eos]
             token_ids = greedy_rows(logits, [row for _, row in greedy], masked, self.runner.eog_ids)
             sampled += [(seq, int(t)) for (seq, _), t in zip(greedy, token_ids)]
         for seq, row, index in logit_rows:
             if seq.sampler is not None and not seq.is_backend_sampled:
                 if seq.num_output_tokens < seq.params.min_tokens:
-                    suppress_eog(self.runner.logits(len(logit_rows)), row, self.runner.eog_ids)
+                    suppress_eog(self.runner.logits(num_rows), row, self.runner.eog_ids)
                 sampled.append((seq, sample_with_chain(seq.sampler, self.runner.ctx, index)))
         return sampled
 
-    def _rows_before_masking(self, spans: list[BatchSpan]) -> dict[int, np.ndarray]:
+    def _rows_before_masking(self, logit_rows: list[tuple[Sequence, int, int]]) -> dict[int, np.ndarray]:
         """request id -> a copy of its logit row, for the requests that ask for logprobs and
         whose end-of-generation logits _sample() is about to overwrite with -inf (ignore_eos
         when greedy, min_tokens not reached): logprobs are the raw row's."""
-        logit_seqs = [span.seq for span in spans if span.wants_logits]
-        masked = [(row, seq) for row, seq in enumerate(logit_seqs) if seq.params.logprobs is not None
+        masked = [(row, seq) for seq, row, _ in logit_rows if seq.params.logprobs is not None
                   and (seq.params.ignore_eos if seq.sampler is None else seq.num_output_tokens < seq.params.min_tokens)]
         if not masked:
             return {}
-        logits = self.runner.logits(len(logit_seqs))
+        logits = self.runner.logits(_num_rows(logit_rows))
         return {seq.request_id: logits[row].copy() for row, seq in masked}
 
-    def _logprobs(self, spans: list[BatchSpan], sampled: list[tuple[Sequence, int]],
+    def _logprobs(self, logit_rows: list[tuple[Sequence, int, int]], sampled: list[tuple[Sequence, int]],
                   raw_rows: dict[int, np.ndarray]) -> dict[int, list]:
         """request id -> the logprobs entry of its sampled token, for the requests that asked."""
         asking = [(seq, token) for seq, token in sampled if seq.params.logprobs is not None]
         if not asking:
             return {}
-        logit_seqs = [span.seq for span in spans if span.wants_logits]
-        logits = self.runner.logits(len(logit_seqs))
-        row_of = {seq.request_id: row for row, seq in enumerate(logit_seqs)}
+        logits = self.runner.logits(_num_rows(logit_rows))
+        row_of = {seq.request_id: row for seq, row, _ in logit_rows}
         return {seq.request_id: token_logprobs(raw_rows.get(seq.request_id, logits[row_of[seq.request_id]]), token,
                                                seq.params.logprobs, self.runner.token_piece) for seq, token in asking}
 
@@ -255,6 +262,10 @@ class Engine:
             self._free_sampler(seq)
         self._seqs.clear()
         self.runner.close()
+
+
+def _num_rows(logit_rows: list[tuple[Sequence, int, int]]) -> int:
+    return logit_rows[-1][1] + 1 if logit_rows else 0
 
 
 def run_engine_loop(engine: Engine, apply_pending: Callable[[bool], bool],

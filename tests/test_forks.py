@@ -1,0 +1,124 @@
+"""A request's `n` choices compute their prompt once, in both KV layouts: the first choice
+computes it and the others fork its KV (workers/engine/forks.py). Through real llama.cpp
+decode on the tiny model, then edge cases on the fake runner, then through the daemon."""
+
+import pytest
+
+from cbatch.config import EngineConfig
+from cbatch.params import expand_choices
+from cbatch.workers.engine.engine import Engine
+from enginekit import collect, generate, run_to_completion, submit
+from common import GREEDY
+from test_engine_cache import fake_engine
+
+LAYOUTS = pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
+SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+@pytest.fixture
+def make_engine(tiny_model_path):
+    engines = []
+
+    def make(**overrides):
+        settings = {"model_path": tiny_model_path, "parallel": 4, "ctx_size": 4 * 256, "batch_size": 64, **overrides}
+        engine = Engine(EngineConfig(**settings))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def prompt_of(engine, num_tokens: int) -> str:
+    """A prompt the engine's tokenizer makes exactly num_tokens tokens of."""
+    for length in range(1, 20 * num_tokens):
+        text = "".join("abcdefghij"[(i * 7) % 10] for i in range(length))
+        if len(engine.runner.tokenize(text)) == num_tokens:
+            return text
+    raise AssertionError(f"no prompt of {num_tokens} tokens")
+
+
+@LAYOUTS
+def test_four_choices_compute_a_30_token_prompt_once_and_match_a_single_request(make_engine, unified):
+    alone = make_engine(kv_unified=unified)
+    prompt = prompt_of(alone, 30)
+    (single,) = generate(alone, [{"prompt": prompt, "max_tokens": 12, **GREEDY}])
+    engine = make_engine(kv_unified=unified)
+    choices = generate(engine, expand_choices({"prompt": prompt, "n": 4, "max_tokens": 12, **GREEDY}))
+    assert [c.token_ids for c in choices] == [single.token_ids] * 4
+    assert all(c.usage == {"prompt_tokens": 30, "completion_tokens": 12} for c in choices)
+    stats = engine.snapshot()
+    assert (stats["prompt_tokens_computed"], stats["prompt_tokens_reused"]) == (30, 90)
+
+
+@LAYOUTS
+def test_each_forked_choice_samples_as_it_would_alone(make_engine, unified):
+    engine = make_engine(kv_unified=unified)
+    prompt = prompt_of(engine, 30)
+    bodies = expand_choices({"prompt": prompt, "n": 4, "seed": 11, "max_tokens": 16, **SAMPLED})
+    choices = generate(engine, bodies)
+    assert engine.snapshot()["prompt_tokens_computed"] == 30
+    alone = [generate(make_engine(kv_unified=unified), [body])[0] for body in bodies[:2]]
+    assert [c.token_ids for c in choices[:2]] == [a.token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in choices}) > 1, "each choice has its own seed"
+
+
+@LAYOUTS
+def test_a_choice_arriving_after_the_prompt_is_computed_computes_only_its_last_token(make_engine, unified):
+    engine = make_engine(kv_unified=unified)
+    prompt = prompt_of(engine, 30)
+    body = {"prompt": prompt, "max_tokens": 12, **GREEDY}
+    results: dict = {}
+    first = submit(engine, body)
+    collect(results, engine.step())  # the whole prompt, and the first token sampled
+    late = [submit(engine, body) for _ in range(3)]
+    run_to_completion(engine, results)
+    assert [results[i].token_ids for i in late] == [results[first].token_ids] * 3
+    assert engine.snapshot()["prompt_tokens_computed"] == 30 + 3
+
+
+@LAYOUTS
+def test_a_fork_that_cannot_share_the_row_computes_only_the_last_token(make_engine, unified):
+    """A greedy choice masking end-of-generation (ignore_eos) beside one that does not: the
+    masked row cannot serve both, so the second computes its last prompt token itself."""
+    engine = make_engine(kv_unified=unified)
+    prompt = prompt_of(engine, 30)
+    bodies = [{"prompt": prompt, "max_tokens": 6, **GREEDY}, {"prompt": prompt, "max_tokens": 6, "temperature": 0}]
+    masked, unmasked = generate(engine, bodies)
+    assert engine.snapshot()["prompt_tokens_computed"] == 30 + 1
+    (alone,) = generate(make_engine(kv_unified=unified), bodies[1:])
+    assert unmasked.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
+def test_cancelling_the_choice_that_computes_the_prompt_hands_it_to_a_waiting_one(unified):
+    """The prompt takes several steps (batch of 16 tokens); the first choice is cancelled
+    half way: its forks go back to the queue, one of them computes the prompt, and every
+    output is what it would have been."""
+    bodies = expand_choices({"prompt": "p" * 60, "n": 3, "max_tokens": 10, **GREEDY})
+    (expected,) = generate(fake_engine(prefix_cache=False), bodies[:1])
+    engine = fake_engine(unified=unified, batch_size=16)
+    ids = [submit(engine, body) for body in bodies]
+    results: dict = {}
+    collect(results, engine.step())
+    assert len(engine.scheduler.forks) == 2
+    engine.cancel(ids[0])
+    run_to_completion(engine, results)
+    assert results[ids[0]].finish_reason == "cancelled"
+    assert [results[i].token_ids for i in ids[1:]] == [expected.token_ids] * 2
+    assert engine.snapshot()["kv_cells_used"] <= engine.snapshot()["kv_cells_total"]
+
+
+def test_choices_through_the_daemon_compute_the_prompt_once(tiny_model_path, start_daemon):
+    """Client.generate(n=4) sends four requests; the engine may get the later ones after
+    the first computed the prompt, each then computing its last prompt token."""
+    daemon = start_daemon(tiny_model_path, "--parallel", "4")
+    with daemon.client(use_ring=False) as client:
+        before = client.stats()
+        completions = client.generate(prompt="abcdefghij" * 3, n=4, max_tokens=8, **GREEDY)
+        after = client.stats()
+    num_prompt = completions[0].usage["prompt_tokens"]
+    assert len({tuple(c.token_ids) for c in completions}) == 1
+    computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+    assert num_prompt <= computed <= num_prompt + 3
