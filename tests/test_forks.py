@@ -9,6 +9,7 @@ from cbatch.params import expand_choices
 from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
 from common import GREEDY
+from daemonkit import wait_until
 from test_engine_cache import fake_engine
 
 LAYOUTS = pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
@@ -65,17 +66,22 @@ def test_each_forked_choice_samples_as_it_would_alone(make_engine, unified):
 
 
 @LAYOUTS
-def test_a_choice_arriving_after_the_prompt_is_computed_computes_only_its_last_token(make_engine, unified):
+@pytest.mark.parametrize("steps_before, num_computed", [(1, 30), (2, 30 + 3)], ids=["next-step", "later"])
+def test_choices_arriving_after_the_prompt_is_computed(make_engine, unified, steps_before, num_computed):
+    """Arriving between the step that computed the prompt and the next decode, a choice
+    samples from the first choice's logits row (still in llama.cpp's buffer) and computes
+    nothing; arriving later still, it computes only the last prompt token."""
     engine = make_engine(kv_unified=unified)
     prompt = prompt_of(engine, 30)
     body = {"prompt": prompt, "max_tokens": 12, **GREEDY}
     results: dict = {}
     first = submit(engine, body)
-    collect(results, engine.step())  # the whole prompt, and the first token sampled
+    for _ in range(steps_before):  # the whole prompt and the first token, then one more token
+        collect(results, engine.step())
     late = [submit(engine, body) for _ in range(3)]
     run_to_completion(engine, results)
     assert [results[i].token_ids for i in late] == [results[first].token_ids] * 3
-    assert engine.snapshot()["prompt_tokens_computed"] == 30 + 3
+    assert engine.snapshot()["prompt_tokens_computed"] == num_computed
 
 
 @LAYOUTS
@@ -111,12 +117,15 @@ def test_cancelling_the_choice_that_computes_the_prompt_hands_it_to_a_waiting_on
 
 
 def test_choices_through_the_daemon_compute_the_prompt_once(tiny_model_path, start_daemon):
-    """Client.generate(n=4) sends four requests; the engine may get the later ones after
-    the first computed the prompt, each then computing its last prompt token."""
+    """Client.generate(n=4) sends four requests; the worker gets the later ones during or
+    after the step that computes the first one's prompt. Each shares the first one's row
+    then; one that came later still would compute its last prompt token."""
     daemon = start_daemon(tiny_model_path, "--parallel", "4")
     with daemon.client(use_ring=False) as client:
         before = client.stats()
-        completions = client.generate(prompt="abcdefghij" * 3, n=4, max_tokens=8, **GREEDY)
+        completions = client.generate(prompt="abcdefghij" * 3, n=4, max_tokens=64, **GREEDY)
+        # the worker reports its stats between steps: wait for the report of the last one
+        wait_until(lambda: client.stats()["requests_ended"] == before["requests_ended"] + 4, timeout_s=10.0)
         after = client.stats()
     num_prompt = completions[0].usage["prompt_tokens"]
     assert len({tuple(c.token_ids) for c in completions}) == 1

@@ -47,6 +47,7 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._cancel_ids: set[int] = set()
         self._eog_set = frozenset(int(t) for t in self.runner.eog_ids)
+        self._last_rows: list[tuple[Sequence, int, int]] = []  # the last decode's, while its logits last
 
     @property
     def ctx_per_seq(self) -> int:
@@ -106,8 +107,11 @@ class Engine:
         events = [self._finish(self._seqs[i], FinishReason.CANCELLED) for i in self._cancel_ids]
         self._cancel_ids.clear()
         spans = self.scheduler.schedule()
+        fork_rows, forked = self._sample_forks_from_last_rows()
+        events += self._postprocess([], forked, self._logprobs(fork_rows, _num_rows(self._last_rows), forked, {}))
         if not spans:
             return events
+        self._last_rows = []  # the decode overwrites llama.cpp's logits
         spans, llama_decode_s, status = self._decode(spans)
         if status != 0:
             message = (
@@ -120,13 +124,27 @@ class Engine:
         num_decode_seqs = sum(1 for c in spans if c.num_tokens == 1 and c.wants_logits)
         num_batch_tokens = sum(c.num_tokens for c in spans)
         num_prompt_tokens = sum(max(0, min(c.start + c.num_tokens, c.seq.num_prompt_tokens) - c.start) for c in spans)
-        rows = self._output_rows(spans)
+        rows = self.scheduler.output_rows(spans)
         raw_rows = self._rows_before_masking(rows)
-        sampled = self._sample(spans, rows)
-        events += self._postprocess(spans, sampled, self._logprobs(rows, sampled, raw_rows))
+        for span in spans:
+            self.scheduler.on_computed(span)
+        sampled = self._sample(rows, _num_rows(rows))
+        events += self._postprocess(spans, sampled, self._logprobs(rows, _num_rows(rows), sampled, raw_rows))
+        self._last_rows = rows
         self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_batch_tokens, num_prompt_tokens,
-                               num_decode_seqs, len(sampled))
+                               num_decode_seqs, len(sampled) + len(forked))
         return events
+
+    def _sample_forks_from_last_rows(self) -> tuple[list[tuple[Sequence, int, int]], list[tuple[Sequence, int]]]:
+        """Forks just admitted whose parent sampled its first token in the last decode sample
+        theirs from that row, before this step's decode overwrites it (forks.py)."""
+        rows = []
+        for parent, fork in self.scheduler.take_row_forks():
+            row = next(((r, index) for seq, r, index in self._last_rows if seq is parent), None)
+            self.scheduler.complete_fork(parent, fork, shares_row=row is not None)
+            if row is not None:
+                rows.append((fork, *row))
+        return rows, self._sample(rows, _num_rows(self._last_rows)) if rows else []
 
     def _decode(self, spans: list[BatchSpan]) -> tuple[list[BatchSpan], float, int]:
         """llama_decode; when the KV cache has no room, preempt the newest sequence
@@ -145,22 +163,7 @@ class Engine:
             if not spans:
                 return spans, decode_s, 0
 
-    def _output_rows(self, spans: list[BatchSpan]) -> list[tuple[Sequence, int, int]]:
-        """(seq, row in logits, batch index) of every sequence that samples this step: each
-        span reaching its last known token has a row, which the forks waiting for that
-        prompt share (before on_computed, which forks them)."""
-        batch_index, num_rows, rows = -1, 0, []
-        for span in spans:
-            batch_index += span.num_tokens
-            if span.wants_logits:
-                rows += [(seq, num_rows, batch_index) for seq in (span.seq, *self.scheduler.row_sharers(span))]
-                num_rows += 1
-        return rows
-
-    def _sample(self, spans: list[BatchSpan], logit_rows: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int]]:
-        for span in spans:
-            self.scheduler.on_computed(span)
-        num_rows = _num_rows(logit_rows)
+    def _sample(self, logit_rows: list[tuple[Sequence, int, int]], num_rows: int) -> list[tuple[Sequence, int]]:
         sampled = [(seq, self.runner.sampled_token(index)) for seq, _, index in logit_rows if seq.is_backend_sampled]
         greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
         if greedy:
@@ -186,13 +189,13 @@ class Engine:
         logits = self.runner.logits(_num_rows(logit_rows))
         return {seq.request_id: logits[row].copy() for row, seq in masked}
 
-    def _logprobs(self, logit_rows: list[tuple[Sequence, int, int]], sampled: list[tuple[Sequence, int]],
+    def _logprobs(self, logit_rows: list[tuple[Sequence, int, int]], num_rows: int, sampled: list[tuple[Sequence, int]],
                   raw_rows: dict[int, np.ndarray]) -> dict[int, list]:
         """request id -> the logprobs entry of its sampled token, for the requests that asked."""
         asking = [(seq, token) for seq, token in sampled if seq.params.logprobs is not None]
         if not asking:
             return {}
-        logits = self.runner.logits(_num_rows(logit_rows))
+        logits = self.runner.logits(num_rows)
         row_of = {seq.request_id: row for seq, row, _ in logit_rows}
         return {seq.request_id: token_logprobs(raw_rows.get(seq.request_id, logits[row_of[seq.request_id]]), token,
                                                seq.params.logprobs, self.runner.token_piece) for seq, token in asking}

@@ -30,6 +30,16 @@ def can_share_row(parent: Sequence, fork: Sequence) -> bool:
             and masks_eog_at_first_sample(parent) == masks_eog_at_first_sample(fork))
 
 
+def can_share_last_row(parent: Sequence, fork: Sequence) -> bool:
+    """May `fork` sample its first token from the row `parent` sampled its own first token
+    from, in the last decode? Only while that decode's logits last (no decode since: the
+    parent has not fed its first token), and only if the row needs no copy from before
+    its masking (logprobs of a masked row are the raw row's)."""
+    return (parent.num_output_tokens == 1 and parent.num_cached == parent.num_prompt_tokens
+            and can_share_row(parent, fork)
+            and not (fork.params.logprobs is not None and masks_eog_at_first_sample(fork)))
+
+
 class PendingForks:
     """The forks waiting for a prefilling parent, in arrival order."""
 

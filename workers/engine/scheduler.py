@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.wording import counted
-from cbatch.workers.engine.forks import PendingForks, can_share_row, find_parent
+from cbatch.workers.engine.forks import PendingForks, can_share_last_row, can_share_row, find_parent
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, KVManager
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
@@ -56,10 +56,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.forks = PendingForks()  # admitted, waiting for a running sequence's prompt
+        self.row_forks: list[tuple[Sequence, Sequence]] = []  # (parent, fork): see take_row_forks
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or len(self.forks))
+        return bool(self.waiting or self.running or len(self.forks) or self.row_forks)
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -91,12 +92,32 @@ class Scheduler:
         spans.sort(key=lambda c: c.seq.seq_id)
         return spans
 
-    def row_sharers(self, span: BatchSpan) -> list[Sequence]:
-        """The forks that sample their first token from this span's logits row (computed
-        before on_computed, which forks them)."""
-        if not (span.wants_logits and span.seq.is_prefilling):
-            return []
-        return [fork for fork in self.forks.of(span.seq) if can_share_row(span.seq, fork)]
+    def output_rows(self, spans: list[BatchSpan]) -> list[tuple[Sequence, int, int]]:
+        """(seq, row in logits, batch index) of every sequence that samples after this
+        step's decode: each span reaching its last known token has a row, which the forks
+        waiting for that prompt share (asked before on_computed, which forks them)."""
+        batch_index, num_rows, rows = -1, 0, []
+        for span in spans:
+            batch_index += span.num_tokens
+            if span.wants_logits:
+                forks = self.forks.of(span.seq) if span.seq.is_prefilling else []
+                sharers = [fork for fork in forks if can_share_row(span.seq, fork)]
+                rows += [(seq, num_rows, batch_index) for seq in (span.seq, *sharers)]
+                num_rows += 1
+        return rows
+
+    def take_row_forks(self) -> list[tuple[Sequence, Sequence]]:
+        """(parent, fork) admitted this step to sample from the parent's logits row of the
+        last decode; the caller samples each and calls complete_fork. A fork whose parent
+        was preempted since goes back to the queue."""
+        pairs, self.row_forks = self.row_forks, []
+        for parent, fork in pairs:
+            if parent.seq_id is None:
+                self._requeue(fork)
+        return [(parent, fork) for parent, fork in pairs if parent.seq_id is not None]
+
+    def complete_fork(self, parent: Sequence, fork: Sequence, shares_row: bool) -> None:
+        self._fork(parent, fork, fork.num_prompt_tokens - (not shares_row))
 
     def on_computed(self, span: BatchSpan) -> None:
         """The step computed the span's tokens: a sequence whose prompt is now computed
@@ -139,9 +160,12 @@ class Scheduler:
         """The parent ended or was preempted before its prompt was computed: its forks go
         back to the head of the queue (the first of them then computes the prompt)."""
         for fork in reversed(self.forks.take(parent)):
-            self.kv.release(fork.seq_id, fork.token_slice, 0, False)
-            fork.seq_id, fork.num_cached, fork.status = None, 0, SeqStatus.WAITING
-            self.waiting.appendleft(fork)
+            self._requeue(fork)
+
+    def _requeue(self, fork: Sequence) -> None:
+        self.kv.release(fork.seq_id, fork.token_slice, 0, False)
+        fork.seq_id, fork.num_cached, fork.status = None, 0, SeqStatus.WAITING
+        self.waiting.appendleft(fork)
 
     def _fork(self, parent: Sequence, fork: Sequence, num_tokens: int) -> None:
         """`fork` (admitted, nothing computed) takes the parent's first `num_tokens`
@@ -154,7 +178,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         passed_over = []  # each keeps a slot: later arrivals must not take all of them
-        while self.waiting and len(self.running) + len(self.forks) + len(passed_over) < self.max_running:
+        num_forks = len(self.forks)
+        while self.waiting and len(self.running) + num_forks + len(self.row_forks) + len(passed_over) < self.max_running:
             seq = self.waiting.popleft()
             parent = find_parent(seq, self.running) if self.kv.enable_prefix_cache else None
             if parent is None and self._is_prefilled_elsewhere(seq):
@@ -171,6 +196,10 @@ class Scheduler:
             elif parent.is_prefilling:
                 seq.status = SeqStatus.FORKING
                 self.forks.add(parent, seq)
+                num_forks += 1
+            elif can_share_last_row(parent, seq):
+                seq.status = SeqStatus.FORKING
+                self.row_forks.append((parent, seq))
             else:
                 self._fork(parent, seq, seq.num_prompt_tokens - 1)
         self.waiting.extendleft(reversed(passed_over))
