@@ -2,6 +2,8 @@
 computes it and the others fork its KV (workers/engine/forks.py). Through real llama.cpp
 decode on the tiny model, then edge cases on the fake runner, then through the daemon."""
 
+import random
+
 import pytest
 
 from cbatch.config import EngineConfig
@@ -21,7 +23,8 @@ def make_engine(tiny_model_path):
     engines = []
 
     def make(**overrides):
-        settings = {"model_path": tiny_model_path, "parallel": 4, "ctx_size": 4 * 256, "batch_size": 64, **overrides}
+        settings = {"model_path": tiny_model_path, "parallel": 4, "ctx_size": 4 * 256, "batch_size": 64,
+                    "backend_sampling": False, **overrides}
         engine = Engine(EngineConfig(**settings))
         engines.append(engine)
         return engine
@@ -95,6 +98,60 @@ def test_a_fork_that_cannot_share_the_row_computes_only_the_last_token(make_engi
     assert engine.snapshot()["prompt_tokens_computed"] == 30 + 1
     (alone,) = generate(make_engine(kv_unified=unified), bodies[1:])
     assert unmasked.token_ids == alone.token_ids
+
+
+def test_backend_sampled_choices_compute_only_their_last_prompt_token(make_engine):
+    """A row sampled in llama.cpp's graph is not kept on the host: each fork copies all but
+    the last prompt token and computes that one itself."""
+    prompt = prompt_of(make_engine(), 30)
+    (single,) = generate(make_engine(), [{"prompt": prompt, "max_tokens": 12, **GREEDY}])
+    engine = make_engine(backend_sampling=True)
+    choices = generate(engine, expand_choices({"prompt": prompt, "n": 4, "max_tokens": 12, **GREEDY}))
+    assert [c.token_ids for c in choices] == [single.token_ids] * 4
+    assert engine.snapshot()["prompt_tokens_computed"] == 30 + 3
+
+
+def test_forked_choices_report_the_logprobs_of_a_single_request(make_engine):
+    prompt = prompt_of(make_engine(), 30)
+    body = {"prompt": prompt, "max_tokens": 4, "logprobs": 3, **GREEDY}
+    (single,) = generate(make_engine(), [body])
+    engine = make_engine()
+    choices = generate(engine, [body] * 3)
+    assert engine.snapshot()["prompt_tokens_computed"] == 30
+    assert all(c.chunks == single.chunks and c.token_ids == single.token_ids for c in choices)
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
+def test_choices_in_a_small_pool_compute_each_prompt_once_and_keep_every_output(unified):
+    """Groups of identical prompts among others, in a pool too small for all of them
+    (preemption, eviction, forks going back to the queue): every output is unchanged."""
+    rng = random.Random(5)
+    bodies = []
+    for _ in range(30):
+        prompt = "".join(rng.choice("abcdefgh") for _ in range(rng.randrange(1, 90)))
+        bodies += expand_choices({"prompt": prompt, "n": rng.choice([1, 2, 4]), "max_tokens": rng.randrange(1, 40),
+                                  **GREEDY})
+    expected = generate(fake_engine(prefix_cache=False), bodies)
+    engine = fake_engine(unified=unified, num_cells=4 * 128, cache_tokens=4 * 64, batch_size=32)
+    assert [r.token_ids for r in generate(engine, bodies)] == [r.token_ids for r in expected]
+    # each distinct prompt computed once, plus at most its last token per other choice
+    prompts = {body["prompt"] for body in bodies}
+    assert engine.snapshot()["prompt_tokens_computed"] <= sum(map(len, prompts)) + len(bodies) - len(prompts)
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
+def test_a_parent_preempted_before_its_prompt_is_computed_takes_its_forks_back_to_the_queue(unified):
+    """No KV room at the decode (the fake runner says so): the newest sequence, the first
+    choice, goes back to the queue, its forks behind it; the prompt is then computed once."""
+    other = {"prompt": "z" * 5, "max_tokens": 30, **GREEDY}
+    bodies = expand_choices({"prompt": "p" * 60, "n": 3, "max_tokens": 10, **GREEDY})
+    expected = generate(fake_engine(prefix_cache=False), [other, *bodies])
+    engine = fake_engine(unified=unified, batch_size=16)
+    ids = [submit(engine, body) for body in [other, *bodies]]
+    engine.runner.fail_next = [1]
+    results = run_to_completion(engine)
+    assert [results[i].token_ids for i in ids] == [r.token_ids for r in expected]
+    assert engine.snapshot()["prompt_tokens_computed"] == 5 + 60
 
 
 @pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
