@@ -8,8 +8,11 @@ prompt tokens (a fork) copies the parent's KV instead of computing it:
   parent's logits row with its own sampler, in that same step. A fork that cannot share
   the row (see `can_share_row`) copies all but the last prompt token and computes that
   one token itself in the next step;
-- a fork that arrives once the parent's prompt is computed copies all but the last prompt
-  token of it at admission, and computes that one token itself.
+- a fork admitted after that step but before the next decode finds the parent's row still
+  in llama.cpp's logits buffer: it copies the whole prompt and samples from that row before
+  the decode (the engine does, `Scheduler.take_row_forks`);
+- a fork admitted later still copies all but the last prompt token at admission, and
+  computes that one token itself.
 The row is shared only by sequences whose first sample reads it the same way: both
 sampled on the host (a row sampled in llama.cpp's graph is not kept on the host), and
 the same end-of-generation masking, which writes into the row.

@@ -121,7 +121,7 @@ class Scheduler:
 
     def on_computed(self, span: BatchSpan) -> None:
         """The step computed the span's tokens: a sequence whose prompt is now computed
-        samples from here on, and so do its forks that share its row (row_sharers)."""
+        samples from here on, and so do its forks that share its row (output_rows)."""
         seq = span.seq
         seq.num_cached += span.num_tokens
         self.kv.commit(seq.seq_id, seq.token_slice, seq.num_cached)
