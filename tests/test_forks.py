@@ -188,3 +188,20 @@ def test_choices_through_the_daemon_compute_the_prompt_once(tiny_model_path, sta
     assert len({tuple(c.token_ids) for c in completions}) == 1
     computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
     assert num_prompt <= computed <= num_prompt + 3
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
+def test_cancelling_a_waiting_fork_frees_its_slot_and_leaves_the_others_alone(unified):
+    bodies = expand_choices({"prompt": "p" * 60, "n": 3, "max_tokens": 10, **GREEDY})
+    (expected,) = generate(fake_engine(prefix_cache=False), bodies[:1])
+    engine = fake_engine(unified=unified, batch_size=16)
+    ids = [submit(engine, body) for body in bodies]
+    results: dict = {}
+    collect(results, engine.step())
+    engine.cancel(ids[1])
+    collect(results, engine.step())
+    assert len(engine.scheduler.forks) == 1 and results[ids[1]].finish_reason == "cancelled"
+    run_to_completion(engine, results)
+    assert [results[i].token_ids for i in (ids[0], ids[2])] == [expected.token_ids] * 2
+    assert engine.snapshot()["prompt_tokens_computed"] == 60
+    assert engine.snapshot()["kv_cells_used"] == engine.scheduler.kv.num_cells_evictable
