@@ -58,6 +58,10 @@ class Engine:
         self._decode_s = 0.0  # this step's time in llama_decode (or waiting for it)
         self._step_counts = (0, 0, 0, 0)  # see EngineStats.record_step
         self._deferred_frees: list[Sequence] = []  # ended while their batch decoded
+        self.scheduler.is_last_row_kept = not self.is_overlapped
+        # The last decode's output rows while llama.cpp still holds them (forks.py).
+        self._last_rows: list[tuple[Sequence, int, int]] = []
+        self._last_num_outputs = 0
 
     @property
     def ctx_per_seq(self) -> int:
@@ -127,7 +131,7 @@ class Engine:
         events = []
         if self._in_flight is None:
             events += self._apply_cancels()
-            self._launch()
+            events += self._launch()
             if self._in_flight is None:
                 return events
         spans, status = self._wait()
@@ -144,19 +148,41 @@ class Engine:
         self.stats.record_step(time.perf_counter() - started, llama_decode_s, *self._step_counts)
         return events
 
-    def _launch(self) -> None:
-        """Schedule the next batch and start decoding it (to completion, without overlap)."""
+    def _launch(self) -> list[TokenEvent]:
+        """Schedule the next batch and start decoding it (to completion, without overlap).
+        Returns the events of forks that sampled from the last decode's rows first."""
         spans = self.scheduler.schedule()
+        events = self._sample_row_forks() if self.scheduler.row_forks else []
         self._in_flight = spans or None
         if not spans:
-            return
+            return events
         self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
         t0 = time.perf_counter()
         if self.is_overlapped:
             self.runner.start_decode(spans)  # its status comes with wait_decode()
         else:
+            self._last_rows = []  # the decode overwrites llama.cpp's logits
             self._status = self.runner.decode(spans)
         self._decode_s = time.perf_counter() - t0
+        return events
+
+    def _sample_row_forks(self) -> list[TokenEvent]:
+        """Forks just admitted whose parent sampled its first token in the last decode
+        sample theirs from that row, before the next decode overwrites it (forks.py)."""
+        row_of = {id(seq): (row, index) for seq, row, index in self._last_rows}
+        logit_rows = []
+        for parent, fork in self.scheduler.take_row_forks():
+            row = row_of.get(id(parent))
+            self.scheduler.complete_fork(parent, fork, shares_row=row is not None)
+            if row is not None:
+                logit_rows.append((fork, *row))
+        if not logit_rows:
+            return []
+        sampled, logprobs = self._sampler.sample(logit_rows, self._last_num_outputs)
+        self.stats.num_generated_tokens += len(sampled)
+        events = []
+        to_text = self._settle(sampled, logprobs, events)
+        return events + self._postprocess(to_text, logprobs)
 
     def _wait(self) -> tuple[list[BatchSpan], int]:
         """The batch in flight, decoded; its sequences' deferred sampler frees then run.
@@ -206,13 +232,17 @@ class Engine:
             num_prompt_tokens += max(0, min(start + num_tokens, seq.num_prompt_tokens) - start)
             is_sampled = span.wants_logits  # before the span counts as computed
             if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.on_computed(span)
+                sharers = self.scheduler.row_sharers(seq) if is_sampled else ()
+                self.scheduler.on_computed(span)  # forks the sharers
                 if is_sampled:
                     logit_rows.append((seq, num_outputs, batch_index))
+                    logit_rows += [(fork, num_outputs, batch_index) for fork in sharers]
             if is_sampled:
                 num_outputs += 1
                 num_decode_seqs += num_tokens == 1
         sampled, logprobs = self._sampler.sample(logit_rows, num_outputs)
+        if self.scheduler.is_last_row_kept:
+            self._last_rows, self._last_num_outputs = logit_rows, num_outputs
         self._step_counts = (num_batch_tokens, num_prompt_tokens, num_decode_seqs, len(sampled))
         return sampled, logprobs
 

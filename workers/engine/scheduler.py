@@ -4,6 +4,8 @@ Policy:
 - admission is FIFO into at most `max_running` running sequences, each given a KV
   sequence id holding its longest cached prefix by the KV manager, which reserves cells
   for the rest of its tokens (evicting cached prefixes first) or says there is no room;
+- a sequence whose exact prompt a running one computes or has computed forks it instead
+  (forks.py): it copies that KV, so a request's `n` choices compute their prompt once;
 - fairness: a waiting request is passed over (keeping its place at the head, and a slot
   kept free for it) only while a running sequence is computing the very block of its
   prompt that it would reuse next, and only when the KV manager will really reuse that
@@ -23,6 +25,7 @@ from operator import attrgetter
 
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.wording import counted
+from cbatch.workers.engine.forks import PendingForks, can_share_last_row, can_share_row, find_parent
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, KVManager
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
@@ -56,10 +59,15 @@ class Scheduler:
         self.max_queue = max_queue
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.forks = PendingForks()  # admitted, waiting for a running sequence's prompt
+        self.row_forks: list[tuple[Sequence, Sequence]] = []  # (parent, fork): see take_row_forks
+        # Whether llama.cpp's logits of the last decode are still there when the next batch
+        # is scheduled: not with overlap, where the next decode is queued at once.
+        self.is_last_row_kept = True
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or len(self.forks) or self.row_forks)
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -96,24 +104,51 @@ class Scheduler:
         spans.sort(key=_SPAN_SEQ_ID)
         return spans
 
+    def row_sharers(self, seq: Sequence) -> list[Sequence]:
+        """The forks that sample their first token from `seq`'s logits row of the step that
+        computes its last prompt token (asked before on_computed, which forks them)."""
+        if not seq.is_prefilling:
+            return []
+        return [fork for fork in self.forks.of(seq) if can_share_row(seq, fork)]
+
+    def take_row_forks(self) -> list[tuple[Sequence, Sequence]]:
+        """(parent, fork) admitted this step to sample from the parent's logits row of the
+        last decode; the caller samples each and calls complete_fork. A fork whose parent
+        was preempted since goes back to the queue."""
+        pairs, self.row_forks = self.row_forks, []
+        for parent, fork in pairs:
+            if parent.seq_id is None:
+                self._requeue(fork)
+        return [(parent, fork) for parent, fork in pairs if parent.seq_id is not None]
+
+    def complete_fork(self, parent: Sequence, fork: Sequence, shares_row: bool) -> None:
+        self._fork(parent, fork, fork.num_prompt_tokens - (not shares_row))
+
     def on_computed(self, span: BatchSpan) -> None:
         """The step computed the span's tokens: a sequence whose prompt is now computed
-        samples from here on."""
+        samples from here on, and so do its forks that share its row (row_sharers)."""
         seq = span.seq
         seq.num_cached += span.num_tokens
         self.kv.commit(seq.seq_id, seq.token_slice, seq.num_cached)
         if seq.status is SeqStatus.PREFILLING and span.wants_logits:
             seq.status = SeqStatus.DECODING
+            for fork in self.forks.take(seq):
+                self._fork(seq, fork, seq.num_prompt_tokens - (not can_share_row(seq, fork)))
 
     def finish(self, seq: Sequence, keep_cached: bool) -> None:
         """Drop a sequence from the queue or the running set. A running one's KV stays
         cached for later prompts when `keep_cached` (it is known to be sound)."""
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.FORKING:
+            self.forks.remove(seq)
+            self.kv.release(seq.seq_id, seq.token_slice, 0, False)
+            seq.seq_id = None
         else:
             self.running.remove(seq)
             self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
             seq.seq_id = None
+            self._requeue_forks(seq)
         seq.status = SeqStatus.FINISHED
 
     def preempt_newest(self) -> Sequence:
@@ -122,23 +157,56 @@ class Scheduler:
         seq = self.running.pop()
         self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, False)
         seq.seq_id, seq.num_cached, seq.status = None, 0, SeqStatus.WAITING
+        self._requeue_forks(seq)
         self.waiting.appendleft(seq)
         return seq
 
+    def _requeue_forks(self, parent: Sequence) -> None:
+        """The parent ended or was preempted before its prompt was computed: its forks go
+        back to the head of the queue (the first of them then computes the prompt)."""
+        for fork in reversed(self.forks.take(parent)):
+            self._requeue(fork)
+
+    def _requeue(self, fork: Sequence) -> None:
+        self.kv.release(fork.seq_id, fork.token_slice, 0, False)
+        fork.seq_id, fork.num_cached, fork.status = None, 0, SeqStatus.WAITING
+        self.waiting.appendleft(fork)
+
+    def _fork(self, parent: Sequence, fork: Sequence, num_tokens: int) -> None:
+        """`fork` (admitted, nothing computed) takes the parent's first `num_tokens`
+        positions, which hold its prompt (all of it, or all but the last token)."""
+        if num_tokens:
+            self.kv.fork(parent.seq_id, fork.seq_id, num_tokens)
+        fork.num_cached = num_tokens
+        fork.status = SeqStatus.DECODING  # at most the last prompt token left to compute
+        self.running.append(fork)
+
     def _admit(self) -> None:
         passed_over = []  # each keeps a slot: later arrivals must not take all of them
-        while self.waiting and len(self.running) + len(passed_over) < self.max_running:
+        num_forks = len(self.forks)
+        while self.waiting and len(self.running) + num_forks + len(self.row_forks) + len(passed_over) < self.max_running:
             seq = self.waiting.popleft()
-            if self._is_prefilled_elsewhere(seq):
+            parent = find_parent(seq, self.running) if self.kv.enable_prefix_cache else None
+            if parent is None and self._is_prefilled_elsewhere(seq):
                 passed_over.append(seq)
                 continue
-            placed = self.kv.admit(seq.token_slice, seq.num_tokens)
+            placed = self.kv.admit(seq.token_slice, seq.num_tokens, reuse=parent is None)
             if placed is None:
                 self.waiting.appendleft(seq)
                 break
             seq.seq_id, seq.num_cached = placed
-            seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING
-            self.running.append(seq)
+            if parent is None:
+                seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING
+                self.running.append(seq)
+            elif parent.is_prefilling:
+                seq.status = SeqStatus.FORKING
+                self.forks.add(parent, seq)
+                num_forks += 1
+            elif self.is_last_row_kept and can_share_last_row(parent, seq):
+                seq.status = SeqStatus.FORKING
+                self.row_forks.append((parent, seq))
+            else:
+                self._fork(parent, seq, seq.num_prompt_tokens - 1)
         self.waiting.extendleft(reversed(passed_over))
 
     def _is_prefilled_elsewhere(self, seq: Sequence) -> bool:

@@ -12,13 +12,18 @@ class SeqStatus(enum.Enum):
     """Where a sequence is; the scheduler makes every transition.
 
     WAITING -> PREFILLING (admitted with more than its last token to compute) or DECODING
+    WAITING -> FORKING (admitted while a running sequence prefills the same prompt: it
+               holds a KV id and waits to copy that KV, see forks.py)
     PREFILLING -> DECODING (its last prompt token computed: it samples from now on)
+    FORKING -> DECODING (the parent's prompt is computed and copied)
     PREFILLING / DECODING -> WAITING (preempted: recomputed on re-admission)
+    FORKING -> WAITING (its parent ended or was preempted first)
     any -> FINISHED
     """
 
     WAITING = "waiting"
     PREFILLING = "prefilling"
+    FORKING = "forking"
     DECODING = "decoding"
     FINISHED = "finished"
 

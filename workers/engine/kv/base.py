@@ -59,8 +59,14 @@ class KVManager(Protocol):
     def num_reusable(self, token_slice: TokenSlice, num_tokens: int) -> int:
         """How many leading tokens an admission now would reuse."""
 
-    def admit(self, token_slice: TokenSlice, num_tokens: int) -> tuple[int, int] | None:
-        """(sequence id, tokens reused) for a new sequence, or None when there is no room."""
+    def admit(self, token_slice: TokenSlice, num_tokens: int, reuse: bool = True) -> tuple[int, int] | None:
+        """(sequence id, tokens reused) for a new sequence, or None when there is no room.
+        Without `reuse` nothing cached is reused (a fork: its KV is copied later)."""
+
+    def fork(self, src_seq_id: int, dst_seq_id: int, num_tokens: int) -> None:
+        """dst, admitted with nothing reused or computed, takes positions [0, num_tokens)
+        of running src (their cells shared where the layout can), and keeps room for the
+        tokens it was admitted with."""
 
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Room for positions [0, num_tokens) of a running sequence; False when none."""

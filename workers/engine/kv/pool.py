@@ -98,11 +98,12 @@ class KVCacheManager:
         token to compute (its logits give the first sample)."""
         return BLOCK_TOKENS * len(self._match(token_slice, num_tokens))
 
-    def admit(self, token_slice: TokenSlice, num_tokens: int) -> tuple[int, int] | None:
+    def admit(self, token_slice: TokenSlice, num_tokens: int, reuse: bool = True) -> tuple[int, int] | None:
         """Give a sequence of `num_tokens` tokens a KV sequence id holding its longest
-        cached prefix, with cells reserved for the rest. Returns (seq_id, tokens reused),
-        or None (and changes nothing) when the pool cannot make room even by eviction."""
-        path = self._match(token_slice, num_tokens)
+        cached prefix (with `reuse`), with cells reserved for the rest. Returns (seq_id,
+        tokens reused), or None (and changes nothing) when the pool cannot make room even
+        by eviction."""
+        path = self._match(token_slice, num_tokens) if reuse else []
         source = self._owner_of(path[-1].block) if path else None
         shared = source.blocks[: len(path)] if source else []
         pinned = sum(b.size for b in shared if b.num_running_owners == 0)
@@ -134,6 +135,27 @@ class KVCacheManager:
         assert is_reserved, "room was checked above"
         self.num_tokens_reused += BLOCK_TOKENS * len(shared)
         return holder.seq_id, BLOCK_TOKENS * len(shared)
+
+    def fork(self, src_seq_id: int, dst_seq_id: int, num_tokens: int) -> None:
+        """dst (admitted, nothing computed) gives back the cells it reserved and shares
+        src's full blocks within [0, num_tokens). The cells of a partial last block are
+        shared too in llama.cpp, but counted as dst's own: the count errs on the safe side
+        (a block is filled by one holder only), and the cells dst gave back cover them."""
+        src, dst = self._holders[src_seq_id], self._holders[dst_seq_id]
+        num_reserved = dst.num_tokens
+        self._drop_blocks(dst, 0)
+        shared = src.blocks[: num_tokens // BLOCK_TOKENS]
+        for block in shared:
+            self._change(block, dst, +1)
+        dst.blocks = list(shared)
+        dst.num_tokens = BLOCK_TOKENS * len(shared)
+        dst.num_indexed, dst.can_index = min(src.num_indexed, len(shared)), src.can_index
+        self.ops.append((OP_COPY, src_seq_id, dst_seq_id, 0, num_tokens))
+        if dst.pin_id is not None and dst.num_indexed:
+            self.ops.append((OP_COPY, src_seq_id, dst.pin_id, 0, dst.num_indexed * BLOCK_TOKENS))
+        is_reserved = self.grow(dst_seq_id, max(num_tokens, num_reserved))
+        assert is_reserved, "dst gave back at least as many cells"
+        self.num_tokens_reused += num_tokens
 
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Reserve cells so the holder covers positions [0, num_tokens), evicting cached

@@ -75,12 +75,13 @@ class StreamCacheManager:
     def num_reusable(self, token_slice: TokenSlice, num_tokens: int) -> int:
         return BLOCK_TOKENS * len(self._match(token_slice, num_tokens))
 
-    def admit(self, token_slice: TokenSlice, num_tokens: int) -> tuple[int, int] | None:
+    def admit(self, token_slice: TokenSlice, num_tokens: int, reuse: bool = True) -> tuple[int, int] | None:
         """A free stream for a sequence of `num_tokens` tokens, holding the longest cached
-        prefix it can. Returns (seq_id, tokens reused), or None when every stream runs."""
+        prefix it can (with `reuse`). Returns (seq_id, tokens reused), or None when every
+        stream runs."""
         if not self._free or num_tokens > self.cells_per_stream:
             return None
-        path = self._match(token_slice, num_tokens)
+        path = self._match(token_slice, num_tokens) if reuse else []
         free_depth, free_id = 0, None
         for depth, node in enumerate(path, 1):
             held_free = [s for s in node.stream_ids if s in self._free]
@@ -99,6 +100,15 @@ class StreamCacheManager:
         self._num_held[seq_id] = num_tokens
         self.num_tokens_reused += num_reused * BLOCK_TOKENS
         return seq_id, num_reused * BLOCK_TOKENS
+
+    def fork(self, src_seq_id: int, dst_seq_id: int, num_tokens: int) -> None:
+        """dst's stream becomes a copy of src's, trimmed to [0, num_tokens). The copy is
+        of the whole stream, whatever num_tokens: a fork pays it for any prompt length."""
+        self.ops.append((OP_COPY, src_seq_id, dst_seq_id, 0, WHOLE_STREAM))
+        self.ops.append((OP_REMOVE, dst_seq_id, num_tokens))
+        self._set_path(dst_seq_id, self._paths[src_seq_id][: num_tokens // BLOCK_TOKENS])
+        self._num_held[dst_seq_id] = max(self._num_held[dst_seq_id], num_tokens)
+        self.num_tokens_reused += num_tokens
 
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         if num_tokens > self.cells_per_stream:
