@@ -44,11 +44,13 @@ def prompt_of(engine, num_tokens: int) -> str:
 
 
 @LAYOUTS
-def test_four_choices_compute_a_30_token_prompt_once_and_match_a_single_request(make_engine, unified):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_four_choices_compute_a_30_token_prompt_once_and_match_a_single_request(make_engine, unified, overlap):
     alone = make_engine(kv_unified=unified)
     prompt = prompt_of(alone, 30)
     (single,) = generate(alone, [{"prompt": prompt, "max_tokens": 12, **GREEDY}])
-    engine = make_engine(kv_unified=unified)
+    engine = make_engine(kv_unified=unified, overlap=overlap)
+    assert engine.is_overlapped is overlap
     choices = generate(engine, expand_choices({"prompt": prompt, "n": 4, "max_tokens": 12, **GREEDY}))
     assert [c.token_ids for c in choices] == [single.token_ids] * 4
     assert all(c.usage == {"prompt_tokens": 30, "completion_tokens": 12} for c in choices)
