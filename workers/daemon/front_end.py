@@ -83,10 +83,15 @@ class FrontEnd:
     def on_disconnects(self) -> None:
         self.clients.take_disconnects(self._on_disconnect)
 
-    def _on_disconnect(self, identity: bytes) -> None:
-        """The client went away (closed, crashed, killed): nobody will read its requests."""
+    def _on_disconnect(self, identity: bytes, may_return: bool) -> None:
+        """The client's connection died. One that may come back (it was not seen to die)
+        keeps its requests for the reconnect grace; otherwise nobody will read them."""
+        active = self.requests.active_of(identity)
+        if may_return and active and self.config.reconnect_grace_s:
+            self.clients.wait_for_return(identity, time.monotonic())
+            return
         self._use_ring.pop(identity, None)
-        for tracked in self.requests.active_of(identity):
+        for tracked in active:
             self._cancel_tracked(tracked)
 
     def flush_clients(self) -> None:
