@@ -30,6 +30,7 @@ class FakeRunner:
         self.eog_ids = np.array([EOG_ID], np.int32)
         self.vocab = self.ctx = None
         self.has_backend_sampling = False
+        self.max_token_bytes = 4  # a token per character
         self.description = "fake"
         self.kv: dict[int, list[int]] = {}
         self.fail_next: list[int] = []  # statuses the next decodes return instead of 0

@@ -159,15 +159,18 @@ class ClientLink:
                     self._closed = {i: c for i, c in self._closed.items() if now_s - c[1] < CLOSED_MEMORY_S}
                     self._closed[identity] = (fd, now_s)
                 self._stalled.discard(identity)
-                self._backlogs.pop(identity, None)
-                self._away.pop(identity, None)
                 on_disconnect(identity, not is_gone)
 
     def wait_for_return(self, identity: bytes, now_s: float) -> None:
         """Its connection died but the client may come back (a paused process, a broken
         tcp connection): keep what is sent to it until it does, for reconnect_grace_s."""
         self._away[identity] = (self._num_accepts, now_s)
-        self._backlogs[identity] = Backlog(now_s)
+        self._backlogs.setdefault(identity, Backlog(now_s)).progress_s = now_s
+
+    def forget(self, identity: bytes) -> None:
+        """It is gone for good: nothing waits for it any more."""
+        self._backlogs.pop(identity, None)
+        self._away.pop(identity, None)
 
     def _note_peer_pid(self, fd: int) -> None:
         """Over ipc the kernel names the client process: whether it still lives tells a

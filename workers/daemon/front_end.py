@@ -90,6 +90,7 @@ class FrontEnd:
         if may_return and active and self.config.reconnect_grace_s:
             self.clients.wait_for_return(identity, time.monotonic())
             return
+        self.clients.forget(identity)
         self._use_ring.pop(identity, None)
         for tracked in active:
             self._cancel_tracked(tracked)

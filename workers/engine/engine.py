@@ -69,6 +69,13 @@ class Engine:
         """Tokenize a validated request and build its sampler; raises CbatchError if it
         cannot run. Reads only the model, never engine state: safe off the loop thread."""
         text = request.prompt if request.messages is None else self.runner.render_chat(request.messages)
+        max_prompt_bytes = self.ctx_per_seq * self.runner.max_token_bytes
+        if len(text) > max_prompt_bytes or len(text.encode()) > max_prompt_bytes:  # not worth tokenizing
+            raise CbatchError(
+                PROMPT_TOO_LONG,
+                f"the prompt is {len(text.encode())} bytes; a sequence holds {self.ctx_per_seq} tokens of at most "
+                f"{self.runner.max_token_bytes} bytes each (shorten the prompt or raise --ctx-size)",
+            )
         prompt_ids = self.runner.tokenize(text)
         if len(prompt_ids) >= self.ctx_per_seq:
             raise CbatchError(
