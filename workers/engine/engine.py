@@ -110,8 +110,10 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         started = time.perf_counter()
-        events = [self._finish(self._seqs[i], FinishReason.CANCELLED) for i in self._cancel_ids]
+        cancelled = [self._seqs[i] for i in self._cancel_ids]
         self._cancel_ids.clear()
+        self.scheduler.drop_waiting(cancelled)  # one pass over the queue, not one per request
+        events = [self._finish(seq, FinishReason.CANCELLED) for seq in cancelled]
         spans = self.scheduler.schedule()
         if not spans:
             return events
