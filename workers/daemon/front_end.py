@@ -17,6 +17,7 @@ import zmq
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.records import NO_TOKEN, RingRecord, TokenEvent
+from cbatch.ipc.ring import is_ring_ordered
 from cbatch.params import parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
@@ -139,7 +140,8 @@ class FrontEnd:
         version = field(body, "version", int)
         if version != PROTOCOL_VERSION:
             raise CbatchError(VERSION_MISMATCH, f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade cbatch")
-        use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://")
+        # Off x86-64 the ring's lock-free protocol lacks the fences it would need: relay.
+        use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://") and is_ring_ordered()
         self._use_ring[identity] = use_ring
         ready = self.worker.ready
         self.clients.send(identity, MsgType.WELCOME, {
