@@ -11,7 +11,6 @@ import fcntl
 import logging
 import multiprocessing
 import os
-import resource
 import signal
 import socket
 import time
@@ -25,6 +24,7 @@ from cbatch.model import resolve_model_path
 from cbatch.wording import counted
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.worker import run_decode_worker
+from cbatch.workers.daemon.descriptors import raise_open_file_limit, warn_if_too_few_descriptors
 from cbatch.workers.daemon.front_end import FrontEnd
 from cbatch.workers.daemon.http_manager import HttpServers
 from cbatch.workers.daemon.leftovers import remove_leftovers
@@ -41,20 +41,6 @@ MAX_STARTUP_FAILURES = 3  # consecutive worker deaths before READY, then the dae
 RESTART_BACKOFF_S = 1.0  # doubled after each consecutive start-up failure
 CANCEL_GRACE_S = 5.0  # after cancelling at the end of a drain, wait this long for the finishes
 STOP_TIMEOUT_S = 10.0
-MAX_OPEN_FILES = 1 << 20  # the soft limit asked for when the hard limit is unlimited
-
-
-def _raise_open_file_limit() -> None:
-    """Every client connection is a descriptor, and libzmq aborts the process when an
-    accept fails for lack of one: take all the descriptors the hard limit allows (the
-    common soft limit of 1024 is about a thousand local clients)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-        except (ValueError, OSError):
-            pass  # keep the limit we have
 
 
 def _ipc_path(endpoint: str) -> str | None:
@@ -259,7 +245,8 @@ class Supervisor:
 def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code. `http_socket`, bound by
     the caller, is served by the OpenAI-compatible HTTP server."""
-    _raise_open_file_limit()
+    raise_open_file_limit()
+    warn_if_too_few_descriptors(config)
     lock_fd = supervisor = None
     try:  # every mistake a user can make ends here as one line and exit code 1
         lock_fd = _lock_endpoint(config.endpoint)  # first: a second daemon fails at once
