@@ -101,3 +101,21 @@ def test_a_request_cancelled_while_held_reaches_a_ring_reader_without_a_fetch(ti
     assert chunks[-1].finish_reason == "cancelled" and chunks[-1].usage["completion_tokens"] == 0
     assert sum((c.token_ids for c in chunks), []) == []
     assert d.stop() == 0
+
+
+def test_a_client_of_a_restarted_daemon_reads_the_new_daemons_ring(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    with d.client() as client:
+        old_ring = client.info["ring_name"]
+        assert client.generate(prompt="before", max_tokens=3, **GREEDY).finish_reason == "length"
+        d.process.kill()
+        d.process.wait()
+        again = start_daemon(tiny_model_path, *DAEMON_ARGS, workdir=d.workdir, endpoint=d.endpoint)
+        # Its socket reconnected by itself; the new daemon relays it until it says HELLO
+        # again, and tells it so: then it reads the new daemon's ring, with no FETCH.
+        first = client.generate(prompt="after", max_tokens=20, **GREEDY)
+        second = client.generate(prompt="after again", max_tokens=20, **GREEDY)
+        assert client.info["ring_name"] == again.ring_name() != old_ring
+        assert client.info["use_ring"] and client.stats()["num_fetches"] == 0
+    assert [len(first.token_ids), len(second.token_ids)] == [20, 20]
+    assert again.stop() == 0

@@ -72,6 +72,8 @@ class FrontEnd:
                 if handler is None:
                     raise ProtocolError(f"message type {msg_type.name} is not sent by clients")
                 handler(self, identity, body)
+                if identity not in self._use_ring:
+                    self._welcome_again(identity)
             except ProtocolError as err:
                 self._error(identity, INVALID_REQUEST, str(err), body or reply_ids(frames))
             except CbatchError as err:
@@ -149,6 +151,13 @@ class FrontEnd:
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring,
             "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else "",
         })
+
+    def _welcome_again(self, identity: bytes) -> None:
+        """A client that speaks without having said HELLO to this daemon (it was connected to
+        a daemon that restarted on the same endpoint, and its socket reconnected by itself)
+        holds an old handshake and maybe another ring: it is relayed until it says HELLO, and
+        this WELCOME tells it so."""
+        self._hello(identity, {"version": PROTOCOL_VERSION, "use_ring": False})
 
     def _submit(self, identity: bytes, body: dict) -> None:
         request_id = field(body, "request_id", int)
