@@ -116,10 +116,12 @@ class Supervisor:
         self.worker_link.expect(self._generation)
         self.worker.start()
 
-    def _serve_sockets(self, timeout_ms: int) -> bool:
-        """Serve the worker's and the clients' sockets once; True if the worker process has exited."""
+    def _serve_sockets(self, timeout_ms: int, is_worker_watched: bool = True) -> bool:
+        """Serve the worker's and the clients' sockets once; True if the worker process has
+        exited (when it is watched: a dead worker's sentinel is ready for good)."""
         poller = zmq.Poller()
-        for sock in (self.worker_link.socket, *self.frontend.client_sockets, self.worker.sentinel):
+        for sock in (self.worker_link.socket, *self.frontend.client_sockets,
+                     *([self.worker.sentinel] if is_worker_watched else [])):
             poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(timeout_ms))
         disconnects, clients = self.frontend.client_sockets
@@ -136,8 +138,10 @@ class Supervisor:
         """Start workers until one reports READY; give up after repeated start-up deaths,
         or at once when the worker says a setting is wrong (a model that does not load)."""
         for attempt in range(MAX_STARTUP_FAILURES):
-            if attempt:
-                time.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
+            if attempt:  # clients are answered meanwhile ("starting"), and held submits wait
+                backoff_ends_s = time.monotonic() + RESTART_BACKOFF_S * 2 ** (attempt - 1)
+                while time.monotonic() < backoff_ends_s and not self.stop_requested:
+                    self._serve_sockets(LOOP_POLL_MS, is_worker_watched=False)
             self._start_worker()
             deadline = time.monotonic() + READY_TIMEOUT_S
             while self.worker_link.ready is None and time.monotonic() < deadline and not self.stop_requested:
