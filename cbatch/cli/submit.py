@@ -115,12 +115,16 @@ def main(argv=None) -> None:
     num_lines, lines = open_input(args.prompts)
     from cbatch.client import Client
 
-    done_ids, out = open_output(args.output, args.resume)
-    try:
+    try:  # first: the output of an earlier run is not emptied when no daemon answers
         client = Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
                         curve_client_key=args.curve_client_key)
     except CbatchError as err:
         exit_on_error(PROG, err)
+    try:
+        done_ids, out = open_output(args.output, args.resume)
+    except BaseException:
+        client.close()
+        raise
     try:
         summary, noun = run_file(client, read_items(lines), done_ids, num_lines, out, args.max_in_flight)
     except CbatchError as err:
