@@ -91,6 +91,9 @@ MAX_DEFAULT_HTTP_PROCESSES = 4
 CPUS_PER_HTTP_PROCESS = 8
 RETENTION_S = 60.0  # how long a finished request's records stay fetchable (ring overrun recovery)
 DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
+# Past libzmq's heartbeat timeout (3 s: a peer silent that long is disconnected), as long
+# as a connected client that stops reading is given (MAX_STALL_S).
+RECONNECT_GRACE_S = 10.0
 WORKER_TIMEOUT_S = 120.0  # longer than any single decode step should take
 PROGRESS_INTERVAL_S = 10.0  # the daemon logs a progress line this often while it has requests
 
@@ -144,6 +147,9 @@ class DaemonConfig:
     ring_capacity: int = RING_CAPACITY_RECORDS
     drain_grace_s: float = DRAIN_GRACE_S
     retention_s: float = RETENTION_S
+    # A client whose connection died keeps its requests this long, for it to come back
+    # under its routing id (a paused process, a network blip); 0 = cancel them at once.
+    reconnect_grace_s: float = RECONNECT_GRACE_S
     worker_timeout_s: float = WORKER_TIMEOUT_S  # a worker silent this long is killed and restarted; 0 = never
     allow_remote: bool = False  # a tcp:// endpoint beyond loopback must be asked for
     curve_secret_key: str = ""  # the daemon's secret certificate file: clients must speak CurveZMQ
@@ -198,3 +204,5 @@ class DaemonConfig:
             raise CbatchError(INVALID_CONFIG, f"--progress-interval must be >= 0, got {self.progress_interval_s}")
         if self.retention_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--retention must be >= 0, got {self.retention_s}")
+        if self.reconnect_grace_s < 0:
+            raise CbatchError(INVALID_CONFIG, f"--reconnect-grace must be >= 0, got {self.reconnect_grace_s}")

@@ -24,7 +24,9 @@ Memory-ordering invariant (one writer, any number of readers, no locks):
   weakly ordered). On weakly ordered CPUs (ARM, POWER) this is not enough: the writer needs a
   release fence before the seq stores and before the write_cursor store, the reader an
   acquire fence after loading write_cursor and before re-loading seq (e.g. a tiny C helper
-  calling atomic_thread_fence); numpy offers no fences.
+  calling atomic_thread_fence); numpy offers no fences. So the ring is offered only where
+  is_ring_ordered() holds; elsewhere the front-end relays every client's records over
+  ZeroMQ, the path remote clients take.
 
 Overrun recovery contract: the writer never waits, so a slow reader can be lapped. Then
 RingReader.poll raises RingOverrun instead of silently losing or duplicating records:
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import re
 import struct
 import time
@@ -75,6 +78,16 @@ _NUM_HEADER_FIELDS = 8
 
 _SEQ_BYTES = 8  # the writer stores the body (bytes 8..64) and the seq marker separately
 _VALID_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+# Machine names (platform.machine(): uname on Linux, the registry's on Windows) of the
+# CPUs whose memory ordering the ring's stores and loads rely on.
+TSO_MACHINES = frozenset({"x86_64", "AMD64"})
+
+
+def is_ring_ordered() -> bool:
+    """Whether this host's CPU orders memory as the ring's lock-free protocol needs."""
+    return platform.machine() in TSO_MACHINES
 
 
 class RingError(Exception):

@@ -31,6 +31,7 @@ class FakeRunner:
         self.vocab = self.ctx = None
         self.has_backend_sampling = False
         self.num_gpu_layers = 0
+        self.max_token_bytes = 4  # a token per character
         self.description = "fake"
         self.kv: dict[int, list[int]] = {}
         self.fail_next: list[int] = []  # statuses the next decodes return instead of 0

@@ -1,6 +1,7 @@
 """A daemon out of descriptors refuses new clients and keeps serving the ones it has."""
 
 import os
+import sys
 import resource
 import time
 
@@ -46,3 +47,16 @@ def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(
     assert "Assertion failed" not in d.log()
     assert d.leftovers() == []
 
+
+
+def _under_hard_limit(limit: int) -> list[str]:
+    """cbatch-worker's main, in a process whose open-file hard limit is `limit`."""
+    return [sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+                                  "from cbatch.cli.worker import main; main()"]
+
+
+def test_a_hard_limit_too_low_for_the_queue_is_named_at_start(tiny_model_path, start_daemon):
+    low = start_daemon(tiny_model_path, "--parallel", "2", "--max-queue", "1024", launcher=_under_hard_limit(256))
+    assert "open-file hard limit is 256, under the" in low.log()
+    enough = start_daemon(tiny_model_path, "--parallel", "2", "--max-queue", "16", launcher=_under_hard_limit(256))
+    assert "open-file hard limit" not in enough.log()

@@ -167,8 +167,6 @@ def test_preparing_a_megabyte_prompt_leaves_the_loop_free(make_engine):
     # makes while a 1 MB prompt is tokenized show that it does.
     import threading
 
-    from cbatch.params import parse_request
-
     # One decode thread: with ggml's threads on every core, the tokenizing thread takes one
     # of them and a decode step waits at ggml's barrier for a descheduled thread, which
     # starves the loop for reasons that have nothing to do with the GIL.
@@ -177,11 +175,8 @@ def test_preparing_a_megabyte_prompt_leaves_the_loop_free(make_engine):
     collect({}, engine.step())
     outcome = []
 
-    def prepare():
-        try:
-            engine.prepare(parse_request(99, {"prompt": "word " * 200_000, "max_tokens": 1}))
-        except CbatchError as err:
-            outcome.append(err.code)
+    def prepare():  # the tokenizer alone: prepare() refuses a prompt this long before it tokenizes
+        outcome.append(len(engine.runner.tokenize("word " * 200_000)))
 
     preparer = threading.Thread(target=prepare)
     preparer.start()
@@ -189,5 +184,5 @@ def test_preparing_a_megabyte_prompt_leaves_the_loop_free(make_engine):
     while preparer.is_alive():
         num_steps += bool(engine.step())  # each step generates a token
     preparer.join()
-    assert outcome == [PROMPT_TOO_LONG]  # it was tokenized in full: a million tokens
+    assert outcome[0] >= 200_000  # it was tokenized in full
     assert num_steps >= 10, f"only {num_steps} steps while the prompt was tokenized"

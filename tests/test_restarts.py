@@ -4,6 +4,7 @@ while the daemon drains) and of the whole daemon (its clients learn what it lost
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,50 @@ def test_a_request_cancelled_while_held_reaches_a_ring_reader_without_a_fetch(ti
     assert chunks[-1].finish_reason == "cancelled" and chunks[-1].usage["completion_tokens"] == 0
     assert sum((c.token_ids for c in chunks), []) == []
     assert d.stop() == 0
+
+
+def test_a_client_of_a_restarted_daemon_reads_the_new_daemons_ring(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    with d.client() as client:
+        old_ring = client.info["ring_name"]
+        assert client.generate(prompt="before", max_tokens=3, **GREEDY).finish_reason == "length"
+        d.process.kill()
+        d.process.wait()
+        again = start_daemon(tiny_model_path, *DAEMON_ARGS, workdir=d.workdir, endpoint=d.endpoint)
+        # Its socket reconnected by itself; the new daemon relays it until it says HELLO
+        # again, and tells it so: then it reads the new daemon's ring, with no FETCH.
+        first = client.generate(prompt="after", max_tokens=20, **GREEDY)
+        second = client.generate(prompt="after again", max_tokens=20, **GREEDY)
+        assert client.info["ring_name"] == again.ring_name() != old_ring
+        assert client.info["use_ring"] and client.stats()["num_fetches"] == 0
+    assert [len(first.token_ids), len(second.token_ids)] == [20, 20]
+    assert again.stop() == 0
+
+
+def _next_worker(daemon_pid: int, known: set[int]) -> int:
+    """The pid of a decode worker the supervisor started after `known`, as soon as it exists."""
+    def new_workers():
+        return [pid for pid in child_pids(daemon_pid) if pid not in known
+                and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    wait_until(lambda: new_workers(), timeout_s=10.0, poll_s=0.01)
+    return new_workers()[0]
+
+
+def test_clients_are_answered_while_the_supervisor_backs_off_between_worker_starts(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    known = {d.health["worker_pid"]}
+    with d.client() as client:
+        os.kill(d.health["worker_pid"], signal.SIGKILL)
+        latencies = []
+        for _ in range(2):  # two starts that die before READY: back-offs of 1 s, then 2 s
+            pid = _next_worker(d.process.pid, known)
+            known.add(pid)
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.3)  # the supervisor has seen it die, and backs off
+            asked = time.monotonic()
+            assert client.health()["status"] == "starting"
+            latencies.append(time.monotonic() - asked)
+        assert max(latencies) < 0.8, latencies
+        result = client.generate(prompt="after the back-off", max_tokens=3, **GREEDY)
+    assert result.finish_reason == "length"
+    assert d.stop() == 0, d.log()

@@ -235,6 +235,11 @@ def test_submit_cli_missing_file_and_unreachable_endpoint(daemon, tmp_path):
     nobody = subprocess.run([submit, str(prompts), "--endpoint", f"ipc://{tmp_path}/nobody.sock"],
                             env=daemon.env, capture_output=True, text=True)
     assert nobody.returncode == 3 and "no cbatch daemon answers" in nobody.stderr
+    earlier = tmp_path / "earlier.jsonl"  # an earlier run's results, which --resume would use
+    earlier.write_text("".join(json.dumps({"id": str(i), "text": "kept"}) + "\n" for i in range(8)))
+    kept = subprocess.run([submit, str(prompts), "-o", str(earlier), "--endpoint", f"ipc://{tmp_path}/nobody.sock"],
+                          env=daemon.env, capture_output=True, text=True)
+    assert kept.returncode == 3 and earlier.read_text().count("\n") == 8
     unwritable = subprocess.run([submit, str(prompts), "-o", str(tmp_path / "missing" / "out.jsonl")],
                                 env=daemon.env, capture_output=True, text=True)
     assert unwritable.returncode == 2 and unwritable.stderr.count("\n") == 1 and "cannot write" in unwritable.stderr

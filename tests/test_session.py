@@ -162,3 +162,17 @@ def test_a_failed_decode_ends_its_stream_with_the_workers_reason():
     with pytest.raises(CbatchError) as again:
         stream.completion()
     assert again.value is err.value
+
+
+def test_a_request_that_failed_ends_once_whatever_else_arrives_for_it():
+    """A failed decode's finish, then an error reply for the same request (a cancel the
+    daemon no longer knows, say): the stream has one terminal item, the first error."""
+    session = Session([].append, use_ring=False)
+    stream = session.submit({"prompt": "a"})
+    session.on_frames(pack(MsgType.FINISHED, {"request_id": stream.request_id, "finish_reason": "error",
+                                              "usage": {"prompt_tokens": 1, "completion_tokens": 0},
+                                              "num_records": 0, "error": "llama_decode failed with status -3"}))
+    session.on_frames(pack(MsgType.ERROR, {"request_id": stream.request_id, "code": "not_found", "message": "gone"}))
+    with pytest.raises(CbatchError) as err:
+        stream.take()
+    assert err.value.code == "decode_failed" and stream.is_drained

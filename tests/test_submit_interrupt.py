@@ -2,6 +2,7 @@
 in one line, and --resume then runs only the rest."""
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -53,3 +54,26 @@ def _is_idle_soon(daemon) -> bool:
                 return True
             time.sleep(0.05)
     return False
+
+
+def test_endless_input_against_a_daemon_that_stops_ends_the_run(start_daemon, tiny_model_path, tmp_path):
+    """Lines that fail at once (the daemon is gone) must not turn an endless input into
+    endless errors: the run stops reading, says what it wrote, and exits 3."""
+    daemon = start_daemon(tiny_model_path, "--parallel", "2")
+    output = tmp_path / "out.jsonl"
+    command = f"yes '{{\"prompt\": \"x\", \"max_tokens\": 1}}' | {SCRIPTS_DIR / 'cbatch-submit'} - -o {output}"
+    process = subprocess.Popen(["bash", "-c", command], env=daemon.env, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # its own process group: the pipeline ends with it
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 50):
+        time.sleep(0.05)
+    assert daemon.stop() == 0
+    try:
+        _, stderr = process.communicate(timeout=WAIT_S)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # bash, yes and cbatch-submit, whatever happened
+        process.wait()
+    assert process.returncode == 3, stderr
+    num_written = output.read_text().count("\n")
+    assert stderr.strip().startswith(f"cbatch-submit: interrupted: {num_written} lines written to {output}; "
+                                     "rerun with --resume (")

@@ -1,6 +1,8 @@
 """The decode worker's threads, through a real worker process and a stand-in for the
 front-end (a ROUTER the test binds): a request the preparer fails on costs only that
-request, and a dead I/O thread ends the worker, as the supervisor needs to notice it."""
+request, a dead I/O thread ends the worker, as the supervisor needs to notice it, a
+command it cannot read ends its request, a cancel never waits behind a long
+preparation, and preparing runs at a lower priority than decoding."""
 
 import multiprocessing
 import os
@@ -19,11 +21,41 @@ from cbatch.protocol import MsgType, pack
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 from cbatch.workers.decode.worker import run_decode_worker
 from cbatch.workers.engine.engine import Engine
-from cbatch.ipc.worker_messages import WorkerEvents, WorkerReady, WorkerReject, WorkerStop, WorkerSubmit, decode, encode
+from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerStop, WorkerSubmit,
+                                       decode, encode)
+from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT
+from cbatch.workers.engine.runner import LlamaRunner
 
 GENERATION = 1
 REPLY_TIMEOUT_S = 60.0  # the first reply includes loading the model
 FAULTY_PROMPT = "the preparer fails on this one"
+SLOW_PROMPT = "the preparer takes a minute over this one"
+MAX_TOKENIZED_CHARS = 100_000
+
+
+def run_worker_with_a_slow_prepare(plan: WorkerPlan) -> None:
+    """The worker, with prepare taking a minute over one prompt, as over a huge grammar."""
+    prepare = Engine.prepare
+
+    def slow_prepare(engine, request):
+        if request.prompt == SLOW_PROMPT:
+            time.sleep(60)
+        return prepare(engine, request)
+
+    Engine.prepare = slow_prepare
+    run_decode_worker(plan)
+
+
+def run_worker_that_refuses_to_tokenize_huge_prompts(plan: WorkerPlan) -> None:
+    tokenize = LlamaRunner.tokenize
+
+    def checked_tokenize(runner, text):
+        if len(text) > MAX_TOKENIZED_CHARS:
+            raise KeyError("a prompt that cannot fit was tokenized")
+        return tokenize(runner, text)
+
+    LlamaRunner.tokenize = checked_tokenize
+    run_decode_worker(plan)
 
 
 def run_worker_with_a_faulty_prepare(plan: WorkerPlan) -> None:
@@ -43,7 +75,7 @@ def run_worker_with_a_faulty_prepare(plan: WorkerPlan) -> None:
 class FrontEndStandIn:
     """Binds the control socket, creates the ring and starts one real worker process."""
 
-    def __init__(self, model_path: str, target=run_decode_worker):
+    def __init__(self, model_path: str, target=run_decode_worker, ctx_size: int = 512):
         self.workdir = Path(tempfile.mkdtemp(prefix="cbt-"))  # short enough for socket paths
         self.zctx = zmq.Context()
         self.socket = self.zctx.socket(zmq.ROUTER)
@@ -51,7 +83,7 @@ class FrontEndStandIn:
         control = f"ipc://{self.workdir}/control.sock"
         self.socket.bind(control)
         self.ring = create_ring(f"cbt-{os.getpid()}-{secrets.token_hex(4)}", 64)
-        plan = WorkerPlan(EngineConfig(model_path=model_path, parallel=1, ctx_size=512, batch_size=64), control,
+        plan = WorkerPlan(EngineConfig(model_path=model_path, parallel=1, ctx_size=ctx_size, batch_size=64), control,
                           f"ipc://{self.workdir}/tick.sock", self.ring.name, GENERATION)
         self.process = multiprocessing.get_context("spawn").Process(target=target, args=(plan,))
         self.process.start()
@@ -85,8 +117,8 @@ class FrontEndStandIn:
 def front_end(tiny_model_path):
     started = []
 
-    def start(target=run_decode_worker) -> FrontEndStandIn:
-        started.append(FrontEndStandIn(tiny_model_path, target))
+    def start(target=run_decode_worker, ctx_size: int = 512) -> FrontEndStandIn:
+        started.append(FrontEndStandIn(tiny_model_path, target, ctx_size))
         started[-1].recv(WorkerReady)
         return started[-1]
 
@@ -125,3 +157,45 @@ def test_a_dead_io_thread_ends_the_worker(front_end):
     # Exit code 1, the same as any worker death the supervisor restarts after.
     stand_in.process.join(10)
     assert stand_in.process.exitcode == 1
+
+
+def test_a_command_the_worker_cannot_read_ends_its_request(front_end):
+    stand_in = front_end()
+    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack(MsgType.WORKER_SUBMIT, {"request_id": 7})])
+    reject = stand_in.recv(WorkerReject)
+    assert (reject.request_id, reject.code) == (7, "internal")
+    assert run_to_finish(stand_in, 8) == "length"  # and the worker serves on
+
+
+def test_a_cancel_does_not_wait_behind_a_long_preparation(front_end):
+    stand_in = front_end(run_worker_with_a_slow_prepare, ctx_size=8192)
+    stand_in.send(WorkerSubmit(1, {"prompt": "x", "max_tokens": 8000, "temperature": 0, "ignore_eos": True}))
+    assert stand_in.recv(WorkerEvents).events[0].request_id == 1  # running
+    stand_in.send(WorkerSubmit(2, {"prompt": SLOW_PROMPT, "max_tokens": 3}))
+    stand_in.send(WorkerCancel(1))
+    stand_in.send(WorkerCancel(2))  # overtakes its submit: kept until the request is prepared
+    while True:
+        finishes = [event for event in stand_in.recv(WorkerEvents).events if event.finish_reason]
+        if finishes:
+            break
+    assert [(event.request_id, event.finish_reason) for event in finishes] == [(1, "cancelled")]
+    assert finishes[0].usage["completion_tokens"] < 8000
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(front_end):
+    stand_in = front_end(run_worker_that_refuses_to_tokenize_huge_prompts)
+    stand_in.send(WorkerSubmit(1, {"prompt": "many words " * 50_000, "max_tokens": 3}))
+    reject = stand_in.recv(WorkerReject)
+    assert (reject.request_id, reject.code) == (1, "prompt_too_long"), reject.message
+    assert "550000 bytes" in reject.message
+    assert run_to_finish(stand_in, 2) == "length"
+
+
+def test_preparing_runs_at_a_lower_priority_than_decoding(front_end):
+    stand_in = front_end()
+    pid = stand_in.process.pid
+    nice_by_thread = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        nice_by_thread[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[16])
+    assert nice_by_thread[pid] == os.getpriority(os.PRIO_PROCESS, 0)  # the decode loop
+    assert sum(1 for nice in nice_by_thread.values() if nice == nice_by_thread[pid] + PREPARE_NICE_INCREMENT) == 1

@@ -43,28 +43,34 @@ class RunSummary:
 
 
 class BatchInterrupted(Exception):
-    """Ctrl-C or SIGTERM stopped the run; `summary` says what was written before."""
+    """Ctrl-C or SIGTERM stopped the run, or the daemon went away (`reason`: the error its
+    requests got); `summary` says what was written before."""
 
-    def __init__(self, summary: RunSummary):
+    def __init__(self, summary: RunSummary, reason: CbatchError | None = None):
         super().__init__("interrupted")
-        self.summary = summary
+        self.summary, self.reason = summary, reason
 
 
 class _InOrderWriter:
-    """Writes finished lines to `out` in input order, keeping nothing of a written line."""
+    """Writes finished lines to `out` in input order, keeping nothing of a written line:
+    what it holds is the lines from the first unwritten one on, O(max_in_flight)."""
 
     def __init__(self, out):
         self.out = out
-        self.lines: list[BatchLine | None] = []
-        self.num_written = self.num_failed = 0
+        self.lines: dict[int, BatchLine] = {}  # line index -> line, for the lines not yet written
+        self.num_lines = self.num_written = self.num_failed = 0
+
+    def append(self, line: BatchLine) -> int:
+        self.lines[self.num_lines] = line
+        self.num_lines += 1
+        return self.num_lines - 1
 
     def write_ready(self) -> None:
         num_before = self.num_written
-        while self.num_written < len(self.lines) and self.lines[self.num_written].result is not None:
-            line = self.lines[self.num_written]
+        while self.num_written < self.num_lines and self.lines[self.num_written].result is not None:
+            line = self.lines.pop(self.num_written)
             self.num_failed += not line.is_ok
             self.out.write(json.dumps(line.result, ensure_ascii=False) + "\n")
-            self.lines[self.num_written] = None
             self.num_written += 1
         if self.num_written > num_before:
             self.out.flush()  # what is written survives an interruption, for --resume
@@ -72,7 +78,7 @@ class _InOrderWriter:
     @property
     def num_done(self) -> int:
         """Written, or finished and waiting for an earlier line."""
-        return self.num_written + sum(1 for line in self.lines[self.num_written:] if line.result is not None)
+        return self.num_written + sum(1 for line in self.lines.values() if line.result is not None)
 
 
 def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object], BatchLine], out,
@@ -80,9 +86,12 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
     """`numbered_items` yields (line number, dict or CbatchError); `num_lines`, when
     known, is shown in the progress line (drawn only when stderr is a terminal). A
     KeyboardInterrupt ends the run with BatchInterrupted: what was written stays written,
-    and the requests still outstanding are cancelled."""
+    and the requests still outstanding are cancelled. So does a daemon that went away: no
+    more lines are read (an endless input would otherwise turn into endless errors), and
+    the lines it failed are not written, so --resume runs them."""
     writer = _InOrderWriter(out)
-    owners: list[tuple[int, int]] = []  # batch position -> (line index, choice)
+    owners: dict[int, tuple[int, int]] = {}  # batch position still outstanding -> (line index, choice)
+    num_positions = 0
     num_tokens = 0
     started_s = shown_s = time.monotonic()
     show_progress = sys.stderr.isatty()
@@ -90,10 +99,12 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
     def batch_items():
         """One batch item per line that runs: its request, or its choices, which end
         together (the first to fail cancels the others)."""
+        nonlocal num_positions
         for number, item in numbered_items:
-            writer.lines.append(make_line(number, item))
-            bodies = writer.lines[-1].bodies
-            owners.extend((len(writer.lines) - 1, choice) for choice in range(len(bodies)))
+            line_index = writer.append(make_line(number, item))
+            bodies = writer.lines[line_index].bodies
+            owners.update((num_positions + choice, (line_index, choice)) for choice in range(len(bodies)))
+            num_positions += len(bodies)
             if len(bodies) == 1:
                 yield bodies[0]
             elif bodies:
@@ -105,11 +116,16 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
     arrivals = client.stream_batch(batch_items(), max_in_flight)
     try:
         for position, chunk in arrivals:
-            line_index, choice = owners[position]
-            line = writer.lines[line_index]
+            is_error = isinstance(chunk, CbatchError)
+            if is_error and client.failure is not None:  # the daemon is gone
+                arrivals.close()
+                writer.write_ready()
+                raise BatchInterrupted(summary(), client.failure)
+            owner = owners.pop(position, None) if is_error or chunk.finish_reason else owners.get(position)
+            line = None if owner is None else writer.lines.get(owner[0])
             if line is not None:  # None: already written (its first failure ended it): a sibling's late chunk
-                line.add(choice, chunk)
-            if not isinstance(chunk, CbatchError):
+                line.add(owner[1], chunk)
+            if not is_error:
                 num_tokens += len(chunk.token_ids)
             writer.write_ready()
             if show_progress and time.monotonic() - shown_s >= PROGRESS_INTERVAL_S:

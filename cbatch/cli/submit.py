@@ -13,7 +13,7 @@ from cbatch.cli.native_batch import NativeLine
 from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
 from cbatch.cli.resume import id_key, prepare_resume
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
-from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, INVALID_REQUEST, CbatchError
+from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
 
 PROG = "cbatch-submit"
 
@@ -115,18 +115,25 @@ def main(argv=None) -> None:
     num_lines, lines = open_input(args.prompts)
     from cbatch.client import Client
 
-    done_ids, out = open_output(args.output, args.resume)
-    try:
+    try:  # first: the output of an earlier run is not emptied when no daemon answers
         client = Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
                         curve_client_key=args.curve_client_key)
     except CbatchError as err:
         exit_on_error(PROG, err)
     try:
+        done_ids, out = open_output(args.output, args.resume)
+    except BaseException:
+        client.close()
+        raise
+    try:
         summary, noun = run_file(client, read_items(lines), done_ids, num_lines, out, args.max_in_flight)
     except CbatchError as err:
         exit_on_error(PROG, err)
     except BatchInterrupted as interrupted:
-        exit_with(PROG, interrupted_line(interrupted.summary, len(done_ids), num_lines, args.output), EXIT_INTERRUPTED)
+        line = interrupted_line(interrupted.summary, len(done_ids), num_lines, args.output)
+        if interrupted.reason is None:
+            exit_with(PROG, line, EXIT_INTERRUPTED)
+        exit_with(PROG, f"{line} ({interrupted.reason.message})", EXIT_UNREACHABLE)
     except KeyboardInterrupt:
         exit_with(PROG, "interrupted", EXIT_INTERRUPTED)
     except UnicodeDecodeError as err:  # standard input, read as it comes (a file was checked first)

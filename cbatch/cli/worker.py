@@ -44,6 +44,9 @@ def make_parser() -> argparse.ArgumentParser:
     add("--retention", type=float, default=DAEMON.retention_s,
         help=f"seconds a finished request's tokens stay fetchable by a reader the ring lapped "
              f"(default {DAEMON.retention_s:g})")
+    add("--reconnect-grace", type=float, default=DAEMON.reconnect_grace_s,
+        help=f"seconds a client whose connection died keeps its requests, to come back and get what they produced "
+             f"(default {DAEMON.reconnect_grace_s:g}; 0 = cancel them at once)")
     add("--worker-timeout", type=float, default=DAEMON.worker_timeout_s,
         help="seconds without a step before the decode worker is restarted (0 = never)")
     add("--progress-interval", type=float, default=DAEMON.progress_interval_s,
@@ -80,7 +83,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
                           overlap=args.overlap)
     return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
-                        drain_grace_s=args.drain_grace, retention_s=args.retention, worker_timeout_s=args.worker_timeout,
+                        drain_grace_s=args.drain_grace, retention_s=args.retention,
+                        reconnect_grace_s=args.reconnect_grace, worker_timeout_s=args.worker_timeout,
                         allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
                         http_address=parse_http_address(args.http) if args.http else None,

@@ -77,9 +77,12 @@ class AsyncClient(ClientBase):
         poller.register(self._dealer, zmq.POLLIN)
         try:
             while True:
-                if wake_fd is None and session.wake_fd is not None:
+                if wake_fd != session.wake_fd:  # attached to a ring, or to a restarted daemon's
+                    if wake_fd is not None:
+                        poller.unregister(wake_fd)
                     wake_fd = session.wake_fd
-                    poller.register(wake_fd, zmq.POLLIN)
+                    if wake_fd is not None:
+                        poller.register(wake_fd, zmq.POLLIN)
                 timeout_s = SAFETY_POLL_S if session.is_waiting else LIVENESS_S
                 ready = dict(await poller.poll(int(timeout_s * 1000)))
                 if self._dealer in ready:

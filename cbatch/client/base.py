@@ -56,6 +56,12 @@ class ClientBase:
     _session: Session
 
     @property
+    def failure(self) -> CbatchError | None:
+        """While the daemon is gone (it stopped answering, or taking messages), the error
+        every request fails with at once; None while it answers."""
+        return self._session.failure
+
+    @property
     def info(self) -> dict:
         """The daemon's handshake: model, parallel, ctx_per_seq, use_ring, ring_name."""
         return dict(self._session.welcome)

@@ -32,6 +32,7 @@ class Session:
         # CONNECTION; a driver that wakes waiters one by one wakes that key's.
         self._on_arrival = on_arrival or (lambda key: None)
         self.use_ring = use_ring
+        self._wants_ring = use_ring  # as asked, whatever a daemon offered since
         self.welcome: dict | None = None
         self.streams: dict[int, RequestStream] = {}
         self.replies: dict[int, object] = {}  # nonce -> reply body or CbatchError
@@ -174,6 +175,13 @@ class Session:
             handler(self, body)
 
     def _on_welcome(self, body: dict) -> None:
+        """Also a WELCOME nobody asked for: the daemon restarted on this endpoint and relays
+        this client until it says HELLO again; the old daemon's ring is given up."""
+        is_another_daemon = self.welcome is not None and body.get("ring_name") != self.welcome.get("ring_name")
+        if is_another_daemon and self._ring is not None:
+            self._ring.close()
+            self._ring = None
+            self.use_ring = self._wants_ring
         if body.get("use_ring") and self._ring is None:
             try:
                 self._ring = RingTap(body["ring_name"], body["tick_endpoint"])
@@ -184,6 +192,8 @@ class Session:
                 return
         self.welcome = body
         self._on_arrival(CONNECTION)
+        if is_another_daemon and self.use_ring and not body.get("use_ring"):
+            self.hello()  # for this daemon's ring
 
     def _on_records(self, body: dict) -> None:
         stream = self.streams.get(body["request_id"])

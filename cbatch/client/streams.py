@@ -83,6 +83,10 @@ class RequestStream:
         self._complete_if_ready()
 
     def fail(self, error: CbatchError) -> None:
+        """The stream ends with error; one that already ended keeps its end (a late reply
+        about the same request must not make a second terminal item)."""
+        if self.is_done:
+            return
         self.error, self.is_done = error, True
         self.pending.append(error)
 

@@ -37,14 +37,13 @@ class Client(ClientBase):
         self._session = Session(self._dealer.send_multipart, use_ring and self.endpoint.startswith("ipc://"))
         self._poller = zmq.Poller()
         self._poller.register(self._dealer, zmq.POLLIN)
+        self._wake_fd: int | None = None  # the session's, as registered with the poller
         try:
             self._session.hello()
             self._wait(lambda: self._session.welcome is not None, time.monotonic() + connect_timeout_s)
         except BaseException:
             self.close()
             raise
-        if self._session.wake_fd is not None:
-            self._poller.register(self._session.wake_fd, zmq.POLLIN)
 
     def _wait(self, is_done, deadline: float | None = None) -> None:
         """Pump messages and ring records until is_done() holds."""
@@ -54,6 +53,12 @@ class Client(ClientBase):
                 raise session.failure
             if deadline is not None and time.monotonic() > deadline:
                 raise unreachable(self.endpoint)
+            if self._wake_fd != session.wake_fd:  # attached to a ring, or to a restarted daemon's
+                if self._wake_fd is not None:
+                    self._poller.unregister(self._wake_fd)
+                self._wake_fd = session.wake_fd
+                if self._wake_fd is not None:
+                    self._poller.register(self._wake_fd, zmq.POLLIN)
             ready = dict(self._poller.poll(int(SAFETY_POLL_S * 1000)))  # waiting: liveness is due that often
             if self._dealer in ready:
                 while self._dealer.poll(0):

@@ -1,14 +1,18 @@
 """The front-end's socket to clients: binding, CurveZMQ, and clients that go away or stall.
 
 It knows connections, not requests. It tells its owner three things: a message arrived
-(from a live connection), a client went away (closed, crashed, killed), and a client
-stopped reading (it took nothing for MAX_STALL_S while messages waited for it). A send
-never blocks the loop: what does not fit in a client's queue waits in its backlog.
+(from a live connection), a client went away (closed, crashed, killed; and whether it may
+come back), and a client stopped reading (it took nothing for MAX_STALL_S while messages
+waited for it, or did not come back within the grace its owner gave it). A send never
+blocks the loop: what does not fit in a client's queue, or waits for a client to
+reconnect, waits in its backlog.
 """
 
+import errno
 import os
 import resource
 import socket
+import struct
 import time
 
 import zmq
@@ -73,6 +77,13 @@ class ClientLink:
         # identity -> (descriptor, monotonic time) of connections that closed: what they
         # sent before closing may still be queued, and must not start work nobody reads.
         self._closed: dict[bytes, tuple[int, float]] = {}
+        self._peer_pid_by_fd: dict[int, int] = {}  # ipc connections: the client process's pid
+        # Clients whose connection died that may come back: identity -> (accepts counted
+        # when it went, monotonic time). A message on a connection accepted since is its return.
+        self._away: dict[bytes, tuple[int, float]] = {}
+        self._num_accepts = 0
+        self._accept_number: dict[int, int] = {}  # descriptor -> _num_accepts when it was accepted
+        self.reconnect_grace_s = config.reconnect_grace_s
         self._stalled: set[bytes] = set()  # cut off: its requests were cancelled
         self.newly_stalled: set[bytes] = set()  # stalled since the owner last looked
         self._backlogs: dict[bytes, Backlog] = {}  # clients whose queue is full -> what waits for them
@@ -109,7 +120,12 @@ class ClientLink:
                     if closed[0] == fd:
                         continue
                     del self._closed[identity]  # the same client, reconnected
-                self._peer_by_fd[fd] = identity
+                if self._peer_by_fd.get(fd) != identity:
+                    self._peer_by_fd[fd] = identity
+                    self._note_peer_pid(fd)
+                away = self._away.get(identity)
+                if away is not None and self._accept_number.get(fd, 0) > away[0]:
+                    del self._away[identity]  # back on a new connection: its backlog goes out
             if identity in self._stalled:
                 self._stalled.discard(identity)
                 on_unstall(identity)
@@ -127,18 +143,45 @@ class ClientLink:
         for at, (event, fd) in enumerate(events):
             if event == zmq.EVENT_ACCEPTED:
                 self._connection_fds.add(fd)
+                self._num_accepts += 1
+                self._accept_number[fd] = self._num_accepts
                 if last_disconnect.get(fd, -1) < at and self._is_short_of_descriptors():
                     self._refuse(fd)
                 continue
             self._connection_fds.discard(fd)
+            self._accept_number.pop(fd, None)
             identity = self._peer_by_fd.pop(fd, None)
+            pid = self._peer_pid_by_fd.pop(fd, None)
             if identity is not None:
-                now_s = time.monotonic()
-                self._closed = {i: c for i, c in self._closed.items() if now_s - c[1] < CLOSED_MEMORY_S}
-                self._closed[identity] = (fd, now_s)
+                is_gone = pid is not None and not _is_process_alive(pid)
+                if is_gone:  # what it sent before it died must not start work
+                    now_s = time.monotonic()
+                    self._closed = {i: c for i, c in self._closed.items() if now_s - c[1] < CLOSED_MEMORY_S}
+                    self._closed[identity] = (fd, now_s)
                 self._stalled.discard(identity)
-                self._backlogs.pop(identity, None)
-                on_disconnect(identity)
+                on_disconnect(identity, not is_gone)
+
+    def wait_for_return(self, identity: bytes, now_s: float) -> None:
+        """Its connection died but the client may come back (a paused process, a broken
+        tcp connection): keep what is sent to it until it does, for reconnect_grace_s."""
+        self._away[identity] = (self._num_accepts, now_s)
+        self._backlogs.setdefault(identity, Backlog(now_s)).progress_s = now_s
+
+    def forget(self, identity: bytes) -> None:
+        """It is gone for good: nothing waits for it any more."""
+        self._backlogs.pop(identity, None)
+        self._away.pop(identity, None)
+
+    def _note_peer_pid(self, fd: int) -> None:
+        """Over ipc the kernel names the client process: whether it still lives tells a
+        killed client (its requests are cancelled at once) from a paused one."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as conn:
+                if conn.family == socket.AF_UNIX:
+                    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                    self._peer_pid_by_fd[fd] = struct.unpack("3i", creds)[0]
+        except OSError:
+            pass  # closed meanwhile: its disconnect event follows
 
     def _is_short_of_descriptors(self) -> bool:
         """Counting open descriptors costs a pass over them all (60 ms at 20000), so they
@@ -176,33 +219,41 @@ class ClientLink:
         try:
             self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
             return True
-        except zmq.Again:
-            if identity in self._stalled:
-                return False  # cut off: what it lacks is re-sent or fetched when it speaks again
+        except zmq.ZMQError as err:
+            # Again: its queue is full. EHOSTUNREACH: its connection died, and whether it
+            # may come back is known when the disconnect event is read.
+            if identity in self._stalled or identity in self._closed or err.errno not in (zmq.EAGAIN, errno.EHOSTUNREACH):
+                return False  # cut off, or gone: what it lacks is re-sent or fetched when it speaks again
             self._backlogs[identity] = backlog = Backlog(time.monotonic())
             backlog.add(msg_type, body)
             return True
-        except zmq.ZMQError:
-            return False  # the client is gone; its disconnect event follows
 
     def flush(self, now_s: float) -> None:
         """Send what waits in backlogs as far as the clients' queues take it; cut off a
-        client that took nothing for MAX_STALL_S (its backlog is dropped: its FINISHED
-        messages go to lost_finish_ids, its records stay fetchable)."""
+        client that took nothing for MAX_STALL_S, or did not come back within
+        reconnect_grace_s (its backlog is dropped: its FINISHED messages go to
+        lost_finish_ids, its records stay fetchable)."""
         for identity, backlog in list(self._backlogs.items()):
+            limit_s = self.reconnect_grace_s if identity in self._away else MAX_STALL_S
             try:
                 while backlog.messages:
                     msg_type, body = backlog.messages[0]
                     self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
                     backlog.sent_first(now_s)
-            except zmq.Again:
-                if now_s - backlog.progress_s < MAX_STALL_S:
+                    self._away.pop(identity, None)  # it took a message: it is back
+                if identity not in self._away:
+                    del self._backlogs[identity]
                     continue
-                self.lost_finish_ids += backlog.finished_ids()
-                self._stalled.add(identity)
-                self.newly_stalled.add(identity)
-            except zmq.ZMQError:
-                pass  # gone: its disconnect event follows
+            except zmq.ZMQError as err:
+                if err.errno not in (zmq.EAGAIN, errno.EHOSTUNREACH):
+                    del self._backlogs[identity]  # gone: its disconnect event follows
+                    continue
+            if now_s - backlog.progress_s < limit_s:
+                continue
+            self.lost_finish_ids += backlog.finished_ids()
+            self._stalled.add(identity)
+            self.newly_stalled.add(identity)
+            self._away.pop(identity, None)
             del self._backlogs[identity]
 
     def close(self) -> None:
@@ -212,6 +263,15 @@ class ClientLink:
             self.socket.disable_monitor()
             self.disconnects.close()
         self.socket.close()
+
+
+def _is_process_alive(pid: int) -> bool:
+    """False once it exited, even before its parent reaped it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _listen_address(address) -> str | int:

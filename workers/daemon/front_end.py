@@ -17,6 +17,7 @@ import zmq
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.records import NO_TOKEN, RingRecord, TokenEvent
+from cbatch.ipc.ring import is_ring_ordered
 from cbatch.params import parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
@@ -71,6 +72,8 @@ class FrontEnd:
                 if handler is None:
                     raise ProtocolError(f"message type {msg_type.name} is not sent by clients")
                 handler(self, identity, body)
+                if identity not in self._use_ring:
+                    self._welcome_again(identity)
             except ProtocolError as err:
                 self._error(identity, INVALID_REQUEST, str(err), body or reply_ids(frames))
             except CbatchError as err:
@@ -83,10 +86,16 @@ class FrontEnd:
     def on_disconnects(self) -> None:
         self.clients.take_disconnects(self._on_disconnect)
 
-    def _on_disconnect(self, identity: bytes) -> None:
-        """The client went away (closed, crashed, killed): nobody will read its requests."""
+    def _on_disconnect(self, identity: bytes, may_return: bool) -> None:
+        """The client's connection died. One that may come back (it was not seen to die)
+        keeps its requests for the reconnect grace; otherwise nobody will read them."""
+        active = self.requests.active_of(identity)
+        if may_return and active and self.config.reconnect_grace_s:
+            self.clients.wait_for_return(identity, time.monotonic())
+            return
+        self.clients.forget(identity)
         self._use_ring.pop(identity, None)
-        for tracked in self.requests.active_of(identity):
+        for tracked in active:
             self._cancel_tracked(tracked)
 
     def flush_clients(self) -> None:
@@ -133,7 +142,8 @@ class FrontEnd:
         version = field(body, "version", int)
         if version != PROTOCOL_VERSION:
             raise CbatchError(VERSION_MISMATCH, f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade cbatch")
-        use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://")
+        # Off x86-64 the ring's lock-free protocol lacks the fences it would need: relay.
+        use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://") and is_ring_ordered()
         self._use_ring[identity] = use_ring
         ready = self.worker.ready
         self.clients.send(identity, MsgType.WELCOME, {
@@ -141,6 +151,13 @@ class FrontEnd:
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring,
             "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else "",
         })
+
+    def _welcome_again(self, identity: bytes) -> None:
+        """A client that speaks without having said HELLO to this daemon (it was connected to
+        a daemon that restarted on the same endpoint, and its socket reconnected by itself)
+        holds an old handshake and maybe another ring: it is relayed until it says HELLO, and
+        this WELCOME tells it so."""
+        self._hello(identity, {"version": PROTOCOL_VERSION, "use_ring": False})
 
     def _submit(self, identity: bytes, body: dict) -> None:
         request_id = field(body, "request_id", int)

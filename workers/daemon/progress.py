@@ -26,7 +26,9 @@ class ProgressLog:
         if now_s - marked_s < self.interval_s:
             return
         elapsed_s = now_s - marked_s
+        # A restarted worker counts from zero: what it generated is all this interval's.
+        num_generated = generated - marked_generated if generated >= marked_generated else generated
         log.info("%.1f tok/s generated, %s finished in the last %.1f s; %d active, %d queued, %s in flight",
-                 (generated - marked_generated) / elapsed_s, counted(num_completed - marked_completed, "request"),
+                 num_generated / elapsed_s, counted(num_completed - marked_completed, "request"),
                  elapsed_s, stats.get("num_active", 0), stats.get("num_queued", 0), counted(num_in_flight, "request"))
         self._mark = (now_s, generated, num_completed) if num_in_flight else None

@@ -11,7 +11,6 @@ import fcntl
 import logging
 import multiprocessing
 import os
-import resource
 import signal
 import socket
 import time
@@ -25,6 +24,7 @@ from cbatch.model import resolve_model_path
 from cbatch.wording import counted
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.worker import run_decode_worker
+from cbatch.workers.daemon.descriptors import raise_open_file_limit, warn_if_too_few_descriptors
 from cbatch.workers.daemon.front_end import FrontEnd
 from cbatch.workers.daemon.http_manager import HttpServers
 from cbatch.workers.daemon.leftovers import remove_leftovers
@@ -41,20 +41,6 @@ MAX_STARTUP_FAILURES = 3  # consecutive worker deaths before READY, then the dae
 RESTART_BACKOFF_S = 1.0  # doubled after each consecutive start-up failure
 CANCEL_GRACE_S = 5.0  # after cancelling at the end of a drain, wait this long for the finishes
 STOP_TIMEOUT_S = 10.0
-MAX_OPEN_FILES = 1 << 20  # the soft limit asked for when the hard limit is unlimited
-
-
-def _raise_open_file_limit() -> None:
-    """Every client connection is a descriptor, and libzmq aborts the process when an
-    accept fails for lack of one: take all the descriptors the hard limit allows (the
-    common soft limit of 1024 is about a thousand local clients)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-        except (ValueError, OSError):
-            pass  # keep the limit we have
 
 
 def _ipc_path(endpoint: str) -> str | None:
@@ -130,10 +116,12 @@ class Supervisor:
         self.worker_link.expect(self._generation)
         self.worker.start()
 
-    def _serve_sockets(self, timeout_ms: int) -> bool:
-        """Serve the worker's and the clients' sockets once; True if the worker process has exited."""
+    def _serve_sockets(self, timeout_ms: int, is_worker_watched: bool = True) -> bool:
+        """Serve the worker's and the clients' sockets once; True if the worker process has
+        exited (when it is watched: a dead worker's sentinel is ready for good)."""
         poller = zmq.Poller()
-        for sock in (self.worker_link.socket, *self.frontend.client_sockets, self.worker.sentinel):
+        for sock in (self.worker_link.socket, *self.frontend.client_sockets,
+                     *([self.worker.sentinel] if is_worker_watched else [])):
             poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll(timeout_ms))
         disconnects, clients = self.frontend.client_sockets
@@ -150,8 +138,10 @@ class Supervisor:
         """Start workers until one reports READY; give up after repeated start-up deaths,
         or at once when the worker says a setting is wrong (a model that does not load)."""
         for attempt in range(MAX_STARTUP_FAILURES):
-            if attempt:
-                time.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
+            if attempt:  # clients are answered meanwhile ("starting"), and held submits wait
+                backoff_ends_s = time.monotonic() + RESTART_BACKOFF_S * 2 ** (attempt - 1)
+                while time.monotonic() < backoff_ends_s and not self.stop_requested:
+                    self._serve_sockets(LOOP_POLL_MS, is_worker_watched=False)
             self._start_worker()
             deadline = time.monotonic() + READY_TIMEOUT_S
             while self.worker_link.ready is None and time.monotonic() < deadline and not self.stop_requested:
@@ -259,7 +249,8 @@ class Supervisor:
 def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code. `http_socket`, bound by
     the caller, is served by the OpenAI-compatible HTTP server."""
-    _raise_open_file_limit()
+    raise_open_file_limit()
+    warn_if_too_few_descriptors(config)
     lock_fd = supervisor = None
     try:  # every mistake a user can make ends here as one line and exit code 1
         lock_fd = _lock_endpoint(config.endpoint)  # first: a second daemon fails at once

@@ -21,6 +21,7 @@ class CommandHandler:
     def __init__(self, engine: Engine, io: WorkerIO, inbox: queue.SimpleQueue, publisher: EventPublisher):
         self._engine, self._io, self._inbox, self._publisher = engine, io, inbox, publisher
         self.is_stopped = False  # a WorkerStop was applied
+        self._early_cancel_ids: set[int] = set()  # cancels that overtook their submit in the preparer
 
     def apply_pending(self, wait_for_one: bool) -> bool:
         """Apply every command waiting (first waiting up to IDLE_WAIT_S for one when
@@ -37,15 +38,23 @@ class CommandHandler:
         return not self.is_stopped
 
     def _apply(self, item) -> None:
-        """item: a prepared Sequence, or a message the preparer passed through."""
+        """item: a prepared Sequence or a rejection from the preparer, or a command from
+        the I/O thread."""
         if isinstance(item, Sequence):
+            self._io.preparing.discard(item.request_id)
             try:
                 self._engine.add(item)
             except (CbatchError, ValueError) as err:
                 self._io.send(rejection(item.request_id, err))
+            if item.request_id in self._early_cancel_ids:
+                self._early_cancel_ids.discard(item.request_id)
+                self._engine.cancel(item.request_id)
         elif isinstance(item, WorkerReject):
+            self._io.preparing.discard(item.request_id)
+            self._early_cancel_ids.discard(item.request_id)
             self._io.send(item)
         elif isinstance(item, WorkerCancel):
-            self._engine.cancel(item.request_id)
+            if not self._engine.cancel(item.request_id) and item.request_id in self._io.preparing:
+                self._early_cancel_ids.add(item.request_id)
         elif isinstance(item, WorkerStop):
             self.is_stopped = True

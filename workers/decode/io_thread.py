@@ -1,7 +1,10 @@
 """The decode worker's I/O thread: the only thread that touches the front-end's socket.
 
-It puts what the front-end sends into `inbox` and sends what the loop thread hands it
-through an inproc pipe, so the decode loop never blocks on a socket. It also watches the
+It puts the submits the front-end sends into `inbox` (for the preparer) and every other
+command into `commands` (for the loop thread, so a cancel never waits behind a long
+preparation), and sends what the loop thread hands it through an inproc pipe, so the
+decode loop never blocks on a socket. A command it cannot read is answered with a
+rejection of the request it names, so that request never waits forever. It also watches the
 supervisor: a worker whose supervisor died stops itself.
 """
 
@@ -14,8 +17,9 @@ from collections import deque
 
 import zmq
 
-from cbatch.ipc.worker_messages import WorkerStop, decode, encode
-from cbatch.protocol import ProtocolError
+from cbatch.errors import INTERNAL
+from cbatch.ipc.worker_messages import WorkerReject, WorkerStop, WorkerSubmit, decode, encode
+from cbatch.protocol import ProtocolError, unpack
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 
 IO_POLL_MS = 500
@@ -23,11 +27,14 @@ ORPHAN_EXIT_S = 1.5  # a worker whose supervisor died is gone this long after no
 
 
 class WorkerIO(threading.Thread):
-    """Receives commands into `inbox`; forwards what the loop thread `send`s."""
+    """Receives submits into `inbox` and other commands into `commands`; forwards what
+    the loop thread `send`s."""
 
     def __init__(self, zctx: zmq.Context, plan: WorkerPlan):
         super().__init__(name="worker-io", daemon=True)
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits, for the preparer
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()  # prepared sequences and other commands, for the loop
+        self.preparing: set[int] = set()  # request ids submitted, not yet through the preparer
         self._zctx, self._plan = zctx, plan
         self._pipe_address = f"inproc://worker-io-{id(self)}"
         self._pipe = zctx.socket(zmq.PAIR)  # loop-thread end
@@ -96,7 +103,7 @@ class WorkerIO(threading.Thread):
         large prompt)."""
         self._is_orphaned = True
         self._outgoing.clear()
-        self.inbox.put(WorkerStop())
+        self.commands.put(WorkerStop())
         deadline = threading.Timer(ORPHAN_EXIT_S, os._exit, (1,))
         deadline.daemon = True  # a clean exit must not wait for it
         deadline.start()
@@ -111,10 +118,22 @@ class WorkerIO(threading.Thread):
         return True
 
     def _receive(self, control: zmq.Socket) -> None:
+        frames = control.recv_multipart()
         try:
-            self.inbox.put(decode(control.recv_multipart()))
-        except (ProtocolError, TypeError):
-            pass  # only the front-end talks to this socket, and it sends valid messages
+            message = decode(frames)
+        except (ProtocolError, TypeError) as err:
+            # Only the front-end talks to this socket, so this is a bug; the request it
+            # names must still end.
+            request_id = _named_request_id(frames)
+            if request_id is not None and not self._is_orphaned:
+                self._outgoing.append(encode(WorkerReject(request_id, INTERNAL, f"the worker could not read a command "
+                                                                                f"for this request: {err}")))
+            return
+        if isinstance(message, WorkerSubmit):
+            self.preparing.add(message.request_id)  # before the preparer can hand it on
+            self.inbox.put(message)
+        else:
+            self.commands.put(message)
 
     def _flush(self, control: zmq.Socket) -> None:
         while self._outgoing:
@@ -123,3 +142,11 @@ class WorkerIO(threading.Thread):
             except zmq.Again:  # no front-end connected (yet, or any more)
                 return
             self._outgoing.popleft()
+
+
+def _named_request_id(frames: list[bytes]) -> int | None:
+    try:
+        request_id = unpack(frames)[1].get("request_id")
+    except ProtocolError:
+        return None
+    return request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None

@@ -2,10 +2,12 @@
 
 Three threads, so that nothing but decoding runs on the loop's:
     WorkerIO (sockets) -> RequestPreparer (tokenize, chat template, grammar) -> engine loop
+                       -> (cancels, stop) --------------------------------------^
 The main thread runs the engine loop and writes tokens into the shared-memory ring; a
 slow or chatty front-end, a 1 MB prompt or a large grammar never stalls a decode step
-(ctypes releases the GIL inside llama.cpp's tokenizer). Commands keep their order through
-the preparer, so a cancel never overtakes its submit. After each step the loop publishes
+(ctypes releases the GIL inside llama.cpp's tokenizer, and the preparer runs at a lower
+priority). A cancel goes straight to the loop, never behind a long preparation; one that
+overtakes its submit is kept until the prepared request arrives. After each step the loop publishes
 the records, sends a tick on its PUB socket (waking local readers), and hands the step's
 events to the front-end.
 """
@@ -49,10 +51,10 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
         publisher = EventPublisher(engine, ring, io, tick)
-        preparer = RequestPreparer(engine, io.inbox)
+        preparer = RequestPreparer(engine, io.inbox, io.commands)
         preparer.start()
         io.send(WorkerReady(os.getpid(), engine.description, engine.ctx_per_seq, engine.prefix_cache_note))
-        handler = CommandHandler(engine, io, preparer.outbox, publisher)
+        handler = CommandHandler(engine, io, io.commands, publisher)
         run_engine_loop(engine, handler.apply_pending, publisher.publish)
     finally:
         io.close()

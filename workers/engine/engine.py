@@ -89,6 +89,13 @@ class Engine:
         """Tokenize a validated request and build its sampler; raises CbatchError if it
         cannot run. Reads only the model, never engine state: safe off the loop thread."""
         text = request.prompt if request.messages is None else self.runner.render_chat(request.messages)
+        max_prompt_bytes = self.ctx_per_seq * self.runner.max_token_bytes
+        if len(text) > max_prompt_bytes or len(text.encode()) > max_prompt_bytes:  # not worth tokenizing
+            raise CbatchError(
+                PROMPT_TOO_LONG,
+                f"the prompt is {len(text.encode())} bytes; a sequence holds {self.ctx_per_seq} tokens of at most "
+                f"{self.runner.max_token_bytes} bytes each (shorten the prompt or raise --ctx-size)",
+            )
         prompt_ids = self.runner.tokenize(text)
         if len(prompt_ids) >= self.ctx_per_seq:
             raise CbatchError(
@@ -179,7 +186,7 @@ class Engine:
         if not logit_rows:
             return []
         sampled, logprobs = self._sampler.sample(logit_rows, self._last_num_outputs)
-        self.stats.num_generated_tokens += len(sampled)
+        self.stats.num_sampled_tokens += len(sampled)
         events = []
         to_text = self._settle(sampled, logprobs, events)
         return events + self._postprocess(to_text, logprobs)
@@ -215,9 +222,10 @@ class Engine:
         return [self._finish(c.seq, FinishReason.ERROR, message) for c in spans if c.seq.status is not SeqStatus.FINISHED]
 
     def _apply_cancels(self) -> list[TokenEvent]:
-        events = [self._finish(self._seqs[i], FinishReason.CANCELLED) for i in self._cancel_ids if i in self._seqs]
+        cancelled = [self._seqs[i] for i in self._cancel_ids if i in self._seqs]
         self._cancel_ids.clear()
-        return events
+        self.scheduler.drop_waiting(cancelled)  # one pass over the queue, not one per request
+        return [self._finish(seq, FinishReason.CANCELLED) for seq in cancelled]
 
     def _sample(self, spans: list[BatchSpan]) -> tuple[list[tuple[Sequence, int]], dict[int, list]]:
         """Count the batch's spans as computed and sample the sequences that reached their

@@ -134,6 +134,7 @@ class LlamaRunner:
         self._piece_buf = ctypes.create_string_buffer(MAX_PIECE_BYTES)
         self._decode_thread: ThreadPoolExecutor | None = None  # made by the first start_decode
         self._decoding: Future | None = None
+        self.max_token_bytes = self._longest_token_bytes()
         self.description = self._describe(model_path, model_params.n_gpu_layers)
 
     def _describe(self, model_path: str, num_gpu_layers: int) -> str:
@@ -144,6 +145,14 @@ class LlamaRunner:
         where = f"GPU ({min(num_gpu_layers, num_layers)} of {num_layers} layers)" if num_gpu_layers else "CPU"
         sampling = "in llama.cpp's graph" if self.has_backend_sampling else "on the host"
         return f"{buf.value.decode(errors='replace')} ({model_path}) on {where}, sampling {sampling}"
+
+    def _longest_token_bytes(self) -> int:
+        """At least the most prompt bytes one token can stand for, so a prompt longer than
+        this times a sequence's tokens cannot fit. A token's vocabulary text is never
+        shorter than what it stands for (a sentencepiece space is 3 bytes, a byte token 6,
+        a byte-level BPE byte 1 or 2), and an unknown character is one token of up to 4."""
+        get_text, vocab = lc.llama_vocab_get_text, self.vocab
+        return max(4, max(len(get_text(vocab, token) or b"") for token in range(self.n_vocab)))
 
     def tokenize(self, text: str) -> list[int]:
         """BOS is added as the model asks; special tokens in the text are parsed, so a

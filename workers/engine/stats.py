@@ -19,7 +19,10 @@ class EngineStats:
     llama_decode_s: float = 0.0  # of which inside llama_decode
     num_decode_steps: int = 0
     decode_steps_s: float = 0.0
-    num_generated_tokens: int = 0  # sampled in decode steps
+    num_generated_tokens: int = 0  # sampled in decode steps: the decode rate's numerator
+    # Sampled in any step: also a request's first token when its prefill ended in a step of
+    # prompt chunks only (that step's time counts as prefill, its token as generated).
+    num_sampled_tokens: int = 0
     seq_decode_steps: int = 0  # sum over decode steps of sequences generating in it
     prefill_steps_s: float = 0.0
     num_prefill_tokens: int = 0  # tokens fed in pure-prefill steps
@@ -29,6 +32,7 @@ class EngineStats:
     def record_step(self, step_s: float, llama_decode_s: float, num_batch_tokens: int, num_prompt_tokens: int,
                     num_decode_seqs: int, num_generated: int) -> None:
         self.num_steps += 1
+        self.num_sampled_tokens += num_generated
         self.num_prompt_tokens_computed += num_prompt_tokens
         self.step_s += step_s
         self.llama_decode_s += llama_decode_s
@@ -52,7 +56,7 @@ class EngineStats:
             "decode_fraction": ratio(self.llama_decode_s, self.step_s),
             "avg_step_ms": 1000 * ratio(self.step_s, self.num_steps),
             "num_steps": self.num_steps,
-            "generated_tokens": self.num_generated_tokens,
+            "generated_tokens": self.num_sampled_tokens,
             "requests_ended": self.requests_ended,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
         }
