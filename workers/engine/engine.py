@@ -10,23 +10,22 @@ the caller's publishing run while N+1 decodes. A sequence a stop string ends at 
 still in batch N+1: its row there is skipped, its KV released at once (the remove
 operations run before batch N+2), its sampler chain freed once N+1 is done.
 
-`prepare` (tokenize, render chat, compile the grammar) touches no engine state, so the
-decode worker runs it off the decode loop's thread. The engine owns no sockets and no
-threads (with overlap the runner has one, for llama_decode); the decode worker drives it
-(`run_engine_loop` in workers/decode/worker.py), and tests and the benchmarks drive it
-in-process. The runner is handed in, so tests can drive it with a fake one.
+The engine owns no sockets and no threads (with overlap the runner has one, for
+llama_decode); the decode worker drives it (workers/decode/worker.py), tests and the
+benchmarks drive it in-process, with a fake runner where they like.
 """
 
 import time
 
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError, PROMPT_TOO_LONG
+from cbatch.errors import CbatchError
 from cbatch.model import resolve_model_path
 from cbatch.ipc.records import TokenEvent
 from cbatch.params import Request
 from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.runner import LlamaRunner
-from cbatch.workers.engine.sampling.host import free_sampler_chain, make_sampler_chain, needs_host_sampling
+from cbatch.workers.engine.preparation import prepare_sequence
+from cbatch.workers.engine.sampling.host import free_sampler_chain
 from cbatch.workers.engine.sampling.step import StepSampler
 from cbatch.workers.engine.scheduler import BatchSpan, Scheduler
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
@@ -86,26 +85,8 @@ class Engine:
         return self.scheduler.has_work or self._in_flight is not None
 
     def prepare(self, request: Request) -> Sequence:
-        """Tokenize a validated request and build its sampler; raises CbatchError if it
-        cannot run. Reads only the model, never engine state: safe off the loop thread."""
-        text = request.prompt if request.messages is None else self.runner.render_chat(request.messages)
-        max_prompt_bytes = self.ctx_per_seq * self.runner.max_token_bytes
-        if len(text) > max_prompt_bytes or len(text.encode()) > max_prompt_bytes:  # not worth tokenizing
-            raise CbatchError(
-                PROMPT_TOO_LONG,
-                f"the prompt is {len(text.encode())} bytes; a sequence holds {self.ctx_per_seq} tokens of at most "
-                f"{self.runner.max_token_bytes} bytes each (shorten the prompt or raise --ctx-size)",
-            )
-        prompt_ids = self.runner.tokenize(text)
-        if len(prompt_ids) >= self.ctx_per_seq:
-            raise CbatchError(
-                PROMPT_TOO_LONG,
-                f"the prompt is {len(prompt_ids)} tokens; a sequence holds {self.ctx_per_seq} "
-                "(shorten the prompt or raise --ctx-size)",
-            )
-        on_backend = self.runner.has_backend_sampling and not needs_host_sampling(request.params)
-        sampler = make_sampler_chain(self.runner.vocab, self.runner.eog_ids, request.params, prompt_ids, on_backend)
-        return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend)
+        """A validated request as a Sequence (preparation.py): safe off the loop thread."""
+        return prepare_sequence(self.runner, request, self.ctx_per_seq)
 
     def add(self, seq: Sequence) -> None:
         """Queue a prepared sequence; on error (a full queue, a taken id) its sampler is freed."""
@@ -131,9 +112,7 @@ class Engine:
         return True
 
     def step(self) -> list[TokenEvent]:
-        """One step's events. With overlap on, the next step's batch is already decoding
-        when this returns (see the module docstring): the caller publishes these events
-        beside it."""
+        """One step's events; with overlap the next batch decodes while they are published."""
         started = time.perf_counter()
         events = []
         if self._in_flight is None:
@@ -229,29 +208,12 @@ class Engine:
 
     def _sample(self, spans: list[BatchSpan]) -> tuple[list[tuple[Sequence, int]], dict[int, list]]:
         """Count the batch's spans as computed and sample the sequences that reached their
-        last token; a sequence that ended while the batch decoded keeps its output row
-        but is skipped."""
-        logit_rows, num_outputs, batch_index = [], 0, -1  # (seq, output row, batch index)
-        num_batch_tokens = num_prompt_tokens = num_decode_seqs = 0
-        for span in spans:
-            seq, start, num_tokens = span.seq, span.start, span.num_tokens
-            batch_index += num_tokens
-            num_batch_tokens += num_tokens
-            num_prompt_tokens += max(0, min(start + num_tokens, seq.num_prompt_tokens) - start)
-            is_sampled = span.wants_logits  # before the span counts as computed
-            if seq.status is not SeqStatus.FINISHED:
-                sharers = self.scheduler.row_sharers(seq) if is_sampled else ()
-                self.scheduler.on_computed(span)  # forks the sharers
-                if is_sampled:
-                    logit_rows.append((seq, num_outputs, batch_index))
-                    logit_rows += [(fork, num_outputs, batch_index) for fork in sharers]
-            if is_sampled:
-                num_outputs += 1
-                num_decode_seqs += num_tokens == 1
+        last token (and the forks that share their rows)."""
+        logit_rows, num_outputs, counts = self.scheduler.on_computed_batch(spans)
         sampled, logprobs = self._sampler.sample(logit_rows, num_outputs)
         if self.scheduler.is_last_row_kept:
             self._last_rows, self._last_num_outputs = logit_rows, num_outputs
-        self._step_counts = (num_batch_tokens, num_prompt_tokens, num_decode_seqs, len(sampled))
+        self._step_counts = (*counts, len(sampled))
         return sampled, logprobs
 
     def _settle(self, sampled: list[tuple[Sequence, int]], logprobs: dict[int, list],

@@ -124,6 +124,31 @@ class Scheduler:
     def complete_fork(self, parent: Sequence, fork: Sequence, shares_row: bool) -> None:
         self._fork(parent, fork, fork.num_prompt_tokens - (not shares_row))
 
+    def on_computed_batch(self, spans: list[BatchSpan]) -> tuple[list[tuple[Sequence, int, int]], int, tuple]:
+        """Count a decoded batch's spans as computed. Returns the (sequence, output row,
+        batch index) of each live sequence that samples now, forks sharing their parent's
+        row included; the batch's number of output rows; and (batch tokens, prompt tokens,
+        decode sequences) for the stats. A sequence that ended while the batch decoded
+        (overlap) keeps its output row, so the others' rows stay right, but is skipped."""
+        logit_rows, num_outputs, batch_index = [], 0, -1
+        num_batch_tokens = num_prompt_tokens = num_decode_seqs = 0
+        for span in spans:
+            seq, start, num_tokens = span.seq, span.start, span.num_tokens
+            batch_index += num_tokens
+            num_batch_tokens += num_tokens
+            num_prompt_tokens += max(0, min(start + num_tokens, seq.num_prompt_tokens) - start)
+            is_sampled = span.wants_logits  # before the span counts as computed
+            if seq.status is not SeqStatus.FINISHED:
+                sharers = self.row_sharers(seq) if is_sampled else ()
+                self.on_computed(span)  # forks the sharers
+                if is_sampled:
+                    logit_rows.append((seq, num_outputs, batch_index))
+                    logit_rows += [(fork, num_outputs, batch_index) for fork in sharers]
+            if is_sampled:
+                num_outputs += 1
+                num_decode_seqs += num_tokens == 1
+        return logit_rows, num_outputs, (num_batch_tokens, num_prompt_tokens, num_decode_seqs)
+
     def on_computed(self, span: BatchSpan) -> None:
         """The step computed the span's tokens: a sequence whose prompt is now computed
         samples from here on, and so do its forks that share its row (row_sharers)."""

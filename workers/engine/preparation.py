@@ -1,0 +1,30 @@
+"""Turning a validated request into a Sequence: the prompt's text and tokens, the checks
+that it fits, and its sampler chain. Reads only the model, never engine state, so the
+decode worker runs it off the decode loop's thread."""
+
+from cbatch.errors import CbatchError, PROMPT_TOO_LONG
+from cbatch.params import Request
+from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
+from cbatch.workers.engine.sequence import Sequence
+
+
+def prepare_sequence(runner, request: Request, ctx_per_seq: int) -> Sequence:
+    """Tokenize the request and build its sampler; raises CbatchError if it cannot run."""
+    text = request.prompt if request.messages is None else runner.render_chat(request.messages)
+    max_prompt_bytes = ctx_per_seq * runner.max_token_bytes
+    if len(text) > max_prompt_bytes or len(text.encode()) > max_prompt_bytes:  # not worth tokenizing
+        raise CbatchError(
+            PROMPT_TOO_LONG,
+            f"the prompt is {len(text.encode())} bytes; a sequence holds {ctx_per_seq} tokens of at most "
+            f"{runner.max_token_bytes} bytes each (shorten the prompt or raise --ctx-size)",
+        )
+    prompt_ids = runner.tokenize(text)
+    if len(prompt_ids) >= ctx_per_seq:
+        raise CbatchError(
+            PROMPT_TOO_LONG,
+            f"the prompt is {len(prompt_ids)} tokens; a sequence holds {ctx_per_seq} "
+            "(shorten the prompt or raise --ctx-size)",
+        )
+    on_backend = runner.has_backend_sampling and not needs_host_sampling(request.params)
+    sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, prompt_ids, on_backend)
+    return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend)
