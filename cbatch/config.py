@@ -88,6 +88,7 @@ CPUS_PER_HTTP_PROCESS = 8
 RETENTION_S = 60.0  # how long a finished request's records stay fetchable (ring overrun recovery)
 DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they are cancelled
 WORKER_TIMEOUT_S = 120.0  # longer than any single decode step should take
+MAX_ALIAS_CHARS = 256
 PROGRESS_INTERVAL_S = 10.0  # the daemon logs a progress line this often while it has requests
 
 
@@ -148,6 +149,8 @@ class DaemonConfig:
     http_address: tuple[str, int] | None = None  # (host, port) of the OpenAI-compatible HTTP server; None = off
     http_processes: int = 0  # HTTP server processes on that port; 0 = default_http_processes()
     api_key: str = ""  # HTTP callers must send `Authorization: Bearer <api_key>`; "" = no key
+    # More names the model answers to (HTTP `model`, OpenAI batch files), beside its file's name.
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.endpoint:
@@ -183,6 +186,12 @@ class DaemonConfig:
         for path in (self.curve_secret_key, self.curve_clients_dir):
             if path and not os.path.exists(path):
                 raise CbatchError(INVALID_CONFIG, f"{path} does not exist")
+        for alias in self.aliases:
+            if not alias.strip() or len(alias) > MAX_ALIAS_CHARS:
+                raise CbatchError(INVALID_CONFIG, f"--alias must be a non-blank name of at most {MAX_ALIAS_CHARS} "
+                                                  f"characters, got {alias!r}")
+        if len(set(self.aliases)) != len(self.aliases):
+            raise CbatchError(INVALID_CONFIG, "--alias names a model name twice")
         capacity = self.ring_capacity
         if capacity < 8 or capacity & (capacity - 1):
             raise CbatchError(INVALID_CONFIG, f"--ring-capacity must be a power of two >= 8, got {capacity}")

@@ -17,6 +17,7 @@ import zmq
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.records import NO_TOKEN, RingRecord, TokenEvent
+from cbatch.model import served_model_names
 from cbatch.params import parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
@@ -34,6 +35,7 @@ class FrontEnd:
     def __init__(self, zctx: zmq.Context, config: DaemonConfig, worker: WorkerLink, ring_name: str,
                  tick_endpoint: str):
         self.config = config
+        self.model_names = served_model_names(config.engine.model_path, config.aliases)  # what `model` may name
         self.worker = worker
         self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
         self.clients = ClientLink(zctx, config)
@@ -198,6 +200,7 @@ class FrontEnd:
             "nonce": body.get("nonce", 0), "status": status, "model": ready.model if ready else "",
             "parallel": self.config.engine.parallel, "worker_pid": ready.pid if ready else 0,
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "lost_request_ids": lost,
+            "model_names": self.model_names,
         })
 
     def _stats(self, identity: bytes, body: dict) -> None:
