@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.params import MAX_TIMEOUT_S
 from cbatch.wording import counted
 
 MAX_PARALLEL = 64
@@ -151,6 +152,9 @@ class DaemonConfig:
     api_key: str = ""  # HTTP callers must send `Authorization: Bearer <api_key>`; "" = no key
     # More names the model answers to (HTTP `model`, OpenAI batch files), beside its file's name.
     aliases: tuple[str, ...] = ()
+    # Timeouts of requests that give none, by priority: seconds from arrival; 0 = none.
+    interactive_timeout_s: float = 0.0
+    batch_timeout_s: float = 0.0
 
     def __post_init__(self):
         if not self.endpoint:
@@ -201,5 +205,8 @@ class DaemonConfig:
             raise CbatchError(INVALID_CONFIG, f"--drain-grace must be >= 0, got {self.drain_grace_s}")
         if self.progress_interval_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--progress-interval must be >= 0, got {self.progress_interval_s}")
+        for flag, value in (("--interactive-timeout", self.interactive_timeout_s), ("--batch-timeout", self.batch_timeout_s)):
+            if not 0 <= value <= MAX_TIMEOUT_S:
+                raise CbatchError(INVALID_CONFIG, f"{flag} must be in [0, {MAX_TIMEOUT_S:g}] seconds, got {value:g}")
         if self.retention_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--retention must be >= 0, got {self.retention_s}")

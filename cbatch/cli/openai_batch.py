@@ -10,6 +10,7 @@ request at all has `response: null` and `error: {"code", "message"}`.
 import uuid
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.params import BATCH
 from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, error_status, parse_api_request
 from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse, system_fingerprint
 
@@ -56,7 +57,8 @@ class OpenAILine:
             self.result = _line_failure(self.custom_id, err)
             return
         try:
-            request = parse_api_request(kind, {**item["body"], "stream": False}, model_names)
+            # A batch file's lines yield to interactive requests unless a body says otherwise.
+            request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names)
         except CbatchError as err:
             self.result = _request_failure(self.custom_id, err)
             return

@@ -25,6 +25,10 @@ def make_parser() -> argparse.ArgumentParser:
     add("-t", "--threads", type=int, default=ENGINE.threads, help="CPU threads (default: the CPUs this daemon may run on, from its affinity mask)")
     add("-ngl", "--n-gpu-layers", type=int, default=None,
         help="layers to offload to a GPU (default -1: all of them on a GPU build)")
+    add("--interactive-timeout", type=float, default=0.0, metavar="S",
+        help="seconds an interactive request that sets no timeout may take, queued and running (default 0: no limit)")
+    add("--batch-timeout", type=float, default=0.0, metavar="S",
+        help="seconds a batch-priority request that sets no timeout may take (default 0: no limit)")
     add("--alias", action="append", default=[], metavar="NAME",
         help="another name the model answers to over HTTP and in batch files, beside its file's name (repeatable)")
     add("--max-queue", type=int, default=ENGINE.max_queue,
@@ -83,7 +87,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
                         http_address=parse_http_address(args.http) if args.http else None,
-                        http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias))
+                        http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
+                        interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
 
 
 def warn_if_no_gpu(args: argparse.Namespace) -> None:

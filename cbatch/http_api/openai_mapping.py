@@ -10,8 +10,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from cbatch.errors import (CbatchError, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND, PROMPT_TOO_LONG, UNAUTHORIZED,
-                           QUEUE_FULL, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED)
+from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND,
+                           PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE, WORKER_RESTARTED)
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 
 CHAT, COMPLETION = "chat", "completion"
@@ -21,12 +21,13 @@ RETRY_AFTER_S = 1  # what a 429 tells the caller to wait
 MAX_CHOICES_PER_REQUEST = 256
 # OpenAI fields with the same name and meaning in cbatch's request body.
 PASSTHROUGH_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                      "repeat_penalty", "seed", "ignore_eos", "min_tokens", "logit_bias", "grammar")
+                      "repeat_penalty", "seed", "ignore_eos", "min_tokens", "logit_bias", "grammar", "priority", "timeout")
 # cbatch error code -> (HTTP status, OpenAI error type)
 _STATUS = {
     INVALID_REQUEST: (400, "invalid_request_error"),
     PROMPT_TOO_LONG: (400, "invalid_request_error"),
     NOT_FOUND: (404, "invalid_request_error"),
+    DEADLINE_EXCEEDED: (408, "timeout_error"),
     UNAUTHORIZED: (401, "authentication_error"),
     QUEUE_FULL: (429, "rate_limit_error"),
     SHUTTING_DOWN: (503, "service_unavailable"),

@@ -18,7 +18,7 @@ from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.records import NO_TOKEN, RingRecord, TokenEvent
 from cbatch.model import served_model_names
-from cbatch.params import parse_request
+from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.ipc.worker_messages import WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
@@ -149,7 +149,7 @@ class FrontEnd:
         if not 1 <= request_id <= MAX_REQUEST_ID:
             raise ProtocolError("request_id must be in [1, 2**63 - 1]")
         request_body = field(body, "body", dict)
-        parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
+        request = parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
         if len(msgpack.packb(request_body)) > MAX_FRAME_BYTES - 1024:  # floats re-encode wider
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self._is_draining:
@@ -157,13 +157,21 @@ class FrontEnd:
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request_body.get("logprobs") is not None
         tracked = TrackedRequest(request_id, identity, is_relayed=wants_logprobs or not self._use_ring.get(identity, False),
-                  body=request_body, logprobs={} if wants_logprobs else None)
+                  body=request_body, logprobs={} if wants_logprobs else None, is_batch=request.priority == BATCH,
+                  deadline_s=self._deadline(request))
         self.requests.add(tracked)
         self._forward(tracked)  # held here while the worker (re)starts, sent when it is ready
 
+    def _deadline(self, request) -> float:
+        """The request's deadline from now (its own timeout, else the daemon's default for
+        its priority) on the monotonic clock the worker shares; 0 = none."""
+        default_s = self.config.batch_timeout_s if request.priority == BATCH else self.config.interactive_timeout_s
+        timeout_s = request.timeout_s or default_s
+        return time.monotonic() + timeout_s if timeout_s else 0.0
+
     def _forward(self, tracked: TrackedRequest) -> None:
         if self.worker.ready is not None and tracked.is_held:
-            self.worker.send(WorkerSubmit(tracked.request_id, tracked.body))
+            self.worker.send(WorkerSubmit(tracked.request_id, tracked.body, tracked.deadline_s))
             tracked.body = None
 
     def _cancel(self, identity: bytes, body: dict) -> None:
@@ -229,8 +237,8 @@ class FrontEnd:
     # ---- decode worker ------------------------------------------------------------
     def on_worker_messages(self) -> None:
         for message in self.worker.receive():
-            if isinstance(message, WorkerReady):
-                for tracked in self.requests.active.values():
+            if isinstance(message, WorkerReady):  # what was held for it, interactive requests first
+                for tracked in sorted(self.requests.active.values(), key=lambda tracked: tracked.is_batch):
                     self._forward(tracked)
             elif isinstance(message, WorkerReject):
                 tracked = self.requests.active.get(message.request_id)

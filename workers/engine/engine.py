@@ -9,6 +9,8 @@ threads; the decode worker drives it with `run_engine_loop`, and tests and the b
 drive it in-process. The runner is handed in, so tests can drive it with a fake one.
 """
 
+import heapq
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,13 +21,13 @@ from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, PROMPT_TOO_LONG
 from cbatch.model import resolve_model_path
 from cbatch.ipc.records import TokenEvent
-from cbatch.params import Request
+from cbatch.params import BATCH, Request
 from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.sampling.host import (free_sampler_chain, greedy_rows, make_sampler_chain, needs_host_sampling,
                                     sample_with_chain, suppress_eog)
 from cbatch.workers.engine.scheduler import BatchSpan, Scheduler
-from cbatch.workers.engine.sequence import FinishReason, Sequence
+from cbatch.workers.engine.sequence import FinishReason, Sequence, SeqStatus
 from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
 from cbatch.workers.engine.stats import EngineStats, slot_snapshot
@@ -46,6 +48,8 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[int, Sequence] = {}
         self._cancel_ids: set[int] = set()
+        self._deadlines: list[tuple[float, int]] = []  # a heap of (deadline, request id); stale ids are skipped
+        self.expired_while_queued: list[int] = []  # request ids the caller ends with deadline_exceeded
         self._eog_set = frozenset(int(t) for t in self.runner.eog_ids)
 
     @property
@@ -78,7 +82,9 @@ class Engine:
             )
         on_backend = self.runner.has_backend_sampling and not needs_host_sampling(request.params)
         sampler = make_sampler_chain(self.runner.vocab, self.runner.eog_ids, request.params, prompt_ids, on_backend)
-        return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend)
+        deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
+        return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend,
+                        is_batch=request.priority == BATCH, deadline_s=deadline_s)
 
     def add(self, seq: Sequence) -> None:
         """Queue a prepared sequence; on error (a full queue, a taken id) its sampler is freed."""
@@ -90,6 +96,8 @@ class Engine:
             free_sampler_chain(seq.sampler)
             raise
         self._seqs[seq.request_id] = seq
+        if seq.deadline_s != math.inf:
+            heapq.heappush(self._deadlines, (seq.deadline_s, seq.request_id))
 
     def add_request(self, request: Request) -> None:
         self.add(self.prepare(request))
@@ -105,6 +113,7 @@ class Engine:
         started = time.perf_counter()
         events = [self._finish(self._seqs[i], FinishReason.CANCELLED) for i in self._cancel_ids]
         self._cancel_ids.clear()
+        events += self._expire(time.monotonic())
         spans = self.scheduler.schedule()
         if not spans:
             return events
@@ -125,6 +134,26 @@ class Engine:
         events += self._postprocess(spans, sampled, self._logprobs(spans, sampled, raw_rows))
         self.stats.record_step(time.perf_counter() - started, llama_decode_s, num_batch_tokens, num_prompt_tokens,
                                num_decode_seqs, len(sampled))
+        return events
+
+    def _expire(self, now_s: float) -> list[TokenEvent]:
+        """Requests whose deadline has passed: one that never ran leaves the queue (named in
+        `expired_while_queued`, for the caller to end with an error); one that ran ends
+        with `timeout`, keeping what it produced."""
+        events = []
+        while self._deadlines and self._deadlines[0][0] <= now_s:
+            _, request_id = heapq.heappop(self._deadlines)
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                continue  # it finished before its deadline
+            if seq.status is SeqStatus.WAITING and not seq.output_ids:
+                self.scheduler.finish(seq, keep_cached=False)
+                self._free_sampler(seq)
+                del self._seqs[request_id]
+                self.stats.requests_ended += 1
+                self.expired_while_queued.append(request_id)
+            else:
+                events.append(self._finish(seq, FinishReason.TIMEOUT))
         return events
 
     def _decode(self, spans: list[BatchSpan]) -> tuple[list[BatchSpan], float, int]:

@@ -1,7 +1,8 @@
 """Decides, each step, which sequences run and which tokens go into the batch.
 
 Policy:
-- admission is FIFO into at most `max_running` running sequences, each given a KV
+- admission is FIFO within a priority, every interactive request before any batch one
+  (the waiting queue holds the interactive ones first), into at most `max_running` running sequences, each given a KV
   sequence id holding its longest cached prefix by the KV manager, which reserves cells
   for the rest of its tokens (evicting cached prefixes first) or says there is no room;
 - fairness: a waiting request is passed over (keeping its place at the head, and a slot
@@ -63,7 +64,13 @@ class Scheduler:
                 QUEUE_FULL,
                 f"the waiting queue is full ({counted(self.max_queue, 'request')}); retry later or raise --max-queue",
             )
-        self.waiting.append(seq)
+        if seq.is_batch:
+            self.waiting.append(seq)
+            return
+        # After the interactive requests already waiting (they lead the queue), before any
+        # batch one: a batch file's queue never delays an interactive request's admission.
+        position = next((i for i, other in enumerate(self.waiting) if other.is_batch), len(self.waiting))
+        self.waiting.insert(position, seq)
 
     def schedule(self) -> list[BatchSpan]:
         self._admit()

@@ -1,6 +1,7 @@
 """A request as the engine tracks it while it waits, runs and finishes."""
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the per-sequence context cap
     CANCELLED = "cancelled"
     ERROR = "error"
+    TIMEOUT = "timeout"  # its deadline passed while it ran: it keeps what it produced
 
 
 @dataclass(eq=False)
@@ -43,6 +45,8 @@ class Sequence:
     is_backend_sampled: bool = False  # sampled inside llama_decode's graph (backend sampling)
     text: TextStream = None  # type: ignore[assignment]
     arrived_s: float = field(default_factory=time.monotonic)  # when the engine got it (monotonic clock)
+    is_batch: bool = False  # admitted only when no interactive request waits
+    deadline_s: float = math.inf  # on the monotonic clock, which every process of the host shares
 
     def __post_init__(self):
         if self.text is None:
