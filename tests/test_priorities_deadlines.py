@@ -2,6 +2,8 @@
 --http and the official openai package (the tiny model: content does not matter)."""
 
 import concurrent.futures
+import json
+import subprocess
 import time
 
 import openai
@@ -9,7 +11,7 @@ import pytest
 
 from cbatch.config import EngineConfig
 from cbatch.workers.engine.engine import Engine
-from daemonkit import serve_module, wait_until
+from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from enginekit import collect, submit
 from fakerunner import FakeRunner
 from httpkit import HttpDaemon
@@ -105,3 +107,17 @@ def test_a_bad_priority_or_timeout_is_a_400_naming_it(api, field, value):
     with pytest.raises(openai.BadRequestError) as caught:
         api.completions.create(model=MODEL_ID, prompt="x", max_tokens=2, extra_body={field: value})
     assert caught.value.body["param"] == field and caught.value.body["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("line", [
+    {"id": "native", "prompt": "x", **ENDLESS},
+    {"custom_id": "openai", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", **ENDLESS}},
+])
+def test_batch_file_lines_are_batch_priority_and_get_the_batch_timeout(daemon, tmp_path, line):
+    (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
+    run = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(tmp_path / "in.jsonl")], env=daemon.env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    choice = out["response"]["body"]["choices"][0] if "custom_id" in line else out
+    assert choice["finish_reason"] == "timeout"
