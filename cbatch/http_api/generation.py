@@ -83,8 +83,8 @@ async def stream_events(gen: Generation, first_round: list):
         events = [sse(gen.builder.role_chunk(choice)) for choice in range(len(gen.api.bodies)) if is_chat]
         while True:
             for choice, chunk in arrivals:
-                events.append(sse(gen.builder.chunk(choice, chunk.text, chunk.finish_reason,
-                                                    gen.builder.logprobs(choice, chunk.logprobs))))
+                events += [sse(c) for c in gen.builder.chunks(choice, chunk.text, chunk.finish_reason,
+                                                              gen.builder.logprobs(choice, chunk.logprobs))]
                 num_done += chunk.finish_reason is not None
             if num_done == len(gen.api.bodies):
                 if gen.api.include_usage:

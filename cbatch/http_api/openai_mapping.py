@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND,
                            PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE, WORKER_RESTARTED)
+from cbatch.http_api.chat_messages import cbatch_messages
+from cbatch.http_api.tools import ToolPlan, tool_plan
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 
 CHAT, COMPLETION = "chat", "completion"
@@ -49,7 +51,7 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
     if param is None:
         name = _LEADING_NAME.match(err.message)
         known = PASSTHROUGH_FIELDS + ("max_tokens", "stop", "prompt", "messages", "n", "logprobs", "top_logprobs",
-                                      "model")
+                                      "model", "tools", "tool_choice", "parallel_tool_calls")
         param = name.group(1) if name and name.group(1) in known else None
     return {"error": {"message": err.message, "type": _STATUS.get(err.code, (500, "server_error"))[1],
                       "param": param, "code": err.code}}
@@ -64,21 +66,7 @@ class ApiRequest:
     is_stream: bool
     include_usage: bool
     top_logprobs: int | None  # alternatives per token asked for; None = no logprobs
-
-
-def _message(i: int, message) -> dict:
-    """An OpenAI chat message as cbatch's {role, content}: text parts are joined by newlines,
-    `developer` is the system role, `name` and other fields are dropped."""
-    if not isinstance(message, dict):
-        raise invalid(f"messages[{i}] must be an object")
-    role, content = message.get("role"), message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-            raise invalid(f"messages[{i}].content: only text parts are supported")
-        # Parts are separate pieces of text: glued, "What is" and "the best book" would
-        # read as "What isthe best book".
-        content = "\n".join(str(part.get("text", "")) for part in content)
-    return {"role": "system" if role == "developer" else role, "content": "" if content is None else content}
+    tools: ToolPlan | None = None  # chat: the tools offered to the model
 
 
 def _grammar_of(response_format) -> str | None:
@@ -173,11 +161,15 @@ def parse_api_request(kind: str, raw, model_names: list[str]) -> ApiRequest:
     options = raw.get("stream_options") or {}
     if not isinstance(is_stream, bool) or not isinstance(options, dict):
         raise invalid("stream must be true or false, stream_options an object")
+    tools = tool_plan(raw) if kind == CHAT else None
     if kind == CHAT:
-        messages = raw.get("messages")
-        if not isinstance(messages, list):
-            raise invalid("messages must be a list of {role, content} objects")
-        prompts = [{"messages": [_message(i, m) for i, m in enumerate(messages)]}]
+        messages = cbatch_messages(raw.get("messages"))
+        prompts = [{"messages": tools.with_instructions(messages) if tools else messages}]
+        if tools is not None and tools.is_forced:
+            if "grammar" in body:
+                raise invalid("tool_choice required or a named function constrains the answer to a call: "
+                              "give no grammar or response_format with it")
+            body["grammar"] = tools.grammar()
     else:
         prompt = raw.get("prompt")
         prompt_list = prompt if isinstance(prompt, list) else [prompt]
@@ -196,4 +188,4 @@ def parse_api_request(kind: str, raw, model_names: list[str]) -> ApiRequest:
         bodies += choices
         prompt_of_choice += [i] * len(choices)
     return ApiRequest(kind, model, bodies, prompt_of_choice, is_stream, bool(options.get("include_usage")),
-                      top_logprobs)
+                      top_logprobs, tools)

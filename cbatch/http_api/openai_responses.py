@@ -7,6 +7,7 @@ import uuid
 
 import cbatch
 from cbatch.http_api.openai_mapping import CHAT, ApiRequest
+from cbatch.http_api.tools import ToolCallStream
 
 
 def system_fingerprint(model_file_name: str) -> str:
@@ -27,6 +28,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if request.kind == CHAT else "text_completion"
         self._text_offsets = [0] * len(request.bodies)  # completions logprobs: offset of the next token
+        self._tool_streams = [ToolCallStream(request.tools) for _ in request.bodies] if request.tools else None
 
     def usage(self, usages: list[dict | None]) -> dict:
         """Prompt tokens once per prompt (its choices share it), completion tokens summed."""
@@ -62,7 +64,11 @@ class ResponseBuilder:
         choices = []
         for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, logprobs)):
             choice = {"index": i, "finish_reason": reason, "logprobs": lp}
-            if self.request.kind == CHAT:
+            calls = self.request.tools.calls(text) if self.request.tools else None
+            if calls:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
+            elif self.request.kind == CHAT:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -72,20 +78,25 @@ class ResponseBuilder:
     def role_chunk(self, choice: int) -> dict:
         """A streamed chat choice's first chunk: the role alone, before any content, as
         OpenAI sends it."""
-        entry = {"index": choice, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                 "logprobs": None}
+        return self._chat_chunk(choice, {"role": "assistant", "content": ""}, None, None)
+
+    def _chat_chunk(self, choice: int, delta: dict, finish_reason: str | None, logprobs) -> dict:
+        entry = {"index": choice, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return self._envelope("chat.completion.chunk", [entry], **({"usage": None} if self.request.include_usage else {}))
 
-    def chunk(self, choice: int, text: str, finish_reason: str | None, logprobs) -> dict:
-        if self.request.kind == CHAT:
-            delta = {"content": text} if text else {}
-            entry = {"index": choice, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-            obj = "chat.completion.chunk"
-        else:
+    def chunks(self, choice: int, text: str, finish_reason: str | None, logprobs) -> list[dict]:
+        """A choice's next streamed chunks for what arrived: one, except with tools, where
+        what may be a call is held back until the choice ends (then a tool_calls delta)."""
+        if self.request.kind != CHAT:
             entry = {"index": choice, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-            obj = "text_completion"
-        extra = {"usage": None} if self.request.include_usage else {}
-        return self._envelope(obj, [entry], **extra)
+            return [self._envelope("text_completion", [entry], **({"usage": None} if self.request.include_usage else {}))]
+        if self._tool_streams is None:
+            return [self._chat_chunk(choice, {"content": text} if text else {}, finish_reason, logprobs)]
+        deltas, finish_reason = self._tool_streams[choice].push(text, finish_reason)
+        chunks = [self._chat_chunk(choice, delta, None, None) for delta in deltas]
+        if finish_reason is not None:
+            chunks.append(self._chat_chunk(choice, {}, finish_reason, None))
+        return chunks
 
     def usage_chunk(self, usages: list[dict | None]) -> dict:
         obj = "chat.completion.chunk" if self.request.kind == CHAT else "text_completion"
