@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.params import MAX_TIMEOUT_S
 from cbatch.wording import counted
 
 MAX_PARALLEL = 64
@@ -95,6 +96,7 @@ DRAIN_GRACE_S = 30.0  # on SIGTERM, in-flight requests get this long before they
 # as a connected client that stops reading is given (MAX_STALL_S).
 RECONNECT_GRACE_S = 10.0
 WORKER_TIMEOUT_S = 120.0  # longer than any single decode step should take
+MAX_ALIAS_CHARS = 256
 PROGRESS_INTERVAL_S = 10.0  # the daemon logs a progress line this often while it has requests
 
 
@@ -158,6 +160,17 @@ class DaemonConfig:
     http_address: tuple[str, int] | None = None  # (host, port) of the OpenAI-compatible HTTP server; None = off
     http_processes: int = 0  # HTTP server processes on that port; 0 = default_http_processes()
     api_key: str = ""  # HTTP callers must send `Authorization: Bearer <api_key>`; "" = no key
+    # More names the model answers to (HTTP `model`, OpenAI batch files), beside its file's name.
+    aliases: tuple[str, ...] = ()
+    # Timeouts of requests that give none, by priority: seconds from arrival; 0 = none.
+    interactive_timeout_s: float = 0.0
+    batch_timeout_s: float = 0.0
+
+    def deadline_s(self, timeout_s: float, is_batch: bool, now_s: float) -> float:
+        """A request's deadline on the monotonic clock: its own timeout, else the default
+        for its priority; 0 = none."""
+        timeout_s = timeout_s or (self.batch_timeout_s if is_batch else self.interactive_timeout_s)
+        return now_s + timeout_s if timeout_s else 0.0
 
     def __post_init__(self):
         if not self.endpoint:
@@ -193,6 +206,12 @@ class DaemonConfig:
         for path in (self.curve_secret_key, self.curve_clients_dir):
             if path and not os.path.exists(path):
                 raise CbatchError(INVALID_CONFIG, f"{path} does not exist")
+        for alias in self.aliases:
+            if not alias.strip() or len(alias) > MAX_ALIAS_CHARS:
+                raise CbatchError(INVALID_CONFIG, f"--alias must be a non-blank name of at most {MAX_ALIAS_CHARS} "
+                                                  f"characters, got {alias!r}")
+        if len(set(self.aliases)) != len(self.aliases):
+            raise CbatchError(INVALID_CONFIG, "--alias names a model name twice")
         capacity = self.ring_capacity
         if capacity < 8 or capacity & (capacity - 1):
             raise CbatchError(INVALID_CONFIG, f"--ring-capacity must be a power of two >= 8, got {capacity}")
@@ -202,6 +221,9 @@ class DaemonConfig:
             raise CbatchError(INVALID_CONFIG, f"--drain-grace must be >= 0, got {self.drain_grace_s}")
         if self.progress_interval_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--progress-interval must be >= 0, got {self.progress_interval_s}")
+        for flag, value in (("--interactive-timeout", self.interactive_timeout_s), ("--batch-timeout", self.batch_timeout_s)):
+            if not 0 <= value <= MAX_TIMEOUT_S:
+                raise CbatchError(INVALID_CONFIG, f"{flag} must be in [0, {MAX_TIMEOUT_S:g}] seconds, got {value:g}")
         if self.retention_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--retention must be >= 0, got {self.retention_s}")
         if self.reconnect_grace_s < 0:

@@ -17,6 +17,7 @@ INVALID_CONFIG = "invalid_config"
 VERSION_MISMATCH = "version_mismatch"
 ENDPOINT_IN_USE = "endpoint_in_use"
 UNAUTHORIZED = "unauthorized"  # HTTP without the API key
+DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's timeout passed while it was queued
 
 
 class CbatchError(Exception):

@@ -33,6 +33,13 @@ def resolve_model_path(model_path: str | None) -> str:
     return _default_model_path()
 
 
+def served_model_names(model_path: str | None, aliases: tuple[str, ...] = ()) -> list[str]:
+    """The names a request may give as `model`: the GGUF file's name (as llama.cpp's
+    server names it) first, then the daemon's aliases (`--alias`)."""
+    file_name = os.path.basename(resolve_model_path(model_path))
+    return [file_name, *(alias for alias in aliases if alias != file_name)]
+
+
 @functools.cache  # the package checks its file's SHA-256 (about 0.2 s) on every call
 def _default_model_path() -> str:
     try:

@@ -21,6 +21,9 @@ MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIASES = 1024  # token ids one request may bias
 MAX_LOGIT_BIAS = 100.0  # as OpenAI: -100 bans a token in practice, +100 all but forces it
+INTERACTIVE, BATCH = "interactive", "batch"
+PRIORITIES = (INTERACTIVE, BATCH)  # admission order: every waiting interactive request before any batch one
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Request:
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    priority: str = INTERACTIVE
+    timeout_s: float | None = None  # seconds from its arrival at the daemon; None = the daemon's default
 
 
 def invalid(message: str) -> CbatchError:
@@ -217,12 +222,24 @@ def parse_request(request_id: int, raw: dict) -> Request:
     prompt, messages = body.pop("prompt", None), body.pop("messages", None)
     if (prompt is None) == (messages is None):
         raise invalid("give exactly one of 'prompt' or 'messages'")
+    scheduling = {"priority": priority(body.pop("priority", INTERACTIVE)), "timeout_s": timeout(body.pop("timeout", None))}
     params = parse_params(body)
     if params.grammar is not None and params.ignore_eos:
         raise invalid("grammar and ignore_eos cannot be combined: a completed grammar allows only end-of-generation")
     if prompt is not None:
-        return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params)
-    return Request(request_id, messages=_messages(messages), params=params)
+        return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params, **scheduling)
+    return Request(request_id, messages=_messages(messages), params=params, **scheduling)
+
+
+def priority(value) -> str:
+    if value not in PRIORITIES:
+        raise invalid(f"priority must be one of {list(PRIORITIES)}, got {value!r}")
+    return value
+
+
+def timeout(value) -> float | None:
+    """Seconds a request may take from its arrival, queued and running; None = the default."""
+    return None if value is None else _float("timeout", value, 0.0, MAX_TIMEOUT_S, lo_open=True)
 
 
 MAX_CHOICES = 16

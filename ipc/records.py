@@ -25,10 +25,11 @@ MAX_TEXT_BYTES = 32
 # the last record, which ends the reader's watch, is the one fact the index cannot tell.
 FLAG_LAST = 1
 ALL_FLAGS = FLAG_LAST
-FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = range(5)
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR, FINISH_TIMEOUT = range(6)
 NO_TOKEN = -1
 FINISH_CODES = {"": FINISH_NONE, "stop": FINISH_STOP, "length": FINISH_LENGTH, "cancelled": FINISH_CANCELLED,
-                "error": FINISH_ERROR}
+                "error": FINISH_ERROR, "timeout": FINISH_TIMEOUT}
+MAX_FINISH_CODE = max(FINISH_CODES.values())
 
 _RECORD_FIELDS = {
     "names": ["seq", "request_id", "index", "token_id", "flags", "finish", "text_len",

@@ -63,7 +63,7 @@ from typing import Iterable
 
 import numpy as np
 
-from cbatch.ipc.records import (ALL_FLAGS, FINISH_ERROR, FLAG_LAST, MAX_TEXT_BYTES, NO_TOKEN, RECORD_DTYPE,
+from cbatch.ipc.records import (ALL_FLAGS, FLAG_LAST, MAX_FINISH_CODE, MAX_TEXT_BYTES, NO_TOKEN, RECORD_DTYPE,
                                RECORD_SIZE_BYTES, RECORD_STRUCT, RingRecord, TokenEvent, frame_events)
 
 MAGIC = int.from_bytes(b"CBRING01", "little")
@@ -379,7 +379,7 @@ class RingReader:
              text) in RECORD_STRUCT.iter_unpack(copied[:num_intact].tobytes()):
             if request_id not in watched:
                 continue
-            if (text_len > MAX_TEXT_BYTES or flags & ~ALL_FLAGS or finish > FINISH_ERROR
+            if (text_len > MAX_TEXT_BYTES or flags & ~ALL_FLAGS or finish > MAX_FINISH_CODE
                     or token_id < NO_TOKEN or bool(finish) != bool(flags & FLAG_LAST)
                     or (finish and count != index + 1)):
                 raise RingError(f"corrupt record for request {request_id} index {index}")

@@ -34,6 +34,8 @@ class WorkerFailed:
 class WorkerSubmit:
     request_id: int
     body: dict
+    deadline_s: float = 0.0  # when it must end, on the host's monotonic clock (the front-end's daemon default
+    #                          applied); 0 = never
 
 
 @dataclass

@@ -204,7 +204,8 @@ class ScriptedFrontEnd:
             elif msg_type is MsgType.SUBMIT:
                 replies = self._answer(body["request_id"], body["body"])
             elif msg_type is MsgType.HEALTH:
-                replies = [(MsgType.HEALTH_REPLY, {"nonce": body["nonce"], "status": "ok", "lost_request_ids": []})]
+                replies = [(MsgType.HEALTH_REPLY, {"nonce": body["nonce"], "status": "ok", "lost_request_ids": [],
+                                                    "model_names": ["scripted", "m"]})]
             else:
                 replies = []
             for reply_type, reply in replies:

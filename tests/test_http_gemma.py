@@ -17,7 +17,8 @@ README_PORT = "8000"
 
 @pytest.fixture(scope="module")
 def daemon(gemma_model_path):
-    yield from serve_module(HttpDaemon(gemma_model_path, "--parallel", "2"))
+    # the flags of docs/http.md's example, whose curl names the model by its alias
+    yield from serve_module(HttpDaemon(gemma_model_path, "--parallel", "2", "--alias", "gemma-3-270m"))
 
 
 def _model(api) -> str:

@@ -19,7 +19,7 @@ def _submit(daemon, *args, **popen):
 
 
 def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
-    daemon = start_daemon(tiny_model_path)
+    daemon = start_daemon(tiny_model_path, "--alias", "m")  # the lines' model, as the HTTP API would take it
     lines = [  # a first line that does not parse does not make the file a native one
         "{not json",
         # both choices are rejected by the daemon: the line fails once, the next lines still run
@@ -30,14 +30,16 @@ def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
         _line("two", {"model": "m", "prompt": "hey", "max_tokens": 3, "n": 2, "seed": 1}),
         _line("no-template", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
               url="/v1/chat/completions"),
+        _line("unserved", {"model": "gpt-4", "prompt": "x"}),
     ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     process = _submit(daemon, str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"))
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 1, stderr
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [o["custom_id"] for o in out] == [None, "two-bad", "ok", "bad-url", "bad-value", "two", "no-template"]
-    assert "7 OpenAI batch lines, 2 ok, 5 failed; 11 tokens in" in stderr
+    assert [o["custom_id"] for o in out] == [None, "two-bad", "ok", "bad-url", "bad-value", "two", "no-template",
+                                            "unserved"]
+    assert "8 OpenAI batch lines, 2 ok, 6 failed; 11 tokens in" in stderr
     assert out[1]["response"]["status_code"] == 400
     assert out[1]["response"]["body"]["error"]["code"] == "prompt_too_long"
     out.pop(1)
@@ -51,10 +53,14 @@ def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
     assert out[3]["response"]["body"]["error"]["param"] == "temperature"
     assert [c["index"] for c in out[4]["response"]["body"]["choices"]] == [0, 1]
     assert out[5]["response"]["status_code"] == 400 and "template" in out[5]["response"]["body"]["error"]["message"]
+    unserved = out[6]["response"]
+    assert unserved["status_code"] == 404 and unserved["body"]["error"]["code"] == "not_found"
+    assert "'tiny-llama.gguf', 'm'" in unserved["body"]["error"]["message"]
+    assert ok["body"]["system_fingerprint"].startswith("fp_")
 
 
 def test_resume_after_a_killed_run_finishes_every_line_once(start_daemon, tiny_model_path, tmp_path):
-    daemon = start_daemon(tiny_model_path, "--parallel", "2")
+    daemon = start_daemon(tiny_model_path, "--parallel", "2", "--alias", "m")
     ids = [f"req-{i}" for i in range(16)]
     body = {"model": "m", "prompt": "go", "max_tokens": 300, "ignore_eos": True}
     (tmp_path / "in.jsonl").write_text("".join(_line(i, body) + "\n" for i in ids))

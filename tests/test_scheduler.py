@@ -184,3 +184,23 @@ def test_a_passed_over_prompt_keeps_a_slot_and_is_not_passed_over_for_nothing():
             assert sched.running == [first] and list(sched.waiting) == [second, later]
         else:
             assert sched.running == [first, second] and list(sched.waiting) == [later]
+
+
+def test_interactive_requests_are_admitted_ahead_of_queued_batch_ones_in_their_own_order():
+    sched = Sched(num_slots=1, max_batch_tokens=64, max_queue=8)
+    running = make_seq(0, 4)
+    sched.add(running)
+    feed(sched, sched.schedule())
+    batch = [make_seq(i, 4) for i in (1, 2, 3)]
+    interactive = [make_seq(i, 4) for i in (4, 5)]
+    for seq in batch:
+        seq.is_batch = True
+    for seq in (batch[0], batch[1], interactive[0], batch[2], interactive[1]):
+        sched.add(seq)
+    assert list(sched.waiting) == [*interactive, *batch]
+    admitted = []
+    for _ in range(len(batch) + len(interactive)):
+        sched.finish(sched.running[0], keep_cached=False)
+        sched.schedule()
+        admitted.append(sched.running[0].request_id)
+    assert admitted == [4, 5, 1, 2, 3]

@@ -4,7 +4,7 @@ params...}; one result line per input line: {"id", "text", "finish_reason", "usa
 
 from cbatch.client.streams import Completion, completion_from_chunks
 from cbatch.errors import CbatchError
-from cbatch.params import expand_choices
+from cbatch.params import BATCH, expand_choices
 
 
 class NativeLine:
@@ -20,7 +20,8 @@ class NativeLine:
         try:
             if isinstance(item, CbatchError):
                 raise item
-            self.bodies = expand_choices(item)
+            # A batch file's lines yield to interactive requests unless a line says otherwise.
+            self.bodies = expand_choices({"priority": BATCH, **item})
         except CbatchError as err:
             self.result = {"id": self.id, "error": err.to_dict()}
 

@@ -10,8 +10,9 @@ request at all has `response: null` and `error: {"code", "message"}`.
 import uuid
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.http_api.openai_mapping import CHAT, COMPLETION, ResponseBuilder, WholeResponse, error_body, error_status, \
-    parse_api_request
+from cbatch.params import BATCH
+from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, error_status, parse_api_request
+from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse, system_fingerprint
 
 URL_KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
 
@@ -39,7 +40,7 @@ def _request_failure(custom_id, err: CbatchError) -> dict:
 class OpenAILine:
     """One input line: its parsed request, or why it cannot run, and its result so far."""
 
-    def __init__(self, number: int, item):
+    def __init__(self, number: int, item, model_names: list[str]):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
         self.whole: WholeResponse | None = None
@@ -56,12 +57,13 @@ class OpenAILine:
             self.result = _line_failure(self.custom_id, err)
             return
         try:
-            request = parse_api_request(kind, {**item["body"], "stream": False}, None)
+            # A batch file's lines yield to interactive requests unless a body says otherwise.
+            request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names)
         except CbatchError as err:
             self.result = _request_failure(self.custom_id, err)
             return
         self.bodies = request.bodies
-        self.whole = WholeResponse(ResponseBuilder(request, str(item["body"].get("model", ""))))
+        self.whole = WholeResponse(ResponseBuilder(request, system_fingerprint(model_names[0])))
 
     def add(self, choice: int, chunk) -> None:
         if self.result is not None:

@@ -2,6 +2,7 @@
 through a daemon and write one result line per input line, in input order."""
 
 import argparse
+import functools
 import itertools
 import json
 import signal
@@ -88,7 +89,10 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
     items = ((n, item) for n, item in itertools.chain(first, numbered_items)
              if not (isinstance(item, dict) and id_key(item) in done_ids))
     num_left = None if num_lines is None else num_lines - len(done_ids)
-    make_line, noun = (OpenAILine, "OpenAI batch line") if is_openai_batch(first) else (NativeLine, "line")
+    if is_openai_batch(first):  # `model` follows the HTTP API's rule: a name the daemon serves
+        make_line, noun = functools.partial(OpenAILine, model_names=client.health()["model_names"]), "OpenAI batch line"
+    else:
+        make_line, noun = NativeLine, "line"
     return run_batch(client, items, make_line, out, max_in_flight, num_left), noun
 
 

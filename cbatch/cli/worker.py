@@ -23,8 +23,14 @@ def make_parser() -> argparse.ArgumentParser:
     add("-b", "--batch-size", type=int, default=ENGINE.batch_size,
         help=f"tokens per decode step (default {ENGINE.batch_size})")
     add("-t", "--threads", type=int, default=ENGINE.threads, help="CPU threads (default: the CPUs this daemon may run on, from its affinity mask)")
-    add("-ngl", "--n-gpu-layers", type=int, default=ENGINE.n_gpu_layers,
+    add("-ngl", "--n-gpu-layers", type=int, default=None,
         help="layers to offload to a GPU (default -1: all of them on a GPU build)")
+    add("--interactive-timeout", type=float, default=0.0, metavar="S",
+        help="seconds an interactive request that sets no timeout may take, queued and running (default 0: no limit)")
+    add("--batch-timeout", type=float, default=0.0, metavar="S",
+        help="seconds a batch-priority request that sets no timeout may take (default 0: no limit)")
+    add("--alias", action="append", default=[], metavar="NAME",
+        help="another name the model answers to over HTTP and in batch files, beside its file's name (repeatable)")
     add("--max-queue", type=int, default=ENGINE.max_queue,
         help=f"requests waiting beyond --parallel (default {ENGINE.max_queue})")
     add("--kv-unified", action=argparse.BooleanOptionalAction, default=ENGINE.kv_unified,
@@ -78,7 +84,8 @@ def _api_key(args) -> str:
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     """Raises CbatchError(INVALID_CONFIG) naming the flag to change."""
     engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
-                          batch_size=args.batch_size, threads=args.threads, n_gpu_layers=args.n_gpu_layers,
+                          batch_size=args.batch_size, threads=args.threads,
+                          n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
                           max_queue=args.max_queue, kv_unified=args.kv_unified, prefix_cache=args.prefix_cache,
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
                           overlap=args.overlap)
@@ -88,7 +95,21 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
                         http_address=parse_http_address(args.http) if args.http else None,
-                        http_processes=args.http_processes, api_key=_api_key(args))
+                        http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
+                        interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
+
+
+def warn_if_no_gpu(args: argparse.Namespace) -> None:
+    """-ngl asks for GPU layers; a CPU build of llama.cpp runs every layer on the CPU all
+    the same, which the caller should hear rather than find out from the speed."""
+    if args.n_gpu_layers is None or args.n_gpu_layers == 0:
+        return
+    import llama_cpp
+
+    if not llama_cpp.llama_supports_gpu_offload():
+        logging.getLogger("cbatch.daemon").warning(
+            "cbatch-worker: warning: -ngl %d has no effect: this llama.cpp build has no GPU support, so every "
+            "layer runs on the CPU", args.n_gpu_layers)
 
 
 def main(argv=None) -> None:
@@ -102,6 +123,7 @@ def main(argv=None) -> None:
         config = config_from_args(args)
     except CbatchError as err:
         parser.error(err.message)
+    warn_if_no_gpu(args)
     # Bound before the model loads, so a taken port ends the daemon at once, as a taken
     # endpoint does (exit 1: cannot serve); the HTTP server processes serve this socket.
     try:

@@ -26,6 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.http_api.access_log import AccessLog
 from cbatch.http_api.auth import API_KEY_ENV, RequireApiKey
 from cbatch.http_api.connection import TimedH11Protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
@@ -64,7 +65,7 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     if refusal is not None:
         return state.error(endpoint, refusal)
     try:
-        api = parse_api_request(kind, _json_body(await request.body()), state.model_id)
+        api = parse_api_request(kind, _json_body(await request.body()), state.model_names)
     except CbatchError as err:
         return state.error(endpoint, err)
     state.num_in_flight += 1
@@ -94,8 +95,8 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
 
 
 async def _models(state: HttpState, request: Request) -> Response:
-    return json_response({"object": "list", "data": [{"id": state.model_id, "object": "model",
-                                                      "created": state.started, "owned_by": "cbatch"}]})
+    return json_response({"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
+                                                      "owned_by": "cbatch"} for name in state.model_names]})
 
 
 async def _health(state: HttpState, request: Request) -> Response:
@@ -112,7 +113,7 @@ async def _loads(state: HttpState, request: Request) -> Response:
     stats = await _daemon_stats(state)
     if not stats:
         return state.error("loads", CbatchError(UNAVAILABLE, "the daemon's load is not known yet"))
-    return json_response({"loads": [{"dp_rank": 0, "worker_generation": f"{state.model_id}@{state.started}",
+    return json_response({"loads": [{"dp_rank": 0, "worker_generation": f"{state.model_names[0]}@{state.started}",
                                      "num_running_reqs": stats["num_active"], "num_waiting_reqs": stats["num_queued"],
                                      "token_usage": kv_cache_usage(stats)}]})
 
@@ -143,7 +144,7 @@ def make_app(state: HttpState, api_key: str = "") -> Starlette:
                                          "/v1/completions, /v1/chat/completions, /v1/models, /v1/loads, /health, /metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
-    middleware = [Middleware(RequireApiKey, api_key=api_key)] if api_key else []
+    middleware = [Middleware(AccessLog)] + ([Middleware(RequireApiKey, api_key=api_key)] if api_key else [])
     return Starlette(middleware=middleware, exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/completions", bind(_generate, COMPLETION), methods=["POST"]),
         Route("/v1/chat/completions", bind(_generate, CHAT), methods=["POST"]),
@@ -200,10 +201,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="cbatch-http")
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--fd", type=int, required=True, help="the listening socket, bound by the daemon")
-    parser.add_argument("--model-id", required=True, help="the name /v1/models gives the model")
+    parser.add_argument("--model-id", action="append", required=True, dest="model_names",
+                        help="a name the model is served under, the first the default (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    state = HttpState(args.endpoint, args.model_id)
+    state = HttpState(args.endpoint, args.model_names)
     api_key = os.environ.pop(API_KEY_ENV, "")  # nothing this process starts inherits it
     config = uvicorn.Config(make_app(state, api_key), http=TimedH11Protocol, log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)

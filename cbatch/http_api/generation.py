@@ -14,7 +14,8 @@ import time
 from cbatch.client.streams import merge_chunks
 from cbatch.errors import CbatchError
 from cbatch.http_api.metrics import TokenTimer
-from cbatch.http_api.openai_mapping import ApiRequest, ResponseBuilder, WholeResponse, error_body, error_status
+from cbatch.http_api.openai_mapping import CHAT, ApiRequest, error_body, error_status
+from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse
 from cbatch.http_api.state import HttpState
 
 
@@ -25,7 +26,7 @@ def sse(obj) -> bytes:
 class Generation:
     def __init__(self, state: HttpState, api: ApiRequest, endpoint: str):
         self.state, self.api, self.endpoint = state, api, endpoint
-        self.builder = ResponseBuilder(api, state.model_id)
+        self.builder = ResponseBuilder(api, state.fingerprint)
         self.rounds = state.client.stream_batch_rounds([{**b, "id": i} for i, b in enumerate(api.bodies)],
                                                        max_in_flight=len(api.bodies))
         arrived_s = time.monotonic()
@@ -75,16 +76,15 @@ async def collect(gen: Generation) -> dict:
 
 async def stream_events(gen: Generation, first_round: list):
     """Server-sent events, a round's in one write: chunks, the usage chunk if asked, [DONE]."""
-    is_first = [True] * len(gen.api.bodies)
     num_done = 0
     try:
         arrivals = first_round
+        is_chat = gen.api.kind == CHAT
+        events = [sse(gen.builder.role_chunk(choice)) for choice in range(len(gen.api.bodies)) if is_chat]
         while True:
-            events = []
             for choice, chunk in arrivals:
-                events.append(sse(gen.builder.chunk(choice, chunk.text, chunk.finish_reason,
-                                                    gen.builder.logprobs(choice, chunk.logprobs), is_first[choice])))
-                is_first[choice] = False
+                events += [sse(c) for c in gen.builder.chunks(choice, chunk.text, chunk.finish_reason,
+                                                              gen.builder.logprobs(choice, chunk.logprobs))]
                 num_done += chunk.finish_reason is not None
             if num_done == len(gen.api.bodies):
                 if gen.api.include_usage:
@@ -92,6 +92,7 @@ async def stream_events(gen: Generation, first_round: list):
                 yield b"".join(events) + b"data: [DONE]\n\n"
                 return
             yield b"".join(events)
+            events = []
             try:
                 arrivals = await gen.next_round()
             except CbatchError as err:  # after the 200 went out: an error event, then the end

@@ -1,4 +1,5 @@
-"""OpenAI request bodies mapped onto cbatch's, and cbatch's results into OpenAI's shapes.
+"""OpenAI request bodies mapped onto cbatch's, and cbatch's errors into OpenAI's shape
+(the responses are built in openai_responses.py).
 
 Used by the HTTP server and by cbatch-submit's OpenAI batch files, so both accept the
 same fields. Fields cbatch knows are passed to the daemon, which validates them (a bad
@@ -7,12 +8,12 @@ value is an `invalid_request`, HTTP 400); unknown fields are ignored as OpenAI d
 
 import json
 import re
-import time
-import uuid
 from dataclasses import dataclass
 
-from cbatch.errors import (CbatchError, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND, PROMPT_TOO_LONG, UNAUTHORIZED,
-                           QUEUE_FULL, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED)
+from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND,
+                           PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE, WORKER_RESTARTED)
+from cbatch.http_api.chat_messages import cbatch_messages
+from cbatch.http_api.tools import ToolPlan, tool_plan
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 
 CHAT, COMPLETION = "chat", "completion"
@@ -22,12 +23,13 @@ RETRY_AFTER_S = 1  # what a 429 tells the caller to wait
 MAX_CHOICES_PER_REQUEST = 256
 # OpenAI fields with the same name and meaning in cbatch's request body.
 PASSTHROUGH_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                      "repeat_penalty", "seed", "ignore_eos", "min_tokens", "logit_bias", "grammar")
+                      "repeat_penalty", "seed", "ignore_eos", "min_tokens", "logit_bias", "grammar", "priority", "timeout")
 # cbatch error code -> (HTTP status, OpenAI error type)
 _STATUS = {
     INVALID_REQUEST: (400, "invalid_request_error"),
     PROMPT_TOO_LONG: (400, "invalid_request_error"),
     NOT_FOUND: (404, "invalid_request_error"),
+    DEADLINE_EXCEEDED: (408, "timeout_error"),
     UNAUTHORIZED: (401, "authentication_error"),
     QUEUE_FULL: (429, "rate_limit_error"),
     SHUTTING_DOWN: (503, "service_unavailable"),
@@ -48,7 +50,8 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
     daemon's messages start with the field's name."""
     if param is None:
         name = _LEADING_NAME.match(err.message)
-        known = PASSTHROUGH_FIELDS + ("max_tokens", "stop", "prompt", "messages", "n", "logprobs", "model")
+        known = PASSTHROUGH_FIELDS + ("max_tokens", "stop", "prompt", "messages", "n", "logprobs", "top_logprobs",
+                                      "model", "tools", "tool_choice", "parallel_tool_calls")
         param = name.group(1) if name and name.group(1) in known else None
     return {"error": {"message": err.message, "type": _STATUS.get(err.code, (500, "server_error"))[1],
                       "param": param, "code": err.code}}
@@ -57,24 +60,13 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
 @dataclass
 class ApiRequest:
     kind: str  # CHAT or COMPLETION
+    model: str  # the served name the request asked for, echoed in the response
     bodies: list[dict]  # one cbatch request body per choice, in choice order
     prompt_of_choice: list[int]  # which prompt each choice completes (a completions prompt list)
     is_stream: bool
     include_usage: bool
     top_logprobs: int | None  # alternatives per token asked for; None = no logprobs
-
-
-def _message(i: int, message) -> dict:
-    """An OpenAI chat message as cbatch's {role, content}: text parts are joined,
-    `developer` is the system role, `name` and other fields are dropped."""
-    if not isinstance(message, dict):
-        raise invalid(f"messages[{i}] must be an object")
-    role, content = message.get("role"), message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-            raise invalid(f"messages[{i}].content: only text parts are supported")
-        content = "".join(str(part.get("text", "")) for part in content)
-    return {"role": "system" if role == "developer" else role, "content": "" if content is None else content}
+    tools: ToolPlan | None = None  # chat: the tools offered to the model
 
 
 def _grammar_of(response_format) -> str | None:
@@ -114,8 +106,9 @@ def _top_logprobs(kind: str, raw: dict) -> int | None:
             value = 0
     if value is None:
         return None
+    name = "logprobs" if kind == COMPLETION else "top_logprobs"
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise invalid(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        raise invalid(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}]")
     return value
 
 
@@ -130,14 +123,23 @@ def _check_supported(raw: dict) -> None:
         raise invalid("suffix is not supported: the model completes only after the prompt")
 
 
-def parse_api_request(kind: str, raw, model_id: str | None) -> ApiRequest:
+def check_model(model, model_names: list[str]) -> str:
+    """The served name a request's `model` gives (the first name when it gives none); any
+    other name is a 404 naming what is served, over HTTP and in batch files alike."""
+    if model is None:
+        return model_names[0]
+    if model not in model_names:
+        served = ", ".join(repr(name) for name in model_names)
+        raise CbatchError(NOT_FOUND, f"model {model!r} is not served here; this server serves {served}")
+    return model
+
+
+def parse_api_request(kind: str, raw, model_names: list[str]) -> ApiRequest:
     """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
-    `model` must name `model_id` when both are given."""
+    `model`, when given, must be one of `model_names`."""
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
-    model = raw.get("model")
-    if model_id is not None and model is not None and model != model_id:
-        raise CbatchError(NOT_FOUND, f"model {model!r} is not served here; this server serves {model_id!r}")
+    model = check_model(raw.get("model"), model_names)
     body = {name: raw[name] for name in PASSTHROUGH_FIELDS if raw.get(name) is not None}
     # max_completion_tokens is the newer name; a null one leaves max_tokens in force
     max_tokens = next((raw[name] for name in ("max_completion_tokens", "max_tokens") if raw.get(name) is not None),
@@ -159,11 +161,15 @@ def parse_api_request(kind: str, raw, model_id: str | None) -> ApiRequest:
     options = raw.get("stream_options") or {}
     if not isinstance(is_stream, bool) or not isinstance(options, dict):
         raise invalid("stream must be true or false, stream_options an object")
+    tools = tool_plan(raw) if kind == CHAT else None
     if kind == CHAT:
-        messages = raw.get("messages")
-        if not isinstance(messages, list):
-            raise invalid("messages must be a list of {role, content} objects")
-        prompts = [{"messages": [_message(i, m) for i, m in enumerate(messages)]}]
+        messages = cbatch_messages(raw.get("messages"))
+        prompts = [{"messages": tools.with_instructions(messages) if tools else messages}]
+        if tools is not None and tools.is_forced:
+            if "grammar" in body:
+                raise invalid("tool_choice required or a named function constrains the answer to a call: "
+                              "give no grammar or response_format with it")
+            body["grammar"] = tools.grammar()
     else:
         prompt = raw.get("prompt")
         prompt_list = prompt if isinstance(prompt, list) else [prompt]
@@ -181,108 +187,5 @@ def parse_api_request(kind: str, raw, model_id: str | None) -> ApiRequest:
         choices = expand_choices({**body, **prompt_body, **({"n": n} if n is not None else {})})
         bodies += choices
         prompt_of_choice += [i] * len(choices)
-    return ApiRequest(kind, bodies, prompt_of_choice, is_stream, bool(options.get("include_usage")), top_logprobs)
-
-
-class ResponseBuilder:
-    """OpenAI response objects for one API request: whole responses and stream chunks."""
-
-    def __init__(self, request: ApiRequest, model_id: str):
-        self.request = request
-        self.model_id = model_id
-        prefix = "chatcmpl-" if request.kind == CHAT else "cmpl-"
-        self.id = prefix + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.object = "chat.completion" if request.kind == CHAT else "text_completion"
-        self._text_offsets = [0] * len(request.bodies)  # completions logprobs: offset of the next token
-
-    def usage(self, usages: list[dict | None]) -> dict:
-        """Prompt tokens once per prompt (its choices share it), completion tokens summed."""
-        prompt_tokens, seen = 0, set()
-        for choice, usage in enumerate(usages):
-            prompt = self.request.prompt_of_choice[choice]
-            if usage and prompt not in seen:
-                seen.add(prompt)
-                prompt_tokens += usage["prompt_tokens"]
-        completion_tokens = sum(u["completion_tokens"] for u in usages if u)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
-
-    def logprobs(self, choice: int, entries) -> dict | None:
-        """A chunk's `logprobs` entries (one per token) in the endpoint's shape."""
-        if self.request.top_logprobs is None or entries is None:
-            return None
-        if self.request.kind == CHAT:
-            return {"content": list(entries)}
-        offsets = []
-        for entry in entries:
-            offsets.append(self._text_offsets[choice])
-            self._text_offsets[choice] += len(entry["token"])
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-                "text_offset": offsets}
-
-    def _envelope(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id, "choices": choices,
-                **extra}
-
-    def whole(self, texts: list[str], finish_reasons: list[str], logprobs: list, usages: list[dict]) -> dict:
-        choices = []
-        for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, logprobs)):
-            choice = {"index": i, "finish_reason": reason, "logprobs": lp}
-            if self.request.kind == CHAT:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choices.append(choice)
-        return self._envelope(self.object, choices, usage=self.usage(usages))
-
-    def chunk(self, choice: int, text: str, finish_reason: str | None, logprobs, is_first: bool) -> dict:
-        if self.request.kind == CHAT:
-            delta = {"role": "assistant", "content": text} if is_first else ({"content": text} if text else {})
-            entry = {"index": choice, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-            obj = "chat.completion.chunk"
-        else:
-            entry = {"index": choice, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-            obj = "text_completion"
-        extra = {"usage": None} if self.request.include_usage else {}
-        return self._envelope(obj, [entry], **extra)
-
-    def usage_chunk(self, usages: list[dict | None]) -> dict:
-        obj = "chat.completion.chunk" if self.request.kind == CHAT else "text_completion"
-        return self._envelope(obj, [], usage=self.usage(usages))
-
-
-def _merge_logprobs(kind: str, parts: list | None):
-    if parts is None:
-        return None
-    if kind == CHAT:
-        return {"content": [e for p in parts for e in p["content"]]}
-    return {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-
-
-class WholeResponse:
-    """One API request's chunks gathered choice by choice into its non-streamed response."""
-
-    def __init__(self, builder: ResponseBuilder):
-        self.builder = builder
-        num = len(builder.request.bodies)
-        self._texts: list[list[str]] = [[] for _ in range(num)]
-        self._reasons: list[str | None] = [None] * num
-        self._logprobs = [[] if builder.request.top_logprobs is not None else None for _ in range(num)]
-        self.usages: list[dict | None] = [None] * num
-        self.num_left = num
-
-    def add(self, choice: int, chunk) -> None:
-        self._texts[choice].append(chunk.text)
-        entries = self.builder.logprobs(choice, getattr(chunk, "logprobs", None))
-        if entries is not None:
-            self._logprobs[choice].append(entries)
-        if chunk.finish_reason:
-            self._reasons[choice], self.usages[choice] = chunk.finish_reason, chunk.usage
-            self.num_left -= 1
-
-    def response(self) -> dict:
-        kind = self.builder.request.kind
-        return self.builder.whole(["".join(t) for t in self._texts], self._reasons,
-                                  [_merge_logprobs(kind, p) for p in self._logprobs], self.usages)
+    return ApiRequest(kind, model, bodies, prompt_of_choice, is_stream, bool(options.get("include_usage")),
+                      top_logprobs, tools)

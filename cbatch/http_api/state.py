@@ -11,6 +11,7 @@ from cbatch.client.async_client import AsyncClient
 from cbatch.errors import CbatchError, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.http_api.metrics import HttpMetrics
 from cbatch.http_api.openai_mapping import RETRY_AFTER_S, error_body, error_status
+from cbatch.http_api.openai_responses import system_fingerprint
 
 log = logging.getLogger("cbatch.http")
 
@@ -24,10 +25,11 @@ def json_response(obj, status: int = 200, headers: dict | None = None) -> Respon
 
 
 class HttpState:
-    def __init__(self, endpoint: str, model_id: str):
+    def __init__(self, endpoint: str, model_names: list[str]):
         self.endpoint = endpoint
         self.client: AsyncClient | None = None
-        self.model_id = model_id
+        self.model_names = model_names  # what `model` may name; the first is the default
+        self.fingerprint = system_fingerprint(model_names[0])
         self.started = int(time.time())
         self.metrics = HttpMetrics()
         self.is_draining = False

@@ -18,7 +18,8 @@ from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
 from cbatch.ipc.records import NO_TOKEN, RingRecord, TokenEvent
 from cbatch.ipc.ring import is_ring_ordered
-from cbatch.params import parse_request
+from cbatch.model import served_model_names
+from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.ipc.worker_messages import WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
@@ -35,6 +36,7 @@ class FrontEnd:
     def __init__(self, zctx: zmq.Context, config: DaemonConfig, worker: WorkerLink, ring_name: str,
                  tick_endpoint: str):
         self.config = config
+        self.model_names = served_model_names(config.engine.model_path, config.aliases)  # what `model` may name
         self.worker = worker
         self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
         self.clients = ClientLink(zctx, config)
@@ -164,7 +166,7 @@ class FrontEnd:
         if not 1 <= request_id <= MAX_REQUEST_ID:
             raise ProtocolError("request_id must be in [1, 2**63 - 1]")
         request_body = field(body, "body", dict)
-        parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
+        request = parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
         if len(msgpack.packb(request_body)) > MAX_FRAME_BYTES - 1024:  # floats re-encode wider
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self._is_draining:
@@ -172,13 +174,14 @@ class FrontEnd:
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request_body.get("logprobs") is not None
         tracked = TrackedRequest(request_id, identity, is_relayed=wants_logprobs or not self._use_ring.get(identity, False),
-                  body=request_body, logprobs={} if wants_logprobs else None)
+                  body=request_body, logprobs={} if wants_logprobs else None, is_batch=request.priority == BATCH,
+                  deadline_s=self.config.deadline_s(request.timeout_s, request.priority == BATCH, time.monotonic()))
         self.requests.add(tracked)
         self._forward(tracked)  # held here while the worker (re)starts, sent when it is ready
 
     def _forward(self, tracked: TrackedRequest) -> None:
         if self.worker.ready is not None and tracked.is_held:
-            self.worker.send(WorkerSubmit(tracked.request_id, tracked.body))
+            self.worker.send(WorkerSubmit(tracked.request_id, tracked.body, tracked.deadline_s))
             tracked.body = None
 
     def _cancel(self, identity: bytes, body: dict) -> None:
@@ -215,6 +218,7 @@ class FrontEnd:
             "nonce": body.get("nonce", 0), "status": status, "model": ready.model if ready else "",
             "parallel": self.config.engine.parallel, "worker_pid": ready.pid if ready else 0,
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "lost_request_ids": lost,
+            "model_names": self.model_names,
         })
 
     def _stats(self, identity: bytes, body: dict) -> None:
@@ -243,8 +247,8 @@ class FrontEnd:
     # ---- decode worker ------------------------------------------------------------
     def on_worker_messages(self) -> None:
         for message in self.worker.receive():
-            if isinstance(message, WorkerReady):
-                for tracked in self.requests.active.values():
+            if isinstance(message, WorkerReady):  # what was held for it, interactive requests first
+                for tracked in sorted(self.requests.active.values(), key=lambda tracked: tracked.is_batch):
                     self._forward(tracked)
             elif isinstance(message, WorkerReject):
                 tracked = self.requests.active.get(message.request_id)

@@ -55,7 +55,7 @@ def listen_http(host: str, port: int) -> socket.socket:
 class HttpServers:
     """The daemon's HTTP server processes, all on its one listening socket."""
 
-    def __init__(self, sock: socket.socket, endpoint: str, model_id: str, num_processes: int, api_key: str = ""):
+    def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int, api_key: str = ""):
         self.sock = sock
         env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
         self.metrics_dir = None
@@ -66,7 +66,7 @@ class HttpServers:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             os.makedirs(self.metrics_dir, mode=0o700)
             env = {**(env or os.environ), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
-        self.processes = [HttpProcess(sock, endpoint, model_id, i, env) for i in range(num_processes)]
+        self.processes = [HttpProcess(sock, endpoint, model_names, i, env) for i in range(num_processes)]
 
     def start(self) -> None:
         for process in self.processes:
@@ -98,8 +98,8 @@ class HttpServers:
 class HttpProcess:
     """One server process on the daemon's listening socket (which it does not own)."""
 
-    def __init__(self, sock: socket.socket, endpoint: str, model_id: str, number: int, env: dict | None):
-        self.sock, self.endpoint, self.model_id, self.number = sock, endpoint, model_id, number
+    def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], number: int, env: dict | None):
+        self.sock, self.endpoint, self.model_names, self.number = sock, endpoint, model_names, number
         self.env = env  # None: the daemon's own
         self.host, self.port = sock.getsockname()[:2]
         self.process: subprocess.Popen | None = None
@@ -112,8 +112,9 @@ class HttpProcess:
     def start(self) -> None:
         self._started_s, self._died_s = time.monotonic(), None
         fd = self.sock.fileno()
+        names = [arg for name in self.model_names for arg in ("--model-id", name)]
         self.process = subprocess.Popen([sys.executable, "-m", "cbatch.http_api.app", "--endpoint", self.endpoint,
-                                         "--fd", str(fd), "--model-id", self.model_id], pass_fds=(fd,), env=self.env)
+                                         "--fd", str(fd), *names], pass_fds=(fd,), env=self.env)
         log.info("cbatch http: serving http://%s:%d (server %d, pid %d)", self.host, self.port, self.number,
                  self.process.pid)
 

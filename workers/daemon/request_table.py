@@ -27,6 +27,8 @@ class TrackedRequest:
     records: list[RingRecord] = field(default_factory=list)
     finished_at_s: float | None = None
     logprobs: dict[int, list] | None = None  # record index -> logprobs entry, when the request asked
+    is_batch: bool = False  # priority "batch": handed to a worker after the interactive requests held with it
+    deadline_s: float = 0.0  # monotonic clock; 0 = none
 
     @property
     def is_held(self) -> bool:

@@ -20,7 +20,7 @@ import zmq
 from cbatch.config import DaemonConfig, runtime_dir
 from cbatch.errors import EXIT_FAILED, EXIT_OK, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
 from cbatch.ipc.ring import RingError, create_ring
-from cbatch.model import resolve_model_path
+from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.worker import run_decode_worker
@@ -77,9 +77,9 @@ class Supervisor:
         self.config = config
         self.stop_requested = False
         self.http = None
-        if http_socket is not None:  # the API names the model by its file, as llama.cpp's server does
-            model_id = os.path.basename(resolve_model_path(config.engine.model_path))
-            self.http = HttpServers(http_socket, config.endpoint, model_id, config.http_processes, config.api_key)
+        if http_socket is not None:
+            model_names = served_model_names(config.engine.model_path, config.aliases)
+            self.http = HttpServers(http_socket, config.endpoint, model_names, config.http_processes, config.api_key)
         tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)

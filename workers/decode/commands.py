@@ -2,7 +2,7 @@
 
 import queue
 
-from cbatch.errors import CbatchError
+from cbatch.errors import CbatchError, DEADLINE_EXCEEDED
 from cbatch.ipc.worker_messages import WorkerCancel, WorkerReject, WorkerStop
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.preparer import rejection
@@ -26,6 +26,10 @@ class CommandHandler:
     def apply_pending(self, wait_for_one: bool) -> bool:
         """Apply every command waiting (first waiting up to IDLE_WAIT_S for one when
         `wait_for_one`: the engine is idle); return whether the loop goes on."""
+        for request_id in self._engine.expired_while_queued:
+            self._io.send(WorkerReject(request_id, DEADLINE_EXCEEDED, "the request's timeout passed while it waited "
+                                                                      "in the queue; nothing was generated"))
+        self._engine.expired_while_queued.clear()
         if wait_for_one:
             self._publisher.send_stats()  # the engine just went idle: report zero active
         try:

@@ -35,7 +35,10 @@ class RequestPreparer(threading.Thread):
 
     def _prepare(self, submit: WorkerSubmit) -> Sequence | WorkerReject:
         try:
-            return self._engine.prepare(parse_request(submit.request_id, submit.body))
+            seq = self._engine.prepare(parse_request(submit.request_id, submit.body))
+            if submit.deadline_s:  # counted from the request's arrival at the front-end
+                seq.deadline_s = submit.deadline_s
+            return seq
         except (CbatchError, ValueError) as err:
             return rejection(submit.request_id, err)
         except Exception as err:

@@ -3,16 +3,13 @@
     prepare() -> add() / cancel()  ->  step(): schedule -> llama_decode -> sample -> settle -> text
                                        returns the step's TokenEvents for the caller to publish
 
-Overlap (EngineConfig.overlap; docs/design.md): a step reads batch N's tokens, settles
-what needs ids only (end of generation, max_tokens, the context cap, cancels), queues
-batch N+1 on the runner's decode thread, and only then makes step N's text, so that and
-the caller's publishing run while N+1 decodes. A sequence a stop string ends at step N is
-still in batch N+1: its row there is skipped, its KV released at once (the remove
-operations run before batch N+2), its sampler chain freed once N+1 is done.
+Overlap (EngineConfig.overlap; docs/design.md): once step N's ids are settled (end of
+generation, max_tokens, cancels), batch N+1 is queued on the runner's decode thread, and
+step N's text and publishing run beside it; a sequence a stop string ends at step N has
+its row in N+1 skipped, its KV released at once, its sampler freed once N+1 is done.
 
-The engine owns no sockets and no threads (with overlap the runner has one, for
-llama_decode); the decode worker drives it (workers/decode/worker.py), tests and the
-benchmarks drive it in-process, with a fake runner where they like.
+The engine owns no sockets and no threads but the runner's decode thread; the decode
+worker drives it (workers/decode/worker.py), tests and benchmarks drive it in-process.
 """
 
 import time
@@ -26,6 +23,7 @@ from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.preparation import prepare_sequence
 from cbatch.workers.engine.sampling.host import free_sampler_chain
+from cbatch.workers.engine.sampling.logprobs import attach_logprobs
 from cbatch.workers.engine.sampling.step import StepSampler
 from cbatch.workers.engine.scheduler import BatchSpan, Scheduler
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
@@ -33,6 +31,7 @@ from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.stats import EngineStats, engine_snapshot
 
 LLAMA_DECODE_NO_KV_ROOM = 1
+NO_KV_ROOM_MESSAGE = "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
 
 
 class Engine:
@@ -48,6 +47,7 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[int, Sequence] = {}
         self._cancel_ids: set[int] = set()
+        self.expired_while_queued: list[int] = []  # request ids the caller ends with deadline_exceeded
         self._eog_set = frozenset(int(t) for t in self.runner.eog_ids)
         self._sampler = StepSampler(self.runner)
         # Overlap: queue the next batch before this one's text and publishing (see above).
@@ -193,18 +193,22 @@ class Engine:
         return spans, status
 
     def _fail(self, spans: list[BatchSpan], status: int) -> list[TokenEvent]:
-        message = (
-            "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
-            if status == LLAMA_DECODE_NO_KV_ROOM
-            else f"llama_decode failed with status {status}"
-        )
+        message = NO_KV_ROOM_MESSAGE if status == LLAMA_DECODE_NO_KV_ROOM else f"llama_decode failed with status {status}"
         return [self._finish(c.seq, FinishReason.ERROR, message) for c in spans if c.seq.status is not SeqStatus.FINISHED]
 
     def _apply_cancels(self) -> list[TokenEvent]:
+        """Cancelled requests end, and so do those past their deadline."""
         cancelled = [self._seqs[i] for i in self._cancel_ids if i in self._seqs]
         self._cancel_ids.clear()
         self.scheduler.drop_waiting(cancelled)  # one pass over the queue, not one per request
-        return [self._finish(seq, FinishReason.CANCELLED) for seq in cancelled]
+        events = [self._finish(seq, FinishReason.CANCELLED) for seq in cancelled]
+        # Past their deadline: one that never ran leaves the queue, for the caller to end
+        # with an error (expired_while_queued); one that ran ends keeping what it produced.
+        queued, started = self.scheduler.take_expired(time.monotonic())
+        for seq in queued:
+            self._finish(seq, FinishReason.TIMEOUT)  # no event: the caller ends it with an error
+            self.expired_while_queued.append(seq.request_id)
+        return events + [self._finish(seq, FinishReason.TIMEOUT) for seq in started]
 
     def _sample(self, spans: list[BatchSpan]) -> tuple[list[tuple[Sequence, int]], dict[int, list]]:
         """Count the batch's spans as computed and sample the sequences that reached their
@@ -233,7 +237,7 @@ class Engine:
                 text = seq.text.push(self.runner.token_piece(token))
                 event = (self._finish(seq, FinishReason.STOP, token_ids=[token], text=text) if seq.text.is_stopped
                          else self._finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish()))
-                events.append(_with_logprobs(event, logprobs))
+                events.append(attach_logprobs(event, logprobs))
             else:
                 to_text.append((seq, token))
         return to_text
@@ -253,7 +257,7 @@ class Engine:
                 events.append(TokenEvent(seq.request_id, [token], text))
         if logprobs:
             for event in events:
-                _with_logprobs(event, logprobs)
+                attach_logprobs(event, logprobs)
         return events
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
@@ -292,9 +296,3 @@ class Engine:
         self._seqs.clear()
         self.runner.close()
 
-
-def _with_logprobs(event: TokenEvent, logprobs: dict[int, list]) -> TokenEvent:
-    """The event with its token's logprobs entry, when its request asked for them."""
-    if event.request_id in logprobs:
-        event.logprobs = [logprobs[event.request_id]]
-    return event

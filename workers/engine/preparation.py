@@ -2,8 +2,11 @@
 that it fits, and its sampler chain. Reads only the model, never engine state, so the
 decode worker runs it off the decode loop's thread."""
 
+import math
+import time
+
 from cbatch.errors import CbatchError, PROMPT_TOO_LONG
-from cbatch.params import Request
+from cbatch.params import BATCH, Request
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
 from cbatch.workers.engine.sequence import Sequence
 
@@ -27,4 +30,6 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int) -> Sequence:
         )
     on_backend = runner.has_backend_sampling and not needs_host_sampling(request.params)
     sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, prompt_ids, on_backend)
-    return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend)
+    deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
+    return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend,
+                    is_batch=request.priority == BATCH, deadline_s=deadline_s)

@@ -1,8 +1,9 @@
 """Decides, each step, which sequences run and which tokens go into the batch.
 
 Policy:
-- admission is FIFO into at most `max_running` running sequences, each given a KV
-  sequence id holding its longest cached prefix by the KV manager, which reserves cells
+- admission is FIFO within a priority, every interactive request before any batch one
+  (the waiting queue holds the interactive ones first), into at most `max_running`
+  running sequences, each given a KV sequence id holding its longest cached prefix by the KV manager, which reserves cells
   for the rest of its tokens (evicting cached prefixes first) or says there is no room;
 - a sequence whose exact prompt a running one computes or has computed forks it instead
   (forks.py): it copies that KV, so a request's `n` choices compute their prompt once;
@@ -20,6 +21,8 @@ Policy:
 No model here: it is tested on its own.
 """
 
+import heapq
+import math
 from collections import deque
 from operator import attrgetter
 
@@ -61,6 +64,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.forks = PendingForks()  # admitted, waiting for a running sequence's prompt
         self.row_forks: list[tuple[Sequence, Sequence]] = []  # (parent, fork): see take_row_forks
+        self._deadlines: list[tuple[float, int, Sequence]] = []  # a heap; ended sequences are skipped
         # Whether llama.cpp's logits of the last decode are still there when the next batch
         # is scheduled: not with overlap, where the next decode is queued at once.
         self.is_last_row_kept = True
@@ -75,7 +79,30 @@ class Scheduler:
                 QUEUE_FULL,
                 f"the waiting queue is full ({counted(self.max_queue, 'request')}); retry later or raise --max-queue",
             )
-        self.waiting.append(seq)
+        if seq.deadline_s != math.inf:
+            heapq.heappush(self._deadlines, (seq.deadline_s, id(seq), seq))
+        if seq.is_batch:
+            self.waiting.append(seq)
+            return
+        # After the interactive requests already waiting (they lead the queue), before any
+        # batch one: a batch file's queue never delays an interactive request's admission.
+        position = next((i for i, other in enumerate(self.waiting) if other.is_batch), len(self.waiting))
+        self.waiting.insert(position, seq)
+
+    def take_expired(self, now_s: float) -> tuple[list[Sequence], list[Sequence]]:
+        """The sequences whose deadline has passed by now_s: (those still queued with no
+        output, which leave the queue here; the others, for the caller to finish)."""
+        queued, started = [], []
+        while self._deadlines and self._deadlines[0][0] <= now_s:
+            seq = heapq.heappop(self._deadlines)[2]
+            if seq.status is SeqStatus.FINISHED:
+                continue  # it ended before its deadline
+            if seq.status is SeqStatus.WAITING and not seq.output_ids:
+                self.finish(seq, keep_cached=False)
+                queued.append(seq)
+            else:
+                started.append(seq)
+        return queued, started
 
     def schedule(self) -> list[BatchSpan]:
         self._admit()

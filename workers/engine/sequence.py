@@ -1,6 +1,7 @@
 """A request as the engine tracks it while it waits, runs and finishes."""
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the per-sequence context cap
     CANCELLED = "cancelled"
     ERROR = "error"
+    TIMEOUT = "timeout"  # its deadline passed while it ran: it keeps what it produced
 
 
 @dataclass(eq=False)
@@ -49,6 +51,8 @@ class Sequence:
     text: TextStream = None  # type: ignore[assignment]
     max_output_tokens: int = 0  # the output length that ends it (set by the engine when it is added)
     arrived_s: float = field(default_factory=time.monotonic)  # when the engine got it (monotonic clock)
+    is_batch: bool = False  # admitted only when no interactive request waits
+    deadline_s: float = math.inf  # on the monotonic clock, which every process of the host shares
 
     def __post_init__(self):
         if self.text is None:

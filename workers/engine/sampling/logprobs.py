@@ -35,3 +35,10 @@ def _top_ids(logits: np.ndarray, num_top: int) -> np.ndarray:
     else:
         candidates = np.flatnonzero(logits >= np.partition(sample, -num_top)[-num_top])
     return candidates[np.argsort(-logits[candidates], kind="stable")[:num_top]]
+
+
+def attach_logprobs(event, logprobs: dict[int, list]):
+    """The event with its token's logprobs entry, when its request asked for them."""
+    if event.request_id in logprobs:
+        event.logprobs = [logprobs[event.request_id]]
+    return event

@@ -1,0 +1,123 @@
+"""Tool calling on /v1/chat/completions through the official openai package, against a real
+daemon with --http on the chat model (SmolLM2): forced calls always match their
+function's schema, streamed and not; docs/http.md's loop (call, tool result, streamed
+answer) as printed; bad input."""
+
+import json
+import re
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from cbatch.model import chat_model_path
+from conftest import REPO
+from daemonkit import serve_module
+from httpkit import HttpDaemon
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast for a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit", "days"], "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 24}}}}}
+ASK = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+GREEDY = {"temperature": 0, "max_tokens": 96}
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    yield from serve_module(HttpDaemon(chat_model_path(), "--parallel", "2", "--ctx-size", "4096"))
+
+
+def model(api) -> str:
+    return api.models.list().data[0].id
+
+
+def assert_weather_arguments(arguments: str) -> dict:
+    """Valid against WEATHER's schema: exactly its properties, each of its type and range."""
+    parsed = json.loads(arguments)
+    assert set(parsed) == {"city", "unit", "days"}, parsed
+    assert isinstance(parsed["city"], str) and len(parsed["city"]) <= 24
+    assert parsed["unit"] in ("celsius", "fahrenheit")
+    assert isinstance(parsed["days"], int) and 1 <= parsed["days"] <= 7
+    return parsed
+
+
+def test_a_named_function_is_called_once_with_schema_valid_arguments_even_when_nothing_asks_for_it(api):
+    reply = api.chat.completions.create(model=model(api), messages=[{"role": "user", "content": "Hello!"}],
+                                        tools=[TIME, WEATHER], **GREEDY,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert_weather_arguments(call.function.arguments)
+
+
+def test_required_streamed_gives_tool_call_deltas_and_one_call_without_parallel_calls(api):
+    chunks = list(api.chat.completions.create(model=model(api), messages=ASK, tools=[WEATHER], tool_choice="required",
+                                              parallel_tool_calls=False, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert_weather_arguments(calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks)
+
+
+DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_tools.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+
+
+def test_the_docs_tool_loop_runs_as_printed_call_result_and_streamed_answer(daemon):
+    """docs/http.md's example, with this test's port for 8000 (its daemon is the one
+    started here, on the model the docs' command names)."""
+    (_, command), (_, code) = DOCS_EXAMPLE.findall((REPO / "docs" / "http.md").read_text())
+    assert "cbatch.model smollm2" in command
+    out = subprocess.run([sys.executable, "-c", code.replace("8000", str(daemon.port))], capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    call, answer = out.split("\n", 1)
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
+    assert "sunny" in answer.lower() or "24" in answer, answer  # the answer read the tool's result
+
+
+def test_auto_answers_in_text_when_the_model_does_not_call(api):
+    reply = api.chat.completions.create(model=model(api), messages=[{"role": "user", "content": "Say hello."}],
+                                        tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=12)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.choices[0].message.content
+    assert reply.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "?"}]}, "messages"),
+])
+def test_bad_tool_input_is_a_400_naming_the_field(daemon, api, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(model=model(api), **{"messages": ASK, "max_tokens": 4, **extra})
+    assert caught.value.body["param"] == param and caught.value.body["code"] == "invalid_request"
+
+
+def test_an_openai_batch_line_with_tools_sends_the_grammar_and_answers_with_tool_calls():
+    """Batch files share the HTTP API's mapping: a forced call is constrained and written
+    out as tool_calls (the model's answer is played here: a daemon run is the HTTP tests')."""
+    from cbatch.cli.openai_batch import OpenAILine
+    from cbatch.client.streams import Chunk
+
+    body = {"model": "m", "messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
+    line = OpenAILine(1, {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}, ["m"])
+    (request,) = line.bodies
+    assert "get_weather" in request["grammar"] and "get_weather" in request["messages"][0]["content"]
+    answer = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 3}}]}'
+    line.add(0, Chunk(0, answer, [1], "stop", {"prompt_tokens": 9, "completion_tokens": 1}))
+    choice = line.result["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])["city"] == "Paris"
