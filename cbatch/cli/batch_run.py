@@ -109,8 +109,8 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
             line = writer.lines[line_index]
             if line is not None:  # None: already written (its first failure ended it): a sibling's late chunk
                 line.add(choice, chunk)
-            if not isinstance(chunk, CbatchError):
-                num_tokens += len(chunk.token_ids)
+            if not isinstance(chunk, CbatchError) and chunk.finish_reason:
+                num_tokens += chunk.usage["completion_tokens"]  # an HTTP answer has text but no token ids
             writer.write_ready()
             if show_progress and time.monotonic() - shown_s >= PROGRESS_INTERVAL_S:
                 shown_s = time.monotonic()
