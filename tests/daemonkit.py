@@ -23,9 +23,10 @@ REPLY_TIMEOUT_S = 5.0
 
 class Daemon:
     def __init__(self, model_path: str, *args: str, endpoint: str | None = None, client_options: dict | None = None,
-                 start_new_session: bool = False, workdir: Path | None = None):
+                 start_new_session: bool = False, workdir: Path | None = None, prefix: tuple[str, ...] = ()):
         # Socket paths must fit a Unix socket address (107 bytes): pytest's tmp_path may not.
-        # A given workdir is another daemon's: this one starts where that one ran.
+        # A given workdir is another daemon's: this one starts where that one ran. `prefix`
+        # runs the daemon through another command (`ip netns exec NAME`), which must exec it.
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="cbt-"))
         self.runtime_dir = self.workdir / "run"
         self.runtime_dir.mkdir(mode=0o700, exist_ok=True)
@@ -35,7 +36,7 @@ class Daemon:
         self.stderr_path = self.workdir / "daemon.log"
         self._stderr = open(self.stderr_path, "a")
         self.process = subprocess.Popen(
-            [str(SCRIPTS_DIR / "cbatch-worker"), "--model", model_path, *args],
+            [*prefix, str(SCRIPTS_DIR / "cbatch-worker"), "--model", model_path, *args],
             env=self.env, stdout=self._stderr, stderr=subprocess.STDOUT, start_new_session=start_new_session,
         )
         self.health = self._wait_ready()
