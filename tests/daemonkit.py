@@ -68,15 +68,9 @@ class Daemon:
             return client.info["ring_name"]
 
     def stop(self, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = stop_process(self.process, sig, timeout_s)
         self._stderr.close()
-        return self.process.returncode
+        return code
 
     def leftovers(self) -> list[str]:
         """Files the daemon left in its directories (the per-user runtime dir itself may stay)."""
@@ -86,6 +80,19 @@ class Daemon:
 
     def remove_workdir(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def stop_process(process: subprocess.Popen, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
+    """Signal a process we started (unless it has exited) and wait for it; killed if it
+    outlasts timeout_s. Its exit code."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 def serve_module(daemon: "Daemon"):

@@ -9,14 +9,13 @@ namespaces cannot be made (no privilege), each daemon gets a loopback address of
 """
 
 import os
-import signal
 import subprocess
 import time
 
 import httpx
 
 from common import free_port
-from daemonkit import SCRIPTS_DIR
+from daemonkit import SCRIPTS_DIR, stop_process
 from httpkit import HttpDaemon
 
 HOST_PORT = 8000
@@ -135,12 +134,6 @@ class Router:
         return openai.OpenAI(**{"base_url": f"{self.base_url}/v1", "api_key": API_KEY, "max_retries": 0, **options})
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(ROUTER_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = stop_process(self.process, timeout_s=ROUTER_STOP_TIMEOUT_S)
         self._log.close()
-        return self.process.returncode
+        return code
