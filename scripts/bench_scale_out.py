@@ -26,7 +26,7 @@ WORDS = ("river", "stone", "lamp", "orchard", "signal", "harbor", "copper", "mea
 
 
 def prefix_text(index: int, num_words: int) -> str:
-    """A document of its own per index, about 600 tokens at 450 words."""
+    """A document of its own per index: about 4 tokens a word for the default model."""
     body = " ".join(f"{WORDS[(index * 7 + i) % len(WORDS)]}{(index * 131 + i * 17) % 997}" for i in range(num_words))
     return f"Document {index}. {body}\n\n"
 
@@ -104,8 +104,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="callers per daemon (default 8)")
     parser.add_argument("--prefixes", type=int, default=4, help="shared prefixes in 3 (default 4)")
     parser.add_argument("--questions", type=int, default=8, help="questions per prefix in 3 (default 8)")
-    parser.add_argument("--prefix-words", type=int, default=450,
-                        help="words per prefix in 3 (default 450: about 600 tokens of the default model)")
+    parser.add_argument("--prefix-words", type=int, default=150,
+                        help="words per prefix in 3 (default 150: about 600 tokens of the default model)")
     parser.add_argument("--port", type=int, default=18400, help="the router's port; daemons take the next ones")
     args = parser.parse_args()
     cpus = sorted(os.sched_getaffinity(0))

@@ -14,6 +14,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,12 @@ def wait_http(url: str, is_ready, timeout_s: float = READY_TIMEOUT_S, headers: d
             pass  # not listening yet
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not become ready in {timeout_s:.0f} s")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class ScaleOut:
@@ -73,6 +80,8 @@ class ScaleOut:
         log = open(self.workdir / "smg.log", "w")
         self.router = subprocess.Popen(
             [str(BIN / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+             # its own metrics: on loopback, and on a free port (smg's default, 29000, may be taken)
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
              "--policy", policy, *HEALTH_FLAGS, "--log-level", "warn", *(extra or [])],
             stdout=log, stderr=subprocess.STDOUT)
         self.router_url = f"http://127.0.0.1:{port}"

@@ -1,7 +1,7 @@
 """docs/scale-out.md as printed: the recipe (two daemons on the default model and smg in
 front), the openai client and the batch file through the router, the one-machine
 launcher, and the benchmark on a small configuration. Free ports stand in for
-8000-8002 (fixed ports may be taken on a shared machine); the rest runs unchanged, in a
+8000-8003 (fixed ports may be taken on a shared machine); the rest runs unchanged, in a
 scratch directory as the README test runs every other file's examples."""
 
 import json
@@ -17,10 +17,11 @@ import pytest
 from common import free_port
 from conftest import REPO
 from daemonkit import child_pids, pid_alive
+from cbatch.errors import EXIT_FAILED
 from test_readme import Scratch  # noqa: F401  (a class, not a test: nothing is collected twice)
 
 DOC = "docs/scale-out.md"
-DOC_PORTS = ("8000", "8001", "8002")
+DOC_PORTS = ("8000", "8001", "8002", "8003")
 RUN_HERE = re.compile(r"<!-- readme-test: skip: [^>]*tests/test_scale_out_doc\.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
 ROUTER_READY_TIMEOUT_S = 120.0
 
@@ -30,7 +31,7 @@ def _examples() -> list[tuple[str, str]]:
 
 
 def _with_free_ports(code: str, ports: dict[str, str]) -> str:
-    return re.sub(r"\b(800[0-2])\b", lambda match: ports[match.group(1)], code)
+    return re.sub(r"\b(800[0-3])\b", lambda match: ports[match.group(1)], code)
 
 
 def _start_router(scratch: Scratch, command: str, url: str) -> None:
@@ -69,12 +70,13 @@ def test_the_recipe_runs_as_printed(tmp_path):
         assert printed.returncode == 0 and "100" in printed.stdout, printed.stderr
 
         submitted = scratch.run(["bash", "-c", submit.strip()])
-        assert submitted.returncode == 0, submitted.stderr
+        assert submitted.returncode == EXIT_FAILED, submitted.stderr  # the file's last line is bad on purpose
         results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
         inputs = [json.loads(line) for line in (REPO / "scripts" / "example_prompts.jsonl").read_text().splitlines()]
         assert [result["id"] for result in results] == [item["id"] for item in inputs]
-        assert all("text" in result for result in results), results
-        refused = httpx.get(f"{router_url}/v1/models", timeout=10)  # no key: the router says no
+        assert ["text" in result for result in results] == [True] * 7 + [False], results
+        assert results[-1]["error"]["code"] == "invalid_request"
+        refused = httpx.post(f"{router_url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)  # no key
         assert refused.status_code == 401
     finally:
         codes = scratch.stop_daemons()
