@@ -23,10 +23,12 @@ REPLY_TIMEOUT_S = 5.0
 
 class Daemon:
     def __init__(self, model_path: str, *args: str, endpoint: str | None = None, client_options: dict | None = None,
-                 start_new_session: bool = False, workdir: Path | None = None, launcher: list[str] | None = None):
+                 start_new_session: bool = False, workdir: Path | None = None, launcher: list[str] | None = None,
+                 prefix: tuple[str, ...] = ()):
         # Socket paths must fit a Unix socket address (107 bytes): pytest's tmp_path may not.
         # A given workdir is another daemon's: this one starts where that one ran. A launcher
-        # (a command line that runs cbatch-worker's main) stands in for the console script.
+        # (a command line that runs cbatch-worker's main) stands in for the console script;
+        # `prefix` runs it through another command (`ip netns exec NAME`), which must exec it.
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="cbt-"))
         self.runtime_dir = self.workdir / "run"
         self.runtime_dir.mkdir(mode=0o700, exist_ok=True)
@@ -36,7 +38,7 @@ class Daemon:
         self.stderr_path = self.workdir / "daemon.log"
         self._stderr = open(self.stderr_path, "a")
         self.process = subprocess.Popen(
-            [*(launcher or [str(SCRIPTS_DIR / "cbatch-worker")]), "--model", model_path, *args],
+            [*prefix, *(launcher or [str(SCRIPTS_DIR / "cbatch-worker")]), "--model", model_path, *args],
             env=self.env, stdout=self._stderr, stderr=subprocess.STDOUT, start_new_session=start_new_session,
         )
         self.health = self._wait_ready()
@@ -68,15 +70,9 @@ class Daemon:
             return client.info["ring_name"]
 
     def stop(self, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = stop_process(self.process, sig, timeout_s)
         self._stderr.close()
-        return self.process.returncode
+        return code
 
     def leftovers(self) -> list[str]:
         """Files the daemon left in its directories (the per-user runtime dir itself may stay)."""
@@ -86,6 +82,19 @@ class Daemon:
 
     def remove_workdir(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def stop_process(process: subprocess.Popen, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
+    """Signal a process we started (unless it has exited) and wait for it; killed if it
+    outlasts timeout_s. Its exit code."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 def serve_module(daemon: "Daemon"):

@@ -11,14 +11,15 @@ HTTP_READY_TIMEOUT_S = 60.0
 
 
 class HttpDaemon(Daemon):
-    """A daemon started with --http on a free port; ready once GET /health is 200 (or
-    just started, with is_waited false)."""
+    """A daemon started with --http on a free port (or `host`:`port`); ready once GET
+    /health is 200 (or just started, with is_waited false)."""
 
-    def __init__(self, model_path: str, *args: str, is_waited: bool = True, **options):
-        self.port = free_port()
+    def __init__(self, model_path: str, *args: str, is_waited: bool = True, host: str = "127.0.0.1",
+                 port: int | None = None, **options):
+        self.port = port or free_port()
         self.is_waited = is_waited
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        super().__init__(model_path, "--http", str(self.port), *args, **options)
+        self.base_url = f"http://{host}:{self.port}"
+        super().__init__(model_path, "--http", f"{host}:{self.port}", *args, **options)
         if is_waited:
             self.wait_http_status(200)
 

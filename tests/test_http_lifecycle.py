@@ -2,6 +2,7 @@
 restarts and a server that keeps dying. A real daemon on the tiny model each."""
 
 import concurrent.futures
+import json
 import os
 import signal
 import socket
@@ -12,7 +13,7 @@ import openai
 import pytest
 
 from cbatch.workers.daemon.http_manager import MAX_QUICK_DEATHS
-from daemonkit import SCRIPTS_DIR, wait_until
+from daemonkit import SCRIPTS_DIR, pid_alive, wait_until
 from httpkit import HttpDaemon, free_port
 
 MODEL_ID = "tiny-llama.gguf"
@@ -79,6 +80,29 @@ def test_killed_worker_fails_the_request_in_flight_and_health_is_503_until_a_new
                 os.kill(new_pid, signal.SIGCONT)
         daemon.wait_http_status(200)
         assert api.completions.create(model=MODEL_ID, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        daemon.stop()
+        daemon.remove_workdir()
+
+
+def test_a_killed_daemons_http_server_exits_and_frees_the_port(tiny_model_path):
+    """SIGKILL leaves the daemon no time to stop its HTTP server, and the server's
+    connection to it breaks: the server must not wait to reconnect for ever, holding the
+    port a restarted daemon needs (a router's host that is restarted after a crash)."""
+    daemon = HttpDaemon(tiny_model_path, "--parallel", "1")
+    try:
+        server_pids = daemon.http_pids()
+        body = {"prompt": "go", "max_tokens": 100000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)
+            daemon.process.send_signal(signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"  # the stream ends with an error event, it does not hang
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == "unavailable"
+        wait_until(lambda: not any(pid_alive(pid) for pid in server_pids), timeout_s=30)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", daemon.port))
     finally:
         daemon.stop()
         daemon.remove_workdir()

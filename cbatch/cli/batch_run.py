@@ -125,8 +125,8 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
             line = None if owner is None else writer.lines.get(owner[0])
             if line is not None:  # None: already written (its first failure ended it): a sibling's late chunk
                 line.add(owner[1], chunk)
-            if not is_error:
-                num_tokens += len(chunk.token_ids)
+            if not is_error and chunk.finish_reason:
+                num_tokens += chunk.usage["completion_tokens"]  # an HTTP answer has text but no token ids
             writer.write_ready()
             if show_progress and time.monotonic() - shown_s >= PROGRESS_INTERVAL_S:
                 shown_s = time.monotonic()

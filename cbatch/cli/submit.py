@@ -5,6 +5,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import signal
 import sys
 
@@ -14,6 +15,7 @@ from cbatch.cli.native_batch import NativeLine
 from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
 from cbatch.cli.resume import id_key, prepare_resume
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
+from cbatch.client.http_batch import DEFAULT_RETRY_FOR_S
 from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
 
 PROG = "cbatch-submit"
@@ -28,6 +30,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
     parser.add_argument("--resume", action="store_true", help="skip the lines whose ids the output already holds, append the rest")
     add_client_flags(parser)
+    http = parser.add_argument_group("over HTTP, to any OpenAI-compatible endpoint (a router, a daemon's --http)")
+    http.add_argument("--url", help="send the requests to this OpenAI base URL, e.g. http://127.0.0.1:30000/v1, "
+                                    "instead of a daemon's ZeroMQ endpoint")
+    key = http.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="sent as Authorization: Bearer KEY (or CBATCH_API_KEY)")
+    key.add_argument("--api-key-file", help="a file holding the key (kept out of the process list)")
+    http.add_argument("--model", help="the model to ask for (default: the first GET /v1/models lists)")
+    http.add_argument("--retry-for", type=float, default=DEFAULT_RETRY_FOR_S, metavar="SECONDS",
+                      help="retry a request answered 429/502/503/504, or whose connection failed, with backoff "
+                           f"for up to this long (default {DEFAULT_RETRY_FOR_S:.0f})")
     add_version(parser)
     return parser
 
@@ -103,6 +115,45 @@ def interrupted_line(summary: RunSummary, num_done_before: int, num_lines: int |
     return f"interrupted: {num_written}{of_total} lines written{where}"
 
 
+def check_transport_flags(parser: argparse.ArgumentParser, args) -> None:
+    """The ZeroMQ flags and the HTTP ones name two different ways in: one at a time."""
+    zeromq = [flag for flag, value in (("--endpoint", args.endpoint), ("--no-shm", args.no_shm),
+                                       ("--curve-server-key", args.curve_server_key),
+                                       ("--curve-client-key", args.curve_client_key)) if value]
+    http = [flag for flag, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
+                                     ("--model", args.model)) if value]
+    if args.url and zeromq:
+        parser.error(f"--url sends over HTTP: {', '.join(zeromq)} cannot be used with it")
+    if http and not args.url:
+        parser.error(f"{', '.join(http)} needs --url")
+    if args.url and not args.url.startswith(("http://", "https://")):
+        parser.error("--url must start with http:// or https://")
+    if args.retry_for < 0:
+        parser.error("--retry-for must be >= 0")
+
+
+def api_key(args) -> str | None:
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError as err:
+            exit_with(PROG, f"cannot read {args.api_key_file}: {err.strerror}", EXIT_USAGE)
+    return args.api_key or os.environ.get("CBATCH_API_KEY") or None
+
+
+def connect(args):
+    """The client the file runs through: a daemon over ZeroMQ, or an HTTP endpoint."""
+    if args.url:
+        from cbatch.client.http_batch import HttpBatchClient
+
+        return HttpBatchClient(args.url, api_key=api_key(args), model=args.model, retry_for_s=args.retry_for)
+    from cbatch.client import Client
+
+    return Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
+                  curve_client_key=args.curve_client_key)
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -116,12 +167,10 @@ def main(argv=None) -> None:
         parser.error("--max-in-flight must be >= 1")
     if args.resume and not args.output:
         parser.error("--resume needs -o/--output")
+    check_transport_flags(parser, args)
     num_lines, lines = open_input(args.prompts)
-    from cbatch.client import Client
-
     try:  # first: the output of an earlier run is not emptied when no daemon answers
-        client = Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
-                        curve_client_key=args.curve_client_key)
+        client = connect(args)
     except CbatchError as err:
         exit_on_error(PROG, err)
     try:

@@ -172,9 +172,14 @@ class _DrainingServer(uvicorn.Server):
 
     async def _watch(self, parent_pid: int) -> None:
         self._loop = asyncio.get_running_loop()
+        def is_daemon_alive() -> bool:
+            return os.getppid() == parent_pid
+
         while not self.should_exit:
-            await self.state.replace_broken_client()
-            if os.getppid() != parent_pid:  # the daemon is gone: nothing left to serve
+            # A killed daemon breaks the connection too: reconnecting must give up then, or
+            # this server would wait for it forever, holding the port a new daemon needs.
+            await self.state.replace_broken_client(is_daemon_alive)
+            if not is_daemon_alive():  # the daemon is gone: nothing left to serve
                 self.state.is_draining = True
             if self.state.is_draining and self.state.num_in_flight == 0:
                 self.should_exit = True

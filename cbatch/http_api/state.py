@@ -36,25 +36,26 @@ class HttpState:
         self.has_been_ready = False  # the daemon answered "ok" once: the model has loaded
         self.num_in_flight = 0
 
-    async def connect(self) -> None:
-        while self.client is None:
+    async def connect(self, keep_trying=lambda: True) -> None:
+        while self.client is None and keep_trying():
             try:
                 self.client = await AsyncClient.connect(self.endpoint)
             except CbatchError as err:
                 log.info("cbatch http: daemon not reachable yet (%s)", err.message)
                 await asyncio.sleep(CONNECT_RETRY_S)
 
-    async def replace_broken_client(self) -> None:
+    async def replace_broken_client(self, keep_trying=lambda: True) -> None:
         """A client that can no longer reach the daemon (its pump died, or the daemon cut
         it off and it gave the daemon up) is closed and a new one connected; until then
         /health and new requests answer 503. Without this one broken connection would
-        answer 503 for good while the daemon serves everyone else."""
+        answer 503 for good while the daemon serves everyone else. Reconnecting stops
+        when keep_trying() turns false (the daemon is gone)."""
         if self.client is None or not self.client.is_broken:
             return
         log.warning("cbatch http: the connection to the daemon broke (%s); reconnecting", self.client.broken_reason)
         broken, self.client = self.client, None
         await broken.close()
-        await self.connect()
+        await self.connect(keep_trying)
 
     async def status(self) -> str:
         """The daemon's health status: "ok", "starting" (loading the model, or restarting

@@ -1,0 +1,205 @@
+"""A batch over HTTP: the same items and arrivals as Client.stream_batch, sent as
+non-streamed requests to any OpenAI-compatible endpoint, so one submitter drives every
+daemon behind a router.
+
+The batch policy is BatchFeeder's, unchanged (bounded pull-ahead, a request's choices end
+together); this module is the session it drives. The requests run on an asyncio loop in
+a thread of their own (httpx's AsyncClient, so an interrupted batch cancels what it sent
+at once instead of waiting for answers); each one ends by putting its one chunk, or its
+error, in its stream. A full or restarting server (429, 503, 502, 504) and a connection
+that fails are retried with exponential backoff, honouring Retry-After, until
+`retry_for_s` has passed since the request was first sent.
+"""
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+
+import httpx
+
+from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
+from cbatch.client.openai_wire import chunk_from_response, error_from_response, http_request
+from cbatch.client.streams import Chunk, RequestStream
+from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+
+RETRIED_STATUSES = frozenset({429, 502, 503, 504})
+INITIAL_BACKOFF_S = 0.25
+MAX_BACKOFF_S = 8.0
+DEFAULT_RETRY_FOR_S = 300.0
+CONNECT_TIMEOUT_S = 10.0
+WAKE_S = 0.5  # the waiting thread wakes this often, so Ctrl-C is never held up
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """Retry-After in seconds (its date form is not used by OpenAI-style servers)."""
+    try:
+        return min(max(float(response.headers["retry-after"]), 0.0), MAX_BACKOFF_S)
+    except (KeyError, ValueError):
+        return None
+
+
+class _HttpSession:
+    """What BatchFeeder asks of a session (submit, cancel, forget, is_closed), over HTTP.
+    Streams are completed on the loop's thread under `arrived`, the lock the waiting
+    thread holds while it takes arrivals, so a stream is never seen done without its chunk."""
+
+    def __init__(self, http: httpx.AsyncClient, loop: asyncio.AbstractEventLoop, model: str | None, retry_for_s: float):
+        self._http, self._loop, self.model, self._retry_for_s = http, loop, model, retry_for_s
+        self.arrived = threading.Condition()
+        self._request_ids = itertools.count(1)
+        self._tasks: dict[int, asyncio.Future] = {}
+        self.is_closed = False
+
+    def submit(self, body: dict, label=None) -> RequestStream:
+        if not isinstance(body, dict):
+            raise CbatchError(INVALID_REQUEST, "a request must be a dict")
+        stream = RequestStream(next(self._request_ids), label)
+        if stream.label is None:
+            stream.label = stream.request_id
+        self._tasks[stream.request_id] = asyncio.run_coroutine_threadsafe(self._run(stream, body), self._loop)
+        return stream
+
+    def cancel(self, request_id: int) -> None:
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
+    def forget(self, stream: RequestStream) -> None:
+        self._tasks.pop(stream.request_id, None)
+
+    async def _run(self, stream: RequestStream, body: dict) -> None:
+        path, payload = http_request(body, self.model)
+        try:
+            outcome = chunk_from_response(stream.label, path, await self.post(path, payload))
+        except CbatchError as err:
+            outcome = err
+        with self.arrived:
+            if isinstance(outcome, Chunk):
+                stream.is_done = True
+                stream.pending.append(outcome)
+            else:
+                stream.fail(outcome)
+            self.arrived.notify_all()
+
+    async def post(self, path: str, payload: dict) -> dict:
+        """The response body of a request that succeeded; retried while it may yet."""
+        give_up_at, backoff_s = time.monotonic() + self._retry_for_s, INITIAL_BACKOFF_S
+        while True:
+            try:
+                response = await self._http.post(path.lstrip("/"), json=payload)
+            except httpx.TransportError as err:
+                failure, wait_s = CbatchError(UNAVAILABLE, f"{self._http.base_url}: {err!r}"), None
+            else:
+                if response.is_success:
+                    return _json(response)
+                failure = error_from_response(response.status_code, response.text, _json(response, {}))
+                if response.status_code not in RETRIED_STATUSES:
+                    raise failure
+                wait_s = _retry_after_s(response)
+            wait_s = backoff_s * random.uniform(0.5, 1.0) if wait_s is None else wait_s
+            if time.monotonic() + wait_s > give_up_at:
+                raise failure
+            await asyncio.sleep(wait_s)
+            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+
+def _json(response: httpx.Response, default=None):
+    try:
+        return response.json()
+    except ValueError:
+        if default is not None:
+            return default
+        raise CbatchError(UNAVAILABLE, f"the server's answer is not JSON: {response.text[:200]!r}") from None
+
+
+class HttpBatchClient:
+    """Runs batches against `base_url` (e.g. http://router:30000/v1). With no `model`,
+    the first one GET /models lists is asked for. `api_key` goes as a Bearer token."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
+                 retry_for_s: float = DEFAULT_RETRY_FOR_S):
+        self.base_url = base_url.rstrip("/") + "/"
+        self._http: httpx.AsyncClient | None = None
+        self._session: _HttpSession | None = None
+        # What ended every request at once, as a dead daemon does a ZeroMQ client's; over
+        # HTTP each request is retried for retry_for_s and ends on its own instead.
+        self.failure: CbatchError | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="cbatch-http-batch", daemon=True)
+        self._thread.start()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)  # a completion takes as long as it takes
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        try:
+            self._http = self._call(self._make_http(headers, timeout, limits))
+            self._session = _HttpSession(self._http, self._loop, model, retry_for_s)
+            if model is None:
+                self._session.model = self._call(self._first_model())
+        except BaseException:
+            self.close()
+            raise
+
+    async def _make_http(self, headers, timeout, limits) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout, limits=limits)
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _first_model(self) -> str:
+        try:
+            response = await self._http.get("models")
+        except httpx.TransportError as err:
+            raise CbatchError(UNAVAILABLE, f"nothing answers at {self.base_url}: {err!r}") from None
+        if not response.is_success:
+            raise error_from_response(response.status_code, response.text, _json(response, {}))
+        models = _json(response).get("data") or []
+        if not models:
+            raise CbatchError(UNAVAILABLE, f"{self.base_url}models lists no model")
+        return models[0]["id"]
+
+    @property
+    def model(self) -> str:
+        return self._session.model
+
+    def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
+        """As Client.stream_batch: (item position, chunk or error) as they arrive; here each
+        item gets one chunk, its whole completion."""
+        feeder = BatchFeeder(self._session, items, max_in_flight)
+        arrived = self._session.arrived
+        try:
+            while True:
+                yield from feeder.fill()
+                if feeder.is_done:
+                    return
+                with arrived:
+                    while not feeder.has_arrivals():
+                        arrived.wait(WAKE_S)
+                    arrivals = feeder.take_arrivals()
+                yield from arrivals
+        finally:
+            feeder.close()
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.is_closed = True
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.aclose()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()

@@ -1,0 +1,126 @@
+"""docs/scale-out.md as printed: the recipe (two daemons on the default model and smg in
+front), the openai client and the batch file through the router, the one-machine
+launcher, and the benchmark on a small configuration. Free ports stand in for
+8000-8003 (fixed ports may be taken on a shared machine); the rest runs unchanged, in a
+scratch directory as the README test runs every other file's examples."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from common import free_port
+from conftest import REPO
+from daemonkit import child_pids, pid_alive
+from cbatch.errors import EXIT_FAILED
+from test_readme import Scratch  # noqa: F401  (a class, not a test: nothing is collected twice)
+
+DOC = "docs/scale-out.md"
+DOC_PORTS = ("8000", "8001", "8002", "8003")
+RUN_HERE = re.compile(r"<!-- readme-test: skip: [^>]*tests/test_scale_out_doc\.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+ROUTER_READY_TIMEOUT_S = 120.0
+
+
+def _examples() -> list[tuple[str, str]]:
+    return RUN_HERE.findall((REPO / DOC).read_text())
+
+
+def _with_free_ports(code: str, ports: dict[str, str]) -> str:
+    return re.sub(r"\b(800[0-3])\b", lambda match: ports[match.group(1)], code)
+
+
+def _start_router(scratch: Scratch, command: str, url: str) -> None:
+    log = open(scratch.path / "smg.log", "w")
+    process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=scratch.path, env=scratch.env, stdout=log,
+                               stderr=subprocess.STDOUT)
+    scratch.daemons.append(process)  # stopped (SIGTERM, exit 0 expected) with the daemons
+    deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, (scratch.path / "smg.log").read_text()
+        try:
+            if httpx.get(f"{url}/readiness", timeout=2).json().get("healthy_workers") == 2:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise AssertionError(f"the router did not take both daemons: {(scratch.path / 'smg.log').read_text()}")
+
+
+def test_the_recipe_runs_as_printed(tmp_path):
+    examples = _examples()
+    assert [language for language, _ in examples] == ["sh", "python", "sh", "sh", "sh"]
+    ports = {name: str(free_port()) for name in DOC_PORTS}
+    router_url = f"http://127.0.0.1:{ports['8000']}"
+    recipe, client, submit = (_with_free_ports(code, ports) for _, code in examples[:3])
+    scratch = Scratch(tmp_path)
+    try:
+        for line in recipe.strip().splitlines():
+            if not line.endswith("&"):
+                assert scratch.run(["bash", "-c", line]).returncode == 0, line
+            elif "smg launch" in line:
+                _start_router(scratch, line[:-1], router_url)
+            else:
+                scratch.start_daemon(line[:-1].strip())
+        printed = scratch.run([sys.executable, "-c", client])
+        assert printed.returncode == 0 and "100" in printed.stdout, printed.stderr
+
+        submitted = scratch.run(["bash", "-c", submit.strip()])
+        assert submitted.returncode == EXIT_FAILED, submitted.stderr  # the file's last line is bad on purpose
+        results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+        inputs = [json.loads(line) for line in (REPO / "scripts" / "example_prompts.jsonl").read_text().splitlines()]
+        assert [result["id"] for result in results] == [item["id"] for item in inputs]
+        assert ["text" in result for result in results] == [True] * 7 + [False], results
+        assert results[-1]["error"]["code"] == "invalid_request"
+        refused = httpx.post(f"{router_url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)  # no key
+        assert refused.status_code == 401
+    finally:
+        codes = scratch.stop_daemons()
+    assert codes == [0, 0, 0]
+
+
+def test_the_launcher_starts_and_stops_everything(tmp_path, tiny_model_path):
+    _, launcher = _examples()[3]
+    port = str(free_port())
+    command = _with_free_ports(launcher.strip(), {"8000": port}).split()
+    # the tiny model in place of the default (flags after -- go to every daemon), no pinning
+    # (the test may run where fewer CPUs are allowed)
+    command = [part for part in command if part != "--pin"] + ["--model", tiny_model_path]
+    process = subprocess.Popen([sys.executable if part == ".venv/bin/python" else part for part in command],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready = process.stdout.readline()
+        assert ready.startswith(f"router at http://127.0.0.1:{port}/v1 in front of 2 daemons"), ready
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": model, "prompt": "x", "max_tokens": 3})
+        assert reply.json()["usage"]["completion_tokens"] == 3
+        daemon_pids = child_pids(process.pid)
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, out
+    assert "stopped: router and 2 daemons (exit codes [0, 0])" in out
+    assert len(daemon_pids) == 3 and not any(pid_alive(pid) for pid in daemon_pids)  # 2 daemons and smg
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs(tiny_model_path):
+    _, bench = _examples()[4]
+    command = bench.strip().split()
+    assert command[:2] == [".venv/bin/python", "scripts/bench_scale_out.py"]
+    small = ["--model", tiny_model_path, "--requests", "4", "--max-tokens", "4", "--concurrency", "2",
+             "--prefixes", "2", "--questions", "2", "--prefix-words", "40", "--port", str(free_port())]
+    result = subprocess.run([sys.executable, "scripts/bench_scale_out.py", *small], cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "through the router / direct:" in result.stdout and "cache_aware / round_robin:" in result.stdout
+    assert "prefix-cache hits:" in result.stdout and " 0 failed" in result.stdout
+

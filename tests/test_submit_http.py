@@ -1,0 +1,106 @@
+"""cbatch-submit --url: a batch file through one daemon's OpenAI HTTP endpoint gives the
+result lines a ZeroMQ run gives, retries a full daemon's 429s until it is served, sends
+the API key, and fails clearly when nothing answers. (Through a router: test_scale_out.)"""
+
+import json
+import subprocess
+
+import httpx
+import pytest
+
+from common import GREEDY, free_port
+from daemonkit import SCRIPTS_DIR, serve_module
+from httpkit import HttpDaemon
+from cbatch.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
+
+KEY = "submit-test-key"
+SUBMIT = str(SCRIPTS_DIR / "cbatch-submit")
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_path, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("key") / "key"
+    key_file.write_text(KEY + "\n")
+    # capacity 2 (1 running, 1 waiting): more in flight is a 429
+    made = HttpDaemon(tiny_model_path, "--parallel", "1", "--max-queue", "1", "--threads", "1",
+                      "--api-key-file", str(key_file))
+    made.key_file = key_file
+    yield from serve_module(made)
+
+
+def _submit(daemon, lines: list, tmp_path, *flags: str, name: str = "out") -> tuple[subprocess.CompletedProcess, list]:
+    prompts, output = tmp_path / f"{name}.in.jsonl", tmp_path / f"{name}.jsonl"
+    prompts.write_text("".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines))
+    result = subprocess.run([SUBMIT, str(prompts), "-o", str(output), *flags], env=daemon.env, capture_output=True,
+                            text=True, timeout=300)
+    written = [json.loads(line) for line in output.read_text().splitlines()] if output.exists() else []
+    return result, written
+
+
+def _over_http(daemon, *flags: str) -> tuple[str, ...]:
+    return ("--url", f"{daemon.base_url}/v1", "--api-key-file", str(daemon.key_file), *flags)
+
+
+NATIVE_LINES = [
+    {"id": "plain", "prompt": "one", "max_tokens": 6, **GREEDY},
+    {"id": "choices", "prompt": "two", "max_tokens": 5, "n": 2, "seed": 7, "temperature": 0.9},
+    {"id": "logprobs", "prompt": "three", "max_tokens": 3, "logprobs": 2, **GREEDY},
+    {"id": "stop", "prompt": "four", "max_tokens": 8, "stop": ["e"], "temperature": 0},
+    "not json\n",
+    {"id": "bad", "prompt": "five", "max_tokens": 4, "top_k": -1},
+]
+
+
+def test_a_file_over_http_gives_the_lines_a_zeromq_run_gives(daemon, tmp_path):
+    over_zeromq, expected = _submit(daemon, NATIVE_LINES, tmp_path, "--max-in-flight", "1", name="zeromq")
+    over_http, written = _submit(daemon, NATIVE_LINES, tmp_path, *_over_http(daemon, "--max-in-flight", "1"), name="http")
+    assert over_zeromq.returncode == over_http.returncode == EXIT_FAILED  # the two bad lines
+    assert written == expected
+    assert [line.get("id") for line in written] == ["plain", "choices", "logprobs", "stop", 5, "bad"]
+    assert written[5]["error"]["code"] == "invalid_request"
+
+
+def test_an_openai_batch_file_over_http(daemon, tmp_path):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": f"q {i}", "max_tokens": 4, "temperature": 0, "logprobs": 1}}
+             for i in range(3)]
+    zeromq, expected = _submit(daemon, lines, tmp_path, "--max-in-flight", "1", name="zeromq")  # no 429 to retry
+    http, written = _submit(daemon, lines, tmp_path, *_over_http(daemon), name="http")
+    assert zeromq.returncode == http.returncode == EXIT_OK, http.stderr
+    for got, want in zip(written, expected, strict=True):
+        assert got["custom_id"] == want["custom_id"] and got["response"]["status_code"] == 200
+        assert got["response"]["body"]["choices"] == want["response"]["body"]["choices"]
+        assert got["response"]["body"]["usage"] == want["response"]["body"]["usage"]
+
+
+def test_a_full_daemons_429s_are_retried_until_it_serves_them(daemon, tmp_path):
+    def num_refused() -> float:
+        metrics = httpx.get(f"{daemon.base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.text.splitlines()
+                   if line.startswith("cbatch_http_errors") and 'code="queue_full"' in line)
+
+    refused_before = num_refused()
+    lines = [{"id": i, "prompt": f"busy {i}", "max_tokens": 40, **GREEDY} for i in range(6)]
+    result, written = _submit(daemon, lines, tmp_path, *_over_http(daemon, "--max-in-flight", "6"))
+    assert result.returncode == EXIT_OK, result.stderr
+    assert [line["usage"]["completion_tokens"] for line in written] == [40] * 6
+    assert num_refused() > refused_before  # 6 in flight against room for 2: some were 429 first
+
+
+def test_the_key_is_required_and_a_silent_endpoint_is_unreachable(daemon, tmp_path):
+    lines = [{"prompt": "x", "max_tokens": 2}]
+    refused, _ = _submit(daemon, lines, tmp_path, "--url", f"{daemon.base_url}/v1", "--api-key", "wrong")
+    assert refused.returncode == EXIT_FAILED and "a valid API key is needed" in refused.stderr
+    nobody, _ = _submit(daemon, lines, tmp_path, "--url", f"http://127.0.0.1:{free_port()}/v1")
+    assert nobody.returncode == EXIT_UNREACHABLE and "nothing answers at" in nobody.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--url", "http://127.0.0.1:1/v1", "--endpoint", "ipc:///x"), "--endpoint cannot be used with it"),
+    (("--api-key", "k"), "--api-key needs --url"),
+    (("--url", "ftp://host/v1"), "--url must start with http:// or https://"),
+])
+def test_flags_of_the_two_ways_in_do_not_mix(tmp_path, flags, message):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    result = subprocess.run([SUBMIT, str(tmp_path / "in.jsonl"), *flags], capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_USAGE and message in result.stderr
