@@ -14,6 +14,7 @@ MAX_TEXT_BYTES of text, never becomes a Python record object).
 
 import struct
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -48,6 +49,7 @@ assert RECORD_STRUCT.size == RECORD_DTYPE.itemsize == RECORD_SIZE_BYTES
 
 
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_TOKEN_IDS = attrgetter("token_ids")
 _UINT32_MAX = (1 << 32) - 1
 
 
@@ -120,7 +122,7 @@ def frame_events(events: list[TokenEvent]) -> tuple[np.ndarray, list[int]]:
     num_events = len(events)
     texts = [event.text.encode() for event in events]
     if not num_events or max(map(len, texts)) > MAX_TEXT_BYTES \
-            or any(len(event.token_ids) != 1 for event in events):
+            or set(map(len, map(_TOKEN_IDS, events))) != {1}:  # C-level loops only
         return _frame_each(events)
     request_ids = [event.request_id for event in events]
     indices = [event.index for event in events]
