@@ -24,11 +24,13 @@ def daemon(tiny_model_path):
 
 @pytest.fixture
 def raw(daemon):
-    """A bare DEALER socket: what a buggy or hostile client can send."""
+    """A bare DEALER socket that said HELLO: what a buggy or hostile client can send next.
+    (One that never said HELLO is welcomed when it first speaks: see test_restarts.py.)"""
     zctx = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.endpoint)
+    assert ask(sock, pack(MsgType.HELLO, {"version": PROTOCOL_VERSION, "use_ring": False}))[0] is MsgType.WELCOME
     yield sock
     zctx.destroy(linger=0)
 
