@@ -138,7 +138,7 @@ class _CountingState:
         self.num_checks += 1
         return 1
 
-    async def replace_broken_client(self) -> None:
+    async def replace_broken_client(self, keep_trying=lambda: True) -> None:
         pass  # no client here
 
 
