@@ -62,7 +62,7 @@ def test_a_file_over_http_gives_the_lines_a_zeromq_run_gives(daemon, tmp_path):
 
 def test_an_openai_batch_file_over_http(daemon, tmp_path):
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "m", "prompt": f"q {i}", "max_tokens": 4, "temperature": 0, "logprobs": 1}}
+              "body": {"prompt": f"q {i}", "max_tokens": 4, "temperature": 0, "logprobs": 1}}
              for i in range(3)]
     zeromq, expected = _submit(daemon, lines, tmp_path, "--max-in-flight", "1", name="zeromq")  # no 429 to retry
     http, written = _submit(daemon, lines, tmp_path, *_over_http(daemon), name="http")

@@ -135,8 +135,9 @@ class HttpBatchClient:
         try:
             self._http = self._call(self._make_http(headers, timeout, limits))
             self._session = _HttpSession(self._http, self._loop, model, retry_for_s)
+            self.model_names = self._call(self._served_models())  # what a batch line's `model` may name
             if model is None:
-                self._session.model = self._call(self._first_model())
+                self._session.model = self.model_names[0]
         except BaseException:
             self.close()
             raise
@@ -147,7 +148,7 @@ class HttpBatchClient:
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _first_model(self) -> str:
+    async def _served_models(self) -> list[str]:
         try:
             response = await self._http.get("models")
         except httpx.TransportError as err:
@@ -157,7 +158,7 @@ class HttpBatchClient:
         models = _json(response).get("data") or []
         if not models:
             raise CbatchError(UNAVAILABLE, f"{self.base_url}models lists no model")
-        return models[0]["id"]
+        return [model["id"] for model in models]
 
     @property
     def model(self) -> str:
