@@ -1,6 +1,7 @@
 """cbatch-submit stopped mid-file (SIGTERM or Ctrl-C) keeps every line it finished, says so
 in one line, and --resume then runs only the rest."""
 
+import contextlib
 import json
 import os
 import signal
@@ -71,7 +72,8 @@ def test_endless_input_against_a_daemon_that_stops_ends_the_run(start_daemon, ti
     try:
         _, stderr = process.communicate(timeout=WAIT_S)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)  # bash, yes and cbatch-submit, whatever happened
+        with contextlib.suppress(ProcessLookupError):  # bash, yes and cbatch-submit, whatever happened
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert process.returncode == 3, stderr
     num_written = output.read_text().count("\n")
