@@ -7,14 +7,17 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from common import GREEDY, free_port
 from daemonkit import wait_until
 
 NUM_TOKENS = 3000
 
 
-def test_a_paused_tcp_client_gets_every_token_of_its_requests(tiny_model_path, start_daemon):
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_paused_client_gets_every_token_of_its_requests(tiny_model_path, start_daemon, transport):
+    endpoint = f"tcp://127.0.0.1:{free_port()}" if transport == "tcp" else None  # ipc: a ring reader
     d = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 4096), endpoint=endpoint)
     paused = subprocess.Popen([sys.executable, "-c", (
         "import json, cbatch; c = cbatch.Client(); "
@@ -26,7 +29,9 @@ def test_a_paused_tcp_client_gets_every_token_of_its_requests(tiny_model_path, s
     try:
         assert paused.stdout.readline().strip() == "streaming"
         paused.send_signal(signal.SIGSTOP)
-        time.sleep(5.0)  # past libzmq's heartbeat timeout: the daemon sees the connection die
+        # Past libzmq's heartbeat timeout (3 s): the daemon sees the connection die, and has
+        # long looked at the client process (stopped: it may come back) when it resumes.
+        time.sleep(8.0)
         paused.send_signal(signal.SIGCONT)
         out, _ = paused.communicate(timeout=120)
     finally:

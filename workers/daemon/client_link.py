@@ -153,7 +153,7 @@ class ClientLink:
             identity = self._peer_by_fd.pop(fd, None)
             pid = self._peer_pid_by_fd.pop(fd, None)
             if identity is not None:
-                is_gone = pid is not None and not _is_process_alive(pid)
+                is_gone = pid is not None and not _is_process_stopped(pid)
                 if is_gone:  # what it sent before it died must not start work
                     now_s = time.monotonic()
                     self._closed = {i: c for i, c in self._closed.items() if now_s - c[1] < CLOSED_MEMORY_S}
@@ -173,8 +173,10 @@ class ClientLink:
         self._away.pop(identity, None)
 
     def _note_peer_pid(self, fd: int) -> None:
-        """Over ipc the kernel names the client process: whether it still lives tells a
-        killed client (its requests are cancelled at once) from a paused one."""
+        """Over ipc the kernel names the client process. Its connection dies while the
+        process lives only when it is stopped (SIGSTOP, a debugger: libzmq's I/O thread
+        answers heartbeats through any pause of Python), so a client that closed or was
+        killed is told from one that will come back."""
         try:
             with socket.socket(fileno=os.dup(fd)) as conn:
                 if conn.family == socket.AF_UNIX:
@@ -265,11 +267,11 @@ class ClientLink:
         self.socket.close()
 
 
-def _is_process_alive(pid: int) -> bool:
-    """False once it exited, even before its parent reaped it."""
+def _is_process_stopped(pid: int) -> bool:
+    """Stopped by a signal or a tracer: it may go on; exited (a zombie too) or running: no."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
 
