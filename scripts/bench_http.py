@@ -89,6 +89,12 @@ def http_sender(base_url: str, max_tokens: int, model: str, is_stream: bool):
         http = httpx.Client(timeout=600)
 
         def send(prompt):
+            try:
+                return send_once(prompt)
+            except httpx.RemoteProtocolError:  # a kept-alive connection the server had closed: resend once
+                return send_once(prompt)
+
+        def send_once(prompt):
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": is_stream, "stream_options": {"include_usage": True}}
             if not is_stream:

@@ -74,9 +74,10 @@ class ClientLink:
         self._connection_fds: set[int] = set()  # accepted, not yet disconnected
         self._other_fds = len(os.listdir("/proc/self/fd"))
         self._peer_by_fd: dict[int, bytes] = {}
-        # identity -> (descriptor, monotonic time) of connections that closed: what they
-        # sent before closing may still be queued, and must not start work nobody reads.
-        self._closed: dict[bytes, tuple[int, float]] = {}
+        # identity -> (descriptor, monotonic time, client pid) of connections that closed: what
+        # they sent before closing may still be queued, and must not start work nobody reads.
+        # A message on that descriptor number from the same process is the client reconnected.
+        self._closed: dict[bytes, tuple[int, float, int | None]] = {}
         self._peer_pid_by_fd: dict[int, int] = {}  # ipc connections: the client process's pid
         # Clients whose connection died that may come back: identity -> (accepts counted
         # when it went, monotonic time). A message on a connection accepted since is its return.
@@ -117,7 +118,7 @@ class ClientLink:
                 fd = int(message[0].get("__fd"))
                 closed = self._closed.get(identity)
                 if closed is not None:
-                    if closed[0] == fd:
+                    if closed[0] == fd and (closed[2] is None or _peer_pid(fd) != closed[2]):
                         continue
                     del self._closed[identity]  # the same client, reconnected
                 if self._peer_by_fd.get(fd) != identity:
@@ -153,11 +154,11 @@ class ClientLink:
             identity = self._peer_by_fd.pop(fd, None)
             pid = self._peer_pid_by_fd.pop(fd, None)
             if identity is not None:
-                is_gone = pid is not None and not _is_process_alive(pid)
-                if is_gone:  # what it sent before it died must not start work
+                is_gone = pid is not None and not _is_process_stopped(pid)
+                if is_gone:  # what it sent before it closed or died must not start work
                     now_s = time.monotonic()
                     self._closed = {i: c for i, c in self._closed.items() if now_s - c[1] < CLOSED_MEMORY_S}
-                    self._closed[identity] = (fd, now_s)
+                    self._closed[identity] = (fd, now_s, pid)
                 self._stalled.discard(identity)
                 on_disconnect(identity, not is_gone)
 
@@ -173,15 +174,13 @@ class ClientLink:
         self._away.pop(identity, None)
 
     def _note_peer_pid(self, fd: int) -> None:
-        """Over ipc the kernel names the client process: whether it still lives tells a
-        killed client (its requests are cancelled at once) from a paused one."""
-        try:
-            with socket.socket(fileno=os.dup(fd)) as conn:
-                if conn.family == socket.AF_UNIX:
-                    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-                    self._peer_pid_by_fd[fd] = struct.unpack("3i", creds)[0]
-        except OSError:
-            pass  # closed meanwhile: its disconnect event follows
+        """Over ipc the kernel names the client process. Its connection dies while the
+        process lives only when it is stopped (SIGSTOP, a debugger: libzmq's I/O thread
+        answers heartbeats through any pause of Python), so a client that closed or was
+        killed is told from one that will come back."""
+        pid = _peer_pid(fd)
+        if pid is not None:
+            self._peer_pid_by_fd[fd] = pid
 
     def _is_short_of_descriptors(self) -> bool:
         """Counting open descriptors costs a pass over them all (60 ms at 20000), so they
@@ -265,11 +264,23 @@ class ClientLink:
         self.socket.close()
 
 
-def _is_process_alive(pid: int) -> bool:
-    """False once it exited, even before its parent reaped it."""
+def _peer_pid(fd: int) -> int | None:
+    """The process at the other end of an ipc connection; None over tcp, or once closed."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            if conn.family == socket.AF_UNIX:
+                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                return struct.unpack("3i", creds)[0]
+    except OSError:
+        pass
+    return None
+
+
+def _is_process_stopped(pid: int) -> bool:
+    """Stopped by a signal or a tracer: it may go on; exited (a zombie too) or running: no."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
 

@@ -21,6 +21,7 @@ from cbatch.errors import INTERNAL
 from cbatch.ipc.worker_messages import WorkerReject, WorkerStop, WorkerSubmit, decode, encode
 from cbatch.protocol import ProtocolError, unpack
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
+from cbatch.workers.decode.preparer import is_large_prompt
 
 IO_POLL_MS = 500
 ORPHAN_EXIT_S = 1.5  # a worker whose supervisor died is gone this long after noticing, whatever it was doing
@@ -33,6 +34,7 @@ class WorkerIO(threading.Thread):
     def __init__(self, zctx: zmq.Context, plan: WorkerPlan):
         super().__init__(name="worker-io", daemon=True)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits, for the preparer
+        self.large_inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits of large prompts, for their preparer
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # prepared sequences and other commands, for the loop
         self.preparing: set[int] = set()  # request ids submitted, not yet through the preparer
         self._zctx, self._plan = zctx, plan
@@ -131,7 +133,7 @@ class WorkerIO(threading.Thread):
             return
         if isinstance(message, WorkerSubmit):
             self.preparing.add(message.request_id)  # before the preparer can hand it on
-            self.inbox.put(message)
+            (self.large_inbox if is_large_prompt(message.body) else self.inbox).put(message)
         else:
             self.commands.put(message)
 

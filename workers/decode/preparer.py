@@ -1,8 +1,12 @@
-"""The decode worker's preparer thread: tokenizing, chat templates and grammars run here,
-off the decode loop's thread (ctypes releases the GIL inside llama.cpp's tokenizer), at a
-lower scheduling priority than the decode threads, so a 1 MB prompt or a large grammar
-never takes a core from llama.cpp's threads while they wait at their barrier. Submits
-keep their arrival order."""
+"""The decode worker's preparer threads: tokenizing, chat templates and grammars run here,
+off the decode loop's thread (ctypes releases the GIL inside llama.cpp's tokenizer).
+
+Two of them. Requests with a large prompt go to one that runs at a lower scheduling
+priority than the decode threads, so tokenizing a 1 MB prompt never takes a core from
+llama.cpp's threads while they wait at their barrier, and the requests behind it are not
+held up by it. The others go to one at normal priority: a thread of low priority that
+holds the GIL when it is descheduled stalls the decode loop too, which on a busy host
+cost short requests tens of seconds. Each keeps its requests' arrival order."""
 
 import os
 import queue
@@ -15,21 +19,37 @@ from cbatch.params import parse_request
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sequence import Sequence
 
-# Added to the thread's nice value: when preparing and decoding want the same core, the
-# decode threads get about nine tenths of it (the kernel's weights 1024 against 110).
+# Added to the large prompts' thread's nice value: when it and decoding want the same
+# core, the decode threads get about nine tenths of it (the kernel's weights 1024 against 110).
 PREPARE_NICE_INCREMENT = 10
+# Prompt characters from which a request is prepared by the low-priority thread: about
+# 16k tokens, some milliseconds of tokenizing.
+MIN_LARGE_PROMPT_CHARS = 1 << 16
+
+
+def is_large_prompt(body: dict) -> bool:
+    """Judged on the raw body (the front-end checked its shape): the prompt, or the chat
+    messages' text."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt) >= MIN_LARGE_PROMPT_CHARS
+    messages = body.get("messages")
+    contents = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    return sum(len(c) for c in contents if isinstance(c, str)) >= MIN_LARGE_PROMPT_CHARS
 
 
 class RequestPreparer(threading.Thread):
     """Turns each SUBMIT from the I/O thread into a prepared Sequence (or a REJECT) in
-    `outbox`, in arrival order."""
+    `outbox`, in arrival order, at nice_increment below the process's priority."""
 
-    def __init__(self, engine: Engine, source: queue.SimpleQueue, outbox: queue.SimpleQueue):
+    def __init__(self, engine: Engine, source: queue.SimpleQueue, outbox: queue.SimpleQueue, nice_increment: int = 0):
         super().__init__(name="worker-prepare", daemon=True)
         self._engine, self._source, self.outbox = engine, source, outbox
+        self._nice_increment = nice_increment
 
     def run(self) -> None:
-        lower_this_threads_priority(PREPARE_NICE_INCREMENT)
+        if self._nice_increment:
+            lower_this_threads_priority(self._nice_increment)
         while True:
             self.outbox.put(self._prepare(self._source.get()))
 

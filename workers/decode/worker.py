@@ -5,8 +5,8 @@ Three threads, so that nothing but decoding runs on the loop's:
                        -> (cancels, stop) --------------------------------------^
 The main thread runs the engine loop and writes tokens into the shared-memory ring; a
 slow or chatty front-end, a 1 MB prompt or a large grammar never stalls a decode step
-(ctypes releases the GIL inside llama.cpp's tokenizer, and the preparer runs at a lower
-priority). A cancel goes straight to the loop, never behind a long preparation; one that
+(ctypes releases the GIL inside llama.cpp's tokenizer, and a large prompt is prepared at
+a lower priority, beside the others). A cancel goes straight to the loop, never behind a long preparation; one that
 overtakes its submit is kept until the prepared request arrives. After each step the loop publishes
 the records, sends a tick on its PUB socket (waking local readers), and hands the step's
 events to the front-end.
@@ -26,7 +26,7 @@ from cbatch.ipc.worker_messages import WorkerFailed, WorkerReady
 from cbatch.workers.decode.commands import CommandHandler
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.plan import WorkerPlan
-from cbatch.workers.decode.preparer import RequestPreparer
+from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT, RequestPreparer
 from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.engine import Engine
 
@@ -51,8 +51,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
         publisher = EventPublisher(engine, ring, io, tick)
-        preparer = RequestPreparer(engine, io.inbox, io.commands)
-        preparer.start()
+        for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
+            RequestPreparer(engine, source, io.commands, nice_increment).start()
         io.send(WorkerReady(os.getpid(), engine.description, engine.ctx_per_seq, engine.prefix_cache_note))
         handler = CommandHandler(engine, io, io.commands, publisher)
         run_engine_loop(engine, handler.apply_pending, publisher.publish)
