@@ -14,7 +14,7 @@ from common import GREEDY
 def test_cancelling_a_full_queue_takes_one_step_no_longer_than_filling_it():
     parallel = 4
     config = EngineConfig(parallel=parallel, ctx_size=4096, batch_size=64, max_queue=MAX_QUEUE)
-    engine = Engine(config, FakeRunner(4096, parallel, config.num_seq_ids))
+    engine = Engine(config, FakeRunner(4096, parallel, config.num_seq_ids, unified=config.kv_unified))
     request_ids = random.Random(7).sample(range(1, 1 << 62), parallel + MAX_QUEUE)  # as random as the clients' ids
     running, queued = request_ids[:parallel], request_ids[parallel:]
     for request_id in running:

@@ -109,7 +109,9 @@ def test_sigterm_under_load_keeps_every_finished_result_and_ends_the_rest_per_it
     def run_batch():
         with d.client() as client:
             outcome["results"] = client.generate_batch(
-                [{"prompt": f"b{i}", "max_tokens": 60, **GREEDY} for i in range(300)], max_in_flight=8)
+                # at cbatch-submit's priority, so the two callers take turns in one queue
+                [{"prompt": f"b{i}", "max_tokens": 60, "priority": "batch", **GREEDY} for i in range(300)],
+                max_in_flight=8)
 
     batch = threading.Thread(target=run_batch)
     batch.start()

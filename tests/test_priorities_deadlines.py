@@ -23,7 +23,7 @@ BATCH_TIMEOUT_S = 1.5
 
 def one_slot_engine() -> Engine:
     config = EngineConfig(parallel=1, ctx_size=1024, batch_size=64)
-    return Engine(config, FakeRunner(1024, 1, config.num_seq_ids))
+    return Engine(config, FakeRunner(1024, 1, config.num_seq_ids, unified=config.kv_unified))
 
 
 def test_the_engine_ends_a_queued_request_at_its_deadline_and_a_running_one_with_what_it_made():
