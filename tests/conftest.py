@@ -29,6 +29,25 @@ def gemma_model_path() -> str:
 
 
 @pytest.fixture
+def make_engine(tiny_model_path):
+    """Engines on the tiny model (4 sequences of 256 tokens unless overridden), closed at teardown."""
+    from cbatch.config import EngineConfig
+    from cbatch.workers.engine.engine import Engine
+
+    engines = []
+
+    def make(**overrides):
+        settings = {"model_path": tiny_model_path, "parallel": 4, "ctx_size": 4 * 256, "batch_size": 64, **overrides}
+        engine = Engine(EngineConfig(**settings))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture
 def start_daemon():
     """Start real cbatch-worker daemons; each is stopped and its files removed at teardown."""
     from daemonkit import Daemon

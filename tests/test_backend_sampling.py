@@ -1,29 +1,11 @@
 """Backend sampling (inside llama_decode's graph) against the host path, on the tiny model."""
 
-import pytest
-
-from cbatch.config import EngineConfig
 from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
 from common import GREEDY
 
 SAMPLED = {"temperature": 1.5, "top_k": 50, "top_p": 0.98, "min_p": 0.0, "ignore_eos": True}
 YES_NO = 'root ::= ("yes" | "no") "."'
-
-
-@pytest.fixture
-def make_engine(tiny_model_path):
-    engines = []
-
-    def make(backend_sampling: bool) -> Engine:
-        engine = Engine(EngineConfig(model_path=tiny_model_path, parallel=4, ctx_size=4 * 256, batch_size=64,
-                                     backend_sampling=backend_sampling))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
 
 
 def without_host_logits(engine: Engine) -> Engine:

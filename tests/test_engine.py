@@ -2,26 +2,9 @@
 
 import pytest
 
-from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, INVALID_REQUEST, PROMPT_TOO_LONG, QUEUE_FULL
-from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
 from common import GREEDY
-
-
-@pytest.fixture
-def make_engine(tiny_model_path):
-    engines = []
-
-    def make(**overrides):
-        settings = {"model_path": tiny_model_path, "parallel": 4, "ctx_size": 4 * 256, "batch_size": 64, **overrides}
-        engine = Engine(EngineConfig(**settings))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
 
 
 def test_many_mixed_length_requests_all_complete_past_parallel(make_engine):

@@ -2,13 +2,12 @@
 computes it and the others fork its KV (workers/engine/forks.py). Through real llama.cpp
 decode on the tiny model, then edge cases on the fake runner, then through the daemon."""
 
+import functools
 import random
 
 import pytest
 
-from cbatch.config import EngineConfig
 from cbatch.params import expand_choices
-from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
 from common import GREEDY
 from daemonkit import wait_until
@@ -19,19 +18,9 @@ SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
 @pytest.fixture
-def make_engine(tiny_model_path):
-    engines = []
-
-    def make(**overrides):
-        settings = {"model_path": tiny_model_path, "parallel": 4, "ctx_size": 4 * 256, "batch_size": 64,
-                    "backend_sampling": False, **overrides}
-        engine = Engine(EngineConfig(**settings))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
+def make_engine(make_engine):
+    """Sampling on the host unless a test asks otherwise: only host rows can be shared."""
+    return functools.partial(make_engine, backend_sampling=False)
 
 
 def prompt_of(engine, num_tokens: int) -> str:
@@ -156,17 +145,24 @@ def test_a_parent_preempted_before_its_prompt_is_computed_takes_its_forks_back_t
     assert engine.snapshot()["prompt_tokens_computed"] == 5 + 60
 
 
-@pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
-def test_cancelling_the_choice_that_computes_the_prompt_hands_it_to_a_waiting_one(unified):
-    """The prompt takes several steps (batch of 16 tokens); the first choice is cancelled
-    half way: its forks go back to the queue, one of them computes the prompt, and every
-    output is what it would have been."""
+def three_choices_after_one_step(unified: bool):
+    """Three choices of a 60-token prompt on a fake engine whose batch takes 16 tokens, one
+    step in: (engine, their ids, results so far, what one of them alone produces)."""
     bodies = expand_choices({"prompt": "p" * 60, "n": 3, "max_tokens": 10, **GREEDY})
     (expected,) = generate(fake_engine(prefix_cache=False), bodies[:1])
     engine = fake_engine(unified=unified, batch_size=16)
     ids = [submit(engine, body) for body in bodies]
     results: dict = {}
     collect(results, engine.step())
+    return engine, ids, results, expected
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
+def test_cancelling_the_choice_that_computes_the_prompt_hands_it_to_a_waiting_one(unified):
+    """The prompt takes several steps (batch of 16 tokens); the first choice is cancelled
+    half way: its forks go back to the queue, one of them computes the prompt, and every
+    output is what it would have been."""
+    engine, ids, results, expected = three_choices_after_one_step(unified)
     assert len(engine.scheduler.forks) == 2
     engine.cancel(ids[0])
     run_to_completion(engine, results)
@@ -194,12 +190,7 @@ def test_choices_through_the_daemon_compute_the_prompt_once(tiny_model_path, sta
 
 @pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
 def test_cancelling_a_waiting_fork_frees_its_slot_and_leaves_the_others_alone(unified):
-    bodies = expand_choices({"prompt": "p" * 60, "n": 3, "max_tokens": 10, **GREEDY})
-    (expected,) = generate(fake_engine(prefix_cache=False), bodies[:1])
-    engine = fake_engine(unified=unified, batch_size=16)
-    ids = [submit(engine, body) for body in bodies]
-    results: dict = {}
-    collect(results, engine.step())
+    engine, ids, results, expected = three_choices_after_one_step(unified)
     engine.cancel(ids[1])
     collect(results, engine.step())
     assert len(engine.scheduler.forks) == 1 and results[ids[1]].finish_reason == "cancelled"
