@@ -68,3 +68,16 @@ def test_bench_serving_prints_every_path_with_its_ratio_to_bare_decode(tiny_mode
         "cbatch HTTP whole", "cbatch HTTP streamed"], out
     assert paths[0][1] == "1.00"
     assert re.search(rf"^--parallel 2 cbatch HTTP streamed: TTFT p50 {NUMBER} ms.*; ITL ", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_priorities_prints_each_phase_and_the_verdict(tiny_model_path):
+    """Interactive probes beside a running batch file: the script needs the batch file to
+    fill every slot and keep a queue, and ends it when the probes are done."""
+    out = run_script("bench_priorities", "--model", tiny_model_path, "--parallel", "2", "--lines", "200",
+                     "--batch-tokens", "16", "--max-in-flight", "8", "--probes", "5", "--batch-probes", "2")
+    phases = re.findall(rf"^(idle daemon|beside the batch file, interactive|beside the batch file, as batch|"
+                        rf"beside it, less the slot wait)\s+{NUMBER}\s+{NUMBER}$", out, re.M)
+    assert len(phases) == 4, out
+    assert re.search(r"still queued at the end: True", out), out
+    assert re.search(r"^target: .*, (met|missed)$", out, re.M), out
