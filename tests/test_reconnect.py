@@ -38,3 +38,30 @@ def test_a_paused_tcp_client_gets_every_token_of_its_requests(tiny_model_path, s
     assert results == [[NUM_TOKENS, "length"], [NUM_TOKENS, "length"]], d.log()
     with d.client() as client:
         assert client.stats()["num_requests_by_outcome"].get("cancelled", 0) == 0
+
+
+def test_a_tcp_client_that_closes_cancels_its_running_requests(tiny_model_path, start_daemon):
+    """The daemon keeps a vanished tcp client's requests for its reconnect grace, as it
+    cannot tell a closed client from a paused one; a client that closes says so."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    d = start_daemon(tiny_model_path, "--parallel", "2", "--reconnect-grace", "60", endpoint=endpoint)
+    import cbatch
+
+    for closing, num_cancelled in (("sync", 2), ("async", 3)):
+        if closing == "sync":
+            client = cbatch.Client(endpoint)
+            streams = [client.stream(prompt=f"closing {i}", max_tokens=100_000, **GREEDY) for i in range(2)]
+            next(streams[0])
+            client.close()
+        else:
+            async def open_and_close():
+                client = await cbatch.AsyncClient.connect(endpoint)
+                stream = client.stream(prompt="closing async", max_tokens=100_000, **GREEDY)
+                await stream.__anext__()
+                await client.close()
+
+            import asyncio
+            asyncio.run(open_and_close())
+        with d.client() as watcher:  # well within the grace
+            wait_until(lambda: watcher.stats()["num_requests_by_outcome"].get("cancelled") == num_cancelled, 10.0)
+            assert watcher.stats()["num_in_flight"] == 0

@@ -20,7 +20,7 @@ from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.session import CONNECTION, LIVENESS_S, SAFETY_POLL_S, Session
-from cbatch.client.sockets import make_dealer
+from cbatch.client.sockets import close_dealer, make_dealer
 from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
 
 
@@ -206,8 +206,9 @@ class AsyncClient(ClientBase):
                 await self._pump_task
             except BaseException:
                 pass
+        cancels = self._session.cancels_of_running()
         self._session.close()
-        self._dealer.close(linger=0)
+        close_dealer(self._dealer, cancels)
 
     async def __aenter__(self):
         return self

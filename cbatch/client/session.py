@@ -281,6 +281,15 @@ class Session:
         beside its socket. None while tokens come relayed."""
         return None if self._ring is None else self._ring.wake_fd
 
+    def cancels_of_running(self) -> list[list[bytes]]:
+        """CANCEL messages for the requests still running, for a client that closes: over tcp
+        the daemon cannot tell a closed client from a paused one, and would otherwise keep
+        generating for them through its reconnect grace."""
+        if self.welcome is None or self.failure is not None:
+            return []
+        return [pack(MsgType.CANCEL, {"request_id": request_id})
+                for request_id, stream in self.streams.items() if not stream.is_done]
+
     def close(self) -> None:
         self.is_closed = True
         if self._ring is not None:

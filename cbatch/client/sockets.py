@@ -10,6 +10,11 @@ import zmq.auth
 from cbatch.errors import CbatchError, INVALID_CONFIG
 from cbatch.client import session  # SEND_TIMEOUT_S read at each connect: tests shorten it
 
+# How long a closed client's last messages (the cancels of its running requests) may wait
+# for the daemon in libzmq's I/O thread; closing never blocks on them (the process-wide
+# context is never terminated).
+CLOSE_LINGER_MS = 2000
+
 
 def use_curve(sock, server_key_file: str | None, client_key_file: str | None) -> None:
     """Speak CurveZMQ to a daemon that requires it. server_key_file: the daemon's public
@@ -43,3 +48,18 @@ def make_dealer(zctx, endpoint: str, server_key_file: str | None, client_key_fil
     use_curve(dealer, server_key_file, client_key_file)
     dealer.connect(endpoint)
     return dealer
+
+
+def close_dealer(dealer, last_messages: list[list[bytes]]) -> None:
+    """Queue last_messages without blocking (as many as the socket takes now), then close:
+    they still go out after the close, for CLOSE_LINGER_MS. Works for a blocking and an
+    asyncio socket alike (a plain socket shadows the asyncio one's)."""
+    if dealer.closed:
+        return
+    plain = zmq.Socket.shadow(dealer.underlying)
+    for frames in last_messages:
+        try:
+            plain.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:  # the daemon takes no more now: the rest would block
+            break
+    dealer.close(linger=CLOSE_LINGER_MS if last_messages else 0)

@@ -20,7 +20,7 @@ from cbatch.errors import CbatchError
 from cbatch.protocol import MsgType
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.session import SAFETY_POLL_S, Session
-from cbatch.client.sockets import make_dealer
+from cbatch.client.sockets import close_dealer, make_dealer
 from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
 
 class Client(ClientBase):
@@ -120,8 +120,9 @@ class Client(ClientBase):
         return self._ask(MsgType.STATS)
 
     def close(self) -> None:
+        cancels = self._session.cancels_of_running()
         self._session.close()
-        self._dealer.close(linger=0)
+        close_dealer(self._dealer, cancels)
 
     def __enter__(self):
         return self
