@@ -54,7 +54,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         except Exception as exc:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
-        publisher = EventPublisher(engine, ring, io, tick)
+        publisher = EventPublisher(engine, embedder, ring, io, tick)
         for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
             RequestPreparer(engine, embedder, source, io.commands, nice_increment).start()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"

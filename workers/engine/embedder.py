@@ -58,6 +58,7 @@ class Embedder:
         self._ctx = None
         self._batch: BatchBuffer | None = None
         self.num_decodes = 0
+        self.num_inputs = 0  # embedded, over all decodes
 
     @property
     def has_work(self) -> bool:
@@ -139,6 +140,7 @@ class Embedder:
         batch.batch.n_tokens = n
         status = lc.llama_decode(self._ctx, batch.batch)
         self.num_decodes += 1
+        self.num_inputs += len(placed)
         memory = lc.llama_get_memory(self._ctx)
         if memory:  # a causal model's KV (an encoder keeps none): the next decode starts clean
             lc.llama_memory_clear(memory, False)
@@ -158,6 +160,11 @@ class Embedder:
             raise CbatchError(INVALID_CONFIG, f"llama.cpp could not create an embedding context of "
                                               f"{self._config.batch_size} tokens; lower --batch-size")
         self._batch = BatchBuffer(self._config.batch_size)
+
+    def snapshot(self) -> dict:
+        """For the daemon's stats: inputs per decode shows how well callers were batched."""
+        return {"num_embedding_decodes": self.num_decodes, "num_embedding_inputs": self.num_inputs,
+                "embedding_pooling": self.pooling}
 
     def close(self) -> None:
         if self._ctx:
