@@ -3,6 +3,8 @@ embeds), real llama_decode, the ZeroMQ clients and the openai package over HTTP.
 
 import asyncio
 import base64
+import json
+import subprocess
 import threading
 
 import httpx
@@ -13,7 +15,7 @@ import pytest
 from cbatch.client import AsyncClient
 from cbatch.errors import CbatchError, INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
 from conftest import load_script
-from daemonkit import serve_module
+from daemonkit import SCRIPTS_DIR, serve_module
 from httpkit import HttpDaemon
 
 DAEMON_ARGS = ("--parallel", "2", "--ctx-size", "1024", "--batch-size", "256")
@@ -181,3 +183,28 @@ def test_a_declared_pooling_wins_over_the_flag(start_daemon, tmp_path):
     with start_daemon(cls_model, *DAEMON_ARGS, "--pooling", "last").client() as client:
         assert client.stats()["embedding_pooling"] == "cls"
         assert len(client.embed(PROBE)[0]) == 32
+
+
+@pytest.mark.parametrize("transport", ["zmq", "http"])
+def test_batch_file_embedding_lines(daemon, model_id, tmp_path, transport):
+    lines = [{"custom_id": "two", "body": {"model": model_id, "input": [PROBE, TEXTS[0]]}},
+             {"custom_id": "empty", "body": {"input": ""}},
+             {"custom_id": "b64", "body": {"input": PROBE, "encoding_format": "base64"}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({**line, "method": "POST", "url": "/v1/embeddings"}) + "\n"
+                                               for line in lines))
+    url_args = ["--url", f"{daemon.base_url}/v1"] if transport == "http" else []
+    done = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), *url_args, str(tmp_path / "in.jsonl"),
+                           "-o", str(tmp_path / "out.jsonl")], env=daemon.env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1, done.stderr  # the empty input's line failed
+    two, empty, encoded = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert two["response"]["status_code"] == 200 and encoded["response"]["status_code"] == 200
+    assert empty["response"]["status_code"] == 400
+    assert empty["response"]["body"]["error"]["code"] == INVALID_REQUEST
+    body = two["response"]["body"]
+    assert body["object"] == "list" and body["model"] == model_id and body["usage"]["prompt_tokens"] > 0
+    with daemon.client() as client:
+        expected = client.embed([PROBE, TEXTS[0]])
+    assert np.allclose([entry["embedding"] for entry in body["data"]], expected, atol=TOLERANCE)
+    decoded = np.frombuffer(base64.b64decode(encoded["response"]["body"]["data"][0]["embedding"]), "<f4")
+    assert np.allclose(decoded, expected[0], atol=TOLERANCE)
