@@ -10,9 +10,10 @@ For each --batch-sizes level (inputs per request), --clients closed-loop callers
 
 and the inputs embedded per second are printed with cbatch's ratio to llama-server. Then,
 on each server, one streamed completion (--max-tokens, greedy, ignore_eos) runs alone
-and again beside an embedding load (--clients callers sending batches of the largest
-size): the worst gap between two of its token events, and the median, is printed for
-both (llama-server serves completions and embeddings from one set of slots).
+and again beside an embedding load (--parallel - 1 callers sending batches of the largest
+size, so that llama-server, which serves completions and embeddings from one set of
+--parallel slots, keeps a slot for the stream): the worst gap between two of its token
+events, and the median, is printed for both.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     .venv/bin/python scripts/bench_embeddings.py --model /tmp/tiny.gguf \\
@@ -83,9 +84,9 @@ def inputs_per_s(make_send, num_clients: int, num_requests: int, batch_size: int
     return sum(counts) / (time.perf_counter() - started)
 
 
-def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None, num_clients: int = 0) -> tuple[float, float]:
+def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None, num_loaders: int = 0) -> tuple[float, float]:
     """(worst, median) gap in ms between a streamed completion's token events, with
-    num_clients threads calling make_load()'s sender in a loop beside it when given."""
+    num_loaders threads calling make_load()'s sender in a loop beside it when given."""
     is_running, loaders = threading.Event(), []
     if make_load is not None:
         is_running.set()
@@ -96,7 +97,7 @@ def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None, num_c
             while is_running.is_set():
                 send(texts)
 
-        loaders = [threading.Thread(target=load) for _ in range(num_clients)]
+        loaders = [threading.Thread(target=load) for _ in range(num_loaders)]
         for loader in loaders:
             loader.start()
         time.sleep(0.5)  # the load is running before the stream starts
@@ -128,7 +129,7 @@ def measure(args, model_path: str) -> tuple[dict, dict]:
                                                          args.requests, size)
         load = http_embedder(url, model, max(args.batch_sizes))
         gaps["cbatch"] = (token_gaps(url, model, args.max_tokens),
-                          token_gaps(url, model, args.max_tokens, load, args.clients))
+                          token_gaps(url, model, args.max_tokens, load, args.parallel - 1))
     finally:
         daemon.stop()
     if args.llama_server:
@@ -141,7 +142,7 @@ def measure(args, model_path: str) -> tuple[dict, dict]:
                 rates[SERVER][size] = inputs_per_s(http_embedder(url, model, size), args.clients, args.requests, size)
             load = http_embedder(url, model, max(args.batch_sizes))
             gaps["llama-server"] = (token_gaps(url, model, args.max_tokens),
-                                    token_gaps(url, model, args.max_tokens, load, args.clients))
+                                    token_gaps(url, model, args.max_tokens, load, args.parallel - 1))
         except httpx.HTTPError as err:  # a build that cannot embed, or generate beside embeddings
             print(f"llama-server: {err!r}", file=sys.stderr)
         finally:
@@ -178,7 +179,7 @@ def main(argv=None) -> None:
     for name, ((worst_alone, median_alone), (worst_loaded, median_loaded)) in gaps.items():
         print(f"{name}: token gap of a {args.max_tokens}-token stream, worst {worst_alone:.1f} ms (median "
               f"{median_alone:.1f}) alone, worst {worst_loaded:.1f} ms (median {median_loaded:.1f}) beside "
-              f"{args.clients} callers embedding batches of {max(args.batch_sizes)}")
+              f"{args.parallel - 1} callers embedding batches of {max(args.batch_sizes)}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ embeds), real llama_decode, the ZeroMQ clients and the openai package over HTTP.
 import asyncio
 import base64
 import json
+import re
 import subprocess
+import sys
 import threading
 
 import httpx
@@ -14,7 +16,7 @@ import pytest
 
 from cbatch.client import AsyncClient
 from cbatch.errors import CbatchError, INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
-from conftest import load_script
+from conftest import REPO, load_script
 from daemonkit import SCRIPTS_DIR, serve_module
 from httpkit import HttpDaemon
 
@@ -208,3 +210,19 @@ def test_batch_file_embedding_lines(daemon, model_id, tmp_path, transport):
     assert np.allclose([entry["embedding"] for entry in body["data"]], expected, atol=TOLERANCE)
     decoded = np.frombuffer(base64.b64decode(encoded["response"]["body"]["data"][0]["embedding"]), "<f4")
     assert np.allclose(decoded, expected[0], atol=TOLERANCE)
+
+
+DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_embeddings.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+
+
+def test_http_docs_examples_run_as_printed(daemon):
+    """docs/http.md's embeddings examples, with this daemon's port for 8000."""
+    (_, command), (_, code) = DOCS_EXAMPLE.findall((REPO / "docs" / "http.md").read_text())
+    curl = command.strip().replace("8000", str(daemon.port))
+    reply = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60,
+                                      check=True).stdout)
+    assert [item["index"] for item in reply["data"]] == [0, 1]
+    out = subprocess.run([sys.executable, "-c", code.replace("8000", str(daemon.port))], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert int(out[0]) == len(reply["data"][0]["embedding"]) and int(out[1]) == reply["usage"]["prompt_tokens"]
+    assert -1.0 <= float(out[2]) <= 1.0
