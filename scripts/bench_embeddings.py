@@ -68,20 +68,12 @@ def zmq_embedder(endpoint: str, batch_size: int):
 def inputs_per_s(make_send, num_clients: int, num_requests: int, batch_size: int) -> float:
     """Inputs embedded per second by num_clients threads sending num_requests each."""
     texts = prompts(batch_size)
-    counts = [0] * num_clients
 
-    def loop(i: int) -> None:
+    def make_counted_send():
         send = make_send()
-        for _ in range(num_requests):
-            counts[i] += send(texts)
+        return lambda _: (send(texts), None, [])
 
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(num_clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(counts) / (time.perf_counter() - started)
+    return closed_loop([""] * (num_clients * num_requests), num_clients, make_counted_send)[0]
 
 
 def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None, num_loaders: int = 0) -> tuple[float, float]:

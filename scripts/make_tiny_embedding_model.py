@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import gguf
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_tiny_model import finish_writing, new_writer, write_atomically  # noqa: E402
 
 SEED = 4321
 N_EMBD, N_LAYER, N_HEAD, N_FF = 32, 2, 2, 64
@@ -65,15 +67,7 @@ def build_tensors(n_vocab: int) -> dict[str, np.ndarray]:
 
 def write_gguf(path: str, pooling: str) -> None:
     tokens = build_vocab()
-    writer = gguf.GGUFWriter(path, "bert")
-    writer.add_name("cbatch-tiny-bert")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_vocab_size(len(tokens))
-    writer.add_context_length(CONTEXT_LENGTH)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
+    writer = new_writer(path, "bert", len(tokens), CONTEXT_LENGTH, N_EMBD, N_LAYER, N_FF, N_HEAD)
     writer.add_layer_norm_eps(NORM_EPS)
     writer.add_causal_attention(False)
     writer.add_pooling_type(POOLING[pooling])
@@ -89,31 +83,14 @@ def write_gguf(path: str, pooling: str) -> None:
     writer.add_mask_token_id(MASK_ID)
     writer.add_add_bos_token(True)
     writer.add_add_sep_token(True)
-    for name, array in build_tensors(len(tokens)).items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_writing(writer, build_tensors(len(tokens)))
 
 
 def make_tiny_embedding_model(path: str | os.PathLike[str], pooling: str = "mean") -> str:
     """Write the model to `path` atomically; returns its absolute path."""
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
-    target = Path(path).resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tiny-bert-", suffix=".gguf", dir=target.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o644)
-    try:
-        write_gguf(tmp, pooling)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return str(target)
+    return write_atomically(path, lambda tmp: write_gguf(tmp, pooling))
 
 
 def main(argv: list[str] | None = None) -> int:
