@@ -40,6 +40,7 @@ from cbatch.client import Client  # noqa: E402
 from cbatch.model import resolve_model_path  # noqa: E402
 
 CTX_PER_SEQ = 1024
+STREAM_TIMEOUT_S = 60.0
 SERVER = "llama-server HTTP"
 
 
@@ -76,9 +77,11 @@ def inputs_per_s(make_send, num_clients: int, num_requests: int, batch_size: int
     return closed_loop([""] * (num_clients * num_requests), num_clients, make_counted_send)[0]
 
 
-def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None, num_loaders: int = 0) -> tuple[float, float]:
+def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None,
+               num_loaders: int = 0) -> tuple[float, float] | None:
     """(worst, median) gap in ms between a streamed completion's token events, with
-    num_loaders threads calling make_load()'s sender in a loop beside it when given."""
+    num_loaders threads calling make_load()'s sender in a loop beside it when given;
+    None when the stream got nothing for STREAM_TIMEOUT_S."""
     is_running, loaders = threading.Event(), []
     if make_load is not None:
         is_running.set()
@@ -94,7 +97,9 @@ def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None, num_l
             loader.start()
         time.sleep(0.5)  # the load is running before the stream starts
     try:
-        _, _, gaps = http_sender(base_url, max_tokens, model, True)()("Tell me a long story.")
+        _, _, gaps = http_sender(base_url, max_tokens, model, True, STREAM_TIMEOUT_S)()("Tell me a long story.")
+    except httpx.TimeoutException:
+        return None  # starved: the server let the load take every turn
     finally:
         is_running.clear()
         for loader in loaders:
@@ -168,11 +173,16 @@ def main(argv=None) -> None:
             server = rates[SERVER].get(size)
             cells.append(f"  {by_size[size]:10.1f} {by_size[size] / server if server else float('nan'):8.2f}")
         print(f"{name:20}" + "".join(cells))
-    for name, ((worst_alone, median_alone), (worst_loaded, median_loaded)) in gaps.items():
-        print(f"{name}: token gap of a {args.max_tokens}-token stream, worst {worst_alone:.1f} ms (median "
-              f"{median_alone:.1f}) alone, worst {worst_loaded:.1f} ms (median {median_loaded:.1f}) beside "
-              f"{args.parallel - 1} callers embedding batches of {max(args.batch_sizes)}")
+    for name, (alone, loaded) in gaps.items():
+        print(f"{name}: token gap of a {args.max_tokens}-token stream: {_gap_text(alone)} alone; {_gap_text(loaded)} "
+              f"beside {args.parallel - 1} callers embedding batches of {max(args.batch_sizes)}")
 
+
+def _gap_text(gap: tuple[float, float] | None) -> str:
+    if gap is None:
+        return f"no token within {STREAM_TIMEOUT_S:.0f} s (starved)"
+    worst, median = gap
+    return f"worst {worst:.1f} ms (median {median:.1f})"
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,7 @@ from cbatch.config import EngineConfig
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, vector_bytes
 from cbatch.errors import CbatchError, DECODE_FAILED, INVALID_CONFIG, INVALID_REQUEST, PROMPT_TOO_LONG
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded
+from cbatch.protocol import MAX_FRAME_BYTES
 from cbatch.workers.engine.runner import BatchBuffer, LlamaRunner
 
 POOLING_TYPES = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "cls": lc.LLAMA_POOLING_TYPE_CLS,
@@ -70,8 +71,11 @@ class Embedder:
         if message.dimensions and message.dimensions != self.num_dims:
             raise CbatchError(INVALID_REQUEST, f"dimensions {message.dimensions} cannot be given: this model's "
                                                f"embeddings have {self.num_dims} dimensions (omit dimensions)")
-        if len(message.inputs) > MAX_INPUTS_PER_MESSAGE:
-            raise CbatchError(INVALID_REQUEST, f"at most {MAX_INPUTS_PER_MESSAGE} inputs per message")
+        # The reply carries every vector in one message, within the protocol's frame limit.
+        max_inputs = min(MAX_INPUTS_PER_MESSAGE, MAX_FRAME_BYTES // 2 // (4 * self.num_dims))
+        if len(message.inputs) > max_inputs:
+            raise CbatchError(INVALID_REQUEST, f"at most {max_inputs} inputs per message for this model's "
+                                               f"{self.num_dims}-dimension vectors")
         token_lists = []
         for i, item in enumerate(message.inputs):
             tokens = self._runner.tokenize(item) if isinstance(item, str) else item
