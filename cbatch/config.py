@@ -11,6 +11,7 @@ MAX_PARALLEL = 64
 DEFAULT_CTX_PER_SEQ = 4096
 MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: KV sequence ids for running and cached prefixes
 SEQ_IDS_PER_RUNNING = 4  # ids beyond `parallel` hold cached prefixes; each costs a logits row
+POOLING_NAMES = ("mean", "cls", "last")
 MAX_QUEUE = 16384  # keeps every message about the queue (a drain's cancels) within the protocol's limits
 
 
@@ -40,6 +41,8 @@ class EngineConfig:
     # it decodes; None = on when layers are offloaded to a GPU, off on a CPU (where the
     # decode thread would take a core from llama.cpp's own threads). Same tokens either way.
     overlap: bool | None = None
+    # Embeddings of a model whose GGUF declares no pooling (a causal LM): mean, cls or last.
+    pooling: str = "mean"
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -61,6 +64,7 @@ class EngineConfig:
         check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
         check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
         check(self.cache_tokens >= 0, f"--cache-tokens must be >= 0, got {self.cache_tokens}")
+        check(self.pooling in POOLING_NAMES, f"--pooling must be one of {', '.join(POOLING_NAMES)}, got {self.pooling!r}")
         check(0 <= self.max_queue <= MAX_QUEUE, f"--max-queue must be in [0, {MAX_QUEUE}], got {self.max_queue}")
 
     @property

@@ -18,6 +18,7 @@ VERSION_MISMATCH = "version_mismatch"
 ENDPOINT_IN_USE = "endpoint_in_use"
 UNAUTHORIZED = "unauthorized"  # HTTP without the API key
 DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's timeout passed while it was queued
+MODEL_EMBEDS_ONLY = "model_embeds_only"  # a generation request to an embedding-only model (BERT and kin)
 
 
 class CbatchError(Exception):

@@ -23,6 +23,7 @@ class MsgType(enum.IntEnum):
     FETCH = 0x04  # {request_id, from_index} -> RECORDS (ring overrun recovery)
     HEALTH = 0x05  # {nonce} -> HEALTH_REPLY
     STATS = 0x06  # {nonce} -> STATS_REPLY
+    EMBED = 0x07  # {nonce, input: [str | [token id]], dimensions?} -> EMBED_REPLY (or ERROR with nonce)
     # front-end -> client
     WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring}
     RECORDS = 0x22  # {request_id, records: [[index, token_id, flags, finish, count, text], ...]}
@@ -30,6 +31,7 @@ class MsgType(enum.IntEnum):
     ERROR = 0x24  # {code, message, request_id?, nonce?}
     HEALTH_REPLY = 0x25
     STATS_REPLY = 0x26
+    EMBED_REPLY = 0x27  # {nonce, embeddings: [float32 little-endian bytes], usage: {prompt_tokens, total_tokens}}
     # front-end <-> decode worker: the bodies are the structs of cbatch.ipc.worker_messages
     WORKER_READY = 0x41
     WORKER_SUBMIT = 0x42
@@ -38,6 +40,8 @@ class MsgType(enum.IntEnum):
     WORKER_REJECT = 0x45
     WORKER_STOP = 0x46
     WORKER_FAILED = 0x47
+    WORKER_EMBED = 0x48
+    WORKER_EMBEDDED = 0x49
 
 
 class ProtocolError(Exception):

@@ -56,6 +56,25 @@ class WorkerReject:
 
 
 @dataclass
+class WorkerEmbed:
+    embed_id: int
+    inputs: list  # strings and token-id lists (cbatch.embeddings.parse_inputs checked them)
+    dimensions: int = 0  # the size asked for; 0 = the model's own
+
+
+@dataclass
+class WorkerEmbedded:
+    """The vectors of a WorkerEmbed, in input order (float32 little-endian bytes, L2-normalized),
+    or its error (a non-empty code)."""
+
+    embed_id: int
+    vectors: list[bytes] = field(default_factory=list)
+    num_tokens: int = 0
+    code: str = ""
+    message: str = ""
+
+
+@dataclass
 class WorkerEvents:
     events: list[TokenEvent] = field(default_factory=list)
     stats: dict | None = None  # the engine's snapshot, at most every STATS_INTERVAL_S
@@ -64,7 +83,7 @@ class WorkerEvents:
 _TYPES = {
     WorkerReady: MsgType.WORKER_READY, WorkerFailed: MsgType.WORKER_FAILED, WorkerSubmit: MsgType.WORKER_SUBMIT,
     WorkerCancel: MsgType.WORKER_CANCEL, WorkerStop: MsgType.WORKER_STOP, WorkerReject: MsgType.WORKER_REJECT,
-    WorkerEvents: MsgType.WORKER_EVENTS,
+    WorkerEvents: MsgType.WORKER_EVENTS, WorkerEmbed: MsgType.WORKER_EMBED, WorkerEmbedded: MsgType.WORKER_EMBEDDED,
 }
 _CLASSES = {msg_type: cls for cls, msg_type in _TYPES.items()}
 _EVENT_ROW = attrgetter(*(f.name for f in fields(TokenEvent)))  # an event's fields in order, as a tuple

@@ -83,10 +83,10 @@ def one_client_batch(endpoint: str, work: list[str], max_tokens: int, max_in_fli
     return sum(r.usage["completion_tokens"] for r in results) / elapsed_s
 
 
-def http_sender(base_url: str, max_tokens: int, model: str, is_stream: bool):
+def http_sender(base_url: str, max_tokens: int, model: str, is_stream: bool, timeout_s: float = 600.0):
     """/v1/completions; streamed, a token's time is when its SSE event arrives."""
     def make():
-        http = httpx.Client(timeout=600)
+        http = httpx.Client(timeout=timeout_s)
 
         def send(prompt):
             try:

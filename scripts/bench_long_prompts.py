@@ -143,7 +143,8 @@ class CbatchDaemon:
 
 
 class LlamaServer:
-    def __init__(self, model_path: str, parallel: int, ctx_per_seq: int, threads: int, num_clients: int = 0):
+    def __init__(self, model_path: str, parallel: int, ctx_per_seq: int, threads: int, num_clients: int = 0,
+                 flags: tuple[str, ...] = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -151,7 +152,7 @@ class LlamaServer:
         self.process = subprocess.Popen(
             [str(LLAMA_SERVER), "-m", model_path, "-np", str(parallel), "-c", str(parallel * ctx_per_seq),
              "-t", str(threads), "-b", "512", "--port", str(self.port), "--no-webui",
-             "--threads-http", str(max(parallel, num_clients) + 4)],  # a connection per client, as for cbatch's HTTP
+             "--threads-http", str(max(parallel, num_clients) + 4), *flags],  # a connection per client, as cbatch's
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

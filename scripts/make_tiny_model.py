@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import gguf
@@ -91,15 +92,7 @@ def build_tensors(n_vocab: int) -> dict[str, np.ndarray]:
 
 def write_gguf(path: str, num_tokens: int | None = None) -> None:
     tokens, token_types = build_vocab(num_tokens)
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("cbatch-tiny-llama")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_vocab_size(len(tokens))
-    writer.add_context_length(CONTEXT_LENGTH)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
+    writer = new_writer(path, "llama", len(tokens), CONTEXT_LENGTH, N_EMBD, N_LAYER, N_FF, N_HEAD)
     writer.add_head_count_kv(N_HEAD_KV)
     writer.add_rope_dimension_count(N_EMBD // N_HEAD)
     writer.add_rope_freq_base(ROPE_FREQ_BASE)
@@ -114,7 +107,26 @@ def write_gguf(path: str, num_tokens: int | None = None) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)  # exact text round-trip, no leading " "
-    for name, array in build_tensors(len(tokens)).items():
+    finish_writing(writer, build_tensors(len(tokens)))
+
+
+def new_writer(path: str, architecture: str, n_vocab: int, n_ctx: int, n_embd: int, n_layer: int, n_ff: int,
+               n_head: int) -> gguf.GGUFWriter:
+    """A float32 GGUF's writer with the hyperparameters every architecture has."""
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_name(f"cbatch-tiny-{architecture}")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_vocab_size(n_vocab)
+    writer.add_context_length(n_ctx)
+    writer.add_embedding_length(n_embd)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    return writer
+
+
+def finish_writing(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    for name, array in tensors.items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -125,13 +137,19 @@ def write_gguf(path: str, num_tokens: int | None = None) -> None:
 def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH, num_tokens: int | None = None) -> str:
     """Write the model to `path` (atomically; untouched if already identical); see
     build_vocab for `num_tokens`."""
+    return write_atomically(path, lambda tmp: write_gguf(tmp, num_tokens))
+
+
+def write_atomically(path: str | os.PathLike[str], write: Callable[[str], None]) -> str:
+    """Run write(temporary path) beside `path`, then move the file into place (left
+    untouched if already identical); returns the absolute path."""
     target = Path(path).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tiny-", suffix=".gguf", dir=target.parent)
     os.close(fd)
     os.chmod(tmp, 0o644)
     try:
-        write_gguf(tmp, num_tokens)
+        write(tmp)
         if target.exists() and filecmp.cmp(tmp, target, shallow=False):
             os.unlink(tmp)
         else:

@@ -22,6 +22,13 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_bert_path(tmp_path_factory) -> str:
+    """An embedding-only model: a tiny random-weight BERT declaring mean pooling."""
+    path = tmp_path_factory.mktemp("models") / "tiny-bert.gguf"
+    return load_script("make_tiny_embedding_model").make_tiny_embedding_model(str(path))
+
+
+@pytest.fixture(scope="session")
 def gemma_model_path() -> str:
     from cbatch.model import resolve_model_path
 

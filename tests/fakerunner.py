@@ -30,6 +30,7 @@ class FakeRunner:
         self.eog_ids = np.array([EOG_ID], np.int32)
         self.vocab = self.ctx = None
         self.has_backend_sampling = False
+        self.is_embedding_only = False
         self.num_gpu_layers = 0
         self.max_token_bytes = 4  # a token per character
         self.description = "fake"

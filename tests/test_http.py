@@ -312,7 +312,7 @@ def test_a_body_cbatch_cannot_serve_is_a_400_in_openai_shape_and_logs_no_traceba
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(daemon):
-    missing = httpx.post(f"{daemon.base_url}/v1/embeddings", json={"input": "x"}, timeout=10)
+    missing = httpx.post(f"{daemon.base_url}/v1/moderations", json={"input": "x"}, timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     wrong_method = httpx.get(f"{daemon.base_url}/v1/completions", timeout=10)
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"

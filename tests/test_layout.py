@@ -1,6 +1,6 @@
 """The package layout's rules: imports point one way, and modules stay small enough to read.
 
-    cbatch/ (errors, protocol, params, config, model, wording)  shared by all
+    cbatch/ (errors, protocol, params, config, model, wording, embeddings)  shared by all
     cbatch/client  ->  never cbatch.workers
     cbatch/http_api  ->  the client and its own modules only (beside the shared ones)
     cbatch/ipc (ipc/)  ->  never cbatch.workers
@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"cbatch": REPO / "cbatch", "cbatch.workers": REPO / "workers", "cbatch.ipc": REPO / "ipc"}
 SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch.config", "cbatch.model",
-          "cbatch.wording"}
+          "cbatch.wording", "cbatch.embeddings"}
 MAX_MODULE_LINES = 300
 LONGER_ALLOWED = {"cbatch.ipc.ring"}  # the ring's memory-ordering contract is one piece
 

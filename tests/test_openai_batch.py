@@ -25,7 +25,7 @@ def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
         # both choices are rejected by the daemon: the line fails once, the next lines still run
         _line("two-bad", {"model": "m", "prompt": "hey " * 5000, "n": 2}),
         _line("ok", {"model": "m", "prompt": "hello", "max_tokens": 5, "temperature": 0}),
-        _line("bad-url", {"prompt": "x"}, url="/v1/embeddings"),
+        _line("bad-url", {"prompt": "x"}, url="/v1/moderations"),
         _line("bad-value", {"model": "m", "prompt": "x", "temperature": -1}),
         _line("two", {"model": "m", "prompt": "hey", "max_tokens": 3, "n": 2, "seed": 1}),
         _line("no-template", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},

@@ -1,20 +1,24 @@
 """OpenAI batch files for cbatch-submit.
 
-Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
-"/v1/completions", "body"}. Output lines, in input order: {"id", "custom_id",
+Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions",
+"/v1/completions" or "/v1/embeddings", "body"}. Output lines, in input order: {"id", "custom_id",
 "response": {"status_code", "request_id", "body"}, "error"}. A request that fails has
 the OpenAI error object as its response body and its HTTP status; a line that is not a
-request at all has `response: null` and `error: {"code", "message"}`.
+request at all has `response: null` and `error: {"code", "message"}`. An embeddings line is
+embedded when it is read (its inputs in one request, batched by the daemon with whatever
+else waits), while the completions before it run on.
 """
 
 import uuid
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.params import BATCH
-from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, error_status, parse_api_request
+from cbatch.http_api.openai_mapping import (CHAT, COMPLETION, embedding_response, error_body, error_status,
+                                           parse_api_request, parse_embedding_request)
 from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse, system_fingerprint
 
-URL_KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
+EMBEDDINGS = "embeddings"
+URL_KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDINGS}
 
 
 def is_openai_batch(numbered_items) -> bool:
@@ -38,9 +42,10 @@ def _request_failure(custom_id, err: CbatchError) -> dict:
 
 
 class OpenAILine:
-    """One input line: its parsed request, or why it cannot run, and its result so far."""
+    """One input line: its parsed request, or why it cannot run, and its result so far.
+    `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings)."""
 
-    def __init__(self, number: int, item, model_names: list[str]):
+    def __init__(self, number: int, item, model_names: list[str], embed=None):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
         self.whole: WholeResponse | None = None
@@ -57,6 +62,11 @@ class OpenAILine:
             self.result = _line_failure(self.custom_id, err)
             return
         try:
+            if kind == EMBEDDINGS:
+                embedding_request = parse_embedding_request(item["body"], model_names)
+                result = embed(embedding_request.inputs, embedding_request.dimensions)
+                self._succeed(uuid.uuid4().hex, embedding_response(embedding_request, result.data, result.prompt_tokens))
+                return
             # A batch file's lines yield to interactive requests unless a body says otherwise.
             request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names)
         except CbatchError as err:
@@ -74,8 +84,11 @@ class OpenAILine:
         self.whole.add(choice, chunk)
         if not self.whole.num_left:
             response = self.whole.response()
-            self.result = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": self.custom_id, "error": None,
-                           "response": {"status_code": 200, "request_id": response["id"], "body": response}}
+            self._succeed(response["id"], response)
+
+    def _succeed(self, request_id: str, response: dict) -> None:
+        self.result = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": self.custom_id, "error": None,
+                       "response": {"status_code": 200, "request_id": request_id, "body": response}}
 
     @property
     def is_ok(self) -> bool:

@@ -5,7 +5,7 @@ import logging
 import sys
 
 from cbatch.cli.common import add_version, exit_with
-from cbatch.config import DaemonConfig, EngineConfig, parse_http_address
+from cbatch.config import POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
 from cbatch.errors import EXIT_FAILED, INVALID_CONFIG, CbatchError
 
 ENGINE = EngineConfig()  # the defaults the flags show
@@ -37,6 +37,8 @@ def make_parser() -> argparse.ArgumentParser:
         help="one KV pool shared by all sequences, or one stream per sequence (default)")
     add("--prefix-cache", action=argparse.BooleanOptionalAction, default=ENGINE.prefix_cache,
         help="reuse the KV of cached prompt prefixes (default on)")
+    add("--pooling", choices=POOLING_NAMES, default=ENGINE.pooling,
+        help=f"embedding pooling for a model whose GGUF declares none, a causal LM (default {ENGINE.pooling})")
     add("--cache-tokens", type=int, default=ENGINE.cache_tokens,
         help="unified pool: KV cells kept for finished requests' prefixes (default: one sequence's context)")
     add("--backend-sampling", action=argparse.BooleanOptionalAction, default=ENGINE.backend_sampling,
@@ -88,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
                           max_queue=args.max_queue, kv_unified=args.kv_unified, prefix_cache=args.prefix_cache,
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
-                          overlap=args.overlap)
+                          overlap=args.overlap, pooling=args.pooling)
     return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                         drain_grace_s=args.drain_grace, retention_s=args.retention,
                         reconnect_grace_s=args.reconnect_grace, worker_timeout_s=args.worker_timeout,

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from cbatch.client.base import (CONNECT_TIMEOUT_S, ClientBase, check_endpoint, choice_items, num_positions,
-                                raise_any, unreachable)
+from cbatch.client.base import (CONNECT_TIMEOUT_S, ClientBase, Embeddings, check_endpoint, choice_items,
+                                embed_messages, joined_embeddings, num_positions, raise_any, unreachable)
 from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
@@ -185,19 +185,29 @@ class AsyncClient(ClientBase):
             batch.add(position, item)
         return batch.results
 
-    async def _ask(self, msg_type: MsgType) -> dict:
-        nonce = self._session.ask(msg_type)
+    async def _ask(self, msg_type: MsgType, fields_list: list[dict] = ({},)) -> list[dict]:
+        """One question per fields in fields_list, all sent at once; their replies in order."""
+        nonces = [self._session.ask(msg_type, **fields) for fields in fields_list]
         try:
-            await self._wait(lambda: self._session.replies[nonce] is not None, [nonce])
-            return self._session.take_reply(nonce)
+            await self._wait(lambda: all(self._session.replies[nonce] is not None for nonce in nonces), nonces)
+            return [self._session.take_reply(nonce) for nonce in nonces]
         finally:  # a caller that gave up (a timeout, a cancel) leaves no entry to wait on
-            self._session.replies.pop(nonce, None)
+            for nonce in nonces:
+                self._session.replies.pop(nonce, None)
 
     async def health(self) -> dict:
-        return await self._ask(MsgType.HEALTH)
+        return (await self._ask(MsgType.HEALTH))[0]
 
     async def stats(self) -> dict:
-        return await self._ask(MsgType.STATS)
+        return (await self._ask(MsgType.STATS))[0]
+
+    async def embeddings(self, inputs, dimensions: int | None = None) -> Embeddings:
+        """Embeddings of the inputs (strings or token-id lists) with the tokens they took."""
+        return joined_embeddings(await self._ask(MsgType.EMBED, embed_messages(inputs, dimensions)))
+
+    async def embed(self, inputs, dimensions: int | None = None) -> list[list[float]]:
+        """One L2-normalized vector per input (a string or a list of token ids), in order."""
+        return (await self.embeddings(inputs, dimensions)).vectors
 
     async def close(self) -> None:
         if self._pump_task is not None:

@@ -2,10 +2,12 @@
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 from cbatch.client.batch_feeder import Choices
 from cbatch.client.session import Session
 from cbatch.client.streams import Completion, RequestStream
+from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs, vector_list
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.params import expand_choices
 
@@ -47,6 +49,33 @@ def raise_any(results: list) -> list[Completion]:
         if isinstance(result, CbatchError):
             raise result
     return results
+
+
+@dataclass
+class Embeddings:
+    """What embeddings() returns: one vector per input, in order, as float32
+    little-endian bytes (L2-normalized), and the tokens the inputs took."""
+
+    data: list[bytes]
+    prompt_tokens: int
+
+    @property
+    def vectors(self) -> list[list[float]]:
+        return [vector_list(vector) for vector in self.data]
+
+
+def embed_messages(inputs, dimensions: int | None) -> list[dict]:
+    """The EMBED messages' fields for these inputs (checked here, so a bad input fails
+    before anything is sent), MAX_INPUTS_PER_MESSAGE inputs a message."""
+    inputs = parse_inputs(inputs)
+    extra = {} if parse_dimensions(dimensions) is None else {"dimensions": dimensions}
+    return [{"input": inputs[at:at + MAX_INPUTS_PER_MESSAGE], **extra}
+            for at in range(0, len(inputs), MAX_INPUTS_PER_MESSAGE)]
+
+
+def joined_embeddings(replies: list[dict]) -> Embeddings:
+    return Embeddings([vector for reply in replies for vector in reply["embeddings"]],
+                      sum(reply["usage"]["prompt_tokens"] for reply in replies))
 
 
 class ClientBase:

@@ -12,6 +12,7 @@ that fails are retried with exponential backoff, honouring Retry-After, until
 """
 
 import asyncio
+import base64
 import itertools
 import random
 import threading
@@ -19,6 +20,7 @@ import time
 
 import httpx
 
+from cbatch.client.base import Embeddings
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.openai_wire import chunk_from_response, error_from_response, http_request
 from cbatch.client.streams import Chunk, RequestStream
@@ -181,6 +183,17 @@ class HttpBatchClient:
                 yield from arrivals
         finally:
             feeder.close()
+
+    def embeddings(self, inputs: list, dimensions: int | None = None) -> Embeddings:
+        """As Client.embeddings, from the endpoint's /embeddings (retried as a completion is)."""
+        payload = {"model": self.model, "input": inputs, "encoding_format": "base64",
+                   **({} if dimensions is None else {"dimensions": dimensions})}
+        body = self._call(self._session.post("/embeddings", payload))
+        try:
+            return Embeddings([base64.b64decode(entry["embedding"]) for entry in body["data"]],
+                              body.get("usage", {}).get("prompt_tokens", 0))
+        except (KeyError, TypeError, ValueError):
+            raise CbatchError(UNAVAILABLE, f"{self.base_url}embeddings answered no base64 embeddings") from None
 
     def close(self) -> None:
         if self._session is not None:

@@ -11,7 +11,6 @@ requests get 503, in-flight responses finish, then it exits.
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -32,7 +31,8 @@ from cbatch.http_api.connection import TimedH11Protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, parse_api_request
-from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState, json_response
+from cbatch.http_api.embeddings import embeddings_endpoint
+from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState, json_body, json_response
 
 PARENT_POLL_S = 0.5  # how often the server checks that the daemon that started it lives
 DRAIN_POLL_S = 0.05  # while draining, how often it checks whether the last response ended
@@ -44,19 +44,6 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def _json_body(body: bytes):
-    """The request's JSON; a body that is not (bad syntax, not UTF-8, nested too deep for
-    the parser) is the caller's error, a 400, never a traceback."""
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError as err:
-        raise CbatchError(INVALID_REQUEST, f"the body is not JSON: {err.msg}") from None
-    except UnicodeDecodeError:
-        raise CbatchError(INVALID_REQUEST, "the body is not UTF-8 text") from None
-    except RecursionError:
-        raise CbatchError(INVALID_REQUEST, "the body's JSON is nested too deep") from None
-
-
 async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     """A completions or chat request: errors before the first token get their status; a
     stream then goes out as server-sent events; a caller that hangs up cancels it."""
@@ -65,7 +52,7 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     if refusal is not None:
         return state.error(endpoint, refusal)
     try:
-        api = parse_api_request(kind, _json_body(await request.body()), state.model_names)
+        api = parse_api_request(kind, json_body(await request.body()), state.model_names)
     except CbatchError as err:
         return state.error(endpoint, err)
     state.num_in_flight += 1
@@ -141,13 +128,14 @@ def make_app(state: HttpState, api_key: str = "") -> Starlette:
             err = CbatchError(INVALID_REQUEST, f"{request.method} is not allowed on {request.url.path}")
         else:
             err = CbatchError(NOT_FOUND, f"no route {request.method} {request.url.path}; this server serves "
-                                         "/v1/completions, /v1/chat/completions, /v1/models, /v1/loads, /health, /metrics")
+                                         "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /v1/loads, /health, /metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
     middleware = [Middleware(AccessLog)] + ([Middleware(RequireApiKey, api_key=api_key)] if api_key else [])
     return Starlette(middleware=middleware, exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/completions", bind(_generate, COMPLETION), methods=["POST"]),
         Route("/v1/chat/completions", bind(_generate, CHAT), methods=["POST"]),
+        Route("/v1/embeddings", bind(embeddings_endpoint), methods=["POST"]),
         Route("/v1/models", bind(_models), methods=["GET"]),
         Route("/health", bind(_health), methods=["GET"]),
         Route("/metrics", bind(_metrics), methods=["GET"]),

@@ -6,12 +6,15 @@ same fields. Fields cbatch knows are passed to the daemon, which validates them 
 value is an `invalid_request`, HTTP 400); unknown fields are ignored as OpenAI does.
 """
 
+import base64
 import json
 import re
 from dataclasses import dataclass
 
-from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERNAL, INVALID_REQUEST, NOT_FOUND,
-                           PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE, WORKER_RESTARTED)
+from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERNAL, INVALID_REQUEST, MODEL_EMBEDS_ONLY,
+                           NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
+                           WORKER_RESTARTED)
+from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
 from cbatch.http_api.chat_messages import cbatch_messages
 from cbatch.http_api.tools import ToolPlan, tool_plan
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
@@ -28,6 +31,7 @@ PASSTHROUGH_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalt
 _STATUS = {
     INVALID_REQUEST: (400, "invalid_request_error"),
     PROMPT_TOO_LONG: (400, "invalid_request_error"),
+    MODEL_EMBEDS_ONLY: (400, "invalid_request_error"),
     NOT_FOUND: (404, "invalid_request_error"),
     DEADLINE_EXCEEDED: (408, "timeout_error"),
     UNAUTHORIZED: (401, "authentication_error"),
@@ -51,7 +55,8 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
     if param is None:
         name = _LEADING_NAME.match(err.message)
         known = PASSTHROUGH_FIELDS + ("max_tokens", "stop", "prompt", "messages", "n", "logprobs", "top_logprobs",
-                                      "model", "tools", "tool_choice", "parallel_tool_calls")
+                                      "model", "tools", "tool_choice", "parallel_tool_calls", "input", "dimensions",
+                                      "encoding_format")
         param = name.group(1) if name and name.group(1) in known else None
     return {"error": {"message": err.message, "type": _STATUS.get(err.code, (500, "server_error"))[1],
                       "param": param, "code": err.code}}
@@ -189,3 +194,34 @@ def parse_api_request(kind: str, raw, model_names: list[str]) -> ApiRequest:
         prompt_of_choice += [i] * len(choices)
     return ApiRequest(kind, model, bodies, prompt_of_choice, is_stream, bool(options.get("include_usage")),
                       top_logprobs, tools)
+
+
+@dataclass
+class EmbeddingRequest:
+    model: str  # the served name the request asked for, echoed in the response
+    inputs: list  # strings and token-id lists
+    is_base64: bool  # encoding_format "base64": each vector as base64 of its float32 little-endian bytes
+    dimensions: int | None  # None, or the model's own size (the daemon refuses any other)
+
+
+def parse_embedding_request(raw, model_names: list[str]) -> EmbeddingRequest:
+    """An OpenAI embeddings body; `model`, when given, must be one of `model_names`."""
+    if not isinstance(raw, dict):
+        raise invalid("the request body must be a JSON object")
+    model = check_model(raw.get("model"), model_names)
+    if "input" not in raw:
+        raise invalid("input is required: a string or a list of strings or token-id lists")
+    encoding_format = raw.get("encoding_format") or "float"
+    if encoding_format not in ("float", "base64"):
+        raise invalid(f"encoding_format must be float or base64, got {encoding_format!r}")
+    return EmbeddingRequest(model, parse_inputs(raw["input"]), encoding_format == "base64",
+                            parse_dimensions(raw.get("dimensions")))
+
+
+def embedding_response(request: EmbeddingRequest, vectors: list[bytes], prompt_tokens: int) -> dict:
+    """OpenAI's embeddings response (vectors as float32 little-endian bytes)."""
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(vector).decode() if request.is_base64 else vector_list(vector)}
+            for i, vector in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": request.model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

@@ -8,7 +8,7 @@ import time
 from starlette.responses import Response
 
 from cbatch.client.async_client import AsyncClient
-from cbatch.errors import CbatchError, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.errors import CbatchError, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.http_api.metrics import HttpMetrics
 from cbatch.http_api.openai_mapping import RETRY_AFTER_S, error_body, error_status
 from cbatch.http_api.openai_responses import system_fingerprint
@@ -22,6 +22,19 @@ HEALTH_TIMEOUT_S = 2.0
 def json_response(obj, status: int = 200, headers: dict | None = None) -> Response:
     return Response(json.dumps(obj, separators=(",", ":"), ensure_ascii=False), status, headers,
                     media_type="application/json")
+
+
+def json_body(body: bytes):
+    """The request's JSON; a body that is not (bad syntax, not UTF-8, nested too deep for
+    the parser) is the caller's error, a 400, never a traceback."""
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError as err:
+        raise CbatchError(INVALID_REQUEST, f"the body is not JSON: {err.msg}") from None
+    except UnicodeDecodeError:
+        raise CbatchError(INVALID_REQUEST, "the body is not UTF-8 text") from None
+    except RecursionError:
+        raise CbatchError(INVALID_REQUEST, "the body's JSON is nested too deep") from None
 
 
 class HttpState:

@@ -22,7 +22,8 @@ from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
-from cbatch.ipc.worker_messages import WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
+from cbatch.workers.daemon.embed_relay import EmbedRelay
+from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
 from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
 from cbatch.workers.daemon.worker_link import WorkerLink
 
@@ -42,18 +43,19 @@ class FrontEnd:
         self.clients = ClientLink(zctx, config)
         engine = config.engine
         self.requests = RequestTable(engine.parallel + engine.max_queue, config.retention_s)
+        self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue)
         self._use_ring: dict[bytes, bool] = {}
         self._is_draining = False
         self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)
 
     @property
     def client_sockets(self) -> list:
-        """What the supervisor polls for clients: their disconnects, their messages."""
+        """What the supervisor polls: client disconnects, client messages."""
         return [self.clients.disconnects, self.clients.socket]
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.requests.active)
+        return len(self.requests.active) + self.embeds.num_pending
 
     @property
     def num_ended(self) -> int:
@@ -107,9 +109,8 @@ class FrontEnd:
         self._cancel_stalled()
 
     def _cancel_stalled(self) -> None:
-        """A client that takes nothing for MAX_STALL_S stops costing the others: its
-        requests are cancelled. What it missed stays fetchable, and the finishes its
-        dropped backlog held are owed to it."""
+        """A client that takes nothing for MAX_STALL_S stops costing the others: its requests are
+        cancelled. What it missed stays fetchable; the finishes its dropped backlog held are owed to it."""
         while self.clients.lost_finish_ids:
             tracked = self.requests.get(self.clients.lost_finish_ids.pop())
             if tracked is not None:
@@ -119,15 +120,14 @@ class FrontEnd:
                 self._cancel_tracked(tracked)
 
     def _resend_owed(self, identity: bytes) -> None:
-        """The stalled client speaks again: resend the finishes it may have lost, so it
-        can fetch any records it lacks and end those streams."""
+        """The stalled client speaks again: resend the finishes it may have lost (it then fetches the records it lacks)."""
         for tracked in self.requests.owed_to(identity):
             if not self._deliver_finish(tracked):
                 break  # its queue is full again: the rest waits for its next message
 
     def _deliver_finish(self, tracked: TrackedRequest) -> bool:
-        """Only what a client is owed is ever re-sent, so a flooding client that stalls
-        costs the loop one failed send per message, not a pass over every finished request."""
+        """Only what a client is owed is ever re-sent: a flooding client that stalls costs the loop
+        one failed send per message, not a pass over every finished request."""
         is_delivered = self.clients.send(tracked.owner, MsgType.FINISHED, tracked.finish)
         self.requests.set_delivered(tracked, is_delivered)
         return is_delivered
@@ -155,10 +155,9 @@ class FrontEnd:
         })
 
     def _welcome_again(self, identity: bytes) -> None:
-        """A client that speaks without having said HELLO to this daemon (it was connected to
-        a daemon that restarted on the same endpoint, and its socket reconnected by itself)
-        holds an old handshake and maybe another ring: it is relayed until it says HELLO, and
-        this WELCOME tells it so."""
+        """A client that speaks without a HELLO to this daemon (its socket reconnected by itself to a
+        daemon restarted on the endpoint) holds an old handshake and maybe another ring: it is
+        relayed until it says HELLO, and this WELCOME tells it so."""
         self._hello(identity, {"version": PROTOCOL_VERSION, "use_ring": False})
 
     def _submit(self, identity: bytes, body: dict) -> None:
@@ -198,9 +197,8 @@ class FrontEnd:
 
     def _fetch(self, identity: bytes, body: dict) -> None:
         tracked = self.requests.owned(identity, field(body, "request_id", int))
-        from_index = field(body, "from_index", int)
         self.num_fetches += 1
-        self._send_records(tracked, tracked.records[max(from_index, 0):], even_if_empty=True)
+        self._send_records(tracked, tracked.records[max(field(body, "from_index", int), 0):], even_if_empty=True)
 
     def _health(self, identity: bytes, body: dict) -> None:
         """Also the liveness ping of a waiting client, listing the requests it waits for:
@@ -231,6 +229,7 @@ class FrontEnd:
     _CLIENT_HANDLERS = {
         MsgType.HELLO: _hello, MsgType.SUBMIT: _submit, MsgType.CANCEL: _cancel, MsgType.FETCH: _fetch,
         MsgType.HEALTH: _health, MsgType.STATS: _stats,
+        MsgType.EMBED: lambda self, identity, body: self.embeds.on_embed(identity, body, self._is_draining),
     }
 
     def _send_records(self, tracked: TrackedRequest, records: list[RingRecord], *, even_if_empty: bool = False) -> None:
@@ -250,6 +249,9 @@ class FrontEnd:
             if isinstance(message, WorkerReady):  # what was held for it, interactive requests first
                 for tracked in sorted(self.requests.active.values(), key=lambda tracked: tracked.is_batch):
                     self._forward(tracked)
+                self.embeds.forward_held()
+            elif isinstance(message, WorkerEmbedded):
+                self.embeds.on_embedded(message)
             elif isinstance(message, WorkerReject):
                 tracked = self.requests.active.get(message.request_id)
                 if tracked is not None:
@@ -288,6 +290,7 @@ class FrontEnd:
         for tracked in list(self.requests.active.values()):
             if include_held or not tracked.is_held:
                 self.fail(tracked, code, message)
+        self.embeds.fail_all(code, message, include_held)
 
     def cancel_all(self) -> None:
         for tracked in list(self.requests.active.values()):

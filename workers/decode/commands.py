@@ -3,10 +3,11 @@
 import queue
 
 from cbatch.errors import CbatchError, DEADLINE_EXCEEDED
-from cbatch.ipc.worker_messages import WorkerCancel, WorkerReject, WorkerStop
+from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerReject, WorkerStop
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.preparer import rejection
 from cbatch.workers.decode.publisher import EventPublisher
+from cbatch.workers.engine.embedder import EmbedJob, Embedder
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sequence import Sequence
 
@@ -18,8 +19,9 @@ IDLE_WAIT_S = 0.5
 class CommandHandler:
     """Applies prepared commands to the engine between steps."""
 
-    def __init__(self, engine: Engine, io: WorkerIO, inbox: queue.SimpleQueue, publisher: EventPublisher):
-        self._engine, self._io, self._inbox, self._publisher = engine, io, inbox, publisher
+    def __init__(self, engine: Engine, embedder: Embedder, io: WorkerIO, inbox: queue.SimpleQueue,
+                 publisher: EventPublisher):
+        self._engine, self._embedder, self._io, self._inbox, self._publisher = engine, embedder, io, inbox, publisher
         self.is_stopped = False  # a WorkerStop was applied
         self._early_cancel_ids: set[int] = set()  # cancels that overtook their submit in the preparer
 
@@ -42,8 +44,8 @@ class CommandHandler:
         return not self.is_stopped
 
     def _apply(self, item) -> None:
-        """item: a prepared Sequence or a rejection from the preparer, or a command from
-        the I/O thread."""
+        """item: a prepared Sequence or EmbedJob, or a refusal, from the preparer, or a
+        command from the I/O thread."""
         if isinstance(item, Sequence):
             self._io.preparing.discard(item.request_id)
             try:
@@ -60,5 +62,9 @@ class CommandHandler:
         elif isinstance(item, WorkerCancel):
             if not self._engine.cancel(item.request_id) and item.request_id in self._io.preparing:
                 self._early_cancel_ids.add(item.request_id)
+        elif isinstance(item, EmbedJob):
+            self._embedder.add(item)
+        elif isinstance(item, WorkerEmbedded):  # an embedding request the preparer refused
+            self._io.send(item)
         elif isinstance(item, WorkerStop):
             self.is_stopped = True

@@ -18,7 +18,7 @@ from collections import deque
 import zmq
 
 from cbatch.errors import INTERNAL
-from cbatch.ipc.worker_messages import WorkerReject, WorkerStop, WorkerSubmit, decode, encode
+from cbatch.ipc.worker_messages import WorkerEmbed, WorkerReject, WorkerStop, WorkerSubmit, decode, encode
 from cbatch.protocol import ProtocolError, unpack
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 from cbatch.workers.decode.preparer import is_large_prompt
@@ -134,6 +134,8 @@ class WorkerIO(threading.Thread):
         if isinstance(message, WorkerSubmit):
             self.preparing.add(message.request_id)  # before the preparer can hand it on
             (self.large_inbox if is_large_prompt(message.body) else self.inbox).put(message)
+        elif isinstance(message, WorkerEmbed):  # tokenized by the preparer too
+            self.inbox.put(message)
         else:
             self.commands.put(message)
 

@@ -14,8 +14,9 @@ import threading
 import traceback
 
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST
-from cbatch.ipc.worker_messages import WorkerReject, WorkerSubmit
+from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded, WorkerReject, WorkerSubmit
 from cbatch.params import parse_request
+from cbatch.workers.engine.embedder import EmbedJob, Embedder
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sequence import Sequence
 
@@ -40,11 +41,13 @@ def is_large_prompt(body: dict) -> bool:
 
 class RequestPreparer(threading.Thread):
     """Turns each SUBMIT from the I/O thread into a prepared Sequence (or a REJECT) in
-    `outbox`, in arrival order, at nice_increment below the process's priority."""
+    `outbox`, and each EMBED into an EmbedJob (or its error reply), in arrival order, at
+    nice_increment below the process's priority."""
 
-    def __init__(self, engine: Engine, source: queue.SimpleQueue, outbox: queue.SimpleQueue, nice_increment: int = 0):
+    def __init__(self, engine: Engine, embedder: Embedder, source: queue.SimpleQueue, outbox: queue.SimpleQueue,
+                 nice_increment: int = 0):
         super().__init__(name="worker-prepare", daemon=True)
-        self._engine, self._source, self.outbox = engine, source, outbox
+        self._engine, self._embedder, self._source, self.outbox = engine, embedder, source, outbox
         self._nice_increment = nice_increment
 
     def run(self) -> None:
@@ -53,7 +56,9 @@ class RequestPreparer(threading.Thread):
         while True:
             self.outbox.put(self._prepare(self._source.get()))
 
-    def _prepare(self, submit: WorkerSubmit) -> Sequence | WorkerReject:
+    def _prepare(self, submit: WorkerSubmit | WorkerEmbed) -> Sequence | WorkerReject | EmbedJob | WorkerEmbedded:
+        if isinstance(submit, WorkerEmbed):
+            return self._prepare_embed(submit)
         try:
             seq = self._engine.prepare(parse_request(submit.request_id, submit.body))
             if submit.deadline_s:  # counted from the request's arrival at the front-end
@@ -70,6 +75,17 @@ class RequestPreparer(threading.Thread):
             traceback.print_exc()
             return WorkerReject(submit.request_id, INTERNAL, f"the worker failed to prepare this request: "
                                                              f"{type(err).__name__}")
+
+
+    def _prepare_embed(self, embed: WorkerEmbed) -> EmbedJob | WorkerEmbedded:
+        try:
+            return self._embedder.prepare(embed)
+        except CbatchError as err:
+            return WorkerEmbedded(embed.embed_id, code=err.code, message=err.message)
+        except Exception as err:  # a bug costs this request, as above
+            traceback.print_exc()
+            return WorkerEmbedded(embed.embed_id, code=INTERNAL, message=f"the worker failed to prepare these "
+                                                                         f"embeddings: {type(err).__name__}")
 
 
 def lower_this_threads_priority(increment: int) -> None:

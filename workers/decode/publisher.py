@@ -9,6 +9,7 @@ from cbatch.ipc.records import TokenEvent
 from cbatch.ipc.ring import RingWriter
 from cbatch.ipc.worker_messages import WorkerEvents
 from cbatch.workers.decode.io_thread import WorkerIO
+from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
 
 STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers with
@@ -17,8 +18,8 @@ STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers w
 class EventPublisher:
     """Writes each step's outputs to the ring, ticks readers, and tells the front-end."""
 
-    def __init__(self, engine: Engine, ring, io: WorkerIO, tick: zmq.Socket):
-        self._engine, self._io, self._tick = engine, io, tick
+    def __init__(self, engine: Engine, embedder: Embedder, ring, io: WorkerIO, tick: zmq.Socket):
+        self._engine, self._embedder, self._io, self._tick = engine, embedder, io, tick
         self._writer = RingWriter(ring)
         self._writer.heartbeat()  # before READY: the previous worker's stamp must not count
         self._next_index: dict[int, int] = {}
@@ -49,4 +50,4 @@ class EventPublisher:
 
     def _stats(self) -> dict:
         self._stats_sent_at = time.monotonic()
-        return self._engine.snapshot()
+        return {**self._engine.snapshot(), **self._embedder.snapshot()}

@@ -3,6 +3,8 @@
 Three threads, so that nothing but decoding runs on the loop's:
     WorkerIO (sockets) -> RequestPreparer (tokenize, chat template, grammar) -> engine loop
                        -> (cancels, stop) --------------------------------------^
+Embedding requests take the same path (the preparer tokenizes them); the loop runs at
+most one embedding decode (workers/engine/embedder.py) between two generation steps.
 The main thread runs the engine loop and writes tokens into the shared-memory ring; a
 slow or chatty front-end, a 1 MB prompt or a large grammar never stalls a decode step
 (ctypes releases the GIL inside llama.cpp's tokenizer, and a large prompt is prepared at
@@ -28,6 +30,7 @@ from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT, RequestPreparer
 from cbatch.workers.decode.publisher import EventPublisher
+from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
 
 
@@ -41,40 +44,50 @@ def run_decode_worker(plan: WorkerPlan) -> None:
     io.start()
     tick = zctx.socket(zmq.PUB)
     tick.setsockopt(zmq.LINGER, 0)
-    engine = ring = None
+    engine = ring = embedder = None
     try:
         try:
             tick.bind(plan.tick_endpoint)
             ring = attach_ring(plan.ring_name)
             engine = Engine(plan.engine)
+            embedder = Embedder(engine.runner, plan.engine)
         except Exception as exc:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
-        publisher = EventPublisher(engine, ring, io, tick)
+        publisher = EventPublisher(engine, embedder, ring, io, tick)
         for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
-            RequestPreparer(engine, source, io.commands, nice_increment).start()
-        io.send(WorkerReady(os.getpid(), engine.description, engine.ctx_per_seq, engine.prefix_cache_note))
-        handler = CommandHandler(engine, io, io.commands, publisher)
-        run_engine_loop(engine, handler.apply_pending, publisher.publish)
+            RequestPreparer(engine, embedder, source, io.commands, nice_increment).start()
+        description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
+        io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note))
+        handler = CommandHandler(engine, embedder, io, io.commands, publisher)
+        run_engine_loop(engine, embedder, handler.apply_pending, publisher.publish, io.send)
     finally:
         io.close()
         tick.close()
         if ring is not None:
             ring.close()
+        if embedder is not None:  # its context before the model it uses
+            embedder.close()
         if engine is not None:
             engine.close()
         zctx.term()
 
 
-def run_engine_loop(engine: Engine, apply_pending: Callable[[bool], bool],
-                    publish: Callable[[list[TokenEvent]], None]) -> None:
-    """Drive the engine until `apply_pending` returns False.
+def run_engine_loop(engine: Engine, embedder: Embedder, apply_pending: Callable[[bool], bool],
+                    publish: Callable[[list[TokenEvent]], None], send: Callable) -> None:
+    """Drive the engine and the embedder until `apply_pending` returns False.
 
     `apply_pending(wait_for_one)` applies pending add/cancel commands to the engine
-    (waiting for one when the engine is idle) and says whether to go on;
-    `publish(events)` gets every step's events, possibly none. With overlap on, the next
-    step is already decoding while `publish` and `apply_pending` run.
+    (waiting for one when both are idle) and says whether to go on;
+    `publish(events)` gets every step's events, possibly none; `send` takes the
+    embedder's replies. With overlap on, the next step is already decoding while
+    `publish`, `apply_pending` and an embedding decode run.
     """
-    while apply_pending(not engine.has_work):
+    while apply_pending(not engine.has_work and not embedder.has_work):
+        if embedder.has_work:  # one embedding decode between two generation steps, at most
+            for reply in embedder.step():
+                send(reply)
+            if not engine.has_work:
+                publish([])  # the liveness beat an embedding-only load would otherwise never give
         if engine.has_work:
             publish(engine.step())  # even an empty step: publishing is also the liveness beat

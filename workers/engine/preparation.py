@@ -5,7 +5,7 @@ decode worker runs it off the decode loop's thread."""
 import math
 import time
 
-from cbatch.errors import CbatchError, PROMPT_TOO_LONG
+from cbatch.errors import CbatchError, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
 from cbatch.params import BATCH, Request
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
 from cbatch.workers.engine.sequence import Sequence
@@ -13,6 +13,9 @@ from cbatch.workers.engine.sequence import Sequence
 
 def prepare_sequence(runner, request: Request, ctx_per_seq: int) -> Sequence:
     """Tokenize the request and build its sampler; raises CbatchError if it cannot run."""
+    if runner.is_embedding_only:
+        raise CbatchError(MODEL_EMBEDS_ONLY, f"this model ({runner.architecture}) only computes embeddings: "
+                                             "send it to /v1/embeddings (Client.embed), or serve a generative model")
     text = request.prompt if request.messages is None else runner.render_chat(request.messages)
     max_prompt_bytes = ctx_per_seq * runner.max_token_bytes
     if len(text) > max_prompt_bytes or len(text.encode()) > max_prompt_bytes:  # not worth tokenizing

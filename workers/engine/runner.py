@@ -92,42 +92,24 @@ class LlamaRunner:
         self.is_recurrent = lc.llama_model_is_recurrent(self.model) or lc.llama_model_is_hybrid(self.model)
         self.has_prefix_cache = config.prefix_cache and not self.is_recurrent
         self.num_seq_ids = config.num_seq_ids if self.has_prefix_cache and config.kv_unified else config.parallel
-        ctx_params = lc.llama_context_default_params()
-        ctx_params.n_ctx = config.total_ctx
-        ctx_params.n_batch = ctx_params.n_ubatch = config.batch_size
-        ctx_params.n_seq_max = self.num_seq_ids
-        # llama.cpp reserves an output row per sequence id (it asserts at the first decode
-        # when ids outnumber the rows), and a step has at most one output per running
-        # sequence: so one row per id, not llama.cpp's default of one per batch token
-        # (with backend sampling each row costs three vocabulary-sized buffers).
-        ctx_params.n_outputs_max = self.num_seq_ids
-        self.has_backend_sampling = self.has_gpu if config.backend_sampling is None else config.backend_sampling
-        if self.has_backend_sampling:
-            ctx_params.n_outputs_max_per_seq = 1  # see workers/backend_sampling.py
-        ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
-        ctx_params.kv_unified = config.kv_unified
-        # A sliding-window layer normally keeps only each sequence's last window of cells;
-        # a reused prefix longer than the window needs the cells before its end, so with
-        # the cache on those layers keep full-size KV (memory: see the README).
+        self.architecture = self.metadata("general.architecture") or "unknown"
+        # An encoder (BERT and its kin declare non-causal attention; a T5 encoder has no
+        # decoder) computes embeddings only: it gets no generation context, and the
+        # embedder (embedder.py) makes its own.
+        self.is_embedding_only = (not lc.llama_model_has_decoder(self.model)
+                                  or self.metadata(f"{self.architecture}.attention.causal") == "false")
         self.has_swa = lc.llama_model_n_swa(self.model) > 0
-        ctx_params.swa_full = self.has_prefix_cache and self.has_swa
-        ctx_params.no_perf = True
-        self.ctx = lc.llama_init_from_model(self.model, ctx_params)
-        if not self.ctx:
-            lc.llama_model_free(self.model)
-            raise CbatchError(
-                INVALID_CONFIG,
-                f"llama.cpp could not create a context of {config.total_ctx} tokens for "
-                f"{config.parallel} sequences; lower --ctx-size or --parallel",
-            )
-        self.backend_samplers = BackendSamplers(self.ctx) if self.has_backend_sampling else None
+        self.has_backend_sampling = self.has_gpu if config.backend_sampling is None else config.backend_sampling
+        self.ctx = None if self.is_embedding_only else self._new_context(config)
+        self.backend_samplers = BackendSamplers(self.ctx) if self.has_backend_sampling and self.ctx else None
         self.vocab = lc.llama_model_get_vocab(self.model)
-        self.memory = lc.llama_get_memory(self.ctx)
+        self.memory = lc.llama_get_memory(self.ctx) if self.ctx else None
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         # With a unified KV pool llama.cpp lets any sequence grow to the whole context; the
         # engine caps each at its share, so running sequences alone never fill the pool.
-        self.num_cells = lc.llama_n_ctx(self.ctx)
-        self.ctx_per_seq = min(lc.llama_n_ctx_seq(self.ctx), self.num_cells // config.parallel)
+        self.num_cells = lc.llama_n_ctx(self.ctx) if self.ctx else config.total_ctx
+        self.ctx_per_seq = min(lc.llama_n_ctx_seq(self.ctx) if self.ctx else config.ctx_per_seq,
+                               self.num_cells // config.parallel)
         self.eog_ids = np.array([t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)], np.int32)
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
@@ -137,6 +119,36 @@ class LlamaRunner:
         self.max_token_bytes = self._longest_token_bytes()
         self.description = self._describe(model_path, model_params.n_gpu_layers)
 
+    def _new_context(self, config: EngineConfig):
+        """The generation context: every running sequence's KV, one decode per step."""
+        ctx_params = lc.llama_context_default_params()
+        ctx_params.n_ctx = config.total_ctx
+        ctx_params.n_batch = ctx_params.n_ubatch = config.batch_size
+        ctx_params.n_seq_max = self.num_seq_ids
+        # llama.cpp reserves an output row per sequence id (it asserts at the first decode
+        # when ids outnumber the rows), and a step has at most one output per running
+        # sequence: so one row per id, not llama.cpp's default of one per batch token
+        # (with backend sampling each row costs three vocabulary-sized buffers).
+        ctx_params.n_outputs_max = self.num_seq_ids
+        if self.has_backend_sampling:
+            ctx_params.n_outputs_max_per_seq = 1  # see workers/backend_sampling.py
+        ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
+        ctx_params.kv_unified = config.kv_unified
+        # A sliding-window layer normally keeps only each sequence's last window of cells;
+        # a reused prefix longer than the window needs the cells before its end, so with
+        # the cache on those layers keep full-size KV (memory: see the README).
+        ctx_params.swa_full = self.has_prefix_cache and self.has_swa
+        ctx_params.no_perf = True
+        ctx = lc.llama_init_from_model(self.model, ctx_params)
+        if not ctx:
+            lc.llama_model_free(self.model)
+            raise CbatchError(
+                INVALID_CONFIG,
+                f"llama.cpp could not create a context of {config.total_ctx} tokens for "
+                f"{config.parallel} sequences; lower --ctx-size or --parallel",
+            )
+        return ctx
+
     def _describe(self, model_path: str, num_gpu_layers: int) -> str:
         """For the ready line and health(): the model, its file, where it runs and samples."""
         buf = ctypes.create_string_buffer(256)
@@ -144,7 +156,8 @@ class LlamaRunner:
         num_layers = lc.llama_model_n_layer(self.model)
         where = f"GPU ({min(num_gpu_layers, num_layers)} of {num_layers} layers)" if num_gpu_layers else "CPU"
         sampling = "in llama.cpp's graph" if self.has_backend_sampling else "on the host"
-        return f"{buf.value.decode(errors='replace')} ({model_path}) on {where}, sampling {sampling}"
+        serves = "embeddings only" if self.is_embedding_only else f"sampling {sampling}"
+        return f"{buf.value.decode(errors='replace')} ({model_path}) on {where}, {serves}"
 
     def _longest_token_bytes(self) -> int:
         """At least the most prompt bytes one token can stand for, so a prompt longer than
@@ -165,7 +178,7 @@ class LlamaRunner:
             raise CbatchError(INVALID_REQUEST, "the prompt could not be tokenized")
         return tokens[:n]
 
-    def _metadata(self, key: str) -> str | None:
+    def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)
         n = lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode(errors="replace") if n >= 0 else None
@@ -177,7 +190,7 @@ class LlamaRunner:
         template = lc.llama_model_chat_template(self.model, None)
         if template:
             return template
-        architecture = (self._metadata("general.architecture") or "").encode()
+        architecture = (self.metadata("general.architecture") or "").encode()
         num_builtin = lc.llama_chat_builtin_templates(None, 0)
         names = (ctypes.c_char_p * num_builtin)()
         lc.llama_chat_builtin_templates(names, num_builtin)

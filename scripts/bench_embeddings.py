@@ -1,0 +1,188 @@
+"""Embeddings per second, cbatch against llama-server on the same model, and what an
+embedding load does to a generation stream beside it.
+
+For each --batch-sizes level (inputs per request), --clients closed-loop callers send
+--requests requests each of that many short texts to
+
+    cbatch HTTP         POST /v1/embeddings of a `cbatch-worker --http` daemon
+    cbatch Client       Client.embed over ZeroMQ (a thread and a Client per caller)
+    llama-server        POST /v1/embeddings of `llama-server --embeddings --pooling mean`
+
+and the inputs embedded per second are printed with cbatch's ratio to llama-server. Then,
+on each server, one streamed completion (--max-tokens, greedy, ignore_eos) runs alone
+and again beside an embedding load (--parallel - 1 callers sending batches of the largest
+size, so that llama-server, which serves completions and embeddings from one set of
+--parallel slots, keeps a slot for the stream): the worst gap between two of its token
+events, and the median, is printed for both.
+
+    .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
+    .venv/bin/python scripts/bench_embeddings.py --model /tmp/tiny.gguf \\
+        [--llama-server build/llama-server/bin/llama-server]
+"""
+
+import argparse
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_http import closed_loop, http_sender, prompts, wait_http  # noqa: E402
+from bench_long_prompts import CbatchDaemon, LlamaServer  # noqa: E402
+import bench_long_prompts  # noqa: E402
+
+from cbatch.client import Client  # noqa: E402
+from cbatch.model import resolve_model_path  # noqa: E402
+
+CTX_PER_SEQ = 1024
+STREAM_TIMEOUT_S = 60.0
+SERVER = "llama-server HTTP"
+
+
+def http_embedder(base_url: str, model: str, batch_size: int):
+    def make():
+        http = httpx.Client(timeout=600)
+
+        def send(texts: list[str]) -> int:
+            reply = http.post(f"{base_url}/v1/embeddings", json={"model": model, "input": texts[:batch_size]})
+            reply.raise_for_status()
+            return len(reply.json()["data"])
+
+        return send
+
+    return make
+
+
+def zmq_embedder(endpoint: str, batch_size: int):
+    def make():
+        client = Client(endpoint)
+        return lambda texts: len(client.embed(texts[:batch_size]))
+
+    return make
+
+
+def inputs_per_s(make_send, num_clients: int, num_requests: int, batch_size: int) -> float:
+    """Inputs embedded per second by num_clients threads sending num_requests each."""
+    texts = prompts(batch_size)
+
+    def make_counted_send():
+        send = make_send()
+        return lambda _: (send(texts), None, [])
+
+    return closed_loop([""] * (num_clients * num_requests), num_clients, make_counted_send)[0]
+
+
+def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None,
+               num_loaders: int = 0) -> tuple[float, float] | None:
+    """(worst, median) gap in ms between a streamed completion's token events, with
+    num_loaders threads calling make_load()'s sender in a loop beside it when given;
+    None when the stream got nothing for STREAM_TIMEOUT_S."""
+    is_running, loaders = threading.Event(), []
+    if make_load is not None:
+        is_running.set()
+        texts = prompts(64)
+
+        def load() -> None:
+            send = make_load()
+            while is_running.is_set():
+                send(texts)
+
+        loaders = [threading.Thread(target=load) for _ in range(num_loaders)]
+        for loader in loaders:
+            loader.start()
+        time.sleep(0.5)  # the load is running before the stream starts
+    try:
+        _, _, gaps = http_sender(base_url, max_tokens, model, True, STREAM_TIMEOUT_S)()("Tell me a long story.")
+    except httpx.TimeoutException:
+        return None  # starved: the server let the load take every turn
+    finally:
+        is_running.clear()
+        for loader in loaders:
+            loader.join()
+    return float(np.max(gaps)) * 1000, float(np.median(gaps)) * 1000
+
+
+def measure(args, model_path: str) -> tuple[dict, dict]:
+    """(path -> {batch size -> inputs/s}, server -> ((worst, median) alone, (worst, median) under load))."""
+    rates: dict[str, dict[int, float]] = {"cbatch HTTP": {}, "cbatch Client": {}, SERVER: {}}
+    gaps = {}
+    model = Path(model_path).name
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    daemon = CbatchDaemon(model_path, args.parallel, ["--http", str(port), "-c", str(CTX_PER_SEQ * args.parallel)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url)
+        inputs_per_s(http_embedder(url, model, 1), 1, 2, 1)  # warm-up: the embedding context is made
+        for size in args.batch_sizes:
+            rates["cbatch HTTP"][size] = inputs_per_s(http_embedder(url, model, size), args.clients, args.requests, size)
+            rates["cbatch Client"][size] = inputs_per_s(zmq_embedder(daemon.endpoint, size), args.clients,
+                                                         args.requests, size)
+        load = http_embedder(url, model, max(args.batch_sizes))
+        gaps["cbatch"] = (token_gaps(url, model, args.max_tokens),
+                          token_gaps(url, model, args.max_tokens, load, args.parallel - 1))
+    finally:
+        daemon.stop()
+    if args.llama_server:
+        server = LlamaServer(model_path, args.parallel, CTX_PER_SEQ, os.cpu_count(), args.clients,
+                             ("--embeddings", "--pooling", "mean", "-ub", "512"))
+        url = f"http://127.0.0.1:{server.port}"
+        try:
+            inputs_per_s(http_embedder(url, model, 1), 1, 2, 1)
+            for size in args.batch_sizes:
+                rates[SERVER][size] = inputs_per_s(http_embedder(url, model, size), args.clients, args.requests, size)
+            load = http_embedder(url, model, max(args.batch_sizes))
+            gaps["llama-server"] = (token_gaps(url, model, args.max_tokens),
+                                    token_gaps(url, model, args.max_tokens, load, args.parallel - 1))
+        except httpx.HTTPError as err:  # a build that cannot embed, or generate beside embeddings
+            print(f"llama-server: {err!r}", file=sys.stderr)
+        finally:
+            server.stop()
+    return rates, gaps
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64], help="inputs per request")
+    parser.add_argument("--clients", type=int, default=8, help="closed-loop callers")
+    parser.add_argument("--requests", type=int, default=20, help="requests per caller at each size")
+    parser.add_argument("--parallel", type=int, default=16, help="--parallel / -np of both servers")
+    parser.add_argument("--max-tokens", type=int, default=128, help="the streamed completion's tokens")
+    parser.add_argument("--llama-server", default="", help="a llama-server binary to compare with")
+    args = parser.parse_args(argv)
+    if args.llama_server:
+        bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)
+    model_path = resolve_model_path(args.model)
+    rates, gaps = measure(args, model_path)
+    print(f"model {Path(model_path).name}; {args.clients} closed-loop callers x {args.requests} requests per size, "
+          f"--parallel {args.parallel}; inputs embedded per second (mean pooling, normalized), and /server: "
+          "the ratio to llama-server")
+    print(f"{'path':20}" + "".join(f"  {'batch ' + str(size):>10} {'/server':>8}" for size in args.batch_sizes))
+    for name, by_size in rates.items():
+        if not by_size:
+            continue
+        cells = []
+        for size in args.batch_sizes:
+            server = rates[SERVER].get(size)
+            cells.append(f"  {by_size[size]:10.1f} {by_size[size] / server if server else float('nan'):8.2f}")
+        print(f"{name:20}" + "".join(cells))
+    for name, (alone, loaded) in gaps.items():
+        print(f"{name}: token gap of a {args.max_tokens}-token stream: {_gap_text(alone)} alone; {_gap_text(loaded)} "
+              f"beside {args.parallel - 1} callers embedding batches of {max(args.batch_sizes)}")
+
+
+def _gap_text(gap: tuple[float, float] | None) -> str:
+    if gap is None:
+        return f"no token within {STREAM_TIMEOUT_S:.0f} s (starved)"
+    worst, median = gap
+    return f"worst {worst:.1f} ms (median {median:.1f})"
+
+if __name__ == "__main__":
+    main()

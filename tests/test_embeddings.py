@@ -1,0 +1,228 @@
+"""Embeddings end to end: real daemons (the tiny causal LM, and the tiny BERT that only
+embeds), real llama_decode, the ZeroMQ clients and the openai package over HTTP."""
+
+import asyncio
+import base64
+import json
+import re
+import subprocess
+import sys
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from cbatch.client import AsyncClient
+from cbatch.errors import CbatchError, INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
+from conftest import REPO, load_script
+from daemonkit import SCRIPTS_DIR, serve_module
+from httpkit import HttpDaemon
+
+DAEMON_ARGS = ("--parallel", "2", "--ctx-size", "1024", "--batch-size", "256")
+TEXTS = [f"the cat {i} sat on mat {i * 7}" for i in range(15)]
+PROBE = "hello world"
+TOLERANCE = 5e-4  # a causal model's KV cache holds float16; sums run in another order in another batch
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-bert"])
+def daemon(request, tiny_model_path, tiny_bert_path):
+    model_path = tiny_model_path if request.param == "tiny-llama" else tiny_bert_path
+    daemon = HttpDaemon(model_path, *DAEMON_ARGS)
+    daemon.model_path = model_path
+    yield from serve_module(daemon)
+
+
+@pytest.fixture
+def model_id(daemon) -> str:
+    return daemon.openai().models.list().data[0].id
+
+
+def test_same_text_same_vector_alone_or_in_a_batch_of_16(daemon):
+    with daemon.client() as client:
+        alone = np.array(client.embed(PROBE))
+        batch = np.array(client.embed(TEXTS[:7] + [PROBE] + TEXTS[7:]))
+    assert alone.shape == (1, batch.shape[1]) and batch.shape[0] == 16
+    assert np.allclose(alone[0], batch[7], atol=TOLERANCE)
+    assert np.allclose(np.linalg.norm(batch, axis=1), 1.0, atol=TOLERANCE)  # L2-normalized
+    distinct = {tuple(np.round(vector, 4)) for vector in batch}
+    assert len(distinct) == 16  # different texts, different vectors
+
+
+def test_callers_waiting_together_share_a_decode(daemon):
+    async def main():
+        async with await AsyncClient.connect(daemon.endpoint) as client:
+            before = await client.stats()
+            vectors = await asyncio.gather(*(client.embed(text) for text in TEXTS))
+            after = await client.stats()
+            return vectors, before, after
+
+    vectors, before, after = asyncio.run(main())
+    with daemon.client() as client:
+        assert np.allclose(np.array([v[0] for v in vectors]), client.embed(TEXTS), atol=TOLERANCE)
+    num_decodes = after["num_embedding_decodes"] - before["num_embedding_decodes"]
+    assert after["num_embedding_inputs"] - before["num_embedding_inputs"] == len(TEXTS)
+    assert num_decodes < len(TEXTS)  # several callers' inputs went in one llama_decode
+
+
+def test_token_id_inputs_embed_as_their_text(daemon):
+    with daemon.client() as client:
+        text_vector = client.embed(PROBE)[0]
+    info = daemon.openai().embeddings.create(model=daemon.openai().models.list().data[0].id, input=PROBE)
+    token_ids = _token_ids(daemon.model_path, PROBE)
+    with daemon.client() as client:
+        assert np.allclose(client.embed([token_ids])[0], text_vector, atol=TOLERANCE)
+    assert info.usage.prompt_tokens == len(token_ids)
+
+
+def _token_ids(model_path: str, text: str) -> list[int]:
+    """The model's tokens for the text, from llama.cpp's tokenizer in this process."""
+    import llama_cpp.llama_cpp as lc
+
+    model = lc.llama_model_load_from_file(model_path.encode(), lc.llama_model_default_params())
+    try:
+        data = text.encode()
+        tokens = (lc.llama_token * 64)()
+        n = lc.llama_tokenize(lc.llama_model_get_vocab(model), data, len(data), tokens, 64, True, True)
+        return tokens[:n]
+    finally:
+        lc.llama_model_free(model)
+
+
+def test_openai_package_float_and_base64_agree(daemon, model_id):
+    api = daemon.openai()
+    floats = api.embeddings.create(model=model_id, input=[PROBE, TEXTS[0]], encoding_format="float")
+    encoded = api.embeddings.create(model=model_id, input=[PROBE, TEXTS[0]], encoding_format="base64")
+    assert floats.model == model_id and [d.index for d in floats.data] == [0, 1]
+    for as_float, as_base64 in zip(floats.data, encoded.data):
+        decoded = np.frombuffer(base64.b64decode(as_base64.embedding), "<f4")
+        assert np.array_equal(decoded, np.array(as_float.embedding, np.float32))
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0
+    with daemon.client() as client:
+        assert np.allclose(client.embed(PROBE)[0], floats.data[0].embedding, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"input": ""}, 400, INVALID_REQUEST),
+    ({"input": []}, 400, INVALID_REQUEST),
+    ({"input": [PROBE] * 2049}, 400, INVALID_REQUEST),
+    ({"input": [1.5, 2]}, 400, INVALID_REQUEST),
+    ({"input": {"text": PROBE}}, 400, INVALID_REQUEST),
+    ({"input": "word " * 300}, 400, PROMPT_TOO_LONG),
+    ({"input": PROBE, "dimensions": 3}, 400, INVALID_REQUEST),
+    ({"input": PROBE, "encoding_format": "hex"}, 400, INVALID_REQUEST),
+    ({"input": PROBE, "model": "another.gguf"}, 404, "not_found"),
+])
+def test_bad_input_is_refused_and_the_daemon_carries_on(daemon, body, status, code):
+    response = httpx.post(f"{daemon.base_url}/v1/embeddings", json=body, timeout=30)
+    assert response.status_code == status
+    assert response.json()["error"]["code"] == code
+    with daemon.client() as client:
+        assert len(client.embed(PROBE)) == 1
+
+
+def test_client_errors_have_codes(daemon):
+    with daemon.client() as client:
+        with pytest.raises(CbatchError) as too_long:
+            client.embed("word " * 300)
+        with pytest.raises(CbatchError) as empty:
+            client.embed([])
+        assert len(client.embed([PROBE] * 200)) == 200  # more than one message's worth
+    assert (too_long.value.code, empty.value.code) == (PROMPT_TOO_LONG, INVALID_REQUEST)
+
+
+def test_generation_keeps_flowing_while_embeddings_run(daemon, model_id):
+    if "bert" in model_id:
+        pytest.skip("the BERT model does not generate")
+    is_streaming = threading.Event()
+    num_embedded_during_stream = []
+
+    def embed_load():
+        with daemon.client() as client:
+            client.embed(TEXTS)
+            is_streaming.wait()
+            num_embedded = 0
+            while is_streaming.is_set():
+                num_embedded += len(client.embed(TEXTS * 4))
+            num_embedded_during_stream.append(num_embedded)
+
+    loader = threading.Thread(target=embed_load)
+    loader.start()
+    with daemon.client() as client:
+        is_streaming.set()
+        chunks = list(client.stream("Once", max_tokens=200, ignore_eos=True))
+        is_streaming.clear()
+    loader.join()
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 200
+    assert num_embedded_during_stream[0] > 0  # embeddings ran beside it
+
+
+def test_embedding_only_model_refuses_generation(daemon, model_id):
+    if "bert" not in model_id:
+        pytest.skip("the causal model generates")
+    with pytest.raises(openai.BadRequestError) as refused:
+        daemon.openai().completions.create(model=model_id, prompt=PROBE, max_tokens=2)
+    assert refused.value.code == MODEL_EMBEDS_ONLY
+    with daemon.client() as client:
+        with pytest.raises(CbatchError) as also_refused:
+            client.generate(PROBE, max_tokens=2)
+        assert also_refused.value.code == MODEL_EMBEDS_ONLY
+        assert client.stats()["embedding_pooling"] == "mean"  # declared in the GGUF
+
+
+def test_pooling_flag_for_a_model_that_declares_none(start_daemon, tiny_model_path):
+    vectors = {}
+    for pooling in ("mean", "last"):
+        with start_daemon(tiny_model_path, *DAEMON_ARGS, "--pooling", pooling).client() as client:
+            vectors[pooling] = client.embed(PROBE)[0]
+            assert client.stats()["embedding_pooling"] == pooling
+    assert not np.allclose(vectors["mean"], vectors["last"], atol=1e-3)
+
+
+def test_a_declared_pooling_wins_over_the_flag(start_daemon, tmp_path):
+    cls_model = load_script("make_tiny_embedding_model").make_tiny_embedding_model(tmp_path / "cls.gguf", "cls")
+    with start_daemon(cls_model, *DAEMON_ARGS, "--pooling", "last").client() as client:
+        assert client.stats()["embedding_pooling"] == "cls"
+        assert len(client.embed(PROBE)[0]) == 32
+
+
+@pytest.mark.parametrize("transport", ["zmq", "http"])
+def test_batch_file_embedding_lines(daemon, model_id, tmp_path, transport):
+    lines = [{"custom_id": "two", "body": {"model": model_id, "input": [PROBE, TEXTS[0]]}},
+             {"custom_id": "empty", "body": {"input": ""}},
+             {"custom_id": "b64", "body": {"input": PROBE, "encoding_format": "base64"}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({**line, "method": "POST", "url": "/v1/embeddings"}) + "\n"
+                                               for line in lines))
+    url_args = ["--url", f"{daemon.base_url}/v1"] if transport == "http" else []
+    done = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), *url_args, str(tmp_path / "in.jsonl"),
+                           "-o", str(tmp_path / "out.jsonl")], env=daemon.env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1, done.stderr  # the empty input's line failed
+    two, empty, encoded = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert two["response"]["status_code"] == 200 and encoded["response"]["status_code"] == 200
+    assert empty["response"]["status_code"] == 400
+    assert empty["response"]["body"]["error"]["code"] == INVALID_REQUEST
+    body = two["response"]["body"]
+    assert body["object"] == "list" and body["model"] == model_id and body["usage"]["prompt_tokens"] > 0
+    with daemon.client() as client:
+        expected = client.embed([PROBE, TEXTS[0]])
+    assert np.allclose([entry["embedding"] for entry in body["data"]], expected, atol=TOLERANCE)
+    decoded = np.frombuffer(base64.b64decode(encoded["response"]["body"]["data"][0]["embedding"]), "<f4")
+    assert np.allclose(decoded, expected[0], atol=TOLERANCE)
+
+
+DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_embeddings.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+
+
+def test_http_docs_examples_run_as_printed(daemon):
+    """docs/http.md's embeddings examples, with this daemon's port for 8000."""
+    (_, command), (_, code) = DOCS_EXAMPLE.findall((REPO / "docs" / "http.md").read_text())
+    curl = command.strip().replace("8000", str(daemon.port))
+    reply = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60,
+                                      check=True).stdout)
+    assert [item["index"] for item in reply["data"]] == [0, 1]
+    out = subprocess.run([sys.executable, "-c", code.replace("8000", str(daemon.port))], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert int(out[0]) == len(reply["data"][0]["embedding"]) and int(out[1]) == reply["usage"]["prompt_tokens"]
+    assert -1.0 <= float(out[2]) <= 1.0

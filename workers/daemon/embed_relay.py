@@ -1,0 +1,65 @@
+"""The front-end's embedding requests: checked, numbered, sent to the decode worker, answered.
+
+An EMBED is a question with a nonce, as HEALTH is: one reply (EMBED_REPLY, or ERROR with
+the nonce) carries all its vectors. Nothing streams, so nothing goes through the ring.
+Requests that arrive while the worker (re)starts wait here and go to it when it is ready.
+"""
+
+from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs
+from cbatch.errors import CbatchError, QUEUE_FULL, SHUTTING_DOWN
+from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded
+from cbatch.protocol import MsgType, field
+from cbatch.workers.daemon.client_link import ClientLink
+from cbatch.workers.daemon.worker_link import WorkerLink
+
+
+class EmbedRelay:
+    def __init__(self, clients: ClientLink, worker: WorkerLink, max_pending: int):
+        self._clients, self._worker, self._max_pending = clients, worker, max_pending
+        self._owners: dict[int, tuple[bytes, int]] = {}  # embed id -> (client identity, its nonce)
+        self._held: dict[int, WorkerEmbed] = {}  # not yet sent: no worker is ready
+        self._next_id = 0
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._owners)
+
+    def on_embed(self, identity: bytes, body: dict, is_draining: bool) -> None:
+        """Raises ProtocolError or CbatchError (the front-end replies with the nonce)."""
+        nonce = field(body, "nonce", int)
+        inputs = parse_inputs(field(body, "input", (str, list)), MAX_INPUTS_PER_MESSAGE)
+        dimensions = parse_dimensions(body.get("dimensions"))
+        if is_draining:
+            raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
+        if len(self._owners) >= self._max_pending:
+            raise CbatchError(QUEUE_FULL, f"{self._max_pending} embedding requests are waiting; retry later")
+        self._next_id += 1
+        self._owners[self._next_id] = (identity, nonce)
+        self._held[self._next_id] = WorkerEmbed(self._next_id, inputs, dimensions or 0)
+        self.forward_held()
+
+    def forward_held(self) -> None:
+        if self._worker.ready is not None:
+            for message in self._held.values():
+                self._worker.send(message)
+            self._held.clear()
+
+    def on_embedded(self, message: WorkerEmbedded) -> None:
+        owner = self._owners.pop(message.embed_id, None)
+        if owner is None:
+            return  # failed already (a worker restart)
+        identity, nonce = owner
+        if message.code:
+            self._clients.send(identity, MsgType.ERROR, {"code": message.code, "message": message.message,
+                                                         "nonce": nonce})
+            return
+        usage = {"prompt_tokens": message.num_tokens, "total_tokens": message.num_tokens}
+        self._clients.send(identity, MsgType.EMBED_REPLY, {"nonce": nonce, "embeddings": message.vectors,
+                                                           "usage": usage})
+
+    def fail_all(self, code: str, message: str, include_held: bool) -> None:
+        """End the requests sent to a worker (and, with include_held, those still here)."""
+        for embed_id in list(self._owners):
+            if include_held or embed_id not in self._held:
+                self._held.pop(embed_id, None)
+                self.on_embedded(WorkerEmbedded(embed_id, code=code, message=message))
