@@ -154,13 +154,13 @@ class LlamaRunner:
         get_text, vocab = lc.llama_vocab_get_text, self.vocab
         return max(4, max(len(get_text(vocab, token) or b"") for token in range(self.n_vocab)))
 
-    def tokenize(self, text: str) -> list[int]:
-        """BOS is added as the model asks; special tokens in the text are parsed, so a
-        rendered chat template keeps its turn markers."""
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """BOS is added as the model asks (unless add_special is false); special tokens in
+        the text are parsed, so a rendered chat template keeps its turn markers."""
         data = text.encode("utf-8")
         max_tokens = len(data) + 8
         tokens = (lc.llama_token * max_tokens)()
-        n = lc.llama_tokenize(self.vocab, data, len(data), tokens, max_tokens, True, True)
+        n = lc.llama_tokenize(self.vocab, data, len(data), tokens, max_tokens, add_special, True)
         if n < 0:
             raise CbatchError(INVALID_REQUEST, "the prompt could not be tokenized")
         return tokens[:n]
