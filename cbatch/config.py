@@ -40,6 +40,10 @@ class EngineConfig:
     # it decodes; None = on when layers are offloaded to a GPU, off on a CPU (where the
     # decode thread would take a core from llama.cpp's own threads). Same tokens either way.
     overlap: bool | None = None
+    # Thinking in tags (workers/engine/reasoning.py): "auto" reads the tags off the chat
+    # template, or takes reasoning_tags when given; "off" leaves every output as it is.
+    reasoning: str = "auto"
+    reasoning_tags: tuple[str, str] | None = None
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -61,6 +65,9 @@ class EngineConfig:
         check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
         check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
         check(self.cache_tokens >= 0, f"--cache-tokens must be >= 0, got {self.cache_tokens}")
+        check(self.reasoning in ("auto", "off"), f"--reasoning must be auto or off, got {self.reasoning!r}")
+        check(self.reasoning_tags is None or (len(self.reasoning_tags) == 2 and all(self.reasoning_tags)),
+              "--reasoning-tags takes two non-empty tags: OPEN CLOSE")
         check(0 <= self.max_queue <= MAX_QUEUE, f"--max-queue must be in [0, {MAX_QUEUE}], got {self.max_queue}")
 
     @property

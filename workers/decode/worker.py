@@ -29,6 +29,7 @@ from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT, RequestPreparer
 from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.engine import Engine
+from cbatch.workers.engine.reasoning import model_reasoning
 
 
 def run_decode_worker(plan: WorkerPlan) -> None:
@@ -53,7 +54,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         publisher = EventPublisher(engine, ring, io, tick)
         for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
             RequestPreparer(engine, source, io.commands, nice_increment).start()
-        io.send(WorkerReady(os.getpid(), engine.description, engine.ctx_per_seq, engine.prefix_cache_note))
+        io.send(WorkerReady(os.getpid(), engine.description, engine.ctx_per_seq, engine.prefix_cache_note,
+                            model_reasoning(plan.engine, engine.runner)))
         handler = CommandHandler(engine, io, io.commands, publisher)
         run_engine_loop(engine, handler.apply_pending, publisher.publish)
     finally:
