@@ -5,6 +5,9 @@ max_output_tokens cutting an answer, and bad input. Every object is also validat
 strictly against the package's types (the client itself parses leniently)."""
 
 import json
+import re
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -12,6 +15,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from cbatch.model import chat_model_path
+from conftest import REPO
 from daemonkit import serve_module
 from httpkit import HttpDaemon
 from test_reasoning_http import THINKING, never_closing
@@ -113,3 +117,19 @@ def test_bad_input_is_a_400_naming_the_field(api, request_fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
         api.responses.create(model="m", **request_fields)
     assert caught.value.body["param"] == param
+
+
+DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_responses.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+
+
+def test_the_docs_example_runs_as_printed(daemon):
+    """docs/http.md's Responses example, with this test's port for 8000 (its daemon is the
+    one started here, as the docs' command starts it)."""
+    (_, command), (_, code) = DOCS_EXAMPLE.findall((REPO / "docs" / "http.md").read_text())
+    assert "cbatch.model smollm2" in command and '--reasoning-tags "<think>" "</think>"' in command
+    out = subprocess.run([sys.executable, "-c", code.replace("8000", str(daemon.port))], capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    call, answer, items = out.strip().split("\n")
+    kind, name, arguments = call.split(" ", 2)
+    assert (kind, name) == ("function_call", "get_weather") and isinstance(json.loads(arguments)["city"], str)
+    assert answer.strip() and items == "['reasoning', 'message']"
