@@ -73,6 +73,40 @@ def test_an_answer_that_does_not_think_is_all_content(api):
     assert message.content and message.model_extra["reasoning_content"] is None
 
 
+def test_the_daemon_tells_the_http_server_the_tags(daemon):
+    with daemon.client() as client:
+        assert client.health()["reasoning"] == {"tags": ["<think>", "</think>"], "opened_by_prompt": False}
+
+
+def test_the_tags_come_from_the_template_or_the_flags_and_a_prompt_may_open_the_block(make_engine):
+    from cbatch.config import EngineConfig
+    from cbatch.workers.engine.reasoning import model_reasoning
+
+    runner = make_engine(model_path=chat_model_path()).runner
+    assert model_reasoning(EngineConfig(), runner) is None  # SmolLM2's template does not think
+    assert model_reasoning(EngineConfig(reasoning="off", reasoning_tags=("<think>", "</think>")), runner) is None
+    # A template whose generation prompt ends in the open tag: the answer starts inside the block.
+    opened = model_reasoning(EngineConfig(reasoning_tags=("<|im_start|>assistant", "</think>")), runner)
+    assert opened == {"tags": ["<|im_start|>assistant", "</think>"], "opened_by_prompt": True}
+
+
+@pytest.mark.parametrize("pieces, opened, expected", [
+    (["<th", "ink>\nhm", "m</", "think>\n\n", "Red."], False, ("\nhmm", "Red.")),
+    (["  <think>a</think>b"], False, ("a", "b")),
+    (["<thin"], False, ("", "<thin")),  # an answer that stopped inside what looked like the tag
+    (["Red", " <think>"], False, ("", "Red <think>")),
+    (["hmm", "</thi", "nk>Blue"], True, ("hmm", "Blue")),
+    (["cut o", "ff </thi"], True, ("cut off </thi", "")),
+])
+def test_the_split_holds_back_a_tag_cut_across_chunks(pieces, opened, expected):
+    from cbatch.http_api.reasoning import ReasoningSplitter, split_reasoning
+
+    splitter = ReasoningSplitter({"tags": ["<think>", "</think>"], "opened_by_prompt": opened})
+    parts = [splitter.push(piece) for piece in pieces] + [splitter.finish()]
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == expected
+    assert split_reasoning("".join(pieces), {"tags": ["<think>", "</think>"], "opened_by_prompt": opened}) == expected
+
+
 def test_a_bad_budget_is_a_400_naming_it(api):
     with pytest.raises(openai.BadRequestError) as caught:
         api.chat.completions.create(model="m", messages=ASK, extra_body={"reasoning_budget": -1})

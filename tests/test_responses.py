@@ -87,6 +87,15 @@ def test_a_tool_calling_loop(api):
     assert final.output[-1].type == "message" and final.output_text
 
 
+def test_structured_output_through_text_format(api):
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour"],
+              "properties": {"colour": {"type": "string", "maxLength": 12}}}
+    response = checked(api.responses.create(model="m", input="Name a colour.", temperature=0, max_output_tokens=48,
+                                            text={"format": {"type": "json_schema", "name": "c", "schema": schema}}))
+    assert isinstance(json.loads(response.output_text)["colour"], str)
+    assert response.text.format.type == "json_schema"
+
+
 def thinking(**extra) -> dict:
     return {"model": "m", "input": "Name a colour.", "temperature": 0, "max_output_tokens": 40,
             "extra_body": {"grammar": THINKING, "logit_bias": never_closing()}, **extra}
@@ -112,6 +121,9 @@ def test_reasoning_items_and_their_budget(api):
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
     ({"input": "hi", "temperature": -1}, "temperature"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "text": "json"}, "text"),
+    ({"input": "hi", "reasoning": {"effort": "enormous"}}, "reasoning_effort"),
 ])
 def test_bad_input_is_a_400_naming_the_field(api, request_fields, param):
     with pytest.raises(openai.BadRequestError) as caught:

@@ -54,7 +54,7 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
         known = PASSTHROUGH_FIELDS + ("max_tokens", "stop", "prompt", "messages", "n", "logprobs", "top_logprobs",
                                       "model", "tools", "tool_choice", "parallel_tool_calls", "reasoning_budget",
                                       "reasoning_effort", "input", "instructions", "max_output_tokens",
-                                      "previous_response_id", "reasoning")
+                                      "previous_response_id", "reasoning", "background", "text")
         param = name.group(1) if name and name.group(1) in known else None
     return {"error": {"message": err.message, "type": _STATUS.get(err.code, (500, "server_error"))[1],
                       "param": param, "code": err.code}}

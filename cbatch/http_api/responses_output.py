@@ -35,7 +35,7 @@ def echoed_fields(raw: dict) -> dict:
             "tool_choice": raw.get("tool_choice") or "auto", "parallel_tool_calls": raw.get("parallel_tool_calls", True),
             "temperature": raw.get("temperature"), "top_p": raw.get("top_p"),
             "max_output_tokens": raw.get("max_output_tokens"), "previous_response_id": None,
-            "text": {"format": {"type": "text"}}, "store": False}
+            "text": raw.get("text") or {"format": {"type": "text"}}, "store": False}
 
 
 class ResponseEvents:

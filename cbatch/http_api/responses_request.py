@@ -94,12 +94,26 @@ def _chat_tools(raw: dict) -> dict:
     return fields
 
 
+def _response_format(text) -> dict | None:
+    """`text.format` (Responses' structured output) as chat's `response_format`."""
+    if not isinstance(text, dict) or not isinstance(text.get("format", {}), dict):
+        raise invalid("text must be an object: {format: {type: text | json_object | json_schema, ...}}")
+    spec = text.get("format")
+    if spec is None or spec.get("type") == "text":
+        return None
+    if spec.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": spec.get("schema")}}
+    return spec
+
+
 def parse_responses_request(raw, model_names: list[str], reasoning: dict | None) -> ApiRequest:
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
     if raw.get("previous_response_id") is not None:
         raise invalid("previous_response_id is not supported: this server stores no responses; send the whole "
                       "conversation in input")
+    if raw.get("background"):
+        raise invalid("background is not supported: this server stores no responses to fetch later")
     chat = {name: raw[name] for name in SAME_FIELDS if raw.get(name) is not None}
     max_tokens = raw.get("max_output_tokens")
     if max_tokens is not None:
@@ -112,6 +126,8 @@ def parse_responses_request(raw, model_names: list[str], reasoning: dict | None)
             raise invalid("reasoning must be an object: {effort}")
         chat["reasoning_effort"] = effort.get("effort")
     chat.update(_chat_tools(raw))
+    if raw.get("text") is not None:
+        chat["response_format"] = _response_format(raw["text"])
     chat["messages"] = chat_messages(raw.get("input"), raw.get("instructions"))
     if "model" in raw:
         chat["model"] = raw["model"]

@@ -1,11 +1,9 @@
 """A `/v1/responses` request's answer on its way to the caller: whole, or as its events
 (responses_output.py), on the chat path's Generation (generation.py)."""
 
-import asyncio
-
 from cbatch.errors import CbatchError
-from cbatch.http_api.generation import Generation
-from cbatch.http_api.openai_mapping import error_body, error_status
+from cbatch.http_api.generation import Generation, streaming_out
+from cbatch.http_api.openai_mapping import error_body
 from cbatch.http_api.responses_output import ResponseEvents, sse_event
 
 
@@ -27,7 +25,7 @@ async def collect_response(gen: Generation, events: ResponseEvents) -> dict:
 async def stream_response(gen: Generation, events: ResponseEvents, first_round: list):
     """The events as server-sent events, a round's in one write; an error after the 200
     went out is an `error` event, and the stream ends."""
-    try:
+    async with streaming_out(gen):
         made = events.start() + _events_of_round(events, first_round)
         while True:
             yield b"".join(sse_event(event) for event in made)
@@ -36,13 +34,7 @@ async def stream_response(gen: Generation, events: ResponseEvents, first_round: 
             try:
                 made = _events_of_round(events, await gen.next_round())
             except CbatchError as err:
-                gen.state.metrics.errors.labels(gen.endpoint, str(error_status(err.code)), err.code).inc()
+                gen.count_error(err)
                 yield sse_event(events.event("error", **{k: v for k, v in error_body(err)["error"].items()
-                                                          if k in ("message", "code", "param")}))
+                                                         if k in ("message", "code", "param")}))
                 return
-    except (asyncio.CancelledError, GeneratorExit):  # the client hung up mid-stream
-        gen.state.metrics.disconnects.labels(gen.endpoint).inc()
-        raise
-    finally:
-        await gen.close()
-        gen.state.num_in_flight -= 1
