@@ -33,11 +33,11 @@ def daemon():
 
 
 def checked(response) -> Response:
-    return Response.model_validate(response.model_dump())
+    return Response.model_validate(response.to_dict())
 
 
 def streamed(api, **request) -> list:
-    return [EVENTS.validate_python(event.model_dump()) for event in api.responses.create(stream=True, **request)]
+    return [EVENTS.validate_python(event.to_dict()) for event in api.responses.create(stream=True, **request)]
 
 
 def test_text_input_whole_and_streamed(api):
