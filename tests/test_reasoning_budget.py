@@ -22,20 +22,24 @@ def thinking_of(text: str) -> str:
     return text.split("<think>", 1)[1].split("</think>", 1)[0]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_the_close_tag_is_forced_at_the_budget_and_the_answer_follows(make_engine, overlap):
-    engine = make_engine(overlap=overlap)
-    base = {"prompt": "hello", "max_tokens": 40, "temperature": 0, "grammar": THINKING,
-            "logit_bias": never_closing(engine)}
-    free, budgeted, seeded = generate(engine, [
-        base, {**base, "reasoning_budget": 5, "reasoning_tags": TAGS},
-        {**base, "temperature": 0.9, "seed": 7, "repeat_penalty": 1.3, "reasoning_budget": 9, "reasoning_tags": TAGS}])
+def test_the_close_tag_is_forced_at_the_budget_and_the_answer_follows(make_engine):
+    runs = []
+    for overlap in (False, True):
+        engine = make_engine(overlap=overlap)
+        base = {"prompt": "hello", "max_tokens": 40, "temperature": 0, "grammar": THINKING,
+                "logit_bias": never_closing(engine)}
+        runs.append(generate(engine, [
+            base, {**base, "reasoning_budget": 5, "reasoning_tags": TAGS},
+            {**base, "temperature": 0.9, "seed": 7, "repeat_penalty": 1.3, "reasoning_budget": 9, "reasoning_tags": TAGS}]))
+    free, budgeted, seeded = runs[0]
     assert "</think>" not in free.text and free.finish_reason == "length"
     # The tiny model's vocabulary is bytes: a token a character.
     assert len(thinking_of(budgeted.text)) == 5 and thinking_of(free.text).startswith(thinking_of(budgeted.text))
     answer = budgeted.text.split("</think>", 1)[1]
     assert answer and set(answer) <= set("abcdefghijklmnopqrstuvwxyz ")  # the grammar went on after the tag
     assert len(thinking_of(seeded.text)) == 9 and len(seeded.text.split("</think>", 1)[1]) > 0
+    # Overlap on: the same events, step by step.
+    assert [(r.chunks, r.token_ids) for r in runs[1]] == [(r.chunks, r.token_ids) for r in runs[0]]
 
 
 def test_a_block_the_prompt_opened_counts_from_the_first_token_on_every_path(make_engine):
