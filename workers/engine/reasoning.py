@@ -21,7 +21,7 @@ def model_reasoning(config: EngineConfig, runner) -> dict | None:
         return None
     tags = config.reasoning_tags
     if tags is None:
-        template = runner._chat_template() or b""
+        template = runner.chat_template() or b""
         tags = next((known for known in KNOWN_TAGS if known[0].encode() in template), None)
     if tags is None:
         return None

@@ -170,7 +170,7 @@ class LlamaRunner:
         n = lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode(errors="replace") if n >= 0 else None
 
-    def _chat_template(self) -> bytes | None:
+    def chat_template(self) -> bytes | None:
         """The GGUF's own template; failing that, llama.cpp's built-in template named after
         the model's architecture (some GGUFs, the embedded gemma-3-270m among them, ship
         without tokenizer.chat_template)."""
@@ -185,7 +185,7 @@ class LlamaRunner:
         return max(matches, key=len) if matches else None
 
     def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
-        template = self._chat_template()
+        template = self.chat_template()
         if not template:
             raise CbatchError(INVALID_REQUEST, "this model has no chat template: send 'prompt' instead of 'messages'")
         encoded = [(role.encode(), content.encode()) for role, content in messages]
