@@ -110,6 +110,12 @@ def test_reasoning_items_and_their_budget(api):
     assert [item.type for item in free.output] == ["reasoning"] and free.status == "incomplete"
     assert free.output[0].content[0].text.startswith(reasoning.content[0].text)
     events = streamed(api, **thinking(reasoning={"effort": "minimal"}))
+    kinds = [kind for i, kind in enumerate(e.type for e in events) if i == 0 or events[i - 1].type != kind]
+    item_events = ["response.output_item.added", "response.content_part.added", "{}.delta", "{}.done",
+                   "response.content_part.done", "response.output_item.done"]
+    assert kinds == ["response.created", "response.in_progress",
+                     *(k.format("response.reasoning_text") for k in item_events),
+                     *(k.format("response.output_text") for k in item_events), "response.incomplete"]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
 
@@ -122,6 +128,7 @@ def test_reasoning_items_and_their_budget(api):
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
     ({"input": "hi", "temperature": -1}, "temperature"),
     ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "hi", "text": "json"}, "text"),
     ({"input": "hi", "reasoning": {"effort": "enormous"}}, "reasoning_effort"),
 ])
