@@ -43,6 +43,10 @@ class EngineConfig:
     overlap: bool | None = None
     # Embeddings of a model whose GGUF declares no pooling (a causal LM): mean, cls or last.
     pooling: str = "mean"
+    # Thinking in tags (workers/engine/reasoning.py): "auto" reads the tags off the chat
+    # template, or takes reasoning_tags when given; "off" leaves every output as it is.
+    reasoning: str = "auto"
+    reasoning_tags: tuple[str, str] | None = None
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -65,6 +69,9 @@ class EngineConfig:
         check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
         check(self.cache_tokens >= 0, f"--cache-tokens must be >= 0, got {self.cache_tokens}")
         check(self.pooling in POOLING_NAMES, f"--pooling must be one of {', '.join(POOLING_NAMES)}, got {self.pooling!r}")
+        check(self.reasoning in ("auto", "off"), f"--reasoning must be auto or off, got {self.reasoning!r}")
+        check(self.reasoning_tags is None or (len(self.reasoning_tags) == 2 and all(self.reasoning_tags)),
+              "--reasoning-tags takes two non-empty tags: OPEN CLOSE")
         check(0 <= self.max_queue <= MAX_QUEUE, f"--max-queue must be in [0, {MAX_QUEUE}], got {self.max_queue}")
 
     @property

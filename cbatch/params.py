@@ -43,6 +43,10 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; K = the chosen token's and the K most likely tokens'
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); ids checked by the engine
     min_tokens: int = 0  # end-of-generation tokens are suppressed until this many were generated
+    # Thinking in tags: after this many tokens inside the (open, close) block without its
+    # close tag, the close tag's tokens are forced (workers/engine/sampling/budget.py).
+    reasoning_budget: int | None = None
+    reasoning_tags: tuple[str, str] | None = None
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -169,6 +173,12 @@ def _logit_bias(value):
     return tuple(sorted(biases))
 
 
+def _reasoning_tags(value):
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise invalid("reasoning_tags must be [open tag, close tag]")
+    return tuple(_text("reasoning_tags[]", tag, MAX_STOP_CHARS) for tag in value)
+
+
 _PARAM_CHECKS = {
     "max_tokens": lambda v: _int("max_tokens", v, 1, MAX_TOKENS_LIMIT),
     "temperature": lambda v: _float("temperature", v, 0.0, 100.0),
@@ -185,6 +195,8 @@ _PARAM_CHECKS = {
     "logprobs": lambda v: None if v is None else _int("logprobs", v, 0, MAX_TOP_LOGPROBS),
     "logit_bias": _logit_bias,
     "min_tokens": lambda v: _int("min_tokens", v, 0, MAX_TOKENS_LIMIT),
+    "reasoning_budget": lambda v: None if v is None else _int("reasoning_budget", v, 0, MAX_TOKENS_LIMIT),
+    "reasoning_tags": lambda v: None if v is None else _reasoning_tags(v),
 }
 PARAM_NAMES = frozenset(_PARAM_CHECKS)
 
@@ -226,6 +238,8 @@ def parse_request(request_id: int, raw: dict) -> Request:
     params = parse_params(body)
     if params.grammar is not None and params.ignore_eos:
         raise invalid("grammar and ignore_eos cannot be combined: a completed grammar allows only end-of-generation")
+    if params.reasoning_budget is not None and params.reasoning_tags is None:
+        raise invalid("reasoning_budget needs reasoning_tags: the thinking block's [open, close] tags")
     if prompt is not None:
         return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params, **scheduling)
     return Request(request_id, messages=_messages(messages), params=params, **scheduling)

@@ -20,6 +20,7 @@ class WorkerReady:
     model: str
     ctx_per_seq: int
     prefix_cache: str
+    reasoning: dict | None = None  # workers/engine/reasoning.py: the tags the model thinks in
 
 
 @dataclass

@@ -46,6 +46,11 @@ def make_parser() -> argparse.ArgumentParser:
     add("--overlap", action=argparse.BooleanOptionalAction, default=ENGINE.overlap,
         help="decode step N+1 while step N's text is made and published (default: on when layers are "
              "offloaded to a GPU, off on a CPU)")
+    add("--reasoning", choices=("auto", "off"), default=ENGINE.reasoning,
+        help="split a thinking model's <think>...</think> into reasoning_content over HTTP: auto (default: when the "
+             "chat template mentions <think>, or --reasoning-tags is given) or off")
+    add("--reasoning-tags", nargs=2, default=None, metavar=("OPEN", "CLOSE"),
+        help="the tags the model thinks in, when its chat template does not tell (e.g. '<think>' '</think>')")
     add("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     add("--ring-capacity", type=int, default=DAEMON.ring_capacity, help="token ring records (power of two)")
     add("--drain-grace", type=float, default=DAEMON.drain_grace_s, help="seconds in-flight requests get on SIGTERM")
@@ -90,7 +95,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
                           max_queue=args.max_queue, kv_unified=args.kv_unified, prefix_cache=args.prefix_cache,
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
-                          overlap=args.overlap, pooling=args.pooling)
+                          overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
+                          reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None)
     return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                         drain_grace_s=args.drain_grace, retention_s=args.retention,
                         reconnect_grace_s=args.reconnect_grace, worker_timeout_s=args.worker_timeout,

@@ -32,8 +32,13 @@ from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, parse_api_request
 from cbatch.http_api.embeddings import embeddings_endpoint
+from cbatch.http_api.responses_output import ResponseEvents, echoed_fields
+from cbatch.http_api.responses_request import parse_responses_request
+from cbatch.http_api.responses_stream import collect_response, stream_response
 from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState, json_body, json_response
 
+RESPONSES = "responses"  # POST /v1/responses: a chat request answered in the Responses API's shapes
+ENDPOINTS = {CHAT: "chat", COMPLETION: "completions", RESPONSES: "responses"}  # the metrics' endpoint label
 PARENT_POLL_S = 0.5  # how often the server checks that the daemon that started it lives
 DRAIN_POLL_S = 0.05  # while draining, how often it checks whether the last response ended
 
@@ -45,14 +50,19 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _generate(state: HttpState, request: Request, kind: str) -> Response:
-    """A completions or chat request: errors before the first token get their status; a
-    stream then goes out as server-sent events; a caller that hangs up cancels it."""
-    endpoint = "chat" if kind == CHAT else "completions"
+    """A completions, chat or responses request: errors before the first token get their
+    status; a stream then goes out as server-sent events; a caller that hangs up cancels it."""
+    endpoint = ENDPOINTS[kind]
     refusal = await state.refusal()
     if refusal is not None:
         return state.error(endpoint, refusal)
     try:
-        api = parse_api_request(kind, json_body(await request.body()), state.model_names)
+        raw = json_body(await request.body())
+        if kind == RESPONSES:
+            api = parse_responses_request(raw, state.model_names, state.reasoning)
+            events = ResponseEvents(api, echoed_fields(raw))
+        else:
+            api = parse_api_request(kind, raw, state.model_names, state.reasoning)
     except CbatchError as err:
         return state.error(endpoint, err)
     state.num_in_flight += 1
@@ -60,7 +70,10 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     is_streaming_out = False
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
-        work = asyncio.ensure_future(gen.next_round() if api.is_stream else collect(gen))
+        if api.is_stream:
+            work = asyncio.ensure_future(gen.next_round())
+        else:
+            work = asyncio.ensure_future(collect_response(gen, events) if kind == RESPONSES else collect(gen))
         await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client hung up: cancel its choices
             state.metrics.disconnects.labels(endpoint).inc()
@@ -71,7 +84,8 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
         if not api.is_stream:
             return json_response(result)
         is_streaming_out = True
-        return StreamingResponse(stream_events(gen, result), media_type="text/event-stream")
+        stream = stream_response(gen, events, result) if kind == RESPONSES else stream_events(gen, result)
+        return StreamingResponse(stream, media_type="text/event-stream")
     except CbatchError as err:
         return state.error(endpoint, err)
     finally:
@@ -128,7 +142,8 @@ def make_app(state: HttpState, api_key: str = "") -> Starlette:
             err = CbatchError(INVALID_REQUEST, f"{request.method} is not allowed on {request.url.path}")
         else:
             err = CbatchError(NOT_FOUND, f"no route {request.method} {request.url.path}; this server serves "
-                                         "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, /v1/loads, /health, /metrics")
+                                         "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, "
+                                         "/v1/loads, /health, /metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
     middleware = [Middleware(AccessLog)] + ([Middleware(RequireApiKey, api_key=api_key)] if api_key else [])
@@ -136,6 +151,7 @@ def make_app(state: HttpState, api_key: str = "") -> Starlette:
         Route("/v1/completions", bind(_generate, COMPLETION), methods=["POST"]),
         Route("/v1/chat/completions", bind(_generate, CHAT), methods=["POST"]),
         Route("/v1/embeddings", bind(embeddings_endpoint), methods=["POST"]),
+        Route("/v1/responses", bind(_generate, RESPONSES), methods=["POST"]),
         Route("/v1/models", bind(_models), methods=["GET"]),
         Route("/health", bind(_health), methods=["GET"]),
         Route("/metrics", bind(_metrics), methods=["GET"]),

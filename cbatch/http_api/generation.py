@@ -8,6 +8,7 @@ chunk, and llama-server and vLLM send them so too).
 """
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -61,6 +62,10 @@ class Generation:
                                        prompt not in self._finished_prompts)
         self._finished_prompts.add(prompt)
 
+    def count_error(self, err: CbatchError) -> None:
+        """An error that reaches the caller after the stream began (an event, not a status)."""
+        self.state.metrics.errors.labels(self.endpoint, str(error_status(err.code)), err.code).inc()
+
     async def close(self) -> None:
         await self.rounds.aclose()  # cancels choices still running
 
@@ -74,10 +79,24 @@ async def collect(gen: Generation) -> dict:
     return whole.response()
 
 
+@contextlib.asynccontextmanager
+async def streaming_out(gen: Generation):
+    """Around a response's stream: a caller that hangs up mid-stream is counted, and the
+    generation ends (its choices cancelled if still running) however the stream ends."""
+    try:
+        yield
+    except (asyncio.CancelledError, GeneratorExit):
+        gen.state.metrics.disconnects.labels(gen.endpoint).inc()
+        raise
+    finally:
+        await gen.close()
+        gen.state.num_in_flight -= 1
+
+
 async def stream_events(gen: Generation, first_round: list):
     """Server-sent events, a round's in one write: chunks, the usage chunk if asked, [DONE]."""
     num_done = 0
-    try:
+    async with streaming_out(gen):
         arrivals = first_round
         is_chat = gen.api.kind == CHAT
         events = [sse(gen.builder.role_chunk(choice)) for choice in range(len(gen.api.bodies)) if is_chat]
@@ -96,12 +115,6 @@ async def stream_events(gen: Generation, first_round: list):
             try:
                 arrivals = await gen.next_round()
             except CbatchError as err:  # after the 200 went out: an error event, then the end
-                gen.state.metrics.errors.labels(gen.endpoint, str(error_status(err.code)), err.code).inc()
+                gen.count_error(err)
                 yield sse(error_body(err)) + b"data: [DONE]\n\n"
                 return
-    except (asyncio.CancelledError, GeneratorExit):  # the client hung up mid-stream
-        gen.state.metrics.disconnects.labels(gen.endpoint).inc()
-        raise
-    finally:
-        await gen.close()
-        gen.state.num_in_flight -= 1

@@ -16,6 +16,7 @@ from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERN
                            WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
 from cbatch.http_api.chat_messages import cbatch_messages
+from cbatch.http_api.reasoning import reasoning_fields
 from cbatch.http_api.tools import ToolPlan, tool_plan
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 
@@ -55,7 +56,9 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
     if param is None:
         name = _LEADING_NAME.match(err.message)
         known = PASSTHROUGH_FIELDS + ("max_tokens", "stop", "prompt", "messages", "n", "logprobs", "top_logprobs",
-                                      "model", "tools", "tool_choice", "parallel_tool_calls", "input", "dimensions",
+                                      "model", "tools", "tool_choice", "parallel_tool_calls", "reasoning_budget",
+                                      "reasoning_effort", "input", "instructions", "max_output_tokens",
+                                      "previous_response_id", "reasoning", "background", "text", "dimensions",
                                       "encoding_format")
         param = name.group(1) if name and name.group(1) in known else None
     return {"error": {"message": err.message, "type": _STATUS.get(err.code, (500, "server_error"))[1],
@@ -72,6 +75,7 @@ class ApiRequest:
     include_usage: bool
     top_logprobs: int | None  # alternatives per token asked for; None = no logprobs
     tools: ToolPlan | None = None  # chat: the tools offered to the model
+    reasoning: dict | None = None  # chat: the tags the model thinks in, split from the answer (reasoning.py)
 
 
 def _grammar_of(response_format) -> str | None:
@@ -139,9 +143,10 @@ def check_model(model, model_names: list[str]) -> str:
     return model
 
 
-def parse_api_request(kind: str, raw, model_names: list[str]) -> ApiRequest:
+def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | None = None) -> ApiRequest:
     """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
-    `model`, when given, must be one of `model_names`."""
+    `model`, when given, must be one of `model_names`; `reasoning` is the model's thinking
+    tags (None: its answers are left as they are)."""
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
     model = check_model(raw.get("model"), model_names)
@@ -168,6 +173,7 @@ def parse_api_request(kind: str, raw, model_names: list[str]) -> ApiRequest:
         raise invalid("stream must be true or false, stream_options an object")
     tools = tool_plan(raw) if kind == CHAT else None
     if kind == CHAT:
+        body.update(reasoning_fields(raw.get("reasoning_budget"), raw.get("reasoning_effort"), reasoning))
         messages = cbatch_messages(raw.get("messages"))
         prompts = [{"messages": tools.with_instructions(messages) if tools else messages}]
         if tools is not None and tools.is_forced:
@@ -193,7 +199,7 @@ def parse_api_request(kind: str, raw, model_names: list[str]) -> ApiRequest:
         bodies += choices
         prompt_of_choice += [i] * len(choices)
     return ApiRequest(kind, model, bodies, prompt_of_choice, is_stream, bool(options.get("include_usage")),
-                      top_logprobs, tools)
+                      top_logprobs, tools, reasoning if kind == CHAT else None)
 
 
 @dataclass

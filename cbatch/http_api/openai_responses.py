@@ -7,6 +7,7 @@ import uuid
 
 import cbatch
 from cbatch.http_api.openai_mapping import CHAT, ApiRequest
+from cbatch.http_api.reasoning import ReasoningSplitter, split_reasoning
 from cbatch.http_api.tools import ToolCallStream
 
 
@@ -29,6 +30,7 @@ class ResponseBuilder:
         self.object = "chat.completion" if request.kind == CHAT else "text_completion"
         self._text_offsets = [0] * len(request.bodies)  # completions logprobs: offset of the next token
         self._tool_streams = [ToolCallStream(request.tools) for _ in request.bodies] if request.tools else None
+        self._splitters = [ReasoningSplitter(request.reasoning) for _ in request.bodies] if request.reasoning else None
 
     def usage(self, usages: list[dict | None]) -> dict:
         """Prompt tokens once per prompt (its choices share it), completion tokens summed."""
@@ -64,6 +66,7 @@ class ResponseBuilder:
         choices = []
         for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, logprobs)):
             choice = {"index": i, "finish_reason": reason, "logprobs": lp}
+            reasoning, text = split_reasoning(text, self.request.reasoning) if self.request.reasoning else (None, text)
             calls = self.request.tools.calls(text) if self.request.tools else None
             if calls:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
@@ -72,6 +75,8 @@ class ResponseBuilder:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
+            if self.request.reasoning:
+                choice["message"]["reasoning_content"] = reasoning or None
             choices.append(choice)
         return self._envelope(self.object, choices, usage=self.usage(usages))
 
@@ -90,10 +95,18 @@ class ResponseBuilder:
         if self.request.kind != CHAT:
             entry = {"index": choice, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
             return [self._envelope("text_completion", [entry], **({"usage": None} if self.request.include_usage else {}))]
+        chunks = []
+        if self._splitters is not None:
+            reasoning, text = self._splitters[choice].push(text)
+            if finish_reason is not None:
+                rest_reasoning, rest_text = self._splitters[choice].finish()
+                reasoning, text = reasoning + rest_reasoning, text + rest_text
+            if reasoning:
+                chunks.append(self._chat_chunk(choice, {"reasoning_content": reasoning}, None, None))
         if self._tool_streams is None:
-            return [self._chat_chunk(choice, {"content": text} if text else {}, finish_reason, logprobs)]
+            return chunks + [self._chat_chunk(choice, {"content": text} if text else {}, finish_reason, logprobs)]
         deltas, finish_reason = self._tool_streams[choice].push(text, finish_reason)
-        chunks = [self._chat_chunk(choice, delta, None, None) for delta in deltas]
+        chunks += [self._chat_chunk(choice, delta, None, None) for delta in deltas]
         if finish_reason is not None:
             chunks.append(self._chat_chunk(choice, {}, finish_reason, None))
         return chunks

@@ -48,6 +48,7 @@ class HttpState:
         self.is_draining = False
         self.has_been_ready = False  # the daemon answered "ok" once: the model has loaded
         self.num_in_flight = 0
+        self.reasoning: dict | None = None  # the tags the model thinks in, from the daemon once ready
 
     async def connect(self, keep_trying=lambda: True) -> None:
         while self.client is None and keep_trying():
@@ -81,7 +82,8 @@ class HttpState:
             reply = await asyncio.wait_for(self.client.health(), HEALTH_TIMEOUT_S)
         except (CbatchError, asyncio.TimeoutError):
             return "unavailable"
-        self.has_been_ready |= reply["status"] == "ok"
+        if reply["status"] == "ok":
+            self.has_been_ready, self.reasoning = True, reply.get("reasoning")
         return reply["status"]
 
     async def refusal(self) -> CbatchError | None:

@@ -216,7 +216,7 @@ class FrontEnd:
             "nonce": body.get("nonce", 0), "status": status, "model": ready.model if ready else "",
             "parallel": self.config.engine.parallel, "worker_pid": ready.pid if ready else 0,
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "lost_request_ids": lost,
-            "model_names": self.model_names,
+            "model_names": self.model_names, "reasoning": ready.reasoning if ready else None,
         })
 
     def _stats(self, identity: bytes, body: dict) -> None:

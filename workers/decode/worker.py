@@ -32,6 +32,7 @@ from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT, RequestPrepar
 from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
+from cbatch.workers.engine.reasoning import model_reasoning
 
 
 def run_decode_worker(plan: WorkerPlan) -> None:
@@ -58,7 +59,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
             RequestPreparer(engine, embedder, source, io.commands, nice_increment).start()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
-        io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note))
+        io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
+                            model_reasoning(plan.engine, engine.runner)))
         handler = CommandHandler(engine, embedder, io, io.commands, publisher)
         run_engine_loop(engine, embedder, handler.apply_pending, publisher.publish, io.send)
     finally:

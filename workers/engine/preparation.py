@@ -7,6 +7,7 @@ import time
 
 from cbatch.errors import CbatchError, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
 from cbatch.params import BATCH, Request
+from cbatch.workers.engine.sampling.budget import ThinkingBudget
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
 from cbatch.workers.engine.sequence import Sequence
 
@@ -35,4 +36,16 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int) -> Sequence:
     sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, prompt_ids, on_backend)
     deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
     return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend,
-                    is_batch=request.priority == BATCH, deadline_s=deadline_s)
+                    is_batch=request.priority == BATCH, deadline_s=deadline_s, budget=_budget(runner, request, text))
+
+
+def _budget(runner, request: Request, prompt_text: str) -> ThinkingBudget | None:
+    """The request's thinking budget; the block is open from the start when the prompt
+    ends in its open tag (a chat template whose generation prompt opens it)."""
+    params = request.params
+    if params.reasoning_budget is None:
+        return None
+    open_tag, close_tag = params.reasoning_tags
+    close_ids = runner.tokenize(close_tag, add_special=False)
+    return ThinkingBudget(params.reasoning_budget, params.reasoning_tags, close_ids,
+                          is_open=prompt_text.rstrip().endswith(open_tag))

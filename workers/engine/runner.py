@@ -167,13 +167,13 @@ class LlamaRunner:
         get_text, vocab = lc.llama_vocab_get_text, self.vocab
         return max(4, max(len(get_text(vocab, token) or b"") for token in range(self.n_vocab)))
 
-    def tokenize(self, text: str) -> list[int]:
-        """BOS is added as the model asks; special tokens in the text are parsed, so a
-        rendered chat template keeps its turn markers."""
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """BOS is added as the model asks (unless add_special is false); special tokens in
+        the text are parsed, so a rendered chat template keeps its turn markers."""
         data = text.encode("utf-8")
         max_tokens = len(data) + 8
         tokens = (lc.llama_token * max_tokens)()
-        n = lc.llama_tokenize(self.vocab, data, len(data), tokens, max_tokens, True, True)
+        n = lc.llama_tokenize(self.vocab, data, len(data), tokens, max_tokens, add_special, True)
         if n < 0:
             raise CbatchError(INVALID_REQUEST, "the prompt could not be tokenized")
         return tokens[:n]
@@ -183,7 +183,7 @@ class LlamaRunner:
         n = lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode(errors="replace") if n >= 0 else None
 
-    def _chat_template(self) -> bytes | None:
+    def chat_template(self) -> bytes | None:
         """The GGUF's own template; failing that, llama.cpp's built-in template named after
         the model's architecture (some GGUFs, the embedded gemma-3-270m among them, ship
         without tokenizer.chat_template)."""
@@ -198,7 +198,7 @@ class LlamaRunner:
         return max(matches, key=len) if matches else None
 
     def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
-        template = self._chat_template()
+        template = self.chat_template()
         if not template:
             raise CbatchError(INVALID_REQUEST, "this model has no chat template: send 'prompt' instead of 'messages'")
         encoded = [(role.encode(), content.encode()) for role, content in messages]

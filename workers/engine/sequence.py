@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from cbatch.params import SamplingParams
+from cbatch.workers.engine.sampling.budget import ThinkingBudget
 from cbatch.workers.engine.text_stream import TextStream
 
 
@@ -52,6 +53,7 @@ class Sequence:
     max_output_tokens: int = 0  # the output length that ends it (set by the engine when it is added)
     arrived_s: float = field(default_factory=time.monotonic)  # when the engine got it (monotonic clock)
     is_batch: bool = False  # admitted only when no interactive request waits
+    budget: ThinkingBudget | None = None  # a thinking budget (reasoning_budget), forced in sampling
     deadline_s: float = math.inf  # on the monotonic clock, which every process of the host shares
 
     def __post_init__(self):

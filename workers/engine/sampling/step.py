@@ -9,6 +9,7 @@ output, so the others' rows stay right, but it is neither counted nor sampled.
 
 import numpy as np
 
+from cbatch.workers.engine.sampling.budget import forced_tokens, track_budgets
 from cbatch.workers.engine.sampling.host import greedy_rows, sample_with_chain, suppress_eog
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
 from cbatch.workers.engine.sequence import Sequence
@@ -24,6 +25,11 @@ class StepSampler:
         num_outputs: the batch's output rows, ended sequences' included. Returns the
         (sequence, token) pairs and request id -> logprobs entry for those that asked."""
         runner = self.runner
+        all_rows = logit_rows
+        budgeted = [entry for entry in logit_rows if entry[0].budget is not None]
+        forced = forced_tokens(budgeted) if budgeted else {}
+        if forced:  # their logit rows are read for logprobs only
+            logit_rows = [entry for entry in logit_rows if entry[0] not in forced]
         raw_rows = self._rows_before_masking(logit_rows, num_outputs)
         sampled = [(seq, runner.sampled_token(index)) for seq, _, index in logit_rows if seq.is_backend_sampled]
         greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
@@ -37,7 +43,10 @@ class StepSampler:
                 if seq.num_output_tokens < seq.params.min_tokens:
                     suppress_eog(runner.logits(num_outputs), row, runner.eog_ids)
                 sampled.append((seq, sample_with_chain(seq.sampler, runner.ctx, index)))
-        return sampled, self._logprobs(logit_rows, num_outputs, sampled, raw_rows)
+        if budgeted:
+            sampled += forced.items()
+            track_budgets(sampled, runner.token_piece)
+        return sampled, self._logprobs(all_rows, num_outputs, sampled, raw_rows)
 
     def _rows_before_masking(self, logit_rows, num_outputs: int) -> dict[int, np.ndarray]:
         """request id -> a copy of its logit row, for the requests that ask for logprobs and

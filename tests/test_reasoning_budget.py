@@ -1,0 +1,68 @@
+"""The thinking budget (reasoning_budget) through real llama.cpp decode on the tiny model:
+once the budget of tokens inside the thinking block is spent, the close tag's tokens are
+forced and accepted by the sequence's sampler chain, the same with overlap and backend
+sampling on or off. The tiny model does not think: a grammar gives its output the
+shape, and a logit bias keeps it from ever closing the block by itself."""
+
+import pytest
+
+from enginekit import generate
+
+TAGS = ["<think>", "</think>"]
+THINKING = 'root ::= "<think>" [a-z ]+ "</think>" [a-z ]+'
+
+
+def never_closing(engine) -> dict:
+    """A logit bias against every token with a '<' in it: the block closes only when forced."""
+    runner = engine.runner
+    return {str(t): -100 for t in range(runner.n_vocab) if b"<" in runner.token_piece(t)}
+
+
+def thinking_of(text: str) -> str:
+    return text.split("<think>", 1)[1].split("</think>", 1)[0]
+
+
+def test_the_close_tag_is_forced_at_the_budget_and_the_answer_follows(make_engine):
+    runs = []
+    for overlap in (False, True):
+        engine = make_engine(overlap=overlap)
+        base = {"prompt": "hello", "max_tokens": 40, "temperature": 0, "grammar": THINKING,
+                "logit_bias": never_closing(engine)}
+        runs.append(generate(engine, [
+            base, {**base, "reasoning_budget": 5, "reasoning_tags": TAGS},
+            {**base, "temperature": 0.9, "seed": 7, "repeat_penalty": 1.3, "reasoning_budget": 9, "reasoning_tags": TAGS}]))
+    free, budgeted, seeded = runs[0]
+    assert "</think>" not in free.text and free.finish_reason == "length"
+    # The tiny model's vocabulary is bytes: a token a character.
+    assert len(thinking_of(budgeted.text)) == 5 and thinking_of(free.text).startswith(thinking_of(budgeted.text))
+    answer = budgeted.text.split("</think>", 1)[1]
+    assert answer and set(answer) <= set("abcdefghijklmnopqrstuvwxyz ")  # the grammar went on after the tag
+    assert len(thinking_of(seeded.text)) == 9 and len(seeded.text.split("</think>", 1)[1]) > 0
+    # Overlap on: the same events, step by step.
+    assert [(r.chunks, r.token_ids) for r in runs[1]] == [(r.chunks, r.token_ids) for r in runs[0]]
+
+
+def test_a_block_the_prompt_opened_counts_from_the_first_token_on_every_path(make_engine):
+    body = {"prompt": "hello <think>", "max_tokens": 20, "temperature": 0, "reasoning_budget": 3,
+            "reasoning_tags": TAGS}
+    results = [generate(make_engine(overlap=overlap, backend_sampling=backend), [body])[0]
+               for overlap in (False, True) for backend in (False, True)]
+    first = results[0]
+    assert first.text[3:].startswith("</think>") and first.finish_reason in ("length", "stop")
+    assert all((r.text, r.token_ids) == (first.text, first.token_ids) for r in results)
+
+
+def test_a_grammar_that_refuses_the_tag_yet_delays_it(make_engine):
+    engine = make_engine()
+    body = {"prompt": "hello", "max_tokens": 20, "temperature": 0, "grammar": THINKING,
+            "logit_bias": never_closing(engine), "reasoning_budget": 0, "reasoning_tags": TAGS}
+    text = generate(engine, [body])[0].text
+    assert len(thinking_of(text)) == 1  # the grammar wants a character before the close tag
+
+
+def test_a_budget_needs_its_tags(make_engine):
+    from cbatch.errors import CbatchError
+    from enginekit import submit
+
+    with pytest.raises(CbatchError, match="reasoning_budget needs reasoning_tags"):
+        submit(make_engine(), {"prompt": "x", "reasoning_budget": 3})

@@ -1,0 +1,116 @@
+"""Reasoning over HTTP through the official openai package, against a real daemon on the
+chat model (SmolLM2) told to split `<think>...</think>` (--reasoning-tags): the thinking
+comes back as reasoning_content, whole and streamed, and a thinking budget ends it with
+the close tag, the answer following. SmolLM2 does not think: a grammar gives its answer
+that shape, and a logit bias keeps it from closing the block by itself."""
+
+import functools
+
+import openai
+import pytest
+
+from cbatch.model import chat_model_path
+from daemonkit import serve_module
+from httpkit import HttpDaemon
+
+THINKING = 'root ::= "<think>" [a-z ]+ "</think>" [a-z ]+'
+ASK = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    yield from serve_module(HttpDaemon(chat_model_path(), "--parallel", "2", "--alias", "m", "--reasoning-tags", "<think>", "</think>"))
+
+
+@functools.cache
+def never_closing() -> dict:
+    """A logit bias against every token with a '<' in it: the block closes only when forced."""
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(chat_model_path(), vocab_only=True, verbose=False)
+    return {str(t): -100 for t in range(vocab.n_vocab()) if b"<" in vocab.detokenize([t])}
+
+
+def thinking_request(**extra) -> dict:
+    return {"messages": ASK, "temperature": 0, "max_tokens": 40,
+            "extra_body": {"grammar": THINKING, "logit_bias": never_closing(), **extra.pop("extra_body", {})}, **extra}
+
+
+def streamed(api, **request) -> tuple[str, str, str]:
+    reasoning = content = ""
+    finish_reason = None
+    for chunk in api.chat.completions.create(model="m", stream=True, **request):
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+        finish_reason = chunk.choices[0].finish_reason or finish_reason
+    return reasoning, content, finish_reason
+
+
+def test_the_thinking_is_split_from_the_answer_whole_and_streamed(api):
+    request = thinking_request(extra_body={"reasoning_budget": 8})
+    message = api.chat.completions.create(model="m", **request).choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and message.content and "<" not in reasoning + message.content
+    assert streamed(api, **request) == (reasoning, message.content, "length")
+
+
+def test_the_budget_ends_the_thinking_and_the_answer_follows(api):
+    free = api.chat.completions.create(model="m", **thinking_request()).choices[0]
+    # Never closed: all of it is thinking, cut by max_tokens.
+    assert free.finish_reason == "length" and free.message.content == ""
+    free_reasoning = free.message.model_extra["reasoning_content"]
+    budgeted = api.chat.completions.create(model="m", **thinking_request(extra_body={"reasoning_budget": 6})).choices[0]
+    reasoning = budgeted.message.model_extra["reasoning_content"]
+    assert free_reasoning.startswith(reasoning) and len(reasoning) < len(free_reasoning)
+    assert budgeted.message.content  # the answer after the forced close tag
+    minimal = api.chat.completions.create(model="m", reasoning_effort="minimal", **thinking_request()).choices[0]
+    assert reasoning.startswith(minimal.message.model_extra["reasoning_content"]) and minimal.message.content
+
+
+def test_an_answer_that_does_not_think_is_all_content(api):
+    message = api.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=12).choices[0].message
+    assert message.content and message.model_extra["reasoning_content"] is None
+
+
+def test_the_daemon_tells_the_http_server_the_tags(daemon):
+    with daemon.client() as client:
+        assert client.health()["reasoning"] == {"tags": ["<think>", "</think>"], "opened_by_prompt": False}
+
+
+def test_the_tags_come_from_the_template_or_the_flags_and_a_prompt_may_open_the_block(make_engine):
+    from cbatch.config import EngineConfig
+    from cbatch.workers.engine.reasoning import model_reasoning
+
+    runner = make_engine(model_path=chat_model_path()).runner
+    assert model_reasoning(EngineConfig(), runner) is None  # SmolLM2's template does not think
+    assert model_reasoning(EngineConfig(reasoning="off", reasoning_tags=("<think>", "</think>")), runner) is None
+    # A template whose generation prompt ends in the open tag: the answer starts inside the block.
+    opened = model_reasoning(EngineConfig(reasoning_tags=("<|im_start|>assistant", "</think>")), runner)
+    assert opened == {"tags": ["<|im_start|>assistant", "</think>"], "opened_by_prompt": True}
+
+
+@pytest.mark.parametrize("pieces, opened, expected", [
+    (["<th", "ink>\nhm", "m</", "think>\n\n", "Red."], False, ("\nhmm", "Red.")),
+    (["  <think>a</think>b"], False, ("a", "b")),
+    (["<thin"], False, ("", "<thin")),  # an answer that stopped inside what looked like the tag
+    (["Red", " <think>"], False, ("", "Red <think>")),
+    (["hmm", "</thi", "nk>Blue"], True, ("hmm", "Blue")),
+    (["cut o", "ff </thi"], True, ("cut off </thi", "")),
+])
+def test_the_split_holds_back_a_tag_cut_across_chunks(pieces, opened, expected):
+    from cbatch.http_api.reasoning import ReasoningSplitter, split_reasoning
+
+    splitter = ReasoningSplitter({"tags": ["<think>", "</think>"], "opened_by_prompt": opened})
+    parts = [splitter.push(piece) for piece in pieces] + [splitter.finish()]
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == expected
+    assert split_reasoning("".join(pieces), {"tags": ["<think>", "</think>"], "opened_by_prompt": opened}) == expected
+
+
+def test_a_bad_budget_is_a_400_naming_it(api):
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(model="m", messages=ASK, extra_body={"reasoning_budget": -1})
+    assert caught.value.body["param"] == "reasoning_budget"
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(model="m", messages=ASK, reasoning_effort="enormous")
+    assert caught.value.body["param"] == "reasoning_effort"
