@@ -20,6 +20,7 @@ class WorkerReady:
     model: str
     ctx_per_seq: int
     prefix_cache: str
+    chat: dict = field(default_factory=dict)  # the runner's chat_texts(): relayed to clients in WELCOME
 
 
 @dataclass

@@ -11,11 +11,16 @@ A constant "bias channel" (residual dimension 0) lets the output head push down
 the special tokens and non-printable bytes, so greedy decoding never stops on
 EOS and emits varied printable ASCII.
 
-Usage: python scripts/make_tiny_model.py [OUT_PATH]   (prints the path written)
+It has no chat template (llama.cpp renders chats with its built-in template for the
+architecture) unless given one: `--chat-template scripts/chatml_tools.jinja` writes one
+that knows tools, for the tool-calling tests.
+
+Usage: python scripts/make_tiny_model.py [OUT_PATH] [--chat-template FILE]   (prints the path written)
 """
 
 from __future__ import annotations
 
+import argparse
 import filecmp
 import os
 import sys
@@ -89,7 +94,7 @@ def build_tensors(n_vocab: int) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_gguf(path: str, num_tokens: int | None = None) -> None:
+def write_gguf(path: str, num_tokens: int | None = None, chat_template: str | None = None) -> None:
     tokens, token_types = build_vocab(num_tokens)
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_name("cbatch-tiny-llama")
@@ -114,6 +119,8 @@ def write_gguf(path: str, num_tokens: int | None = None) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)  # exact text round-trip, no leading " "
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     for name, array in build_tensors(len(tokens)).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -122,16 +129,17 @@ def write_gguf(path: str, num_tokens: int | None = None) -> None:
     writer.close()
 
 
-def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH, num_tokens: int | None = None) -> str:
+def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH, num_tokens: int | None = None,
+                    chat_template: str | None = None) -> str:
     """Write the model to `path` (atomically; untouched if already identical); see
-    build_vocab for `num_tokens`."""
+    build_vocab for `num_tokens`; `chat_template` is the Jinja text of its template."""
     target = Path(path).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tiny-", suffix=".gguf", dir=target.parent)
     os.close(fd)
     os.chmod(tmp, 0o644)
     try:
-        write_gguf(tmp, num_tokens)
+        write_gguf(tmp, num_tokens, chat_template)
         if target.exists() and filecmp.cmp(tmp, target, shallow=False):
             os.unlink(tmp)
         else:
@@ -144,8 +152,12 @@ def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH, num_tokens: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    print(make_tiny_model(args[0] if args else DEFAULT_PATH))
+    parser = argparse.ArgumentParser(description="Write the tiny random-weight test model.")
+    parser.add_argument("path", nargs="?", default=DEFAULT_PATH)
+    parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to embed")
+    args = parser.parse_args(argv)
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    print(make_tiny_model(args.path, chat_template=template))
     return 0
 
 

@@ -40,7 +40,7 @@ def _request_failure(custom_id, err: CbatchError) -> dict:
 class OpenAILine:
     """One input line: its parsed request, or why it cannot run, and its result so far."""
 
-    def __init__(self, number: int, item, model_names: list[str]):
+    def __init__(self, number: int, item, model_names: list[str], chat_template=None):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
         self.whole: WholeResponse | None = None
@@ -58,7 +58,8 @@ class OpenAILine:
             return
         try:
             # A batch file's lines yield to interactive requests unless a body says otherwise.
-            request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names)
+            request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names,
+                                        chat_template)
         except CbatchError as err:
             self.result = _request_failure(self.custom_id, err)
             return

@@ -27,6 +27,9 @@ class Chunk:
     # With `logprobs: K` in the request: one entry per token in token_ids, {"token", "bytes",
     # "logprob", "top_logprobs": [{"token", "bytes", "logprob"}, ...K]}; else None.
     logprobs: list[dict] | None = None
+    # With `tools`: on the last chunk, the calls read from the whole answer, in OpenAI's shape
+    # (then finish_reason is "tool_calls"); else None.
+    tool_calls: list[dict] | None = None
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Completion:
     usage: dict
     request_id: int = 0
     logprobs: list[dict] | None = None  # as Chunk.logprobs, for the whole completion
+    tool_calls: list[dict] | None = None  # as Chunk.tool_calls; `text` is the answer as the model wrote it
 
 
 @dataclass(eq=False)
@@ -54,6 +58,8 @@ class RequestStream:
     wants_logprobs: bool = False  # then relayed rows carry a seventh column, the token's entry
     logprobs: list[dict] = field(default_factory=list)
     heard_s: float = field(default_factory=time.monotonic)  # when anything of this request last arrived
+    tool_plan: object = None  # the request's cbatch.tools.ToolPlan, which reads calls from the answer
+    tool_calls: list[dict] | None = None  # what it read, once the stream is done
 
     def __post_init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -121,14 +127,22 @@ class RequestStream:
             self.fail(CbatchError(DECODE_FAILED, self.finished.get("error") or "the decode step of this request failed"))
             return
         self.is_done = True
-        self._emit([], self._decoder.decode(b"", final=True), finish_reason=self.finished["finish_reason"],
-                   usage=self.finished["usage"], logprobs=[] if self.wants_logprobs else None)
+        text = self._decoder.decode(b"", final=True)
+        if self.tool_plan is not None:
+            self.tool_calls = self.tool_plan.calls("".join(self.text_parts) + text)
+        self._emit([], text, finish_reason=self.finish_reason, usage=self.finished["usage"],
+                   logprobs=[] if self.wants_logprobs else None, tool_calls=self.tool_calls)
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.tool_calls else self.finished["finish_reason"]
 
     def completion(self) -> Completion:
         if self.error is not None:
             raise self.error
-        return Completion(self.label, "".join(self.text_parts), self.token_ids, self.finished["finish_reason"],
-                          self.finished["usage"], self.request_id, self.logprobs if self.wants_logprobs else None)
+        return Completion(self.label, "".join(self.text_parts), self.token_ids, self.finish_reason,
+                          self.finished["usage"], self.request_id, self.logprobs if self.wants_logprobs else None,
+                          self.tool_calls)
 
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
@@ -138,13 +152,14 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
         return last
     logprobs = None if last.logprobs is None else list(itertools.chain.from_iterable(c.logprobs for c in chunks))
     return Chunk(last.id, "".join(c.text for c in chunks), list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
-                 last.finish_reason, last.usage, logprobs)
+                 last.finish_reason, last.usage, logprobs, last.tool_calls)
 
 
 def completion_from_chunks(chunks: list[Chunk]) -> Completion:
     """One request's chunks, as the caller got them, made into its Completion."""
     whole = merge_chunks(chunks)
-    return Completion(whole.id, whole.text, whole.token_ids, whole.finish_reason, whole.usage, logprobs=whole.logprobs)
+    return Completion(whole.id, whole.text, whole.token_ids, whole.finish_reason, whole.usage, logprobs=whole.logprobs,
+                      tool_calls=whole.tool_calls)
 
 
 def _logprob_entry(wire: list) -> dict:

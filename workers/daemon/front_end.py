@@ -147,18 +147,19 @@ class FrontEnd:
         # Off x86-64 the ring's lock-free protocol lacks the fences it would need: relay.
         use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://") and is_ring_ordered()
         self._use_ring[identity] = use_ring
-        ready = self.worker.ready
+        self._welcome(identity)
+
+    def _welcome(self, identity: bytes) -> None:  # again on WorkerReady: one sent during loading lacks the chat template
+        ready, use_ring = self.worker.ready, self._use_ring[identity]
         self.clients.send(identity, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "model": ready.model if ready else "", "parallel": self.config.engine.parallel,
-            "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring,
-            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else "",
-        })
+            "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring, **(ready.chat if ready else {}),
+            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else ""})
 
     def _welcome_again(self, identity: bytes) -> None:
-        """A client that speaks without having said HELLO to this daemon (it was connected to
-        a daemon that restarted on the same endpoint, and its socket reconnected by itself)
-        holds an old handshake and maybe another ring: it is relayed until it says HELLO, and
-        this WELCOME tells it so."""
+        """A client that speaks without having said HELLO to this daemon (it was connected to a daemon
+        that restarted on the same endpoint, and its socket reconnected by itself) holds an old
+        handshake and maybe another ring: it is relayed until it says HELLO, and this WELCOME tells it so."""
         self._hello(identity, {"version": PROTOCOL_VERSION, "use_ring": False})
 
     def _submit(self, identity: bytes, body: dict) -> None:
@@ -248,6 +249,8 @@ class FrontEnd:
     def on_worker_messages(self) -> None:
         for message in self.worker.receive():
             if isinstance(message, WorkerReady):  # what was held for it, interactive requests first
+                for identity in self._use_ring:
+                    self._welcome(identity)
                 for tracked in sorted(self.requests.active.values(), key=lambda tracked: tracked.is_batch):
                     self._forward(tracked)
             elif isinstance(message, WorkerReject):

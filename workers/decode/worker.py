@@ -53,7 +53,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         publisher = EventPublisher(engine, ring, io, tick)
         for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
             RequestPreparer(engine, source, io.commands, nice_increment).start()
-        io.send(WorkerReady(os.getpid(), engine.description, engine.ctx_per_seq, engine.prefix_cache_note))
+        io.send(WorkerReady(os.getpid(), engine.description, engine.ctx_per_seq, engine.prefix_cache_note,
+                            engine.runner.chat_texts()))
         handler = CommandHandler(engine, io, io.commands, publisher)
         run_engine_loop(engine, handler.apply_pending, publisher.publish)
     finally:
