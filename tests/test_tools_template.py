@@ -7,7 +7,10 @@ grammar makes them calls, so every call here is forced."""
 
 import asyncio
 import json
+import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,12 +103,12 @@ def test_the_zeromq_client_reads_calls_whole_and_streamed(daemon):
         result = client.generate(messages=ASK, tools=[WEATHER], tool_choice=NAMED, **GREEDY)
         chunks = list(client.stream(messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                                     **GREEDY))
-    assert result.finish_reason == "tool_calls" and result.text.startswith("<tool_call>")
+    assert result.finish_reason == "tool_calls" and result.text == ""  # the call is not text
     (call,) = result.tool_calls
     assert_weather(call)
     assert chunks[-1].finish_reason == "tool_calls" and len(chunks[-1].tool_calls) == 1
     assert_weather(chunks[-1].tool_calls[0])
-    assert all(c.tool_calls is None for c in chunks[:-1])
+    assert all(c.tool_calls is None and c.text == "" for c in chunks[:-1])
 
 
 def test_the_async_client_reads_calls_and_sends_a_tool_loop(daemon):
@@ -129,22 +132,26 @@ def test_a_named_function_with_a_grammar_is_a_clear_error(daemon):
     assert caught.value.code == "invalid_request" and "grammar" in caught.value.message
 
 
-def _submit(daemon, tmp_path, lines: list[dict]) -> list[dict]:
+def _submit(daemon, tmp_path, lines: list[dict], *args: str) -> list[dict]:
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")],
-                   env=daemon.env, check=True, capture_output=True, timeout=120)
+    subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                    *args], env=daemon.env, check=True, capture_output=True, timeout=120)
     return [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
 
 
-def test_a_native_batch_file_with_tools_writes_the_calls(daemon, tmp_path):
+@pytest.mark.parametrize("over", ["zeromq", "http"])
+def test_a_native_batch_file_with_tools_writes_the_calls(daemon, tmp_path, over):
+    """Over ZeroMQ the submitter renders with the daemon's template; over --url the lines
+    go with their tools to /v1/chat/completions, whose server does."""
+    url = ("--url", f"{daemon.base_url}/v1") if over == "http" else ()
     out = _submit(daemon, tmp_path, [
         {"id": "call", "messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, **GREEDY},
         {"id": "two", "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
          "n": 2, "seed": 1, "max_tokens": 200},
         {"id": "plain", "messages": ASK, "max_tokens": 4},
-    ])
+    ], *url)
     assert [line["id"] for line in out] == ["call", "two", "plain"]
-    assert out[0]["finish_reason"] == "tool_calls" and out[0]["text"].startswith("<tool_call>")
+    assert out[0]["finish_reason"] == "tool_calls" and out[0]["text"] == ""
     assert_weather(out[0]["tool_calls"][0])
     for choice in out[1]["choices"]:
         assert choice["finish_reason"] == "tool_calls" and len(choice["tool_calls"]) == 1
@@ -158,3 +165,23 @@ def test_an_openai_batch_file_with_tools_answers_with_tool_calls(daemon, tmp_pat
     choice = line["response"]["body"]["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert_weather(choice["message"]["tool_calls"][0])
+
+
+DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_tools_template.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+
+
+def test_the_docs_template_example_runs_as_printed(daemon, tiny_tools_model_path, tmp_path):
+    """docs/http.md's example: its model command writes this test's model, and its script
+    runs against this test's daemon (its port for 8001)."""
+    (_, commands), (_, code) = DOCS_EXAMPLE.findall((REPO / "docs" / "http.md").read_text())
+    make_model = commands.splitlines()[0].replace("/tmp/tiny-tools.gguf", str(tmp_path / "m.gguf"))
+    subprocess.run(make_model.replace(".venv/bin/python", sys.executable), shell=True, cwd=REPO, check=True,
+                   capture_output=True)
+    assert (tmp_path / "m.gguf").read_bytes() == Path(tiny_tools_model_path).read_bytes()
+    out = subprocess.run([sys.executable, "-c", code.replace("8001", str(daemon.port))], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    call, answer = out.splitlines()
+    reason, name, arguments = call.split(" ", 2)
+    assert (reason, name) == ("tool_calls", "get_weather") and set(json.loads(arguments)) == {"city"}
+    prompt_tokens, reason = answer.split()
+    assert int(prompt_tokens) > 200 and reason == "length"

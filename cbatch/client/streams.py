@@ -27,8 +27,9 @@ class Chunk:
     # With `logprobs: K` in the request: one entry per token in token_ids, {"token", "bytes",
     # "logprob", "top_logprobs": [{"token", "bytes", "logprob"}, ...K]}; else None.
     logprobs: list[dict] | None = None
-    # With `tools`: on the last chunk, the calls read from the whole answer, in OpenAI's shape
-    # (then finish_reason is "tool_calls"); else None.
+    # With `tools`: on the last chunk, the calls read from the answer, in OpenAI's shape (then
+    # finish_reason is "tool_calls"); text that may be a call is held back until then, and
+    # `text` never holds a call. Else None.
     tool_calls: list[dict] | None = None
 
 
@@ -41,7 +42,7 @@ class Completion:
     usage: dict
     request_id: int = 0
     logprobs: list[dict] | None = None  # as Chunk.logprobs, for the whole completion
-    tool_calls: list[dict] | None = None  # as Chunk.tool_calls; `text` is the answer as the model wrote it
+    tool_calls: list[dict] | None = None  # as Chunk.tool_calls; `text` is then the text besides the calls
 
 
 @dataclass(eq=False)
@@ -58,8 +59,8 @@ class RequestStream:
     wants_logprobs: bool = False  # then relayed rows carry a seventh column, the token's entry
     logprobs: list[dict] = field(default_factory=list)
     heard_s: float = field(default_factory=time.monotonic)  # when anything of this request last arrived
-    tool_plan: object = None  # the request's cbatch.tools.ToolPlan, which reads calls from the answer
-    tool_calls: list[dict] | None = None  # what it read, once the stream is done
+    tool_stream: object = None  # with tools: the cbatch.tools.ToolCallStream that reads calls from the text
+    tool_calls: list[dict] | None = None  # the calls it read, once the stream is done
 
     def __post_init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -112,11 +113,18 @@ class RequestStream:
     def missing_records(self) -> bool:
         return self.finished is not None and not self.is_done
 
-    def _emit(self, token_ids: list[int], text: str, **fields) -> None:
+    def _emit(self, token_ids: list[int], text: str, finish_reason: str | None = None, **fields) -> None:
+        if self.tool_stream is not None:  # what may be a call is held back; the calls come on the last chunk
+            deltas, finish_reason = self.tool_stream.push(text, finish_reason)
+            text = "".join(delta.get("content", "") for delta in deltas)
+            for delta in deltas:
+                if "tool_calls" in delta:
+                    self.tool_calls = fields["tool_calls"] = [
+                        {key: value for key, value in call.items() if key != "index"} for call in delta["tool_calls"]]
         self.token_ids += token_ids
         self.text_parts.append(text)
         self.logprobs += fields.get("logprobs") or []
-        self.pending.append(Chunk(self.label, text, token_ids, **fields))
+        self.pending.append(Chunk(self.label, text, token_ids, finish_reason, **fields))
 
     def _complete_if_ready(self) -> None:
         if self.is_done or self.finished is None or self.next_index < self.finished["num_records"]:
@@ -127,11 +135,8 @@ class RequestStream:
             self.fail(CbatchError(DECODE_FAILED, self.finished.get("error") or "the decode step of this request failed"))
             return
         self.is_done = True
-        text = self._decoder.decode(b"", final=True)
-        if self.tool_plan is not None:
-            self.tool_calls = self.tool_plan.calls("".join(self.text_parts) + text)
-        self._emit([], text, finish_reason=self.finish_reason, usage=self.finished["usage"],
-                   logprobs=[] if self.wants_logprobs else None, tool_calls=self.tool_calls)
+        self._emit([], self._decoder.decode(b"", final=True), finish_reason=self.finished["finish_reason"],
+                   usage=self.finished["usage"], logprobs=[] if self.wants_logprobs else None)
 
     @property
     def finish_reason(self) -> str:
