@@ -7,7 +7,9 @@ grammar makes them calls, so every call here is forced."""
 
 import asyncio
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from cbatch import AsyncClient
+from cbatch.protocol import MsgType
 from cbatch.tools import ChatTemplate
 from cbatch.tools.messages import template_messages
 from conftest import REPO
-from daemonkit import SCRIPTS_DIR, serve_module
+from daemonkit import SCRIPTS_DIR, RawPeer, serve_module
 from httpkit import HttpDaemon
 
 WEATHER = {"type": "function", "function": {
@@ -185,3 +188,14 @@ def test_the_docs_template_example_runs_as_printed(daemon, tiny_tools_model_path
     assert (reason, name) == ("tool_calls", "get_weather") and set(json.loads(arguments)) == {"city"}
     prompt_tokens, reason = answer.split()
     assert int(prompt_tokens) > 200 and reason == "length"
+
+
+def test_a_restarted_worker_welcomes_every_client_again_with_the_template(start_daemon, tiny_tools_model_path):
+    """A client welcomed while the model loads gets no template: every client is welcomed
+    again when the worker is ready (here after a restart), with it."""
+    restarting = start_daemon(tiny_tools_model_path)
+    with RawPeer(restarting.endpoint) as peer:
+        assert "<tool_call>" in peer.welcome["chat_template"]
+        os.kill(restarting.health["worker_pid"], signal.SIGKILL)
+        _, welcome = peer.recv_until(MsgType.WELCOME, timeout_s=60)
+    assert welcome["chat_template"] == peer.welcome["chat_template"] and welcome["adds_bos"] is True

@@ -59,7 +59,7 @@ class OpenAILine:
         try:
             # A batch file's lines yield to interactive requests unless a body says otherwise.
             request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names,
-                                        chat_template)
+                                        chat_template=chat_template)
         except CbatchError as err:
             self.result = _request_failure(self.custom_id, err)
             return

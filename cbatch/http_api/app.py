@@ -65,7 +65,8 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     if refusal is not None:
         return state.error(endpoint, refusal)
     try:
-        api = parse_api_request(kind, _json_body(await request.body()), state.model_names, state.client.chat_template)
+        api = parse_api_request(kind, _json_body(await request.body()), state.model_names,
+                                chat_template=state.client.chat_template)
     except CbatchError as err:
         return state.error(endpoint, err)
     state.num_in_flight += 1

@@ -133,7 +133,7 @@ def check_model(model, model_names: list[str]) -> str:
     return model
 
 
-def parse_api_request(kind: str, raw, model_names: list[str], chat_template: ChatTemplate | None = None) -> ApiRequest:
+def parse_api_request(kind: str, raw, model_names: list[str], *, chat_template: ChatTemplate | None = None) -> ApiRequest:
     """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
     `model`, when given, must be one of `model_names`; `chat_template` is the model's own when
     it knows tools (cbatch.tools.template_of), which then renders chats with tools."""
