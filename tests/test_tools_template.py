@@ -27,7 +27,7 @@ from httpkit import HttpDaemon
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city.",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
-        "city": {"type": "string", "maxLength": 12}, "days": {"enum": [1, 2, 3, 4, 5, 6, 7]}}}}}
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city.",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],

@@ -17,7 +17,31 @@ import re
 from cbatch.params import invalid
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum (the converter ignores ranges)
 _TAGGED_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+
+
+def _integer_values(schema: dict) -> range | None:
+    """The values a schema allows when it is an integer between integer bounds."""
+    bounds = {name: schema[name] for name in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+              if name in schema}
+    if schema.get("type") != "integer" or not all(type(value) is int for value in bounds.values()):
+        return None
+    lows = [bounds[name] + (name != "minimum") for name in ("minimum", "exclusiveMinimum") if name in bounds]
+    highs = [bounds[name] - (name != "maximum") for name in ("maximum", "exclusiveMaximum") if name in bounds]
+    return range(max(lows), min(highs) + 1) if lows and highs else None
+
+
+def _enumerated_ranges(schema):
+    """The schema with each integer range of at most MAX_ENUMERATED_INTEGERS values as an
+    enum of them: llama-cpp-python's converter ignores minimum and maximum."""
+    if isinstance(schema, list):
+        return [_enumerated_ranges(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: _enumerated_ranges(value) for key, value in schema.items()}
+    values = _integer_values(schema)
+    return {"enum": list(values)} if values is not None and 0 < len(values) <= MAX_ENUMERATED_INTEGERS else schema
 
 
 def _gbnf(schema: dict, root_name: str = "") -> str:
@@ -25,7 +49,7 @@ def _gbnf(schema: dict, root_name: str = "") -> str:
 
     converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
     try:
-        converter.visit(converter.resolve_refs(schema, "tools"), root_name)
+        converter.visit(_enumerated_ranges(converter.resolve_refs(schema, "tools")), root_name)
     except Exception as err:  # the converter raises plain exceptions for schemas it cannot take
         raise invalid(f"tools: a function's parameters cannot be converted to a grammar: {err}") from None
     return converter.format_grammar()
