@@ -16,7 +16,6 @@ from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, Protocol
 from cbatch.client.liveness import LIVENESS_S, Liveness
 from cbatch.client.shared_ring import RingTap
 from cbatch.client.streams import RequestStream
-from cbatch.tools import ToolCallStream
 from cbatch.tools.chat import prepare_request
 
 SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
@@ -101,7 +100,7 @@ class Session:
         # Log-probabilities come relayed with their records, never from the ring.
         wants_logprobs = body.get("logprobs") is not None
         stream = RequestStream(request_id, request_id if label is None else label, heard_s=self._clock(),
-                               wants_logprobs=wants_logprobs, tool_stream=None if tool_plan is None else ToolCallStream(tool_plan))
+                               wants_logprobs=wants_logprobs, tool_plan=tool_plan)
         if self._ring is not None and not wants_logprobs:
             self._ring.watch(request_id)  # before the worker can publish anything for it
         self.streams[request_id] = stream

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cbatch.errors import CbatchError, DECODE_FAILED
+from cbatch.tools import ToolCallStream, ToolPlan
 
 
 @dataclass
@@ -59,11 +60,12 @@ class RequestStream:
     wants_logprobs: bool = False  # then relayed rows carry a seventh column, the token's entry
     logprobs: list[dict] = field(default_factory=list)
     heard_s: float = field(default_factory=time.monotonic)  # when anything of this request last arrived
-    tool_stream: object = None  # with tools: the cbatch.tools.ToolCallStream that reads calls from the text
+    tool_plan: ToolPlan | None = None  # the request's tools, whose calls are read from the text
     tool_calls: list[dict] | None = None  # the calls it read, once the stream is done
 
     def __post_init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._tool_stream = None if self.tool_plan is None else ToolCallStream(self.tool_plan)
 
     def add_records(self, rows, now_s: float) -> None:
         """rows: (index, token_id, flags, finish, count, text) in index order."""
@@ -114,8 +116,8 @@ class RequestStream:
         return self.finished is not None and not self.is_done
 
     def _emit(self, token_ids: list[int], text: str, finish_reason: str | None = None, **fields) -> None:
-        if self.tool_stream is not None:  # what may be a call is held back; the calls come on the last chunk
-            deltas, finish_reason = self.tool_stream.push(text, finish_reason)
+        if self._tool_stream is not None:  # what may be a call is held back; the calls come on the last chunk
+            deltas, finish_reason = self._tool_stream.push(text, finish_reason)
             text = "".join(delta.get("content", "") for delta in deltas)
             for delta in deltas:
                 if "tool_calls" in delta:
