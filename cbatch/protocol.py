@@ -25,7 +25,8 @@ class MsgType(enum.IntEnum):
     STATS = 0x06  # {nonce} -> STATS_REPLY
     EMBED = 0x07  # {nonce, input: [str | [token id]], dimensions?} -> EMBED_REPLY (or ERROR with nonce)
     # front-end -> client
-    WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring}
+    WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring[, chat_template,
+    #                 bos_token, eos_token, adds_bos]}: sent again when the worker is (re)ready
     RECORDS = 0x22  # {request_id, records: [[index, token_id, flags, finish, count, text], ...]}
     FINISHED = 0x23  # {request_id, finish_reason, usage, num_records, error}
     ERROR = 0x24  # {code, message, request_id?, nonce?}

@@ -11,11 +11,16 @@ A constant "bias channel" (residual dimension 0) lets the output head push down
 the special tokens and non-printable bytes, so greedy decoding never stops on
 EOS and emits varied printable ASCII.
 
-Usage: python scripts/make_tiny_model.py [OUT_PATH]   (prints the path written)
+It has no chat template (llama.cpp renders chats with its built-in template for the
+architecture) unless given one: `--chat-template scripts/chatml_tools.jinja` writes one
+that knows tools, for the tool-calling tests.
+
+Usage: python scripts/make_tiny_model.py [OUT_PATH] [--chat-template FILE]   (prints the path written)
 """
 
 from __future__ import annotations
 
+import argparse
 import filecmp
 import os
 import sys
@@ -90,7 +95,7 @@ def build_tensors(n_vocab: int) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_gguf(path: str, num_tokens: int | None = None) -> None:
+def write_gguf(path: str, num_tokens: int | None = None, chat_template: str | None = None) -> None:
     tokens, token_types = build_vocab(num_tokens)
     writer = new_writer(path, "llama", len(tokens), CONTEXT_LENGTH, N_EMBD, N_LAYER, N_FF, N_HEAD)
     writer.add_head_count_kv(N_HEAD_KV)
@@ -107,6 +112,8 @@ def write_gguf(path: str, num_tokens: int | None = None) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)  # exact text round-trip, no leading " "
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     finish_writing(writer, build_tensors(len(tokens)))
 
 
@@ -134,10 +141,11 @@ def finish_writing(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> N
     writer.close()
 
 
-def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH, num_tokens: int | None = None) -> str:
+def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH, num_tokens: int | None = None,
+                    chat_template: str | None = None) -> str:
     """Write the model to `path` (atomically; untouched if already identical); see
-    build_vocab for `num_tokens`."""
-    return write_atomically(path, lambda tmp: write_gguf(tmp, num_tokens))
+    build_vocab for `num_tokens`; `chat_template` is the Jinja text of its template."""
+    return write_atomically(path, lambda tmp: write_gguf(tmp, num_tokens, chat_template))
 
 
 def write_atomically(path: str | os.PathLike[str], write: Callable[[str], None]) -> str:
@@ -162,8 +170,12 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[str], None])
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    print(make_tiny_model(args[0] if args else DEFAULT_PATH))
+    parser = argparse.ArgumentParser(description="Write the tiny random-weight test model.")
+    parser.add_argument("path", nargs="?", default=DEFAULT_PATH)
+    parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to embed")
+    args = parser.parse_args(argv)
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    print(make_tiny_model(args.path, chat_template=template))
     return 0
 
 

@@ -29,6 +29,14 @@ def tiny_bert_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_model_path(tmp_path_factory) -> str:
+    """The tiny model with a chat template that knows tools (Hermes-style <tool_call> tags)."""
+    path = tmp_path_factory.mktemp("models") / "tiny-tools.gguf"
+    template = (REPO / "scripts" / "chatml_tools.jinja").read_text()
+    return load_script("make_tiny_model").make_tiny_model(str(path), chat_template=template)
+
+
+@pytest.fixture(scope="session")
 def gemma_model_path() -> str:
     from cbatch.model import resolve_model_path
 

@@ -1,8 +1,9 @@
 """The package layout's rules: imports point one way, and modules stay small enough to read.
 
     cbatch/ (errors, protocol, params, config, model, wording, embeddings)  shared by all
+    cbatch/tools  ->  the shared ones and its own modules (tool calling, for the client and HTTP alike)
     cbatch/client  ->  never cbatch.workers
-    cbatch/http_api  ->  the client and its own modules only (beside the shared ones)
+    cbatch/http_api  ->  the client, cbatch/tools and its own modules only (beside the shared ones)
     cbatch/ipc (ipc/)  ->  never cbatch.workers
     cbatch/workers/engine  ->  never the daemon or the decode process
     cbatch/protocol  ->  nothing of the project
@@ -64,7 +65,9 @@ def outside(*forbidden: str):
     ("cbatch.ipc", outside("cbatch.workers", "cbatch.client", "cbatch.http_api", "cbatch.cli")),
     ("cbatch.workers.engine", outside("cbatch.workers.daemon", "cbatch.workers.decode", "cbatch.client",
                                       "cbatch.http_api", "cbatch.cli")),
-    ("cbatch.http_api", lambda name: name in SHARED or name.startswith(("cbatch.client", "cbatch.http_api"))),
+    ("cbatch.tools", lambda name: name in SHARED or name.startswith("cbatch.tools")),
+    ("cbatch.http_api", lambda name: name in SHARED or name.startswith(("cbatch.client", "cbatch.tools",
+                                                                         "cbatch.http_api"))),
     ("cbatch.protocol", lambda name: False),
 ])
 def test_imports_point_one_way(package, is_allowed):

@@ -88,7 +88,7 @@ def test_the_docs_tool_loop_runs_as_printed_call_result_and_streamed_answer(daem
 
 
 def test_the_history_tells_the_model_its_calls_and_their_results_in_words():
-    from cbatch.http_api.chat_messages import cbatch_messages
+    from cbatch.tools.messages import cbatch_messages
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = cbatch_messages([*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},

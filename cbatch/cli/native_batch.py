@@ -1,10 +1,17 @@
 """cbatch's own batch files: one request per line, {"id", "prompt" or "messages",
 params...}; one result line per input line: {"id", "text", "finish_reason", "usage"}, or
-{"id", "usage", "choices": [...]} for a line with `n`, or {"id", "error"}."""
+{"id", "usage", "choices": [...]} for a line with `n`, or {"id", "error"}. A line with
+`tools` gets "tool_calls" (OpenAI's shape) beside "text" when the model called."""
 
 from cbatch.client.streams import Completion, completion_from_chunks
 from cbatch.errors import CbatchError
 from cbatch.params import BATCH, expand_choices
+
+
+def _answer(completion: Completion) -> dict:
+    """text and finish_reason, and the calls read from the text when the line offered tools."""
+    calls = {"tool_calls": completion.tool_calls} if completion.tool_calls else {}
+    return {"text": completion.text, "finish_reason": completion.finish_reason, **calls}
 
 
 class NativeLine:
@@ -46,9 +53,9 @@ class NativeLine:
         choices = [self._ended[i] for i in range(len(self.bodies))]
         if not self.has_n:
             c = choices[0]
-            return {"id": self.id, "text": c.text, "finish_reason": c.finish_reason, "usage": c.usage}
+            return {"id": self.id, **_answer(c), "usage": c.usage}
         usage = {"prompt_tokens": choices[0].usage["prompt_tokens"],
                  "completion_tokens": sum(c.usage["completion_tokens"] for c in choices)}
         return {"id": self.id, "usage": usage, "choices": [
-            {"index": i, "text": c.text, "finish_reason": c.finish_reason, "usage": c.usage}
+            {"index": i, **_answer(c), "usage": c.usage}
             for i, c in enumerate(choices)]}

@@ -45,7 +45,7 @@ class OpenAILine:
     """One input line: its parsed request, or why it cannot run, and its result so far.
     `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings)."""
 
-    def __init__(self, number: int, item, model_names: list[str], embed=None):
+    def __init__(self, number: int, item, model_names: list[str], embed=None, chat_template=None):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
         self.whole: WholeResponse | None = None
@@ -68,7 +68,8 @@ class OpenAILine:
                 self._succeed(uuid.uuid4().hex, embedding_response(embedding_request, result.data, result.prompt_tokens))
                 return
             # A batch file's lines yield to interactive requests unless a body says otherwise.
-            request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names)
+            request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names,
+                                        chat_template=chat_template)
         except CbatchError as err:
             self.result = _request_failure(self.custom_id, err)
             return

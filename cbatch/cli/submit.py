@@ -104,7 +104,9 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
     if is_openai_batch(first):  # `model` follows the HTTP API's rule: a name the daemon serves
         # An HTTP endpoint's names are those its /v1/models lists; a daemon's, its health reply's.
         model_names = client.model_names if hasattr(client, "model_names") else client.health()["model_names"]
-        make_line = functools.partial(OpenAILine, model_names=model_names, embed=client.embeddings)
+        chat_template = getattr(client, "chat_template", None)  # None over HTTP: cbatch's own call format
+        make_line = functools.partial(OpenAILine, model_names=model_names, embed=client.embeddings,
+                                      chat_template=chat_template)
         noun = "OpenAI batch line"
     else:
         make_line, noun = NativeLine, "line"

@@ -10,6 +10,7 @@ from cbatch.client.streams import Completion, RequestStream
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs, vector_list
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.params import expand_choices
+from cbatch.tools import ChatTemplate, template_of
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -94,6 +95,12 @@ class ClientBase:
     def info(self) -> dict:
         """The daemon's handshake: model, parallel, ctx_per_seq, use_ring, ring_name."""
         return dict(self._session.welcome)
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The model's own chat template when it knows tools (then requests with `tools` are
+        rendered by it, and calls read in its format); None for cbatch's own tool format."""
+        return template_of(self._session.welcome)
 
     def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
         """Send a request; read its chunks with read(stream)."""

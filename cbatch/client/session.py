@@ -16,6 +16,7 @@ from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, Protocol
 from cbatch.client.liveness import LIVENESS_S, Liveness
 from cbatch.client.shared_ring import RingTap
 from cbatch.client.streams import RequestStream
+from cbatch.tools.chat import prepare_request
 
 SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
 SAFETY_POLL_S = 0.1  # while waiting, read the ring (a tick may be dropped) and check liveness this often
@@ -84,6 +85,7 @@ class Session:
             raise self.failure
         if self._clock() < self._refusing_until_s:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
+        body, tool_plan = prepare_request(body, self.welcome)  # tools: a prompt (and grammar) made here
         request_id = secrets.randbits(63) or 1  # unguessable by other clients
         try:
             frames = pack(MsgType.SUBMIT, {"request_id": request_id, "body": body})
@@ -98,7 +100,7 @@ class Session:
         # Log-probabilities come relayed with their records, never from the ring.
         wants_logprobs = body.get("logprobs") is not None
         stream = RequestStream(request_id, request_id if label is None else label, heard_s=self._clock(),
-                               wants_logprobs=wants_logprobs)
+                               wants_logprobs=wants_logprobs, tool_plan=tool_plan)
         if self._ring is not None and not wants_logprobs:
             self._ring.watch(request_id)  # before the worker can publish anything for it
         self.streams[request_id] = stream

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cbatch.errors import CbatchError, DECODE_FAILED
+from cbatch.tools import ToolCallStream, ToolPlan
 
 
 @dataclass
@@ -27,6 +28,10 @@ class Chunk:
     # With `logprobs: K` in the request: one entry per token in token_ids, {"token", "bytes",
     # "logprob", "top_logprobs": [{"token", "bytes", "logprob"}, ...K]}; else None.
     logprobs: list[dict] | None = None
+    # With `tools`: on the last chunk, the calls read from the answer, in OpenAI's shape (then
+    # finish_reason is "tool_calls"); text that may be a call is held back until then, and
+    # `text` never holds a call. Else None.
+    tool_calls: list[dict] | None = None
 
 
 @dataclass
@@ -38,6 +43,7 @@ class Completion:
     usage: dict
     request_id: int = 0
     logprobs: list[dict] | None = None  # as Chunk.logprobs, for the whole completion
+    tool_calls: list[dict] | None = None  # as Chunk.tool_calls; `text` is then the text besides the calls
 
 
 @dataclass(eq=False)
@@ -54,9 +60,12 @@ class RequestStream:
     wants_logprobs: bool = False  # then relayed rows carry a seventh column, the token's entry
     logprobs: list[dict] = field(default_factory=list)
     heard_s: float = field(default_factory=time.monotonic)  # when anything of this request last arrived
+    tool_plan: ToolPlan | None = None  # the request's tools, whose calls are read from the text
+    tool_calls: list[dict] | None = None  # the calls it read, once the stream is done
 
     def __post_init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._tool_stream = None if self.tool_plan is None else ToolCallStream(self.tool_plan)
 
     def add_records(self, rows, now_s: float) -> None:
         """rows: (index, token_id, flags, finish, count, text) in index order."""
@@ -106,11 +115,18 @@ class RequestStream:
     def missing_records(self) -> bool:
         return self.finished is not None and not self.is_done
 
-    def _emit(self, token_ids: list[int], text: str, **fields) -> None:
+    def _emit(self, token_ids: list[int], text: str, finish_reason: str | None = None, **fields) -> None:
+        if self._tool_stream is not None:  # what may be a call is held back; the calls come on the last chunk
+            deltas, finish_reason = self._tool_stream.push(text, finish_reason)
+            text = "".join(delta.get("content", "") for delta in deltas)
+            for delta in deltas:
+                if "tool_calls" in delta:
+                    self.tool_calls = fields["tool_calls"] = [
+                        {key: value for key, value in call.items() if key != "index"} for call in delta["tool_calls"]]
         self.token_ids += token_ids
         self.text_parts.append(text)
         self.logprobs += fields.get("logprobs") or []
-        self.pending.append(Chunk(self.label, text, token_ids, **fields))
+        self.pending.append(Chunk(self.label, text, token_ids, finish_reason, **fields))
 
     def _complete_if_ready(self) -> None:
         if self.is_done or self.finished is None or self.next_index < self.finished["num_records"]:
@@ -124,11 +140,16 @@ class RequestStream:
         self._emit([], self._decoder.decode(b"", final=True), finish_reason=self.finished["finish_reason"],
                    usage=self.finished["usage"], logprobs=[] if self.wants_logprobs else None)
 
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.tool_calls else self.finished["finish_reason"]
+
     def completion(self) -> Completion:
         if self.error is not None:
             raise self.error
-        return Completion(self.label, "".join(self.text_parts), self.token_ids, self.finished["finish_reason"],
-                          self.finished["usage"], self.request_id, self.logprobs if self.wants_logprobs else None)
+        return Completion(self.label, "".join(self.text_parts), self.token_ids, self.finish_reason,
+                          self.finished["usage"], self.request_id, self.logprobs if self.wants_logprobs else None,
+                          self.tool_calls)
 
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
@@ -138,13 +159,14 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
         return last
     logprobs = None if last.logprobs is None else list(itertools.chain.from_iterable(c.logprobs for c in chunks))
     return Chunk(last.id, "".join(c.text for c in chunks), list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
-                 last.finish_reason, last.usage, logprobs)
+                 last.finish_reason, last.usage, logprobs, last.tool_calls)
 
 
 def completion_from_chunks(chunks: list[Chunk]) -> Completion:
     """One request's chunks, as the caller got them, made into its Completion."""
     whole = merge_chunks(chunks)
-    return Completion(whole.id, whole.text, whole.token_ids, whole.finish_reason, whole.usage, logprobs=whole.logprobs)
+    return Completion(whole.id, whole.text, whole.token_ids, whole.finish_reason, whole.usage, logprobs=whole.logprobs,
+                      tool_calls=whole.tool_calls)
 
 
 def _logprob_entry(wire: list) -> dict:

@@ -62,7 +62,8 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
             api = parse_responses_request(raw, state.model_names, state.reasoning)
             events = ResponseEvents(api, echoed_fields(raw))
         else:
-            api = parse_api_request(kind, raw, state.model_names, state.reasoning)
+            api = parse_api_request(kind, raw, state.model_names, state.reasoning,
+                                    chat_template=state.client.chat_template)
     except CbatchError as err:
         return state.error(endpoint, err)
     state.num_in_flight += 1

@@ -15,10 +15,9 @@ from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERN
                            NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
                            WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
-from cbatch.http_api.chat_messages import cbatch_messages
 from cbatch.http_api.reasoning import reasoning_fields
-from cbatch.http_api.tools import ToolPlan, tool_plan
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
+from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
 
 CHAT, COMPLETION = "chat", "completion"
 RETRY_AFTER_S = 1  # what a 429 tells the caller to wait
@@ -143,10 +142,12 @@ def check_model(model, model_names: list[str]) -> str:
     return model
 
 
-def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | None = None) -> ApiRequest:
+def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | None = None, *,
+                      chat_template: ChatTemplate | None = None) -> ApiRequest:
     """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
     `model`, when given, must be one of `model_names`; `reasoning` is the model's thinking
-    tags (None: its answers are left as they are)."""
+    tags (None: its answers are left as they are); `chat_template` is the model's own when
+    it knows tools (cbatch.tools.template_of), which then renders chats with tools."""
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
     model = check_model(raw.get("model"), model_names)
@@ -171,16 +172,12 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
     options = raw.get("stream_options") or {}
     if not isinstance(is_stream, bool) or not isinstance(options, dict):
         raise invalid("stream must be true or false, stream_options an object")
-    tools = tool_plan(raw) if kind == CHAT else None
+    tools = None
     if kind == CHAT:
         body.update(reasoning_fields(raw.get("reasoning_budget"), raw.get("reasoning_effort"), reasoning))
-        messages = cbatch_messages(raw.get("messages"))
-        prompts = [{"messages": tools.with_instructions(messages) if tools else messages}]
-        if tools is not None and tools.is_forced:
-            if "grammar" in body:
-                raise invalid("tool_choice required or a named function constrains the answer to a call: "
-                              "give no grammar or response_format with it")
-            body["grammar"] = tools.grammar()
+        chat = {"messages": raw.get("messages"), **{name: raw[name] for name in TOOL_FIELDS if name in raw}}
+        body, tools = prepare_chat({**body, **chat}, chat_template)
+        prompts = [{name: body.pop(name) for name in ("messages", "prompt") if name in body}]
     else:
         prompt = raw.get("prompt")
         prompt_list = prompt if isinstance(prompt, list) else [prompt]

@@ -67,9 +67,9 @@ class ResponseBuilder:
         for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, logprobs)):
             choice = {"index": i, "finish_reason": reason, "logprobs": lp}
             reasoning, text = split_reasoning(text, self.request.reasoning) if self.request.reasoning else (None, text)
-            calls = self.request.tools.calls(text) if self.request.tools else None
-            if calls:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            parsed = self.request.tools.parse(text) if self.request.tools else None
+            if parsed:
+                choice["message"] = {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}
                 choice["finish_reason"] = "tool_calls"
             elif self.request.kind == CHAT:
                 choice["message"] = {"role": "assistant", "content": text}

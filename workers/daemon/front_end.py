@@ -16,7 +16,7 @@ import zmq
 
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
-from cbatch.ipc.records import NO_TOKEN, RingRecord, TokenEvent
+from cbatch.ipc.records import RingRecord, TokenEvent
 from cbatch.ipc.ring import is_ring_ordered
 from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request
@@ -103,8 +103,7 @@ class FrontEnd:
             self._cancel_tracked(tracked)
 
     def flush_clients(self) -> None:
-        """Send what waits for slow clients; cancel the requests of a client that stopped
-        reading altogether."""
+        """Send what waits for slow clients; cancel the requests of one that stopped reading."""
         self.clients.flush(time.monotonic())
         self._cancel_stalled()
 
@@ -147,12 +146,14 @@ class FrontEnd:
         # Off x86-64 the ring's lock-free protocol lacks the fences it would need: relay.
         use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://") and is_ring_ordered()
         self._use_ring[identity] = use_ring
-        ready = self.worker.ready
+        self._welcome(identity)
+
+    def _welcome(self, identity: bytes) -> None:  # again on WorkerReady: one sent during loading lacks the chat template
+        ready, use_ring = self.worker.ready, self._use_ring[identity]
         self.clients.send(identity, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "model": ready.model if ready else "", "parallel": self.config.engine.parallel,
-            "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring,
-            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else "",
-        })
+            "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring, **(ready.chat if ready else {}),
+            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else ""})
 
     def _welcome_again(self, identity: bytes) -> None:
         """A client that speaks without a HELLO to this daemon (its socket reconnected by itself to a
@@ -247,6 +248,8 @@ class FrontEnd:
     def on_worker_messages(self) -> None:
         for message in self.worker.receive():
             if isinstance(message, WorkerReady):  # what was held for it, interactive requests first
+                for identity in self._use_ring:
+                    self._welcome(identity)
                 for tracked in sorted(self.requests.active.values(), key=lambda tracked: tracked.is_batch):
                     self._forward(tracked)
                 self.embeds.forward_held()
@@ -268,10 +271,7 @@ class FrontEnd:
         if tracked is None:
             return  # already failed (worker restart) or rejected
         records = event.records()
-        tracked.records += records
-        if tracked.logprobs is not None and event.logprobs:
-            token_records = [record for record in records if record.token_id != NO_TOKEN]
-            tracked.logprobs.update((record.index, entry) for record, entry in zip(token_records, event.logprobs))
+        tracked.add_records(records, event.logprobs)
         if tracked.is_relayed or is_front_end_finish:
             self._send_records(tracked, records)
         if event.finish_reason:

@@ -11,7 +11,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
-from cbatch.ipc.records import RingRecord
+from cbatch.ipc.records import NO_TOKEN, RingRecord
 from cbatch.wording import counted
 
 
@@ -34,6 +34,13 @@ class TrackedRequest:
     def is_held(self) -> bool:
         """Not yet handed to a worker (none was ready): nothing has run."""
         return self.body is not None
+
+    def add_records(self, records: list[RingRecord], logprobs: list | None) -> None:
+        """An event's records, and its logprobs entries (one per token record, in order)."""
+        self.records += records
+        if self.logprobs is not None and logprobs:
+            token_records = [record for record in records if record.token_id != NO_TOKEN]
+            self.logprobs.update((record.index, entry) for record, entry in zip(token_records, logprobs))
 
 
 class RequestTable:

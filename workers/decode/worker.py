@@ -60,7 +60,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             RequestPreparer(engine, embedder, source, io.commands, nice_increment).start()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
-                            model_reasoning(plan.engine, engine.runner)))
+                            model_reasoning(plan.engine, engine.runner), engine.runner.chat_texts()))
         handler = CommandHandler(engine, embedder, io, io.commands, publisher)
         run_engine_loop(engine, embedder, handler.apply_pending, publisher.publish, io.send)
     finally:

@@ -1,0 +1,146 @@
+"""How a model writes its calls, read back and forced by a grammar.
+
+- JSON_ANSWER: cbatch's own, taught in a system message to models whose chat template
+  knows no tools: the whole answer is `{"tool_calls": [{"name", "arguments"}, ...]}`.
+- TAGGED (Hermes, Qwen and the like): `<tool_call>{"name", "arguments"}</tool_call>`,
+  one block per call, maybe after some text.
+- BareJson (Llama 3.1 and the like): the whole answer is one `{"name", "arguments"}` (or
+  "parameters", as the template says).
+
+A format's grammar is built from one JSON schema per function for one call (llama-cpp-
+python's converter), so a forced call's arguments always match their schema.
+"""
+
+import json
+import re
+
+from cbatch.params import invalid
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum (the converter ignores ranges)
+_TAGGED_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+
+
+def _integer_values(schema: dict) -> range | None:
+    """The values a schema allows when it is an integer between integer bounds."""
+    bounds = {name: schema[name] for name in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+              if name in schema}
+    if schema.get("type") != "integer" or not all(type(value) is int for value in bounds.values()):
+        return None
+    lows = [bounds[name] + (name != "minimum") for name in ("minimum", "exclusiveMinimum") if name in bounds]
+    highs = [bounds[name] - (name != "maximum") for name in ("maximum", "exclusiveMaximum") if name in bounds]
+    return range(max(lows), min(highs) + 1) if lows and highs else None
+
+
+def _enumerated_ranges(schema):
+    """The schema with each integer range of at most MAX_ENUMERATED_INTEGERS values as an
+    enum of them: llama-cpp-python's converter ignores minimum and maximum."""
+    if isinstance(schema, list):
+        return [_enumerated_ranges(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: _enumerated_ranges(value) for key, value in schema.items()}
+    values = _integer_values(schema)
+    return {"enum": list(values)} if values is not None and 0 < len(values) <= MAX_ENUMERATED_INTEGERS else schema
+
+
+def _gbnf(schema: dict, root_name: str = "") -> str:
+    from llama_cpp.llama_grammar import SchemaConverter
+
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    try:
+        converter.visit(_enumerated_ranges(converter.resolve_refs(schema, "tools")), root_name)
+    except Exception as err:  # the converter raises plain exceptions for schemas it cannot take
+        raise invalid(f"tools: a function's parameters cannot be converted to a grammar: {err}") from None
+    return converter.format_grammar()
+
+
+def _arguments(value) -> dict | None:
+    """A call's arguments as an object (some models write them as a JSON string)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+def _call(obj, functions: dict, keys: tuple[str, ...]) -> dict | None:
+    """{"name", "arguments"} of a call object naming one of the functions, else None."""
+    if not isinstance(obj, dict) or obj.get("name") not in functions:
+        return None
+    arguments = _arguments(next((obj[key] for key in keys if key in obj), {}))
+    return None if arguments is None else {"name": obj["name"], "arguments": arguments}
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+class JsonAnswer:
+    arguments_key = "arguments"
+
+    def grammar(self, call_schemas: list[dict], is_one_call: bool) -> str:
+        return _gbnf({"type": "object", "additionalProperties": False, "required": ["tool_calls"], "properties": {
+            "tool_calls": {"type": "array", "minItems": 1, "items": {"anyOf": call_schemas},
+                           **({"maxItems": 1} if is_one_call else {})}}})
+
+    def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
+        answer = _json(text)
+        items = answer.get("tool_calls") if isinstance(answer, dict) else None
+        calls = [_call(item, functions, ("arguments",)) for item in items] if isinstance(items, list) else []
+        return ("", calls) if calls and all(calls) else None
+
+    def held_from(self, text: str, is_start: bool) -> int:
+        """Where in the not yet released text a call may begin: only the whole answer is one."""
+        return 0 if is_start and (not text.strip() or text.lstrip().startswith("{")) else len(text)
+
+
+class BareJson(JsonAnswer):
+    def __init__(self, arguments_key: str):
+        self.arguments_key = arguments_key
+
+    def grammar(self, call_schemas: list[dict], is_one_call: bool) -> str:
+        return _gbnf({"anyOf": call_schemas})  # one call: the format has no room for more
+
+    def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
+        answer = _json(text)
+        items = answer if isinstance(answer, list) else [answer]
+        calls = [_call(item, functions, ("arguments", "parameters")) for item in items]
+        return ("", calls) if calls and all(calls) else None
+
+
+class Tagged(BareJson):
+    """Each call in its own `<tool_call>` block; a bare JSON call is taken too."""
+
+    def __init__(self):
+        super().__init__("arguments")
+
+    def grammar(self, call_schemas: list[dict], is_one_call: bool) -> str:
+        block = f'"{TOOL_CALL_OPEN}\\n" tool-call "\\n{TOOL_CALL_CLOSE}"'
+        more = "" if is_one_call else f' ("\\n" {block})*'
+        return f"root ::= {block}{more}\n" + _gbnf({"anyOf": call_schemas}, "tool-call")
+
+    def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
+        blocks = _TAGGED_CALL.findall(text)
+        if not blocks:
+            return super().parse(text, functions)
+        calls = [_call(_json(block.strip()), functions, ("arguments", "parameters")) for block in blocks]
+        return (_TAGGED_CALL.sub("", text).strip(), calls) if all(calls) else None
+
+    def held_from(self, text: str, is_start: bool) -> int:
+        """From a `<tool_call>` on (to the end: the blocks are parsed whole), or from a tail
+        that may become one; the whole answer when it may be a bare JSON call."""
+        if super().held_from(text, is_start) == 0:
+            return 0
+        at = text.find(TOOL_CALL_OPEN)
+        if at >= 0:
+            return at
+        return next((len(text) - n for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1)
+                     if TOOL_CALL_OPEN.startswith(text[-n:])), len(text))
+
+
+JSON_ANSWER = JsonAnswer()

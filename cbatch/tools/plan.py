@@ -1,0 +1,121 @@
+"""A request's tools: which functions, whether and how many calls are forced, and in
+which format the model writes them (formats.py).
+
+With `tool_choice` "required" or a named function the answer is constrained by a grammar
+built from the functions' parameter schemas, so it is always a call whose arguments
+match its function's schema; with "auto" the model answers freely and an answer that is
+a call becomes `tool_calls`; with "none" the tools are not offered.
+"""
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from cbatch.params import invalid
+from cbatch.tools.formats import JSON_ANSWER, JsonAnswer
+
+MAX_TOOLS = 128
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
+
+
+@dataclass
+class ToolPlan:
+    functions: dict[str, dict]  # name -> {"description", "parameters"}, in the request's order
+    choice: str  # "auto", "required", or the one function's name that must be called
+    is_parallel: bool  # several calls in one answer (never for a named function: it is called once)
+    format: JsonAnswer = field(default=JSON_ANSWER)  # how the model writes calls: its template's way, or cbatch's
+
+    @property
+    def is_forced(self) -> bool:
+        """The answer is a call: a grammar makes it one."""
+        return self.choice != "auto"
+
+    def tools(self) -> list[dict]:
+        """The functions in OpenAI's shape, as chat templates take them."""
+        return [{"type": "function", "function": {"name": name, **spec}} for name, spec in self.functions.items()]
+
+    def instructions(self) -> str:
+        """cbatch's own call format taught in words, for a template that knows no tools."""
+        described = [{"name": name, **spec} for name, spec in self.functions.items()]
+        example = json.dumps({"tool_calls": [{"name": "<function name>", "arguments": {"<parameter>": "<value>"}}]})
+        text = (f"You can call these functions:\n{json.dumps(described, ensure_ascii=False)}\n"
+                f"To call functions, answer with only this JSON and nothing else: {example}")
+        if self.choice == "required":
+            return text + "\nAnswer with a call now."
+        if self.choice != "auto":
+            return text + f"\nAnswer with a call of {self.choice} now."
+        return text + "\nOtherwise, and once a call's result is given, answer in plain text."
+
+    def with_instructions(self, messages: list[dict]) -> list[dict]:
+        """The tools described before the conversation (within its system message, if any)."""
+        if messages and messages[0]["role"] == "system":
+            first = {"role": "system", "content": f"{self.instructions()}\n\n{messages[0]['content']}"}
+            return [first, *messages[1:]]
+        return [{"role": "system", "content": self.instructions()}, *messages]
+
+    def grammar(self) -> str:
+        """GBNF for an answer that is a call (calls, when parallel) of the allowed functions."""
+        names = list(self.functions) if self.choice == "required" else [self.choice]
+        key = self.format.arguments_key
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                  "properties": {"name": {"const": name}, key: self.functions[name]["parameters"]}}
+                 for name in names]
+        return self.format.grammar(calls, is_one_call=self.choice != "required" or not self.is_parallel)
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]] | None:
+        """(the answer's text besides its calls or None, its calls in OpenAI's shape); None
+        when the answer holds no call."""
+        parsed = self.format.parse(text, self.functions)
+        if parsed is None:
+            return None
+        content, calls = parsed
+        return content or None, [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for c in calls]
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The answer's calls in OpenAI's shape, or None when the answer holds no call."""
+        parsed = self.parse(text)
+        return None if parsed is None else parsed[1]
+
+
+def _functions(tools) -> dict[str, dict]:
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+        raise invalid(f"tools must be a list of 1 to {MAX_TOOLS} {{type: function, function}} objects")
+    functions = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict):
+            raise invalid(f"tools[{i}] must be {{type: function, function: {{name, description, parameters}}}}")
+        name, parameters = function.get("name"), function.get("parameters", ANY_OBJECT)
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name) or name in functions:
+            raise invalid(f"tools[{i}].function.name must be a new name of 1 to 64 letters, digits, _ or -, "
+                          f"got {name!r}")
+        if not isinstance(parameters, dict):
+            raise invalid(f"tools[{i}].function.parameters must be a JSON schema object")
+        functions[name] = {"description": str(function.get("description", "")), "parameters": parameters}
+    return functions
+
+
+def tool_plan(raw: dict, call_format: JsonAnswer = JSON_ANSWER) -> ToolPlan | None:
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls`; None when no tools
+    are offered (none given, or tool_choice "none")."""
+    tools, choice, is_parallel = raw.get("tools"), raw.get("tool_choice"), raw.get("parallel_tool_calls", True)
+    if tools is None:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice needs tools")
+        return None
+    functions = _functions(tools)
+    if not isinstance(is_parallel, bool):
+        raise invalid("parallel_tool_calls must be true or false")
+    if choice in (None, "auto", "required", "none"):
+        return None if choice == "none" else ToolPlan(functions, choice or "auto", is_parallel, call_format)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if name not in functions:
+        raise invalid("tool_choice must be none, auto, required or {type: function, function: {name}} naming one "
+                      f"of the tools, got {choice!r}")
+    return ToolPlan(functions, name, is_parallel, call_format)

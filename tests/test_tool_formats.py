@@ -1,0 +1,110 @@
+"""cbatch.tools without a daemon: the call formats chat templates teach (read back, and
+their grammars accepted by llama.cpp), the streamed hold-back of what may be a call, and
+the sandboxed template's globals and errors. The daemon runs are tests/test_tools*.py."""
+
+import json
+
+import pytest
+from llama_cpp import LlamaGrammar
+
+from cbatch.errors import CbatchError
+from cbatch.tools import ChatTemplate, ToolCallStream, template_of, tool_plan
+from cbatch.tools.formats import BareJson, Tagged
+from cbatch.tools.messages import template_messages
+
+CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": CITY}} for name in ("get_weather", "get_time")]
+LLAMA31_LIKE = ('{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}Respond in the format '
+                '{"name": function name, "parameters": dictionary of argument name and its value}.{% endif %}')
+
+
+def plan(choice="auto", call_format=Tagged(), **extra):
+    return tool_plan({"tools": TOOLS, "tool_choice": choice, **extra}, call_format)
+
+
+def test_tagged_calls_are_read_with_the_text_around_them():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>')
+    content, calls = plan().parse(text)
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {"city": "Rome"})]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',  # not an offered function
+    '<tool_call>{"name": "get_time", "arguments": {</tool_call>',  # cut short
+    'The weather is fine.',
+])
+def test_what_is_not_a_call_of_an_offered_function_is_no_call(text):
+    assert plan().parse(text) is None
+
+
+def test_a_bare_json_call_with_parameters_is_read_and_that_format_is_told_from_the_template():
+    template = ChatTemplate(LLAMA31_LIKE)
+    assert template.knows_tools and isinstance(template.call_format, BareJson)
+    assert template.call_format.arguments_key == "parameters"
+    _, (call,) = plan(call_format=template.call_format).parse(' {"name": "get_time", "parameters": {"city": "Lima"}}')
+    assert json.loads(call["function"]["arguments"]) == {"city": "Lima"}
+    assert r'\"parameters\"' in plan("required", template.call_format).grammar()  # a JSON key in GBNF
+
+
+@pytest.mark.parametrize("call_format", [Tagged(), BareJson("arguments")])
+@pytest.mark.parametrize("extra", [{"tool_choice": "required"}, {"tool_choice": "required", "parallel_tool_calls": False},
+                                   {"tool_choice": {"type": "function", "function": {"name": "get_time"}}}])
+def test_forced_grammars_are_accepted_by_llama_cpp(call_format, extra):
+    grammar = tool_plan({"tools": TOOLS, **extra}, call_format).grammar()
+    LlamaGrammar.from_string(grammar, verbose=False)
+    assert ("<tool_call>" in grammar) == isinstance(call_format, Tagged)
+
+
+def test_a_stream_releases_text_until_a_call_may_begin_and_ends_with_the_calls():
+    stream = ToolCallStream(plan())
+    pieces = ["Sure, ", "one moment <tool_", 'call>\n{"name": "get_time", ', '"arguments": {"city": "Oslo"}}\n</tool_call>']
+    deltas = [stream.push(piece, None)[0] for piece in pieces]
+    assert deltas == [[{"content": "Sure, "}], [{"content": "one moment "}], [], []]
+    end, reason = stream.push("", "stop")
+    assert reason == "tool_calls" and end[0]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+def test_a_stream_lets_a_lone_angle_bracket_go_once_it_cannot_be_a_call():
+    stream = ToolCallStream(plan())
+    assert stream.push("a <to", None) == ([{"content": "a "}], None)
+    assert stream.push("y> b", None) == ([{"content": "<toy> b"}], None)
+    assert stream.push("", "stop") == ([], "stop")
+
+
+def test_the_template_gets_raise_exception_strftime_now_and_bos_once():
+    template = ChatTemplate("{{ bos_token }}{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}"
+                            "{% endif %}{{ strftime_now('%Y') | length }}{{ messages[0].content }}{{ tools | length }}",
+                            bos_token="<s>", adds_bos=True)
+    assert template.render(template_messages([{"role": "user", "content": "hi"}]), TOOLS) == "4hi2"
+    with pytest.raises(CbatchError, match="user first") as caught:
+        template.render(template_messages([{"role": "assistant", "content": "hi"}]), None)
+    assert caught.value.code == "invalid_request"
+
+
+def test_the_sandbox_refuses_what_a_model_file_must_not_do():
+    template = ChatTemplate("{{ tools.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(CbatchError, match="cannot render"):
+        template.render(template_messages([{"role": "user", "content": "hi"}]), TOOLS)
+
+
+def test_only_a_template_that_knows_tools_is_used_for_them():
+    smollm2_like = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    assert template_of({"chat_template": smollm2_like}) is None
+    assert template_of({"chat_template": "{% if"}) is None  # jinja2 cannot compile it: llama.cpp's renderer may
+    assert template_of({}) is None
+    assert template_of({"chat_template": LLAMA31_LIKE, "bos_token": "<s>", "adds_bos": True}).adds_bos
+
+
+def test_a_small_integer_range_is_enforced_a_wide_one_left_to_the_converter():
+    from cbatch.tools.formats import _enumerated_ranges
+
+    schema = {"type": "object", "properties": {
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}, "odd": {"type": "integer", "exclusiveMinimum": 0,
+                                                                        "exclusiveMaximum": 3},
+        "id": {"type": "integer", "minimum": 0, "maximum": 10 ** 6}, "ratio": {"type": "number", "maximum": 1}}}
+    properties = _enumerated_ranges(schema)["properties"]
+    assert properties["days"] == {"enum": [1, 2, 3, 4, 5, 6, 7]} and properties["odd"] == {"enum": [1, 2]}
+    assert properties["id"] == schema["properties"]["id"] and properties["ratio"] == schema["properties"]["ratio"]
