@@ -59,7 +59,8 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     try:
         raw = json_body(await request.body())
         if kind == RESPONSES:
-            api = parse_responses_request(raw, state.model_names, state.reasoning)
+            api = parse_responses_request(raw, state.model_names, state.reasoning,
+                                          chat_template=state.client.chat_template)
             events = ResponseEvents(api, echoed_fields(raw))
         else:
             api = parse_api_request(kind, raw, state.model_names, state.reasoning,

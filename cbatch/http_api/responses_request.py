@@ -106,7 +106,8 @@ def _response_format(text) -> dict | None:
     return spec
 
 
-def parse_responses_request(raw, model_names: list[str], reasoning: dict | None) -> ApiRequest:
+def parse_responses_request(raw, model_names: list[str], reasoning: dict | None, *,
+                            chat_template=None) -> ApiRequest:
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
     if raw.get("previous_response_id") is not None:
@@ -131,7 +132,7 @@ def parse_responses_request(raw, model_names: list[str], reasoning: dict | None)
     chat["messages"] = chat_messages(raw.get("input"), raw.get("instructions"))
     if "model" in raw:
         chat["model"] = raw["model"]
-    api = parse_api_request(CHAT, chat, model_names, reasoning)
+    api = parse_api_request(CHAT, chat, model_names, reasoning, chat_template=chat_template)
     if len(api.bodies) != 1:
         raise invalid("a response has one output")
     return api
