@@ -21,7 +21,7 @@ class WorkerReady:
     ctx_per_seq: int
     prefix_cache: str
     reasoning: dict | None = None  # workers/engine/reasoning.py: the tags the model thinks in
-    chat: dict = field(default_factory=dict)  # the runner's chat_texts(): relayed to clients in WELCOME
+    chat: dict = field(default_factory=dict)  # workers/engine/chat_texts.py: relayed to clients in WELCOME
 
 
 @dataclass

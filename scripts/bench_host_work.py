@@ -37,6 +37,7 @@ from cbatch.ipc.ring import create_ring
 from cbatch.params import parse_request
 from cbatch.workers.decode import publisher as publisher_module
 from cbatch.workers.decode.publisher import EventPublisher
+from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
 from cbatch.ipc.worker_messages import encode
 
@@ -99,7 +100,7 @@ def run_level(model_path: str, parallel: int, params: dict, backend_sampling: bo
     tick.setsockopt(zmq.LINGER, 0)
     tick.bind(f"inproc://bench-tick-{time.perf_counter_ns()}")
     try:
-        publisher = EventPublisher(engine, ring, DroppingIO(), tick)
+        publisher = EventPublisher(engine, Embedder(engine.runner, config), ring, DroppingIO(), tick)
         engine.step = timers.wrap("step", engine.step)
         engine._sample = timers.wrap("sample", engine._sample)
         engine._settle = timers.wrap("text", engine._settle)  # ids: end of generation, max_tokens

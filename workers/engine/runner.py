@@ -197,23 +197,6 @@ class LlamaRunner:
         matches = [name for name in names if name and architecture.startswith(name)]
         return max(matches, key=len) if matches else None
 
-    def chat_texts(self) -> dict:
-        """What a client needs to render the GGUF's own Jinja chat template itself (for tool
-        calls, which llama.cpp's built-in renderer cannot): the template, the texts of its
-        BOS and EOS tokens, and whether tokenize() adds BOS; empty when there is none."""
-        template = lc.llama_model_chat_template(self.model, None)
-        if not template:
-            return {}
-        vocab = self.vocab
-        return {"chat_template": template.decode("utf-8", errors="replace"),
-                "bos_token": self._special_text(lc.llama_vocab_bos(vocab)),
-                "eos_token": self._special_text(lc.llama_vocab_eos(vocab)),
-                "adds_bos": bool(lc.llama_vocab_get_add_bos(vocab))}
-
-    def _special_text(self, token: int) -> str:
-        """A special token's text as written in a prompt ("<s>"); "" for no token (-1)."""
-        return (lc.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", errors="replace") if token >= 0 else ""
-
     def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
         template = self.chat_template()
         if not template:
