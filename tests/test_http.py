@@ -3,10 +3,12 @@ real daemon started with --http on the tiny model (content does not matter here)
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import httpx
@@ -218,17 +220,26 @@ def test_logprobs_out_of_range_is_400(api):
 
 
 def test_full_queue_is_429_with_retry_after(tiny_model_path):
-    daemon = HttpDaemon(tiny_model_path, "--parallel", "1", "--max-queue", "0")
+    daemon = HttpDaemon(tiny_model_path, "--parallel", "1", "--max-queue", "0", "--ctx-size", "32768", "--drain-grace", "0")
+    # A whole response, so the running request never waits on this test reading its stream.
+    body = {"prompt": "go", "max_tokens": 30000, "ignore_eos": True}
+
+    def run() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # cut off when the daemon stops
+            httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=120)
+
+    running = threading.Thread(target=run)
     try:
-        body = {"prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body) as running:
-            next(running.iter_lines())
-            with pytest.raises(openai.RateLimitError) as caught:
-                daemon.openai().completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
+        running.start()
+        with daemon.client() as client:
+            wait_until(lambda: client.stats()["num_in_flight"] == 1, 30)  # it took the one slot: no queue left
+        with pytest.raises(openai.RateLimitError) as caught:
+            daemon.openai().completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
         assert caught.value.body["code"] == "queue_full"
         assert caught.value.response.headers["retry-after"] == "1"
     finally:
         daemon.stop()
+        running.join()
         daemon.remove_workdir()
 
 
@@ -391,7 +402,7 @@ def test_connections_that_send_no_request_headers_in_time_are_closed(daemon):
 
 def test_a_router_finds_the_load_it_asks_for(daemon):
     """GET /v1/loads in SGLang's worker format, and the vLLM gauge names gateways scrape."""
-    body = {"prompt": "busy", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"prompt": "busy", "max_tokens": 4000, "ignore_eos": True, "stream": True}  # runs while polled
     with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: {"))

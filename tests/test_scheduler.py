@@ -46,9 +46,14 @@ def test_queue_full_rejects_with_code():
     sched = Sched(num_slots=1, max_batch_tokens=8, max_queue=2)
     sched.add(make_seq(0, 1))
     sched.add(make_seq(1, 1))
+    sched.add(make_seq(2, 1))  # arrived before a step admitted any: one takes the free slot
     with pytest.raises(CbatchError) as err:
-        sched.add(make_seq(2, 1))
+        sched.add(make_seq(3, 1))
     assert err.value.code == QUEUE_FULL and "--max-queue" in err.value.message
+    sched.schedule()
+    assert len(sched.running) == 1 and len(sched.waiting) == 2
+    with pytest.raises(CbatchError):  # the slot is taken now: the queue alone is left
+        sched.add(make_seq(4, 1))
 
 
 def test_decode_tokens_first_then_prefill_chunks_within_budget():

@@ -74,7 +74,10 @@ class Scheduler:
         return bool(self.waiting or self.running or len(self.forks) or self.row_forks)
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_queue:
+        # Those that a free slot takes at the next step are not queued: a burst of
+        # slots + max_queue requests reaching an idle worker between two steps fits.
+        num_free_slots = max(0, self.max_running - len(self.running) - len(self.forks) - len(self.row_forks))
+        if len(self.waiting) >= self.max_queue + num_free_slots:
             raise CbatchError(
                 QUEUE_FULL,
                 f"the waiting queue is full ({counted(self.max_queue, 'request')}); retry later or raise --max-queue",
