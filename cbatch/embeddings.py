@@ -10,10 +10,11 @@ import numpy as np
 from cbatch.params import invalid
 
 # Inputs one request may carry (OpenAI's limit). A client sends them to the daemon in
-# messages of MAX_INPUTS_PER_MESSAGE, so a reply of 4096-dimension vectors stays far
-# inside the protocol's frame limit.
+# messages of MAX_INPUTS_PER_MESSAGE, so that a reply of vectors of up to 16,384
+# dimensions (the widest of today's large models) fits in half the protocol's frame
+# limit, the worker's bound (embedder.py); the worker batches messages together anyway.
 MAX_INPUTS = 2048
-MAX_INPUTS_PER_MESSAGE = 128
+MAX_INPUTS_PER_MESSAGE = 32
 MAX_TOKEN_ID = (1 << 31) - 1
 VECTOR_DTYPE = np.dtype("<f4")
 

@@ -8,7 +8,7 @@ import uuid
 import cbatch
 from cbatch.http_api.openai_mapping import CHAT, ApiRequest
 from cbatch.http_api.reasoning import ReasoningSplitter, split_reasoning
-from cbatch.http_api.tools import ToolCallStream
+from cbatch.tools import ToolCallStream
 
 
 def system_fingerprint(model_file_name: str) -> str:

@@ -16,7 +16,7 @@ import uuid
 
 from cbatch.http_api.openai_mapping import ApiRequest
 from cbatch.http_api.reasoning import ReasoningSplitter
-from cbatch.http_api.tools import ToolCallStream
+from cbatch.tools import ToolCallStream
 
 # output item type -> (content part type, its delta event, its done event)
 PARTS = {"message": ("output_text", "response.output_text.delta", "response.output_text.done"),

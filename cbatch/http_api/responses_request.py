@@ -4,7 +4,7 @@ Stateless: `input` (text, or message / function_call / function_call_output item
 `instructions` are the whole conversation. `previous_response_id` (a stored conversation)
 is refused with a 400 naming it; `store` is accepted and ignored (nothing is stored, so
 nothing can be retrieved later). Responses' flat function tools and tool choices are
-mapped onto chat's (tools.py), `max_output_tokens` onto `max_tokens`, `reasoning.effort`
+mapped onto chat's (cbatch/tools), `max_output_tokens` onto `max_tokens`, `reasoning.effort`
 onto a thinking budget (reasoning.py).
 """
 

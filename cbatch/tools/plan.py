@@ -76,11 +76,6 @@ class ToolPlan:
              "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
             for c in calls]
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The answer's calls in OpenAI's shape, or None when the answer holds no call."""
-        parsed = self.parse(text)
-        return None if parsed is None else parsed[1]
-
 
 def _functions(tools) -> dict[str, dict]:
     if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:

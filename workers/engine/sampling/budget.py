@@ -31,6 +31,7 @@ class ThinkingBudget:
         self.num_thinking = 0  # tokens generated inside the block
         self.num_forced = 0  # of close_ids forced so far; the rest go next, a step each
         self._tail = b""  # the output's last bytes, where a tag is looked for
+        self._max_tag_bytes = max(len(self.open_tag), len(self.close_tag))
 
     def next_forced(self) -> int | None:
         """The token to force at this step, or None to sample."""
@@ -44,7 +45,7 @@ class ThinkingBudget:
             return
         if self.next_forced() == token:
             self.num_forced += 1
-        self._tail = (self._tail + piece)[-max(len(self.open_tag), len(self.close_tag)) - len(piece):]
+        self._tail = (self._tail + piece)[-self._max_tag_bytes - len(piece):]
         if not self.is_thinking:
             if self.open_tag in self._tail:
                 self.is_thinking, self._tail = True, self._tail[self._tail.index(self.open_tag) + len(self.open_tag):]
@@ -90,7 +91,10 @@ def forced_tokens(logit_rows) -> dict:
 
 
 def track_budgets(sampled, token_piece) -> None:
-    """Every sampled or forced token, to the budget of its sequence (if it has one)."""
+    """Every sampled or forced token, to the budget of its sequence (if it has one); a
+    spent budget is dropped, so its sequence costs the step nothing more."""
     for seq, token in sampled:
         if seq.budget is not None:
             seq.budget.on_token(token, token_piece(token))
+            if seq.budget.is_done:
+                seq.budget = None
