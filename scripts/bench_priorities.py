@@ -126,6 +126,8 @@ def main(argv=None) -> None:
             submit.wait(timeout=60)
         daemon.stop()
     step_s = float(np.median(busy_gaps))
+    # The slots are read a stats() round trip before the probe goes out, so a slot may be closer
+    # to free than it looked: the difference can be a little below zero, never far above the truth.
     beyond_slot_wait = [ttft - steps * step_s for ttft, steps in zip(busy_ttfts, steps_to_slot)]
     bound_ms = ms(idle_ttfts, 99) + step_s * 1000
     print(f"model {Path(model_path).name}, --parallel {args.parallel}, a {args.lines}-line batch file "

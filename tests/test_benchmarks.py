@@ -77,7 +77,7 @@ def test_bench_priorities_prints_each_phase_and_the_verdict(tiny_model_path):
     out = run_script("bench_priorities", "--model", tiny_model_path, "--parallel", "2", "--lines", "200",
                      "--batch-tokens", "16", "--max-in-flight", "8", "--probes", "5", "--batch-probes", "2")
     phases = re.findall(rf"^(idle daemon|beside the batch file, interactive|beside the batch file, as batch|"
-                        rf"beside it, less the slot wait)\s+{NUMBER}\s+{NUMBER}$", out, re.M)
+                        rf"beside it, less the slot wait)\s+-?{NUMBER}\s+-?{NUMBER}$", out, re.M)
     assert len(phases) == 4, out
     assert re.search(r"still queued at the end: True", out), out
     assert re.search(r"^target: .*, (met|missed)$", out, re.M), out
