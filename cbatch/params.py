@@ -238,8 +238,6 @@ def parse_request(request_id: int, raw: dict) -> Request:
     params = parse_params(body)
     if params.grammar is not None and params.ignore_eos:
         raise invalid("grammar and ignore_eos cannot be combined: a completed grammar allows only end-of-generation")
-    if params.reasoning_budget is not None and params.reasoning_tags is None:
-        raise invalid("reasoning_budget needs reasoning_tags: the thinking block's [open, close] tags")
     if prompt is not None:
         return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params, **scheduling)
     return Request(request_id, messages=_messages(messages), params=params, **scheduling)

@@ -60,9 +60,15 @@ def test_a_grammar_that_refuses_the_tag_yet_delays_it(make_engine):
     assert len(thinking_of(text)) == 1  # the grammar wants a character before the close tag
 
 
-def test_a_budget_needs_its_tags(make_engine):
+def test_a_budget_needs_tags_from_the_request_or_the_model(make_engine):
     from cbatch.errors import CbatchError
     from enginekit import submit
 
-    with pytest.raises(CbatchError, match="reasoning_budget needs reasoning_tags"):
+    with pytest.raises(CbatchError, match="reasoning_budget needs the thinking block's tags.*--reasoning-tags"):
         submit(make_engine(), {"prompt": "x", "reasoning_budget": 3})
+    # A daemon that knows the model's tags (--reasoning-tags, or its template) lends them.
+    engine = make_engine(reasoning_tags=tuple(TAGS))
+    body = {"prompt": "hello", "max_tokens": 30, "temperature": 0, "grammar": THINKING,
+            "logit_bias": never_closing(engine), "reasoning_budget": 4}
+    lent, named = generate(engine, [body, {**body, "reasoning_tags": TAGS}])
+    assert len(thinking_of(lent.text)) == 4 and (lent.text, lent.token_ids) == (named.text, named.token_ids)

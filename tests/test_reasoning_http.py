@@ -78,6 +78,16 @@ def test_the_daemon_tells_the_http_server_the_tags(daemon):
         assert client.health()["reasoning"] == {"tags": ["<think>", "</think>"], "opened_by_prompt": False}
 
 
+def test_a_native_client_budget_takes_the_daemons_tags(daemon, api):
+    over_http = api.chat.completions.create(model="m", **thinking_request(extra_body={"reasoning_budget": 6}))
+    with daemon.client() as client:
+        result = client.generate(messages=ASK, temperature=0, max_tokens=40, grammar=THINKING,
+                                 logit_bias=never_closing(), reasoning_budget=6)
+    thinking, answer = result.text.removeprefix("<think>").split("</think>", 1)
+    assert (thinking, answer) == (over_http.choices[0].message.model_extra["reasoning_content"],
+                                  over_http.choices[0].message.content)
+
+
 def test_the_tags_come_from_the_template_or_the_flags_and_a_prompt_may_open_the_block(make_engine):
     from cbatch.config import EngineConfig
     from cbatch.workers.engine.reasoning import model_reasoning
@@ -102,7 +112,7 @@ def test_the_split_holds_back_a_tag_cut_across_chunks(pieces, opened, expected):
     from cbatch.http_api.reasoning import ReasoningSplitter, split_reasoning
 
     splitter = ReasoningSplitter({"tags": ["<think>", "</think>"], "opened_by_prompt": opened})
-    parts = [splitter.push(piece) for piece in pieces] + [splitter.finish()]
+    parts = [splitter.push(piece, is_last=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
     assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == expected
     assert split_reasoning("".join(pieces), {"tags": ["<think>", "</think>"], "opened_by_prompt": opened}) == expected
 

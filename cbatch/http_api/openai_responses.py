@@ -97,10 +97,7 @@ class ResponseBuilder:
             return [self._envelope("text_completion", [entry], **({"usage": None} if self.request.include_usage else {}))]
         chunks = []
         if self._splitters is not None:
-            reasoning, text = self._splitters[choice].push(text)
-            if finish_reason is not None:
-                rest_reasoning, rest_text = self._splitters[choice].finish()
-                reasoning, text = reasoning + rest_reasoning, text + rest_text
+            reasoning, text = self._splitters[choice].push(text, is_last=finish_reason is not None)
             if reasoning:
                 chunks.append(self._chat_chunk(choice, {"reasoning_content": reasoning}, None, None))
         if self._tool_streams is None:

@@ -12,6 +12,7 @@ close tag is forced: workers/engine/sampling/budget.py), or OpenAI's `reasoning_
 """
 
 from cbatch.params import invalid
+from cbatch.partial_tags import partial_marker_len
 
 # reasoning_effort -> thinking budget in tokens; "none" and "minimal" close the block at once.
 EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": 4096, "xhigh": 16384}
@@ -36,14 +37,6 @@ def reasoning_fields(budget, effort, model_reasoning: dict | None) -> dict:
     return {"reasoning_budget": budget, "reasoning_tags": list(model_reasoning["tags"])}
 
 
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 class ReasoningSplitter:
     """One choice's text, pushed as it arrives, split into (reasoning, content) deltas; a
     tag split across pushes is held back until it is whole or cannot be one."""
@@ -53,7 +46,18 @@ class ReasoningSplitter:
         self.state = INSIDE if model_reasoning["opened_by_prompt"] else BEFORE
         self.held = ""
 
-    def push(self, text: str) -> tuple[str, str]:
+    def push(self, text: str, is_last: bool = False) -> tuple[str, str]:
+        """The (reasoning, content) now safe to release; with `is_last`, everything."""
+        reasoning, content = self._split(text)
+        if is_last:
+            held, self.held = self.held, ""
+            if self.state == INSIDE:
+                reasoning += held
+            elif self.state != AFTER_CLOSE:
+                content += held
+        return reasoning, content
+
+    def _split(self, text: str) -> tuple[str, str]:
         reasoning = content = ""
         self.held += text
         while self.held:
@@ -71,7 +75,7 @@ class ReasoningSplitter:
                     reasoning += self.held[:at]
                     self.held, self.state = self.held[at + len(self.close_tag):], AFTER_CLOSE
                     continue
-                keep = _held_prefix(self.held, self.close_tag)
+                keep = partial_marker_len(self.held, self.close_tag)
                 reasoning += self.held[:len(self.held) - keep]
                 self.held = self.held[len(self.held) - keep:]
                 break
@@ -83,15 +87,7 @@ class ReasoningSplitter:
                 content, self.held = content + self.held, ""
         return reasoning, content
 
-    def finish(self) -> tuple[str, str]:
-        """What is still held, once the choice ended."""
-        held, self.held = self.held, ""
-        return (held, "") if self.state == INSIDE else ("", held if self.state != AFTER_CLOSE else "")
-
 
 def split_reasoning(text: str, model_reasoning: dict) -> tuple[str, str]:
     """A whole answer's (reasoning, content)."""
-    splitter = ReasoningSplitter(model_reasoning)
-    reasoning, content = splitter.push(text)
-    rest_reasoning, rest_content = splitter.finish()
-    return reasoning + rest_reasoning, content + rest_content
+    return ReasoningSplitter(model_reasoning).push(text, is_last=True)

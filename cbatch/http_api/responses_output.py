@@ -75,10 +75,7 @@ class ResponseEvents:
         events = []
         content = text
         if self._splitter is not None:
-            reasoning, content = self._splitter.push(text)
-            if finish_reason is not None:
-                rest_reasoning, rest_content = self._splitter.finish()
-                reasoning, content = reasoning + rest_reasoning, content + rest_content
+            reasoning, content = self._splitter.push(text, is_last=finish_reason is not None)
             if reasoning:  # thinking tokens: those of the rounds that carried thinking
                 self._num_reasoning_tokens += num_tokens
                 events += self._text("reasoning", reasoning)

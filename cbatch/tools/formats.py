@@ -15,6 +15,7 @@ import json
 import re
 
 from cbatch.params import invalid
+from cbatch.partial_tags import partial_marker_len
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum (the converter ignores ranges)
@@ -139,8 +140,7 @@ class Tagged(BareJson):
         at = text.find(TOOL_CALL_OPEN)
         if at >= 0:
             return at
-        return next((len(text) - n for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1)
-                     if TOOL_CALL_OPEN.startswith(text[-n:])), len(text))
+        return len(text) - partial_marker_len(text, TOOL_CALL_OPEN)
 
 
 JSON_ANSWER = JsonAnswer()

@@ -33,7 +33,6 @@ from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.chat_texts import chat_texts
 from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
-from cbatch.workers.engine.reasoning import model_reasoning
 
 
 def run_decode_worker(plan: WorkerPlan) -> None:
@@ -61,7 +60,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             RequestPreparer(engine, embedder, source, io.commands, nice_increment).start()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
-                            model_reasoning(plan.engine, engine.runner),
+                            engine.reasoning,
                             chat_texts(engine.runner.model, engine.runner.vocab)))
         handler = CommandHandler(engine, embedder, io, io.commands, publisher)
         run_engine_loop(engine, embedder, handler.apply_pending, publisher.publish, io.send)

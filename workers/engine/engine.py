@@ -22,6 +22,7 @@ from cbatch.params import Request
 from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.preparation import prepare_sequence
+from cbatch.workers.engine.reasoning import model_reasoning
 from cbatch.workers.engine.sampling.host import free_sampler_chain
 from cbatch.workers.engine.sampling.logprobs import attach_logprobs
 from cbatch.workers.engine.sampling.step import StepSampler
@@ -45,6 +46,7 @@ class Engine:
             kv = StreamCacheManager(self.runner.num_seq_ids, self.runner.ctx_per_seq, self.runner.has_prefix_cache)
         self.scheduler = Scheduler(kv, config.parallel, config.batch_size, config.max_queue)
         self.stats = EngineStats()
+        self.reasoning = model_reasoning(config, self.runner)  # the tags it thinks in, or None
         self._seqs: dict[int, Sequence] = {}
         self._cancel_ids: set[int] = set()
         self.expired_while_queued: list[int] = []  # request ids the caller ends with deadline_exceeded
@@ -86,7 +88,7 @@ class Engine:
 
     def prepare(self, request: Request) -> Sequence:
         """A validated request as a Sequence (preparation.py): safe off the loop thread."""
-        return prepare_sequence(self.runner, request, self.ctx_per_seq)
+        return prepare_sequence(self.runner, request, self.ctx_per_seq, self.reasoning)
 
     def add(self, seq: Sequence) -> None:
         """Queue a prepared sequence; on error (a full queue, a taken id) its sampler is freed."""

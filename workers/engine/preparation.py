@@ -5,15 +5,16 @@ decode worker runs it off the decode loop's thread."""
 import math
 import time
 
-from cbatch.errors import CbatchError, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
+from cbatch.errors import CbatchError, INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
 from cbatch.params import BATCH, Request
 from cbatch.workers.engine.sampling.budget import ThinkingBudget
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
 from cbatch.workers.engine.sequence import Sequence
 
 
-def prepare_sequence(runner, request: Request, ctx_per_seq: int) -> Sequence:
-    """Tokenize the request and build its sampler; raises CbatchError if it cannot run."""
+def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning: dict | None) -> Sequence:
+    """Tokenize the request and build its sampler; raises CbatchError if it cannot run.
+    `model_reasoning` holds the thinking block's tags the model uses (reasoning.py), or is None."""
     if runner.is_embedding_only:
         raise CbatchError(MODEL_EMBEDS_ONLY, f"this model ({runner.architecture}) only computes embeddings: "
                                              "send it to /v1/embeddings (Client.embed), or serve a generative model")
@@ -36,16 +37,22 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int) -> Sequence:
     sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, prompt_ids, on_backend)
     deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
     return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend,
-                    is_batch=request.priority == BATCH, deadline_s=deadline_s, budget=_budget(runner, request, text))
+                    is_batch=request.priority == BATCH, deadline_s=deadline_s, budget=_budget(runner, request, text, model_reasoning))
 
 
-def _budget(runner, request: Request, prompt_text: str) -> ThinkingBudget | None:
-    """The request's thinking budget; the block is open from the start when the prompt
-    ends in its open tag (a chat template whose generation prompt opens it)."""
+def _budget(runner, request: Request, prompt_text: str, model_reasoning: dict | None) -> ThinkingBudget | None:
+    """The request's thinking budget, in the request's tags or else the model's; the block is
+    open from the start when the prompt ends in its open tag (a chat template whose generation
+    prompt opens it)."""
     params = request.params
     if params.reasoning_budget is None:
         return None
-    open_tag, close_tag = params.reasoning_tags
+    tags = params.reasoning_tags or (tuple(model_reasoning["tags"]) if model_reasoning else None)
+    if tags is None:
+        raise CbatchError(INVALID_REQUEST, "reasoning_budget needs the thinking block's tags, and this model's chat "
+                                          "template names none: send reasoning_tags [open, close], or start the "
+                                          "daemon with --reasoning-tags OPEN CLOSE")
+    open_tag, close_tag = tags
     close_ids = runner.tokenize(close_tag, add_special=False)
-    return ThinkingBudget(params.reasoning_budget, params.reasoning_tags, close_ids,
+    return ThinkingBudget(params.reasoning_budget, tags, close_ids,
                           is_open=prompt_text.rstrip().endswith(open_tag))

@@ -1,4 +1,5 @@
-"""Which tags a model thinks in, for the HTTP server to split thinking from the answer.
+"""Which tags a model thinks in: the HTTP server splits thinking from the answer by them, and a
+thinking budget that names no tags of its own uses them.
 
 `--reasoning-tags OPEN CLOSE` names them; otherwise they are read off the chat template
 (a template that mentions `<think>` thinks in `<think>...</think>`); `--reasoning off`

@@ -190,7 +190,7 @@ class LlamaRunner:
         template = lc.llama_model_chat_template(self.model, None)
         if template:
             return template
-        architecture = (self.metadata("general.architecture") or "").encode()
+        architecture = self.architecture.encode()
         num_builtin = lc.llama_chat_builtin_templates(None, 0)
         names = (ctypes.c_char_p * num_builtin)()
         lc.llama_chat_builtin_templates(names, num_builtin)

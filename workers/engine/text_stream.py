@@ -12,6 +12,8 @@ incremental decoder (a Python-level frame per call).
 
 import codecs
 
+from cbatch.partial_tags import partial_marker_len
+
 
 class TextStream:
     def __init__(self, stop: tuple[str, ...] = ()):
@@ -55,10 +57,4 @@ class TextStream:
 
     def _longest_stop_prefix_suffix(self) -> int:
         """Length of the longest tail of _held that is a proper prefix of some stop string."""
-        best = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(self._held)), best, -1):
-                if self._held.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+        return max(partial_marker_len(self._held, stop) for stop in self._stop)
