@@ -62,6 +62,14 @@ class HttpDaemon(Daemon):
 
         return openai.OpenAI(**{"base_url": f"{self.base_url}/v1", "api_key": "unused", "max_retries": 0, **options})
 
+    def metrics(self) -> dict:
+        """/metrics as {(sample name, sorted label pairs): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
     def wait_idle(self, timeout_s: float) -> float:
         """Seconds until the daemon runs no sequence (stats reach the front-end every 0.25 s)."""
         started = time.monotonic()

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -101,6 +102,25 @@ def test_openai_package_float_and_base64_agree(daemon, model_id):
     assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0
     with daemon.client() as client:
         assert np.allclose(client.embed(PROBE)[0], floats.data[0].embedding, atol=TOLERANCE)
+
+
+def test_metrics_count_embeddings(daemon, model_id):
+    with daemon.client() as client:
+        num_inputs_before = client.stats()["num_embedding_inputs"]
+        before = daemon.metrics()
+        usage = daemon.openai().embeddings.create(model=model_id, input=[PROBE, TEXTS[1], TEXTS[2]]).usage
+        deadline_s = time.monotonic() + 5  # the worker's stats reach the front-end every 0.25 s
+        while client.stats()["num_embedding_inputs"] < num_inputs_before + 3 and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+    after = daemon.metrics()
+
+    def moved(name: str, labels: tuple = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    assert moved("cbatch_http_requests_total", (("endpoint", "embeddings"), ("finish_reason", "embedded"))) == 1
+    assert moved("cbatch_http_prompt_tokens_total") == usage.prompt_tokens
+    assert after[("cbatch_embedding_inputs_total", ())] == num_inputs_before + 3
+    assert moved("cbatch_embedding_decodes_total") >= 1
 
 
 @pytest.mark.parametrize("body, status, code", [

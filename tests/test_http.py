@@ -133,7 +133,7 @@ def test_not_json_is_400(daemon):
 
 
 def _num_disconnects(daemon) -> float:
-    samples = _samples(httpx.get(f"{daemon.base_url}/metrics").text)
+    samples = daemon.metrics()
     return samples.get(("cbatch_http_disconnects_total", (("endpoint", "completions"),)), 0)
 
 
@@ -166,17 +166,12 @@ def test_concurrent_clients(daemon):
     assert [r.usage.completion_tokens for r in results] == [12 + i for i in range(8)]
 
 
-def _samples(text: str) -> dict:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def test_metrics_parse_and_move(daemon, api):
-    before = _samples(httpx.get(f"{daemon.base_url}/metrics").text)
+    before = daemon.metrics()
     api.completions.create(model=MODEL_ID, prompt="metric me", max_tokens=6, temperature=0)
     with pytest.raises(openai.BadRequestError):
         api.completions.create(model=MODEL_ID, prompt="x", max_tokens=0)
-    after = _samples(httpx.get(f"{daemon.base_url}/metrics").text)
+    after = daemon.metrics()
     finished = ("cbatch_http_requests_total", (("endpoint", "completions"), ("finish_reason", "length")))
     assert after[finished] == before.get(finished, 0) + 1
     bad = ("cbatch_http_errors_total", (("code", "invalid_request"), ("endpoint", "completions"), ("status", "400")))
@@ -194,7 +189,7 @@ def test_metrics_parse_and_move(daemon, api):
 
 def test_prompt_tokens_metric_counts_a_prompt_once_for_its_n_choices(daemon, api):
     def prompt_tokens() -> float:
-        return _samples(httpx.get(f"{daemon.base_url}/metrics").text).get(("cbatch_http_prompt_tokens_total", ()), 0)
+        return daemon.metrics().get(("cbatch_http_prompt_tokens_total", ()), 0)
 
     before = prompt_tokens()
     reply = api.completions.create(model=MODEL_ID, prompt="count me once", max_tokens=2, n=3, temperature=0)

@@ -28,4 +28,5 @@ async def embeddings_endpoint(state: HttpState, request: Request) -> Response:
         return state.error(ENDPOINT, err)
     finally:
         state.num_in_flight -= 1
+    state.metrics.on_embedded(result.prompt_tokens)
     return json_response(embedding_response(api, result.data, result.prompt_tokens))

@@ -28,6 +28,8 @@ _DAEMON_STATS = {
     "kv_cells_used": ("cbatch_kv_cells_used", "KV cells in use (a shared cell once)", False),
     "kv_cells_total": ("cbatch_kv_cells_total", "KV cells in the context", False),
     "decode_tokens_per_s": ("cbatch_decode_tokens_per_second", "Generated tokens per second of decode steps", False),
+    "num_embedding_decodes": ("cbatch_embedding_decodes", "Embedding decodes (the inputs of several callers share one)", True),
+    "num_embedding_inputs": ("cbatch_embedding_inputs", "Inputs embedded, all clients", True),
 }
 
 
@@ -70,7 +72,7 @@ def router_gauges(stats: dict):
 class HttpMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.requests = Counter("cbatch_http_requests", "Finished choices by endpoint and finish reason",
+        self.requests = Counter("cbatch_http_requests", "Finished choices (embeddings: requests) by endpoint and finish reason",
                                 ["endpoint", "finish_reason"], registry=self.registry)
         self.errors = Counter("cbatch_http_errors", "Requests answered with an error, by status and cbatch code",
                               ["endpoint", "status", "code"], registry=self.registry)
@@ -105,6 +107,11 @@ class HttpMetrics:
             if is_new_prompt:
                 self.prompt_tokens.inc(usage["prompt_tokens"])
             self.generated_tokens.inc(usage["completion_tokens"])
+
+    def on_embedded(self, prompt_tokens: int) -> None:
+        """One answered embeddings request: a request under the finish reason `embedded`."""
+        self.requests.labels("embeddings", "embedded").inc()
+        self.prompt_tokens.inc(prompt_tokens)
 
     def render(self, daemon_stats: dict) -> bytes:
         self._daemon.stats = daemon_stats
