@@ -5,21 +5,27 @@ the close tag, the answer following. SmolLM2 does not think: a grammar gives its
 that shape, and a logit bias keeps it from closing the block by itself."""
 
 import functools
+import json
+import os
+import signal
+import subprocess
+import time
 
 import openai
 import pytest
 
 from cbatch.model import chat_model_path
-from daemonkit import serve_module
+from daemonkit import SCRIPTS_DIR, serve_module
 from httpkit import HttpDaemon
 
 THINKING = 'root ::= "<think>" [a-z ]+ "</think>" [a-z ]+'
 ASK = [{"role": "user", "content": "Name a colour."}]
+DAEMON_ARGS = ("--parallel", "2", "--alias", "m", "--reasoning-tags", "<think>", "</think>")
 
 
 @pytest.fixture(scope="module")
 def daemon():
-    yield from serve_module(HttpDaemon(chat_model_path(), "--parallel", "2", "--alias", "m", "--reasoning-tags", "<think>", "</think>"))
+    yield from serve_module(HttpDaemon(chat_model_path(), *DAEMON_ARGS))
 
 
 @functools.cache
@@ -86,6 +92,57 @@ def test_a_native_client_budget_takes_the_daemons_tags(daemon, api):
     thinking, answer = result.text.removeprefix("<think>").split("</think>", 1)
     assert (thinking, answer) == (over_http.choices[0].message.model_extra["reasoning_content"],
                                   over_http.choices[0].message.content)
+
+
+def _batch_file(tmp_path, request: dict) -> str:
+    """An OpenAI batch file: the thinking request, then a chat line that does not think."""
+    body = {"model": "m", **{k: v for k, v in request.items() if k != "extra_body"}, **request["extra_body"]}
+    lines = [{"custom_id": "think", "method": "POST", "url": "/v1/chat/completions", "body": body},
+             {"custom_id": "plain", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": ASK, "max_tokens": 8, "temperature": 0}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(tmp_path / "in.jsonl")
+
+
+def _check_split(submit: subprocess.Popen, over_http) -> None:
+    stdout, stderr = submit.communicate(timeout=60)
+    assert submit.returncode == 0, stderr
+    thought, plain = (json.loads(line)["response"]["body"]["choices"][0]["message"] for line in stdout.splitlines())
+    assert (thought["reasoning_content"], thought["content"]) == (over_http.model_extra["reasoning_content"],
+                                                                  over_http.content)
+    assert plain["content"] and plain["reasoning_content"] is None
+
+
+def _submit(daemon, *args) -> subprocess.Popen:
+    return subprocess.Popen([str(SCRIPTS_DIR / "cbatch-submit"), *args], env=daemon.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("via_url", [False, True], ids=["daemon", "url"])
+def test_openai_batch_lines_split_the_thinking_as_http_does(daemon, api, tmp_path, via_url):
+    request = thinking_request(extra_body={"reasoning_budget": 6})
+    over_http = api.chat.completions.create(model="m", **request).choices[0].message
+    flags = ("--url", f"{daemon.base_url}/v1") if via_url else ()
+    _check_split(_submit(daemon, _batch_file(tmp_path, request), *flags), over_http)
+
+
+def test_an_openai_batch_file_waits_for_a_loading_daemons_tags(api, tmp_path):
+    request = thinking_request(extra_body={"reasoning_budget": 6})
+    over_http = api.chat.completions.create(model="m", **request).choices[0].message
+    loading = HttpDaemon(chat_model_path(), *DAEMON_ARGS, is_waited=False)
+    try:
+        worker_pid = loading.new_decode_worker_pid()
+        os.kill(worker_pid, signal.SIGSTOP)  # held before its model (and so its tags) has loaded
+        try:
+            submit = _submit(loading, _batch_file(tmp_path, request))
+            time.sleep(1.0)
+            assert submit.poll() is None  # waiting, not failing the budgeted line
+        finally:
+            os.kill(worker_pid, signal.SIGCONT)
+        _check_split(submit, over_http)
+    finally:
+        loading.stop()
+        loading.remove_workdir()
 
 
 def test_the_tags_come_from_the_template_or_the_flags_and_a_prompt_may_open_the_block(make_engine):

@@ -43,9 +43,10 @@ def _request_failure(custom_id, err: CbatchError) -> dict:
 
 class OpenAILine:
     """One input line: its parsed request, or why it cannot run, and its result so far.
-    `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings)."""
+    `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings);
+    `reasoning` is the model's thinking tags, as the HTTP server splits answers by them."""
 
-    def __init__(self, number: int, item, model_names: list[str], embed=None, chat_template=None):
+    def __init__(self, number: int, item, model_names: list[str], embed=None, chat_template=None, reasoning=None):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
         self.whole: WholeResponse | None = None
@@ -69,7 +70,7 @@ class OpenAILine:
                 return
             # A batch file's lines yield to interactive requests unless a body says otherwise.
             request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names,
-                                        chat_template=chat_template)
+                                        reasoning, chat_template=chat_template)
         except CbatchError as err:
             self.result = _request_failure(self.custom_id, err)
             return

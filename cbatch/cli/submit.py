@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from cbatch.cli.batch_run import BatchInterrupted, RunSummary, run_batch
 from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
@@ -19,6 +20,7 @@ from cbatch.client.http_batch import DEFAULT_RETRY_FOR_S
 from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
 
 PROG = "cbatch-submit"
+READY_POLL_S = 0.2  # while the daemon's model loads, before an OpenAI batch file's lines are read
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -102,15 +104,28 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
              if not (isinstance(item, dict) and id_key(item) in done_ids))
     num_left = None if num_lines is None else num_lines - len(done_ids)
     if is_openai_batch(first):  # `model` follows the HTTP API's rule: a name the daemon serves
-        # An HTTP endpoint's names are those its /v1/models lists; a daemon's, its health reply's.
-        model_names = client.model_names if hasattr(client, "model_names") else client.health()["model_names"]
+        # An HTTP endpoint's names (and a cbatch one's thinking tags) are in its /v1/models
+        # listing; a daemon's, in its health reply.
+        if hasattr(client, "model_names"):
+            model_names, reasoning = client.model_names, client.reasoning
+        else:
+            health = _ready_health(client)
+            model_names, reasoning = health["model_names"], health.get("reasoning")
         chat_template = getattr(client, "chat_template", None)  # None over HTTP: cbatch's own call format
         make_line = functools.partial(OpenAILine, model_names=model_names, embed=client.embeddings,
-                                      chat_template=chat_template)
+                                      chat_template=chat_template, reasoning=reasoning)
         noun = "OpenAI batch line"
     else:
         make_line, noun = NativeLine, "line"
     return run_batch(client, items, make_line, out, max_in_flight, num_left), noun
+
+
+def _ready_health(client) -> dict:
+    """The daemon's health once its model is loaded: its chat template and thinking tags,
+    which OpenAI lines are rendered and split by as the HTTP server does, come with it."""
+    while (health := client.health())["status"] == "starting":
+        time.sleep(READY_POLL_S)
+    return health
 
 
 def interrupted_line(summary: RunSummary, num_done_before: int, num_lines: int | None, output: str | None) -> str:

@@ -137,7 +137,9 @@ class HttpBatchClient:
         try:
             self._http = self._call(self._make_http(headers, timeout, limits))
             self._session = _HttpSession(self._http, self._loop, model, retry_for_s)
-            self.model_names = self._call(self._served_models())  # what a batch line's `model` may name
+            # What a batch line's `model` may name, and the thinking tags a cbatch server
+            # lists with them (None for other servers: a line's reasoning_budget is refused).
+            self.model_names, self.reasoning = self._call(self._served_models())
             if model is None:
                 self._session.model = self.model_names[0]
         except BaseException:
@@ -150,7 +152,7 @@ class HttpBatchClient:
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _served_models(self) -> list[str]:
+    async def _served_models(self) -> tuple[list[str], dict | None]:
         try:
             response = await self._http.get("models")
         except httpx.TransportError as err:
@@ -160,7 +162,9 @@ class HttpBatchClient:
         models = _json(response).get("data") or []
         if not models:
             raise CbatchError(UNAVAILABLE, f"{self.base_url}models lists no model")
-        return [model["id"] for model in models]
+        reasoning = models[0].get("reasoning")
+        is_tags = isinstance(reasoning, dict) and isinstance(reasoning.get("tags"), list) and len(reasoning["tags"]) == 2
+        return [model["id"] for model in models], reasoning if is_tags else None
 
     @property
     def model(self) -> str:

@@ -53,9 +53,9 @@ def chunk_from_response(label, path: str, response: dict) -> Chunk:
         choice = response["choices"][0]
         text = choice["text"] if path == COMPLETIONS_PATH else choice["message"]["content"]
         usage = {name: response["usage"][name] for name in ("prompt_tokens", "completion_tokens")}
-        tool_calls = None if path == COMPLETIONS_PATH else choice["message"].get("tool_calls")
+        message = {} if path == COMPLETIONS_PATH else choice["message"]
         return Chunk(label, text or "", [], choice["finish_reason"], usage, _logprobs(path, choice.get("logprobs")),
-                     tool_calls)
+                     message.get("tool_calls"), message.get("reasoning_content"))
     except (KeyError, IndexError, TypeError) as err:
         raise CbatchError(INTERNAL, f"the server's response is not an OpenAI completion ({err!r} missing)") from None
 

@@ -32,6 +32,9 @@ class Chunk:
     # finish_reason is "tool_calls"); text that may be a call is held back until then, and
     # `text` never holds a call. Else None.
     tool_calls: list[dict] | None = None
+    # Only from an OpenAI-compatible HTTP server (cbatch-submit --url): on a chat answer's one
+    # chunk, the thinking that server split off `text` (its reasoning_content). Else None.
+    reasoning: str | None = None
 
 
 @dataclass

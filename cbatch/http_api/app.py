@@ -98,8 +98,10 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
 
 
 async def _models(state: HttpState, request: Request) -> Response:
+    """OpenAI's model objects, and cbatch's `reasoning`: the tags the model thinks in, or null."""
     return json_response({"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
-                                                      "owned_by": "cbatch"} for name in state.model_names]})
+                                                      "owned_by": "cbatch", "reasoning": state.reasoning}
+                                                     for name in state.model_names]})
 
 
 async def _health(state: HttpState, request: Request) -> Response:

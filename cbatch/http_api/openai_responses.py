@@ -62,11 +62,15 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model,
                 "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
-    def whole(self, texts: list[str], finish_reasons: list[str], logprobs: list, usages: list[dict]) -> dict:
+    def whole(self, texts: list[str], finish_reasons: list[str], logprobs: list, usages: list[dict],
+              split_reasonings: list[str | None]) -> dict:
+        """`split_reasonings`: per choice, the thinking another server already split off its
+        text (cbatch-submit --url), or None."""
         choices = []
-        for i, (text, reason, lp) in enumerate(zip(texts, finish_reasons, logprobs)):
+        for i, (text, reason, lp, reasoning) in enumerate(zip(texts, finish_reasons, logprobs, split_reasonings)):
             choice = {"index": i, "finish_reason": reason, "logprobs": lp}
-            reasoning, text = split_reasoning(text, self.request.reasoning) if self.request.reasoning else (None, text)
+            if reasoning is None and self.request.reasoning:
+                reasoning, text = split_reasoning(text, self.request.reasoning)
             parsed = self.request.tools.parse(text) if self.request.tools else None
             if parsed:
                 choice["message"] = {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}
@@ -75,7 +79,7 @@ class ResponseBuilder:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            if self.request.reasoning:
+            if self.request.reasoning or split_reasonings[i] is not None:
                 choice["message"]["reasoning_content"] = reasoning or None
             choices.append(choice)
         return self._envelope(self.object, choices, usage=self.usage(usages))
@@ -131,6 +135,7 @@ class WholeResponse:
         self._reasons: list[str | None] = [None] * num
         self._logprobs = [[] if builder.request.top_logprobs is not None else None for _ in range(num)]
         self.usages: list[dict | None] = [None] * num
+        self._reasonings: list[str | None] = [None] * num
         self.num_left = num
 
     def add(self, choice: int, chunk) -> None:
@@ -140,9 +145,10 @@ class WholeResponse:
             self._logprobs[choice].append(entries)
         if chunk.finish_reason:
             self._reasons[choice], self.usages[choice] = chunk.finish_reason, chunk.usage
+            self._reasonings[choice] = getattr(chunk, "reasoning", None)
             self.num_left -= 1
 
     def response(self) -> dict:
         kind = self.builder.request.kind
         return self.builder.whole(["".join(t) for t in self._texts], self._reasons,
-                                  [_merge_logprobs(kind, p) for p in self._logprobs], self.usages)
+                                  [_merge_logprobs(kind, p) for p in self._logprobs], self.usages, self._reasonings)
