@@ -12,7 +12,7 @@ close tag is forced: workers/engine/sampling/budget.py), or OpenAI's `reasoning_
 """
 
 from cbatch.params import invalid
-from cbatch.partial_tags import partial_marker_len
+from cbatch.partial_markers import partial_marker_len
 
 # reasoning_effort -> thinking budget in tokens; "none" and "minimal" close the block at once.
 EFFORT_BUDGETS = {"none": 0, "minimal": 0, "low": 256, "medium": 1024, "high": 4096, "xhigh": 16384}

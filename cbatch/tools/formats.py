@@ -15,7 +15,7 @@ import json
 import re
 
 from cbatch.params import invalid
-from cbatch.partial_tags import partial_marker_len
+from cbatch.partial_markers import partial_marker_len
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum (the converter ignores ranges)

@@ -12,7 +12,7 @@ incremental decoder (a Python-level frame per call).
 
 import codecs
 
-from cbatch.partial_tags import partial_marker_len
+from cbatch.partial_markers import partial_marker_len
 
 
 class TextStream:
