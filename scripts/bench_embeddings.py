@@ -104,6 +104,8 @@ def token_gaps(base_url: str, model: str, max_tokens: int, make_load=None,
         is_running.clear()
         for loader in loaders:
             loader.join()
+    if not gaps:  # the whole stream came in one event: no token waited on another
+        return 0.0, 0.0
     return float(np.max(gaps)) * 1000, float(np.median(gaps)) * 1000
 
 
@@ -171,7 +173,8 @@ def main(argv=None) -> None:
         cells = []
         for size in args.batch_sizes:
             server = rates[SERVER].get(size)
-            cells.append(f"  {by_size[size]:10.1f} {by_size[size] / server if server else float('nan'):8.2f}")
+            ratio = f"{by_size[size] / server:8.2f}" if server else f"{'-':>8}"
+            cells.append(f"  {by_size[size]:10.1f} {ratio}")
         print(f"{name:20}" + "".join(cells))
     for name, (alone, loaded) in gaps.items():
         print(f"{name}: token gap of a {args.max_tokens}-token stream: {_gap_text(alone)} alone; {_gap_text(loaded)} "

@@ -42,6 +42,9 @@ class FakeRunner:
     def tokenize(self, text: str) -> list[int]:
         return [1 + ord(ch) % (NUM_VOCAB - 1) for ch in text]
 
+    def chat_template(self) -> None:
+        return None  # a model without one: prompts are the caller's, and it thinks in no tags
+
     def token_piece(self, token: int) -> bytes:
         return bytes([ord("a") + token % 26])
 

@@ -81,3 +81,13 @@ def test_bench_priorities_prints_each_phase_and_the_verdict(tiny_model_path):
     assert len(phases) == 4, out
     assert re.search(r"still queued at the end: True", out), out
     assert re.search(r"^target: .*, (met|missed)$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_embeddings_prints_each_path_and_the_stream_gaps(tiny_model_path):
+    out = run_script("bench_embeddings", "--model", tiny_model_path, "--clients", "1", "--requests", "2",
+                     "--batch-sizes", "1", "4", "--parallel", "2", "--max-tokens", "8")
+    rows = re.findall(rf"^(cbatch HTTP|cbatch Client)\s+{NUMBER}\s+-\s+{NUMBER}\s+-$", out, re.M)
+    assert rows == ["cbatch HTTP", "cbatch Client"], out
+    assert re.search(rf"^cbatch: token gap of a 8-token stream: worst {NUMBER} ms .* alone; worst {NUMBER} ms "
+                     r".* beside 1 callers embedding batches of 4$", out, re.M), out

@@ -51,16 +51,24 @@ def test_same_text_same_vector_alone_or_in_a_batch_of_16(daemon):
     assert len(distinct) == 16  # different texts, different vectors
 
 
+def settled_stats(client, num_inputs: int) -> dict:
+    """stats() once they count `num_inputs` embedded (the worker's reach the front-end every
+    0.25 s), or after 5 s."""
+    deadline_s = time.monotonic() + 5
+    while (stats := client.stats())["num_embedding_inputs"] < num_inputs and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    return stats
+
+
 def test_callers_waiting_together_share_a_decode(daemon):
     async def main():
         async with await AsyncClient.connect(daemon.endpoint) as client:
-            before = await client.stats()
-            vectors = await asyncio.gather(*(client.embed(text) for text in TEXTS))
-            after = await client.stats()
-            return vectors, before, after
+            return await asyncio.gather(*(client.embed(text) for text in TEXTS))
 
-    vectors, before, after = asyncio.run(main())
     with daemon.client() as client:
+        before = settled_stats(client, 0)
+        vectors = asyncio.run(main())
+        after = settled_stats(client, before["num_embedding_inputs"] + len(TEXTS))
         assert np.allclose(np.array([v[0] for v in vectors]), client.embed(TEXTS), atol=TOLERANCE)
     num_decodes = after["num_embedding_decodes"] - before["num_embedding_decodes"]
     assert after["num_embedding_inputs"] - before["num_embedding_inputs"] == len(TEXTS)
@@ -176,6 +184,30 @@ def test_generation_keeps_flowing_while_embeddings_run(daemon, model_id):
     loader.join()
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 200
     assert num_embedded_during_stream[0] > 0  # embeddings ran beside it
+
+
+def test_beside_a_generation_an_embedding_decode_stays_small(daemon, model_id):
+    """Idle, a decode takes as many inputs as --batch-size holds; while a sequence generates
+    (one token a step) it takes MIN_EMBED_TOKENS_BESIDE_STEPS, so the same inputs need more."""
+    if "bert" in model_id:
+        pytest.skip("the BERT model does not generate")
+
+    def num_decodes_to_embed(client, then=lambda: None) -> int:
+        before = settled_stats(client, 0)
+        client.embed(TEXTS)
+        then()
+        after = settled_stats(client, before["num_embedding_inputs"] + len(TEXTS))
+        return after["num_embedding_decodes"] - before["num_embedding_decodes"]
+
+    with daemon.client() as client, daemon.client() as generating:
+        idle = num_decodes_to_embed(client)
+        stream = generating.submit("Once", max_tokens=500, ignore_eos=True)
+        chunks = generating.read(stream)
+        next(chunks)
+        beside = num_decodes_to_embed(client, then=lambda: generating.cancel(stream.request_id))
+        last = list(chunks)[-1]
+    assert last.finish_reason == "cancelled"  # it generated from before the embedding to after it
+    assert beside > idle
 
 
 def test_embedding_only_model_refuses_generation(daemon, model_id):

@@ -31,7 +31,7 @@ from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT, RequestPreparer
 from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.chat_texts import chat_texts
-from cbatch.workers.engine.embedder import Embedder
+from cbatch.workers.engine.embedder import MIN_EMBED_TOKENS_BESIDE_STEPS, Embedder
 from cbatch.workers.engine.engine import Engine
 
 
@@ -88,7 +88,10 @@ def run_engine_loop(engine: Engine, embedder: Embedder, apply_pending: Callable[
     """
     while apply_pending(not engine.has_work and not embedder.has_work):
         if embedder.has_work:  # one embedding decode between two generation steps, at most
-            for reply in embedder.step():
+            # Beside generation it is no bigger than the step before it (embedder.py).
+            max_tokens = (max(engine.stats.num_last_batch_tokens, MIN_EMBED_TOKENS_BESIDE_STEPS)
+                          if engine.has_work else engine.config.batch_size)
+            for reply in embedder.step(max_tokens):
                 send(reply)
             if not engine.has_work:
                 publish([])  # the liveness beat an embedding-only load would otherwise never give

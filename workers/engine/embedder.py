@@ -7,7 +7,9 @@ The context (embeddings on, the pooling below) is made by the first job that rea
 step(), so a deployment that only generates pays nothing for it. One step decodes the
 inputs waiting, several callers' together, up to the batch's tokens (--batch-size) and
 sequences; the decode loop runs at most one step between two generation steps, so an
-embedding load delays each generation step by at most one such decode (docs/design.md).
+embedding load delays each generation step by at most one such decode (docs/design.md),
+and while sequences generate a decode carries no more tokens than the generation step
+before it (MIN_EMBED_TOKENS_BESIDE_STEPS at least), so the delay is about one step.
 Every input is one sequence, whole in one decode (llama.cpp pools over a sequence within
 one micro-batch; an encoder's attention sees all of it at once), so an input holds at
 most --batch-size tokens, and no more than the model's training context. The context's
@@ -34,6 +36,9 @@ POOLING_TYPES = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "cls": lc.LLAMA_POOLING_TYP
                  "last": lc.LLAMA_POOLING_TYPE_LAST}
 POOLING_NAMES = {value: name for name, value in POOLING_TYPES.items()}
 MAX_SEQS_PER_DECODE = 64  # inputs in one llama_decode: each is a sequence id of the context
+# Tokens an embedding decode may carry beside running generations even after a small step:
+# about a decode step's cost on a GPU, a few ms of the tiny model on a CPU.
+MIN_EMBED_TOKENS_BESIDE_STEPS = 64
 
 
 @dataclass
@@ -94,16 +99,17 @@ class Embedder:
     def add(self, job: EmbedJob) -> None:
         self._jobs.append(job)
 
-    def step(self) -> list[WorkerEmbedded]:
+    def step(self, max_tokens: int) -> list[WorkerEmbedded]:
         """Decode the next inputs waiting (from the oldest job on), as many as one decode
-        takes; returns the replies of the jobs this completed (or failed)."""
+        takes and up to `max_tokens` (the first input whatever its length); returns the
+        replies of the jobs this completed (or failed)."""
         if self._ctx is None:
             try:
                 self._open()
             except CbatchError as err:
                 failed, self._jobs = self._jobs, []
                 return [WorkerEmbedded(job.embed_id, code=err.code, message=err.message) for job in failed]
-        placed = self._place()
+        placed = self._place(min(max_tokens, self._config.batch_size))
         status = self._decode(placed)
         replies, jobs_in_batch = [], {id(job): job for job, _ in placed}
         if status != 0:
@@ -121,12 +127,12 @@ class Embedder:
                 replies.append(WorkerEmbedded(job.embed_id, job.vectors, job.num_tokens))
         return replies
 
-    def _place(self) -> list[tuple[EmbedJob, list[int]]]:
+    def _place(self, max_tokens: int) -> list[tuple[EmbedJob, list[int]]]:
         """The inputs of the next decode, in arrival order: (job, tokens) per sequence."""
         placed, num_tokens = [], 0
         for job in self._jobs:
             for tokens in job.token_lists[len(job.vectors):]:
-                if len(placed) == MAX_SEQS_PER_DECODE or num_tokens + len(tokens) > self._config.batch_size:
+                if placed and (len(placed) == MAX_SEQS_PER_DECODE or num_tokens + len(tokens) > max_tokens):
                     return placed
                 placed.append((job, tokens))
                 num_tokens += len(tokens)

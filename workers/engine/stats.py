@@ -28,10 +28,12 @@ class EngineStats:
     num_prefill_tokens: int = 0  # tokens fed in pure-prefill steps
     num_prompt_tokens_computed: int = 0  # prompt tokens fed in any step (not served by the cache)
     requests_ended: int = 0  # finished for any reason: stop, length, cancelled, error
+    num_last_batch_tokens: int = 0  # of the latest step: what an embedding decode beside it may carry
 
     def record_step(self, step_s: float, llama_decode_s: float, num_batch_tokens: int, num_prompt_tokens: int,
                     num_decode_seqs: int, num_generated: int) -> None:
         self.num_steps += 1
+        self.num_last_batch_tokens = num_batch_tokens
         self.num_sampled_tokens += num_generated
         self.num_prompt_tokens_computed += num_prompt_tokens
         self.step_s += step_s
