@@ -25,9 +25,10 @@ import httpx
 
 BIN = Path(sys.executable).parent
 # A dead daemon is left out after two failed checks a second apart (smg's default: 3
-# checks a minute apart), a restarted one taken back after one good check.
+# checks a minute apart), a restarted one taken back after one good check; no circuit
+# breaker, which shunned a restarted daemon for 60 s after its drain's 503s.
 HEALTH_FLAGS = ["--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-                "--health-success-threshold", "1", "--health-check-timeout-secs", "1"]
+                "--health-success-threshold", "1", "--health-check-timeout-secs", "1", "--disable-circuit-breaker"]
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
 

@@ -21,9 +21,10 @@ from httpkit import HttpDaemon
 HOST_PORT = 8000
 API_KEY = "scale-out-test-key"
 # What docs/scale-out.md tunes: a dead daemon is left out after two failed checks a
-# second apart, a restarted one taken back after one good check.
+# second apart, a restarted one taken back after one good check, and no circuit breaker
+# (it shunned a restarted daemon for 60 s after its drain's 503s).
 HEALTH_FLAGS = ("--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-                "--health-success-threshold", "1", "--health-check-timeout-secs", "1")
+                "--health-success-threshold", "1", "--health-check-timeout-secs", "1", "--disable-circuit-breaker")
 ROUTER_READY_TIMEOUT_S = 60.0
 ROUTER_STOP_TIMEOUT_S = 30.0
 

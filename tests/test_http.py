@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
@@ -403,9 +402,7 @@ def test_a_router_finds_the_load_it_asks_for(daemon):
         next(line for line in lines if line.startswith("data: {"))
         wait_until(lambda: httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] >= 1, 5)
         (load,) = httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"]
-        metrics = {family.name: family.samples[0].value
-                   for family in text_string_to_metric_families(httpx.get(f"{daemon.base_url}/metrics", timeout=5).text)
-                   if family.name.startswith("vllm:")}
+        metrics = {name: value for (name, _), value in daemon.metrics().items() if name.startswith("vllm:")}
         for _ in lines:
             pass
     assert load["num_waiting_reqs"] == 0 and 0 < load["token_usage"] <= 1

@@ -134,6 +134,8 @@ def test_an_openai_batch_file_waits_for_a_loading_daemons_tags(api, tmp_path):
         worker_pid = loading.new_decode_worker_pid()
         os.kill(worker_pid, signal.SIGSTOP)  # held before its model (and so its tags) has loaded
         try:
+            with loading.client() as client:
+                assert client.health()["status"] == "starting"  # else this would test nothing
             submit = _submit(loading, _batch_file(tmp_path, request))
             time.sleep(1.0)
             assert submit.poll() is None  # waiting, not failing the budgeted line
@@ -143,6 +145,28 @@ def test_an_openai_batch_file_waits_for_a_loading_daemons_tags(api, tmp_path):
     finally:
         loading.stop()
         loading.remove_workdir()
+
+
+@pytest.mark.parametrize("server_reasoning, expected", [
+    (None, (None, "Red.")),  # the server split it and there was no thinking
+    ("hmm", ("hmm", "Red.")),
+])
+def test_an_answer_another_server_split_is_not_split_again(server_reasoning, expected):
+    """--url to a server whose model opens the block in its prompt: an answer the server
+    already split must not be read as all thinking."""
+    from cbatch.client.openai_wire import CHAT_PATH, chunk_from_response
+    from cbatch.http_api.openai_mapping import CHAT, parse_api_request
+    from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse
+
+    opened = {"tags": ["<think>", "</think>"], "opened_by_prompt": True}
+    request = parse_api_request(CHAT, {"messages": ASK}, ["m"], opened)
+    whole = WholeResponse(ResponseBuilder(request, "fp_x"))
+    message = {"role": "assistant", "content": "Red.", "reasoning_content": server_reasoning}
+    whole.add(0, chunk_from_response("line", CHAT_PATH, {
+        "choices": [{"message": message, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2}}))
+    answer = whole.response()["choices"][0]["message"]
+    assert (answer["reasoning_content"], answer["content"]) == expected
 
 
 def test_the_tags_come_from_the_template_or_the_flags_and_a_prompt_may_open_the_block(make_engine):

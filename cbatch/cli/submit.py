@@ -123,7 +123,11 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
 def _ready_health(client) -> dict:
     """The daemon's health once its model is loaded: its chat template and thinking tags,
     which OpenAI lines are rendered and split by as the HTTP server does, come with it."""
+    is_told = False
     while (health := client.health())["status"] == "starting":
+        if not is_told:
+            print(f"{PROG}: waiting for the daemon to load its model", file=sys.stderr, flush=True)
+            is_told = True
         time.sleep(READY_POLL_S)
     return health
 

@@ -163,8 +163,10 @@ class HttpBatchClient:
         if not models:
             raise CbatchError(UNAVAILABLE, f"{self.base_url}models lists no model")
         reasoning = models[0].get("reasoning")
-        is_tags = isinstance(reasoning, dict) and isinstance(reasoning.get("tags"), list) and len(reasoning["tags"]) == 2
-        return [model["id"] for model in models], reasoning if is_tags else None
+        if not (isinstance(reasoning, dict) and isinstance(reasoning.get("tags"), list) and len(reasoning["tags"]) == 2):
+            return [model["id"] for model in models], None
+        return [model["id"] for model in models], {"tags": reasoning["tags"],
+                                                   "opened_by_prompt": reasoning.get("opened_by_prompt") is True}
 
     @property
     def model(self) -> str:

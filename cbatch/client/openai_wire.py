@@ -54,8 +54,11 @@ def chunk_from_response(label, path: str, response: dict) -> Chunk:
         text = choice["text"] if path == COMPLETIONS_PATH else choice["message"]["content"]
         usage = {name: response["usage"][name] for name in ("prompt_tokens", "completion_tokens")}
         message = {} if path == COMPLETIONS_PATH else choice["message"]
+        # A server that splits thinking says so by the key, even when there was none (null):
+        # "" then keeps the answer from being split again.
+        reasoning = (message["reasoning_content"] or "") if "reasoning_content" in message else None
         return Chunk(label, text or "", [], choice["finish_reason"], usage, _logprobs(path, choice.get("logprobs")),
-                     message.get("tool_calls"), message.get("reasoning_content"))
+                     message.get("tool_calls"), reasoning)
     except (KeyError, IndexError, TypeError) as err:
         raise CbatchError(INTERNAL, f"the server's response is not an OpenAI completion ({err!r} missing)") from None
 

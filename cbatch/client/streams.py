@@ -33,7 +33,8 @@ class Chunk:
     # `text` never holds a call. Else None.
     tool_calls: list[dict] | None = None
     # Only from an OpenAI-compatible HTTP server (cbatch-submit --url): on a chat answer's one
-    # chunk, the thinking that server split off `text` (its reasoning_content). Else None.
+    # chunk, the thinking that server split off `text` (its reasoning_content; "" for none),
+    # or None when the server splits nothing.
     reasoning: str | None = None
 
 

@@ -98,7 +98,10 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
 
 
 async def _models(state: HttpState, request: Request) -> Response:
-    """OpenAI's model objects, and cbatch's `reasoning`: the tags the model thinks in, or null."""
+    """OpenAI's model objects, and cbatch's `reasoning`: the tags the model thinks in, or null
+    (also while the model loads)."""
+    if not state.has_been_ready:
+        await state.status()  # the tags come with the daemon's first "ok"
     return json_response({"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
                                                       "owned_by": "cbatch", "reasoning": state.reasoning}
                                                      for name in state.model_names]})

@@ -49,8 +49,8 @@ def _budget(runner, request: Request, prompt_text: str, model_reasoning: dict | 
         return None
     tags = params.reasoning_tags or (tuple(model_reasoning["tags"]) if model_reasoning else None)
     if tags is None:
-        raise CbatchError(INVALID_REQUEST, "reasoning_budget needs the thinking block's tags, and this model's chat "
-                                          "template names none: send reasoning_tags [open, close], or start the "
+        raise CbatchError(INVALID_REQUEST, "reasoning_budget needs the thinking block's tags, and the daemon knows "
+                                          "none for this model: send reasoning_tags [open, close], or start the "
                                           "daemon with --reasoning-tags OPEN CLOSE")
     open_tag, close_tag = tags
     close_ids = runner.tokenize(close_tag, add_special=False)
