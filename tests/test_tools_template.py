@@ -161,13 +161,20 @@ def test_a_native_batch_file_with_tools_writes_the_calls(daemon, tmp_path, over)
     assert out[2]["finish_reason"] == "length" and "tool_calls" not in out[2]
 
 
-def test_an_openai_batch_file_with_tools_answers_with_tool_calls(daemon, tmp_path):
+@pytest.mark.parametrize("over", ["zeromq", "http"])
+def test_an_openai_batch_file_with_tools_answers_with_tool_calls(daemon, tmp_path, over):
+    """Over ZeroMQ the submitter renders with the daemon's template; over --url the line's
+    tools go to the server, which does: the same prompt either way."""
     body = {"messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, **GREEDY}
+    over_http = daemon.openai().chat.completions.create(model=daemon.openai().models.list().data[0].id, **body)
+    url = ("--url", f"{daemon.base_url}/v1") if over == "http" else ()
     (line,) = _submit(daemon, tmp_path, [{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-                                          "body": body}])
-    choice = line["response"]["body"]["choices"][0]
+                                          "body": body}], *url)
+    response = line["response"]["body"]
+    choice = response["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert_weather(choice["message"]["tool_calls"][0])
+    assert response["usage"]["prompt_tokens"] == over_http.usage.prompt_tokens
 
 
 DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_tools_template.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)

@@ -44,9 +44,11 @@ def _request_failure(custom_id, err: CbatchError) -> dict:
 class OpenAILine:
     """One input line: its parsed request, or why it cannot run, and its result so far.
     `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings);
-    `reasoning` is the model's thinking tags, as the HTTP server splits answers by them."""
+    `reasoning` is the model's thinking tags, as the HTTP server splits answers by them;
+    `forwards_tools`: the line goes to another OpenAI server, which takes its tools itself."""
 
-    def __init__(self, number: int, item, model_names: list[str], embed=None, chat_template=None, reasoning=None):
+    def __init__(self, number: int, item, model_names: list[str], embed=None, chat_template=None, reasoning=None,
+                 forwards_tools: bool = False):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
         self.whole: WholeResponse | None = None
@@ -70,7 +72,7 @@ class OpenAILine:
                 return
             # A batch file's lines yield to interactive requests unless a body says otherwise.
             request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names,
-                                        reasoning, chat_template=chat_template)
+                                        reasoning, chat_template=chat_template, forwards_tools=forwards_tools)
         except CbatchError as err:
             self.result = _request_failure(self.custom_id, err)
             return

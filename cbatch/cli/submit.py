@@ -105,15 +105,17 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
     num_left = None if num_lines is None else num_lines - len(done_ids)
     if is_openai_batch(first):  # `model` follows the HTTP API's rule: a name the daemon serves
         # An HTTP endpoint's names (and a cbatch one's thinking tags) are in its /v1/models
-        # listing; a daemon's, in its health reply.
-        if hasattr(client, "model_names"):
+        # listing, and it takes tools itself; a daemon's are in its health reply, and tools
+        # are rendered here with its chat template, as its HTTP server does.
+        is_http = hasattr(client, "model_names")
+        if is_http:
             model_names, reasoning = client.model_names, client.reasoning
         else:
             health = _ready_health(client)
             model_names, reasoning = health["model_names"], health.get("reasoning")
-        chat_template = getattr(client, "chat_template", None)  # None over HTTP: cbatch's own call format
         make_line = functools.partial(OpenAILine, model_names=model_names, embed=client.embeddings,
-                                      chat_template=chat_template, reasoning=reasoning)
+                                      chat_template=None if is_http else client.chat_template, reasoning=reasoning,
+                                      forwards_tools=is_http)
         noun = "OpenAI batch line"
     else:
         make_line, noun = NativeLine, "line"

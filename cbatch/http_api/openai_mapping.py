@@ -143,11 +143,13 @@ def check_model(model, model_names: list[str]) -> str:
 
 
 def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | None = None, *,
-                      chat_template: ChatTemplate | None = None) -> ApiRequest:
+                      chat_template: ChatTemplate | None = None, forwards_tools: bool = False) -> ApiRequest:
     """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
     `model`, when given, must be one of `model_names`; `reasoning` is the model's thinking
     tags (None: its answers are left as they are); `chat_template` is the model's own when
-    it knows tools (cbatch.tools.template_of), which then renders chats with tools."""
+    it knows tools (cbatch.tools.template_of), which then renders chats with tools. With
+    `forwards_tools` (bodies bound for another OpenAI server) a chat's messages and tools
+    stay as they are: that server renders them and reads the calls."""
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
     model = check_model(raw.get("model"), model_names)
@@ -176,7 +178,7 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
     if kind == CHAT:
         body.update(reasoning_fields(raw.get("reasoning_budget"), raw.get("reasoning_effort"), reasoning))
         chat = {"messages": raw.get("messages"), **{name: raw[name] for name in TOOL_FIELDS if name in raw}}
-        body, tools = prepare_chat({**body, **chat}, chat_template)
+        body, tools = ({**body, **chat}, None) if forwards_tools else prepare_chat({**body, **chat}, chat_template)
         prompts = [{name: body.pop(name) for name in ("messages", "prompt") if name in body}]
     else:
         prompt = raw.get("prompt")

@@ -63,15 +63,16 @@ class ResponseBuilder:
                 "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
     def whole(self, texts: list[str], finish_reasons: list[str], logprobs: list, usages: list[dict],
-              split_reasonings: list[str | None]) -> dict:
-        """`split_reasonings`: per choice, the thinking another server already split off its
-        text (cbatch-submit --url), or None."""
+              read_by_server: list[tuple[str | None, list | None]]) -> dict:
+        """`read_by_server`: per choice, (thinking, tool calls) another server already took
+        out of its text (cbatch-submit --url), each None where it did not."""
         choices = []
-        for i, (text, reason, lp, reasoning) in enumerate(zip(texts, finish_reasons, logprobs, split_reasonings)):
+        for i, (text, reason, lp, (reasoning, calls)) in enumerate(zip(texts, finish_reasons, logprobs,
+                                                                        read_by_server)):
             choice = {"index": i, "finish_reason": reason, "logprobs": lp}
             if reasoning is None and self.request.reasoning:
                 reasoning, text = split_reasoning(text, self.request.reasoning)
-            parsed = self.request.tools.parse(text) if self.request.tools else None
+            parsed = self.request.tools.parse(text) if self.request.tools else (text or None, calls) if calls else None
             if parsed:
                 choice["message"] = {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}
                 choice["finish_reason"] = "tool_calls"
@@ -79,7 +80,7 @@ class ResponseBuilder:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            if self.request.reasoning or split_reasonings[i] is not None:
+            if self.request.reasoning or read_by_server[i][0] is not None:
                 choice["message"]["reasoning_content"] = reasoning or None
             choices.append(choice)
         return self._envelope(self.object, choices, usage=self.usage(usages))
@@ -135,7 +136,7 @@ class WholeResponse:
         self._reasons: list[str | None] = [None] * num
         self._logprobs = [[] if builder.request.top_logprobs is not None else None for _ in range(num)]
         self.usages: list[dict | None] = [None] * num
-        self._reasonings: list[str | None] = [None] * num
+        self._read_by_server: list[tuple[str | None, list | None]] = [(None, None)] * num
         self.num_left = num
 
     def add(self, choice: int, chunk) -> None:
@@ -145,10 +146,10 @@ class WholeResponse:
             self._logprobs[choice].append(entries)
         if chunk.finish_reason:
             self._reasons[choice], self.usages[choice] = chunk.finish_reason, chunk.usage
-            self._reasonings[choice] = getattr(chunk, "reasoning", None)
+            self._read_by_server[choice] = (getattr(chunk, "reasoning", None), getattr(chunk, "tool_calls", None))
             self.num_left -= 1
 
     def response(self) -> dict:
         kind = self.builder.request.kind
         return self.builder.whole(["".join(t) for t in self._texts], self._reasons,
-                                  [_merge_logprobs(kind, p) for p in self._logprobs], self.usages, self._reasonings)
+                                  [_merge_logprobs(kind, p) for p in self._logprobs], self.usages, self._read_by_server)
