@@ -35,14 +35,13 @@ class ThinkingBudget:
 
     def next_forced(self) -> int | None:
         """The token to force at this step, or None to sample."""
-        if self.is_done or self.num_thinking < self.budget or not self.is_thinking:
+        if self.num_thinking < self.budget or not self.is_thinking:
             return None
         return self.close_ids[self.num_forced]
 
     def on_token(self, token: int, piece: bytes) -> None:
-        """After each token of the sequence, sampled or forced."""
-        if self.is_done:
-            return
+        """After each token of the sequence, sampled or forced (never after is_done: the
+        budget is dropped then, track_budgets)."""
         if self.next_forced() == token:
             self.num_forced += 1
         self._tail = (self._tail + piece)[-self._max_tag_bytes - len(piece):]
