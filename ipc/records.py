@@ -78,6 +78,7 @@ class TokenEvent:
     error: str | None = None
     logprobs: list | None = None  # per token, for requests that asked (engine/sampling/logprobs.py)
     index: int = 0  # the request's record index of the event's first record
+    error_code: str = ""  # with "error": the stable code the caller gets (cbatch.errors); "" = decode_failed
 
     @property
     def finish(self) -> int:

@@ -5,7 +5,8 @@ Layout (little-endian; one segment per decode worker, created by the supervisor 
 survives a worker restart):
   header   64 bytes = 8 x uint64: magic, layout_version, capacity (records, power of two),
            record_size (bytes), write_cursor (records ever published, monotonic),
-           heartbeat_ns (writer's time.monotonic_ns(), system-wide on Linux), 2 x reserved.
+           heartbeat_ns (writer's time.monotonic_ns(), system-wide on Linux), and the ids of
+           the requests the worker is inside llama.cpp for alone (sampling, preparing; 0 = none).
   records  capacity x 64 bytes (RECORD_DTYPE). The record published at cursor position p
            lives in slot p % capacity and carries seq = p + 1 (0: never written, or being
            rewritten right now).
@@ -74,6 +75,10 @@ SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory segments
 
 # Positions of the mutable uint64 header fields (0..3: magic, version, capacity, record_size).
 _H_WRITE_CURSOR, _H_HEARTBEAT_NS = 4, 5
+# Marks the supervisor reads when the worker dies, to name the request that crashed it
+# (workers/daemon/quarantine.py): the request the decode loop samples for one at a time, and
+# the one a preparer thread prepares (two preparers share it: the later one's id is kept).
+_H_SAMPLING_REQUEST, _H_PREPARING_REQUEST = 6, 7
 _NUM_HEADER_FIELDS = 8
 
 _SEQ_BYTES = 8  # the writer stores the body (bytes 8..64) and the seq marker separately
@@ -122,6 +127,22 @@ class TokenRing:
     name = property(lambda self: self._name)
     write_cursor = property(lambda self: int(self.header[_H_WRITE_CURSOR]))
     heartbeat_ns = property(lambda self: int(self.header[_H_HEARTBEAT_NS]))
+
+    def mark_sampling(self, request_id: int) -> None:
+        """The decode loop is about to sample for request_id alone (0: for none); a no-op once closed."""
+        if self.header is not None:
+            self.header[_H_SAMPLING_REQUEST] = request_id
+
+    def mark_preparing(self, request_id: int) -> None:
+        """A preparer is about to prepare request_id (0: none); a no-op once closed."""
+        if self.header is not None:
+            self.header[_H_PREPARING_REQUEST] = request_id
+
+    def take_crash_marks(self) -> list[int]:
+        """The marked request ids (none: []), cleared for the next worker."""
+        marks = [int(m) for m in self.header[_H_SAMPLING_REQUEST:_H_PREPARING_REQUEST + 1] if m]
+        self.header[_H_SAMPLING_REQUEST:_H_PREPARING_REQUEST + 1] = 0
+        return marks
 
     def close(self) -> None:
         if self._owner is None:

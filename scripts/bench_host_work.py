@@ -103,8 +103,8 @@ def run_level(model_path: str, parallel: int, params: dict, backend_sampling: bo
         publisher = EventPublisher(engine, Embedder(engine.runner, config), ring, DroppingIO(), tick)
         engine.step = timers.wrap("step", engine.step)
         engine._sample = timers.wrap("sample", engine._sample)
-        engine._settle = timers.wrap("text", engine._settle)  # ids: end of generation, max_tokens
-        engine._postprocess = timers.wrap("text", engine._postprocess)
+        engine._output.settle = timers.wrap("text", engine._output.settle)  # ids: end of generation, max_tokens
+        engine._output.postprocess = timers.wrap("text", engine._output.postprocess)
         engine.runner.logits = timers.wrap("logits", engine.runner.logits)
         engine.runner.sampled_token = timers.wrap("logits", engine.runner.sampled_token)
         publish = timers.wrap("publish", publisher.publish)

@@ -138,7 +138,8 @@ class RequestStream:
         if self.finished["finish_reason"] == "error":
             # The one place a failed decode becomes an error: every consumer gets it as the
             # stream's last item, with the worker's reason, never as a finished chunk.
-            self.fail(CbatchError(DECODE_FAILED, self.finished.get("error") or "the decode step of this request failed"))
+            self.fail(CbatchError(self.finished.get("error_code") or DECODE_FAILED,
+                                  self.finished.get("error") or "the decode step of this request failed"))
             return
         self.is_done = True
         self._emit([], self._decoder.decode(b"", final=True), finish_reason=self.finished["finish_reason"],

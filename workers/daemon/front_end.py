@@ -23,6 +23,7 @@ from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.embed_relay import EmbedRelay
+from cbatch.workers.daemon.quarantine import Quarantine
 from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
 from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
 from cbatch.workers.daemon.worker_link import WorkerLink
@@ -46,6 +47,7 @@ class FrontEnd:
         self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue)
         self._use_ring: dict[bytes, bool] = {}
         self._is_draining = False
+        self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
         self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)
 
     @property
@@ -171,11 +173,12 @@ class FrontEnd:
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self._is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
+        shape = self.quarantine.admit(request_body)
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request_body.get("logprobs") is not None
         tracked = TrackedRequest(request_id, identity, is_relayed=wants_logprobs or not self._use_ring.get(identity, False),
                   body=request_body, logprobs={} if wants_logprobs else None, is_batch=request.priority == BATCH,
-                  deadline_s=self.config.deadline_s(request.timeout_s, request.priority == BATCH, time.monotonic()))
+                  deadline_s=self.config.deadline_s(request.timeout_s, request.priority == BATCH, time.monotonic()), shape=shape)
         self.requests.add(tracked)
         self._forward(tracked)  # held here while the worker (re)starts, sent when it is ready
 
@@ -276,7 +279,8 @@ class FrontEnd:
             self._send_records(tracked, records)
         if event.finish_reason:
             self.requests.finish(tracked, {"request_id": tracked.request_id, "finish_reason": event.finish_reason,
-                                       "usage": event.usage, "num_records": len(tracked.records), "error": event.error},
+                                       "usage": event.usage, "num_records": len(tracked.records), "error": event.error,
+                                       "error_code": event.error_code},
                                  time.monotonic())
             self._deliver_finish(tracked)
 

@@ -18,7 +18,8 @@ import time
 import zmq
 
 from cbatch.config import DaemonConfig, runtime_dir
-from cbatch.errors import EXIT_FAILED, EXIT_OK, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED
+from cbatch.errors import (EXIT_FAILED, EXIT_OK, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, INVALID_REQUEST, SHUTTING_DOWN,
+                           UNAVAILABLE, WORKER_RESTARTED)
 from cbatch.ipc.ring import RingError, create_ring
 from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
@@ -30,6 +31,7 @@ from cbatch.workers.daemon.http_manager import HttpServers
 from cbatch.workers.daemon.leftovers import remove_leftovers
 from cbatch.ipc.worker_messages import WorkerStop
 from cbatch.workers.daemon.progress import ProgressLog
+from cbatch.workers.daemon.quarantine import QUARANTINED_MESSAGE
 from cbatch.workers.daemon.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.daemon")
@@ -187,6 +189,7 @@ class Supervisor:
     def _on_worker_exit(self) -> None:
         """The requests it held fail; a serving daemon starts another worker."""
         self.worker.join()
+        self._quarantine_culprits()
         self.frontend.fail_all(WORKER_RESTARTED, f"the decode worker died (exit code {self.worker.exitcode}); "
                                                  "the request was lost, submit it again", include_held=False)
         if self.state is not DaemonState.SERVING:
@@ -194,6 +197,16 @@ class Supervisor:
             return
         log.warning("decode worker died (exit code %s); restarting", self.worker.exitcode)
         self._start_until_ready()
+
+    def _quarantine_culprits(self) -> None:
+        """The request the dead worker was inside llama.cpp for alone (ring.mark_*) crashed it:
+        it fails with the quarantine's refusal, and its shape is refused from now on."""
+        for request_id in self.ring.take_crash_marks():
+            tracked = self.frontend.requests.active.get(request_id)
+            if tracked is not None:
+                log.error("decode worker crashed inside request %d; its shape is quarantined", request_id)
+                self.frontend.quarantine.add(tracked.shape)
+                self.frontend.fail(tracked, INVALID_REQUEST, QUARANTINED_MESSAGE)
 
     def _advance_drain(self, now_s: float) -> None:
         """SERVING -> DRAINING on a stop request: no new requests, the HTTP servers drain;

@@ -12,6 +12,7 @@ import os
 import queue
 import threading
 import traceback
+from collections.abc import Callable
 
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded, WorkerReject, WorkerSubmit
@@ -45,21 +46,25 @@ class RequestPreparer(threading.Thread):
     nice_increment below the process's priority."""
 
     def __init__(self, engine: Engine, embedder: Embedder, source: queue.SimpleQueue, outbox: queue.SimpleQueue,
-                 nice_increment: int = 0):
+                 mark_preparing: Callable[[int], None], nice_increment: int = 0):
         super().__init__(name="worker-prepare", daemon=True)
         self._engine, self._embedder, self._source, self.outbox = engine, embedder, source, outbox
+        self._mark_preparing = mark_preparing  # told each request id before its preparation, 0 after
         self._nice_increment = nice_increment
 
     def run(self) -> None:
         if self._nice_increment:
             lower_this_threads_priority(self._nice_increment)
         while True:
-            self.outbox.put(self._prepare(self._source.get()))
+            prepared = self._prepare(self._source.get())
+            self._mark_preparing(0)
+            self.outbox.put(prepared)
 
     def _prepare(self, submit: WorkerSubmit | WorkerEmbed) -> Sequence | WorkerReject | EmbedJob | WorkerEmbedded:
         if isinstance(submit, WorkerEmbed):
             return self._prepare_embed(submit)
         try:
+            self._mark_preparing(submit.request_id)
             seq = self._engine.prepare(parse_request(submit.request_id, submit.body))
             if submit.deadline_s:  # counted from the request's arrival at the front-end
                 seq.deadline_s = submit.deadline_s

@@ -50,14 +50,14 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         try:
             tick.bind(plan.tick_endpoint)
             ring = attach_ring(plan.ring_name)
-            engine = Engine(plan.engine)
+            engine = Engine(plan.engine, mark_sampling=ring.mark_sampling)
             embedder = Embedder(engine.runner, plan.engine)
         except Exception as exc:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
         publisher = EventPublisher(engine, embedder, ring, io, tick)
         for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
-            RequestPreparer(engine, embedder, source, io.commands, nice_increment).start()
+            RequestPreparer(engine, embedder, source, io.commands, ring.mark_preparing, nice_increment).start()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
                             engine.reasoning,

@@ -20,11 +20,11 @@ from cbatch.model import resolve_model_path
 from cbatch.ipc.records import TokenEvent
 from cbatch.params import Request
 from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.output import OutputProcessor
 from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.preparation import prepare_sequence
 from cbatch.workers.engine.reasoning import model_reasoning
 from cbatch.workers.engine.sampling.host import free_sampler_chain
-from cbatch.workers.engine.sampling.logprobs import attach_logprobs
 from cbatch.workers.engine.sampling.step import StepSampler
 from cbatch.workers.engine.scheduler import BatchSpan, Scheduler
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
@@ -36,7 +36,7 @@ NO_KV_ROOM_MESSAGE = "the KV cache has no room for this sequence; lower --parall
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner=None):
+    def __init__(self, config: EngineConfig, runner=None, mark_sampling=None):
         self.config = config
         self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
         if config.kv_unified:
@@ -50,8 +50,8 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._cancel_ids: set[int] = set()
         self.expired_while_queued: list[int] = []  # request ids the caller ends with deadline_exceeded
-        self._eog_set = frozenset(int(t) for t in self.runner.eog_ids)
-        self._sampler = StepSampler(self.runner)
+        self._sampler = StepSampler(self.runner, mark_sampling)
+        self._output = OutputProcessor(self.runner, self._finish)
         # Overlap: queue the next batch before this one's text and publishing (see above).
         self.is_overlapped = config.overlap if config.overlap is not None else self.runner.num_gpu_layers > 0
         self._in_flight: list[BatchSpan] | None = None  # the batch decoding now
@@ -129,10 +129,10 @@ class Engine:
         sampled, logprobs = self._sample(spans)
         events += self._apply_cancels()  # with overlap: cancels that came while the batch decoded
         sampled = [(seq, token) for seq, token in sampled if seq.status is not SeqStatus.FINISHED]
-        to_text = self._settle(sampled, logprobs, events)
+        to_text = self._output.settle(sampled, self._sampler.take_dead_ends(), logprobs, events)
         if self.is_overlapped and self.scheduler.has_work:
             self._launch()  # decodes while the text below is made and the caller publishes
-        events += self._postprocess(to_text, logprobs)
+        events += self._output.postprocess(to_text, logprobs)
         self.stats.record_step(time.perf_counter() - started, llama_decode_s, *self._step_counts)
         return events
 
@@ -169,8 +169,8 @@ class Engine:
         sampled, logprobs = self._sampler.sample(logit_rows, self._last_num_outputs)
         self.stats.num_sampled_tokens += len(sampled)
         events = []
-        to_text = self._settle(sampled, logprobs, events)
-        return events + self._postprocess(to_text, logprobs)
+        to_text = self._output.settle(sampled, self._sampler.take_dead_ends(), logprobs, events)
+        return events + self._output.postprocess(to_text, logprobs)
 
     def _wait(self) -> tuple[list[BatchSpan], int]:
         """The batch in flight, decoded; its sequences' deferred sampler frees then run.
@@ -222,48 +222,8 @@ class Engine:
         self._step_counts = (*counts, len(sampled))
         return sampled, logprobs
 
-    def _settle(self, sampled: list[tuple[Sequence, int]], logprobs: dict[int, list],
-                events: list[TokenEvent]) -> list[tuple[Sequence, int]]:
-        """What needs token ids only, before the next batch is scheduled: an end of
-        generation or a last allowed token ends its sequence now (into `events`); the
-        others get their token appended and are returned for their text."""
-        to_text = []
-        eog_set = self._eog_set
-        for seq, token in sampled:
-            if token in eog_set and not seq.params.ignore_eos:
-                events.append(self._finish(seq, FinishReason.STOP, text=seq.text.finish()))
-                continue
-            output_ids = seq.output_ids
-            output_ids.append(token)
-            if len(output_ids) >= seq.max_output_tokens:
-                text = seq.text.push(self.runner.token_piece(token))
-                event = (self._finish(seq, FinishReason.STOP, token_ids=[token], text=text) if seq.text.is_stopped
-                         else self._finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish()))
-                events.append(attach_logprobs(event, logprobs))
-            else:
-                to_text.append((seq, token))
-        return to_text
-
-    def _postprocess(self, to_text: list[tuple[Sequence, int]], logprobs: dict[int, list]) -> list[TokenEvent]:
-        """Text for each appended token of a sequence that goes on; a stop string ends it
-        (with overlap on, after the next batch was queued: that batch's token for it is
-        never used)."""
-        events = []
-        token_piece = self.runner.token_piece
-        for seq, token in to_text:
-            text_stream = seq.text
-            text = text_stream.push(token_piece(token))
-            if text_stream.is_stopped:
-                events.append(self._finish(seq, FinishReason.STOP, token_ids=[token], text=text))
-            else:
-                events.append(TokenEvent(seq.request_id, [token], text))
-        if logprobs:
-            for event in events:
-                attach_logprobs(event, logprobs)
-        return events
-
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
-                token_ids: list[int] | None = None, text: str | None = None) -> TokenEvent:
+                token_ids: list[int] | None = None, text: str | None = None, error_code: str = "") -> TokenEvent:
         # A failed decode may have left this sequence's cells half written: never reuse them.
         self.scheduler.finish(seq, keep_cached=reason is not FinishReason.ERROR)
         if self._in_flight is not None:  # its chain may be in the decoding batch's graph
@@ -277,7 +237,7 @@ class Engine:
             # stop-string matching can no longer become a stop string.
             text = seq.text.finish()
         usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens}
-        return TokenEvent(seq.request_id, token_ids or [], text, reason.value, usage, error)
+        return TokenEvent(seq.request_id, token_ids or [], text, reason.value, usage, error, error_code=error_code)
 
     def _free_sampler(self, seq: Sequence) -> None:
         if seq.is_backend_sampled:

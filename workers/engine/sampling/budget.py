@@ -13,9 +13,9 @@ queued after the forced token is appended) and with backend sampling (the token 
 sampled in its graph is replaced; such chains hold no state to accept into).
 """
 
-import ctypes
-
 import llama_cpp.llama_cpp as lc
+
+from cbatch.workers.engine.sampling.guarded import grammar_allows
 
 
 class ThinkingBudget:
@@ -58,18 +58,6 @@ class ThinkingBudget:
         self.num_forced = 0
 
 
-def _grammar_allows(chain, token: int) -> bool:
-    """Whether the chain's grammar (if any) allows `token` next; reads, never advances it."""
-    for i in range(lc.llama_sampler_chain_n(chain)):
-        sampler = lc.llama_sampler_chain_get(chain, i)
-        if lc.llama_sampler_name(sampler) == b"grammar":
-            data = (lc.llama_token_data * 1)(lc.llama_token_data(token, 0.0, 0.0))
-            candidates = lc.llama_token_data_array(data, 1, -1, False)
-            lc.llama_sampler_apply(sampler, ctypes.byref(candidates))
-            return data[0].logit != float("-inf")
-    return True
-
-
 def forced_tokens(logit_rows) -> dict:
     """sequence -> the token forced on it at this step, for the sampling sequences whose
     budget is spent; each forced token is accepted into its host chain here."""
@@ -80,7 +68,7 @@ def forced_tokens(logit_rows) -> dict:
         if token is None:
             continue
         chain = seq.sampler if not seq.is_backend_sampled else None
-        if chain is not None and not _grammar_allows(chain, token):
+        if chain is not None and not grammar_allows(chain, token):
             budget.on_refused()
             continue
         if chain is not None:

@@ -9,15 +9,24 @@ output, so the others' rows stay right, but it is neither counted nor sampled.
 
 import numpy as np
 
+from cbatch.errors import CbatchError
 from cbatch.workers.engine.sampling.budget import forced_tokens, track_budgets
+from cbatch.workers.engine.sampling.guarded import Candidates, dead_end_error, sample_guarded
 from cbatch.workers.engine.sampling.host import greedy_rows, sample_with_chain, suppress_eog
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
 from cbatch.workers.engine.sequence import Sequence
 
 
 class StepSampler:
-    def __init__(self, runner):
+    def __init__(self, runner, mark_sampling=None):
         self.runner = runner
+        # Told the id of each request whose host chain runs, and 0 after them: the decode
+        # worker's writes it where it outlives a crash (the ring's header; workers/daemon/quarantine.py).
+        self._mark_sampling = mark_sampling or (lambda request_id: None)
+        self._candidates: Candidates | None = None  # made at the first grammar sequence's sample
+        # Sequences whose grammar left no allowed token at the last sample() (guarded.py),
+        # with the error that ends them (None: they end as `stop`); take_dead_ends() empties it.
+        self._dead_ends: list[tuple[Sequence, CbatchError | None]] = []
 
     def sample(self, logit_rows: list[tuple[Sequence, int, int]], num_outputs: int
                ) -> tuple[list[tuple[Sequence, int]], dict[int, list]]:
@@ -38,15 +47,37 @@ class StepSampler:
             masked = [row for seq, row in greedy if seq.params.ignore_eos]
             token_ids = greedy_rows(logits, [row for _, row in greedy], masked, runner.eog_ids)
             sampled += [(seq, int(t)) for (seq, _), t in zip(greedy, token_ids.tolist())]
+        mark = self._mark_sampling
         for seq, row, index in logit_rows:
             if seq.sampler is not None and not seq.is_backend_sampled:
-                if seq.num_output_tokens < seq.params.min_tokens:
+                mark(seq.request_id)
+                is_eog_banned = seq.num_output_tokens < seq.params.min_tokens
+                if seq.params.grammar is not None:
+                    self._sample_grammar(seq, runner.logits(num_outputs)[row], is_eog_banned, sampled)
+                    continue
+                if is_eog_banned:
                     suppress_eog(runner.logits(num_outputs), row, runner.eog_ids)
                 sampled.append((seq, sample_with_chain(seq.sampler, runner.ctx, index)))
+        mark(0)
         if budgeted:
             sampled += forced.items()
             track_budgets(sampled, runner.token_piece)
         return sampled, self._logprobs(all_rows, num_outputs, sampled, raw_rows)
+
+    def _sample_grammar(self, seq: Sequence, logits_row: np.ndarray, is_eog_banned: bool,
+                        sampled: list[tuple[Sequence, int]]) -> None:
+        if self._candidates is None:
+            self._candidates = Candidates(len(logits_row))
+        eog_ids = self.runner.eog_ids
+        token = sample_guarded(seq.sampler, self._candidates, logits_row, eog_ids if is_eog_banned else None)
+        if token is None:
+            self._dead_ends.append((seq, dead_end_error(seq.sampler, eog_ids)))
+        else:
+            sampled.append((seq, token))
+
+    def take_dead_ends(self) -> list[tuple[Sequence, CbatchError | None]]:
+        dead_ends, self._dead_ends = self._dead_ends, []
+        return dead_ends
 
     def _rows_before_masking(self, logit_rows, num_outputs: int) -> dict[int, np.ndarray]:
         """request id -> a copy of its logit row, for the requests that ask for logprobs and
