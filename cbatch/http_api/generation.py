@@ -42,8 +42,9 @@ class Generation:
         if self._error is not None:
             raise self._error
         chunks_by_choice: dict[int, list] = {}
-        now_s = time.monotonic()
-        for choice, item in await self.rounds.__anext__():
+        arrivals = await self.rounds.__anext__()
+        now_s = time.monotonic()  # when the round came: the tokens' time, for the latency metrics
+        for choice, item in arrivals:
             if isinstance(item, CbatchError):
                 self._error = item
                 break

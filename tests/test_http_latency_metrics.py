@@ -1,0 +1,47 @@
+"""The latency histograms of /metrics against latencies measured by a caller: a request
+that waits for the only slot has a time to first token as long as its wait, and the
+histogram says so (it once read the clock before awaiting the first tokens, so every
+request's first token seemed to come as it arrived)."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from daemonkit import serve_module
+from httpkit import HttpDaemon
+
+TTFT_SUM = ("cbatch_http_time_to_first_token_seconds_sum", ())
+TTFT_COUNT = ("cbatch_http_time_to_first_token_seconds_count", ())
+MIN_WAIT_S = 0.3  # the queued request's measured wait must be at least this for the test to say anything
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model_path):
+    yield from serve_module(HttpDaemon(tiny_model_path, "--parallel", "1", "--ctx-size", "4096"))
+
+
+def test_time_to_first_token_counts_the_wait_for_a_slot(daemon):
+    before = daemon.metrics()
+    body = {"prompt": "hold the slot", "max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+    holder = threading.Thread(target=httpx.post, args=(f"{daemon.base_url}/v1/completions",),
+                              kwargs={"json": body, "timeout": 300}, daemon=True)
+    holder.start()
+    with daemon.client() as client:  # the holder runs before the measured request is sent
+        deadline = time.monotonic() + 60
+        while client.stats()["num_active"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    sent_s = time.monotonic()
+    with httpx.stream("POST", f"{daemon.base_url}/v1/completions", timeout=300,
+                      json={"prompt": "wait for it", "max_tokens": 4, "stream": True}) as reply:
+        lines = reply.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        measured_s = time.monotonic() - sent_s
+        list(lines)
+    holder.join(300)
+    after = daemon.metrics()
+    assert after[TTFT_COUNT] - before.get(TTFT_COUNT, 0) == 2
+    assert measured_s >= MIN_WAIT_S, "the holder ended too soon to measure a wait: raise its max_tokens"
+    # The two requests' first-token times: the holder's (short) and the waiter's (its wait, as measured).
+    assert after[TTFT_SUM] - before.get(TTFT_SUM, 0) >= 0.8 * measured_s
