@@ -48,6 +48,7 @@ def test_http_answers_503_while_the_model_loads(tiny_model_path):
                 daemon.openai().completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
             assert caught.value.status_code == 503 and "starting" in _error_of(caught)["message"]
             assert "cbatch-worker ready" not in daemon.log()
+            assert "cbatch-worker: loading" in daemon.log()  # said at once, not only when ready
         finally:
             os.kill(worker_pid, signal.SIGCONT)
         daemon.wait_http_status(200)

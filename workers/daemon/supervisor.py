@@ -165,6 +165,8 @@ class Supervisor:
     def serve(self) -> None:
         if self.http is not None:  # it answers 503 until the model has loaded
             self.http.start()
+        log.info("cbatch-worker: loading %s on %s (clients may connect now; they wait for the model)",
+                 served_model_names(self.config.engine.model_path)[0], self.config.endpoint)
         self._start_until_ready()
         if self.stop_requested:
             return
