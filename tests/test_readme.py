@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!-- readme-test: (run(?: exit=(\d+))?|skip: .+|text) -->")
 BACKGROUND = re.compile(r"^(.*?)&\s*(#.*)?$")
 ENDPOINT_FLAG = re.compile(r"--endpoint ipc://(\S+)")  # a path relative to where the command runs
-DAEMON_READY_TIMEOUT_S = 120.0
-COMMAND_TIMEOUT_S = 120.0
+DAEMON_READY_TIMEOUT_S = 300.0  # generous: the examples run on the default model, on a machine that may be busy
+COMMAND_TIMEOUT_S = 300.0  # a pasted command includes the model load of a daemon started beside it
 STOP_TIMEOUT_S = 30.0
 
 
@@ -95,13 +95,17 @@ class Scratch:
         return subprocess.run(args, cwd=self.path, env=self.env, capture_output=True, text=True,
                               timeout=COMMAND_TIMEOUT_S)
 
-    def start_daemon(self, command: str) -> None:
+    def start_daemon(self, command: str, is_waited: bool = True) -> None:
+        """Start a daemon line (the `&` dropped); wait until it serves, or (is_waited false)
+        go on at once, as a pasted block does."""
         endpoint = ENDPOINT_FLAG.search(command)
         endpoint = self.endpoint if endpoint is None else f"ipc://{self.path / endpoint.group(1)}"
         log = open(self.path / f"daemon-{len(self.daemons)}.log", "w")
         process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.path, env=self.env,
                                    stdout=log, stderr=subprocess.STDOUT)
         self.daemons.append(process)
+        if not is_waited:
+            return
         deadline = time.monotonic() + DAEMON_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             assert process.poll() is None, f"{command!r} exited {process.returncode}: {log.name}"
@@ -137,7 +141,10 @@ def run_block(scratch: Scratch, block: Block) -> None:
     for number, command in enumerate(commands, 1):
         background = BACKGROUND.match(command)
         if background:
-            scratch.start_daemon(background.group(1).strip())
+            # The next line starts at once, as when a user pastes the block: a client finds the
+            # daemon starting and waits for it. An HTTP caller would not (curl has no such wait).
+            command = background.group(1).strip()
+            scratch.start_daemon(command, is_waited="--http" in command)
             continue
         result = scratch.run(["bash", "-c", command])
         expected = block.exit_code if number == len(commands) else 0

@@ -124,18 +124,25 @@ def main(argv=None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from cbatch.workers.daemon.http_manager import listen_http
-    from cbatch.workers.daemon.supervisor import run_daemon
+    from cbatch.workers.daemon.endpoint_lock import lock_endpoint, release_endpoint
 
     try:
         config = config_from_args(args)
     except CbatchError as err:
         parser.error(err.message)
+    try:  # before the seconds of importing the rest: a client started beside this one waits for it
+        lock_fd = lock_endpoint(config.endpoint)
+    except CbatchError as err:
+        exit_with("cbatch-worker", err.message, EXIT_FAILED)
+    from cbatch.workers.daemon.http_manager import listen_http
+    from cbatch.workers.daemon.supervisor import run_daemon
+
     warn_if_no_gpu(args)
     # Bound before the model loads, so a taken port ends the daemon at once, as a taken
     # endpoint does (exit 1: cannot serve); the HTTP server processes serve this socket.
     try:
         http_socket = listen_http(*config.http_address) if config.http_address else None
     except CbatchError as err:
+        release_endpoint(config.endpoint, lock_fd)
         exit_with("cbatch-worker", err.message, EXIT_FAILED)
-    sys.exit(run_daemon(config, http_socket))
+    sys.exit(run_daemon(config, http_socket, lock_fd))

@@ -1,7 +1,10 @@
 """What both clients share: the endpoint check, request bodies, and everything that does not wait."""
 
 import contextlib
+import fcntl
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 from cbatch.client.batch_feeder import Choices
@@ -13,6 +16,9 @@ from cbatch.params import expand_choices
 from cbatch.tools import ChatTemplate, template_of
 
 CONNECT_TIMEOUT_S = 10.0
+STARTING_DAEMON_WAIT_S = 120.0  # for a starting daemon's socket: its imports on a busy machine
+STARTING_POLL_S = 0.05
+log = logging.getLogger("cbatch.client")
 
 
 def unreachable(endpoint: str) -> CbatchError:
@@ -20,9 +26,35 @@ def unreachable(endpoint: str) -> CbatchError:
                                     "or point --endpoint / CBATCH_ENDPOINT at it")
 
 
+def _is_daemon_starting(socket_path: str) -> bool:
+    """Whether a cbatch-worker holds the lock beside the socket: it takes it first thing,
+    seconds before it binds the socket (workers/daemon/endpoint_lock.py)."""
+    try:
+        fd = os.open(socket_path + ".lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the shared lock, if it was taken
+
+
 def check_endpoint(endpoint: str) -> None:
-    # An ipc:// endpoint with no socket file cannot answer: fail now instead of after a timeout.
-    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
+    """An ipc:// endpoint with no socket file cannot answer: fail now instead of after a
+    timeout, unless a daemon is starting there (say, started in the same breath as this
+    client), which is waited for with a line saying so."""
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    if path is None or os.path.exists(path):
+        return
+    if _is_daemon_starting(path):
+        log.warning("cbatch: waiting for the daemon starting at %s", endpoint)
+        deadline = time.monotonic() + STARTING_DAEMON_WAIT_S
+        while not os.path.exists(path) and _is_daemon_starting(path) and time.monotonic() < deadline:
+            time.sleep(STARTING_POLL_S)
+    if not os.path.exists(path):
         raise unreachable(endpoint)
 
 

@@ -7,7 +7,6 @@ or are cancelled, then everything it created is removed.
 """
 
 import enum
-import fcntl
 import logging
 import multiprocessing
 import os
@@ -25,6 +24,7 @@ from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.worker import run_decode_worker
+from cbatch.workers.daemon.endpoint_lock import ipc_path, lock_endpoint, release_endpoint
 from cbatch.workers.daemon.descriptors import raise_open_file_limit, warn_if_too_few_descriptors
 from cbatch.workers.daemon.front_end import FrontEnd
 from cbatch.workers.daemon.http_manager import HttpServers
@@ -43,28 +43,6 @@ MAX_STARTUP_FAILURES = 3  # consecutive worker deaths before READY, then the dae
 RESTART_BACKOFF_S = 1.0  # doubled after each consecutive start-up failure
 CANCEL_GRACE_S = 5.0  # after cancelling at the end of a drain, wait this long for the finishes
 STOP_TIMEOUT_S = 10.0
-
-
-def _ipc_path(endpoint: str) -> str | None:
-    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
-
-
-def _lock_endpoint(endpoint: str) -> int | None:
-    """Hold an exclusive lock beside an ipc:// socket: a second daemon fails fast instead of
-    silently taking the socket file over (ZeroMQ replaces an existing ipc file on bind)."""
-    path = _ipc_path(endpoint)
-    if path is None:
-        return None  # tcp:// bind fails by itself when the port is taken
-    try:
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as err:
-        raise CbatchError(INVALID_CONFIG, f"cannot use {endpoint}: {err.strerror} (does its directory exist?)") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise CbatchError(ENDPOINT_IN_USE, f"another cbatch-worker is serving {endpoint}; stop it or pass --endpoint") from None
-    return fd
 
 
 class DaemonState(enum.Enum):
@@ -102,7 +80,7 @@ class Supervisor:
             if isinstance(err, zmq.ZMQError):
                 raise CbatchError(ENDPOINT_IN_USE, f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
             raise CbatchError(INVALID_CONFIG, f"cannot read the CurveZMQ certificates: {err}") from None
-        client_path = _ipc_path(config.endpoint)
+        client_path = ipc_path(config.endpoint)
         if client_path:
             os.chmod(client_path, 0o600)
             self._files.append(client_path)
@@ -261,14 +239,16 @@ class Supervisor:
                 os.unlink(path)
 
 
-def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -> int:
+def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None, lock_fd: int | None = None) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code. `http_socket`, bound by
-    the caller, is served by the OpenAI-compatible HTTP server."""
+    the caller, is served by the OpenAI-compatible HTTP server; `lock_fd` is the endpoint's
+    lock when the caller took it (endpoint_lock.py), released here."""
     raise_open_file_limit()
     warn_if_too_few_descriptors(config)
-    lock_fd = supervisor = None
+    supervisor = None
     try:  # every mistake a user can make ends here as one line and exit code 1
-        lock_fd = _lock_endpoint(config.endpoint)  # first: a second daemon fails at once
+        if lock_fd is None:
+            lock_fd = lock_endpoint(config.endpoint)  # first: a second daemon fails at once
         resolve_model_path(config.engine.model_path)  # a wrong --model fails now, not in a worker
         removed = remove_leftovers(runtime_dir())
         if removed:
@@ -289,9 +269,7 @@ def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None) -
     finally:
         if supervisor is not None:
             supervisor.close()
-        if lock_fd is not None:
-            os.unlink(_ipc_path(config.endpoint) + ".lock")
-            os.close(lock_fd)
+        release_endpoint(config.endpoint, lock_fd)
         # Everything is cleaned up: a repeated stop signal must not turn the exit code into
         # "killed by SIGTERM" while the interpreter shuts down (it restores the default
         # handler of a signal that has a Python one, but not of an ignored signal).
