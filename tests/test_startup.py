@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemonkit import SCRIPTS_DIR
+from daemonkit import SCRIPTS_DIR, wait_until
 
 
 @pytest.fixture
@@ -115,3 +115,41 @@ def test_threads_default_to_the_cpus_the_daemon_may_use(tiny_model_path, start_d
     assert ", 1 threads," in d.log()
     with d.client() as client:
         assert client.generate(prompt="pinned", max_tokens=4).usage["completion_tokens"] == 4
+
+
+def test_a_client_started_beside_a_starting_daemon_waits_for_it(tiny_model_path, workdir):
+    """The quick start pasted as one block: cbatch-submit runs while the daemon is still
+    importing itself. The daemon holds its endpoint's lock from its first moment, so the
+    client waits (saying so) instead of reporting that no daemon answers."""
+    socket_path = workdir / "d.sock"
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(workdir / "run"), "CBATCH_ENDPOINT": f"ipc://{socket_path}"}
+    daemon = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-worker"), "--model", tiny_model_path, "--parallel", "1"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _lock_is_held(socket_path), timeout_s=60, poll_s=0.002)
+        os.kill(daemon.pid, signal.SIGSTOP)  # held between taking the lock and binding the socket
+        if socket_path.exists():
+            os.kill(daemon.pid, signal.SIGCONT)
+            pytest.skip("the daemon bound its socket before it could be held")
+        client = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-status")], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            wait_until(lambda: client.poll() is not None, timeout_s=2.0)
+            early_exit = client.returncode
+        except AssertionError:
+            early_exit = None  # still waiting, as it should
+        os.kill(daemon.pid, signal.SIGCONT)
+        out, err = client.communicate(timeout=120)
+        assert early_exit is None, err
+        assert "waiting for the daemon starting at" in err
+        assert client.returncode == 0, err
+    finally:
+        daemon.send_signal(signal.SIGCONT)
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+
+
+def _lock_is_held(socket_path: Path) -> bool:
+    from cbatch.client.base import _is_daemon_starting
+
+    return _is_daemon_starting(str(socket_path))
