@@ -137,7 +137,15 @@ class BatchFeeder:
                 self._session.forget(self._active.pop(position))
                 self._siblings.pop(position, None)
                 self._tries.pop(position, None)
+                self._release_one()
         return arrivals
+
+    def _release_one(self) -> None:
+        """A request of the batch ended, so the daemon serves and has room for one more:
+        the held item due first is sent in the next round instead of waiting out its
+        backoff (a full queue is then kept full, not left idle by backing off)."""
+        if self._held:
+            self._held[min(self._held, key=lambda position: self._held[position].due_s)].due_s = 0.0
 
     def _failed(self, position: int, error: CbatchError) -> list[tuple[int, CbatchError]]:
         """An item failed: held to be sent again when its error is transient and patience
