@@ -115,9 +115,8 @@ async def _within(timeout_s: float, sending) -> httpx.Response:
     """The response of one try, or an `unavailable` error: the connection failed, or no
     whole answer came within timeout_s (httpx bounds each read; this, the whole try)."""
     try:
-        async with asyncio.timeout(timeout_s):
-            return await sending
-    except (TimeoutError, httpx.TimeoutException):
+        return await asyncio.wait_for(sending, timeout_s)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
         raise CbatchError(UNAVAILABLE, f"no answer within {timeout_s:g} s") from None
     except httpx.TransportError as err:
         raise CbatchError(UNAVAILABLE, f"the connection failed: {err!r}") from None
