@@ -25,13 +25,17 @@ from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, MAX_BACKOFF_S, Patience, Tries
 from cbatch.client.openai_wire import chunk_from_response, error_from_response, http_request
 from cbatch.client.streams import Chunk, RequestStream
-from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, UNAVAILABLE
 
 CONNECT_TIMEOUT_S = 10.0
 # The longest one try of a request may take (a non-streamed completion is answered whole,
 # so this bounds the generation too); one that outlasts it is a transient failure.
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 MAX_MODELS_WAIT_S = 30.0  # for the listing GET /models asked first: the endpoint's first answer
+# A 500 other than a failed decode (decode_failed: the line's result) is sent again this
+# many times, as the openai package does, before it is the line's result: a router answers
+# one for a daemon that just exited.
+MAX_SERVER_ERROR_RETRIES = 2
 WAKE_S = 0.5  # the waiting thread wakes this often, so Ctrl-C is never held up
 
 
@@ -93,7 +97,7 @@ class _HttpSession:
     async def post(self, path: str, payload: dict) -> dict:
         """The response body of a request that succeeded; a transient failure is retried
         while the batch's patience lasts, and raised when it is spent."""
-        tries = Tries()
+        tries, num_server_errors = Tries(), 0
         while True:
             try:
                 response = await _within(self._request_timeout_s, self._http.post(path.lstrip("/"), json=payload))
@@ -105,6 +109,10 @@ class _HttpSession:
                     return _json(response)
                 failure = error_from_response(response.status_code, response.text, _json(response, {}))
                 wait_s = _retry_after_s(response)
+                is_server_error = response.status_code == 500 and failure.code == INTERNAL
+                if is_server_error and num_server_errors < MAX_SERVER_ERROR_RETRIES:
+                    num_server_errors += 1
+                    failure = CbatchError(UNAVAILABLE, failure.message)  # held as a 503 is
             wait_s = self._patience.hold(tries, failure, wait_s)
             if wait_s is None:
                 raise failure
