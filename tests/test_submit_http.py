@@ -2,8 +2,12 @@
 result lines a ZeroMQ run gives, retries a full daemon's 429s until it is served, sends
 the API key, and fails clearly when nothing answers. (Through a router: test_scale_out.)"""
 
+import http.server
 import json
+import socket
 import subprocess
+import threading
+import time
 
 import httpx
 import pytest
@@ -93,6 +97,86 @@ def test_the_key_is_required_and_a_silent_endpoint_is_unreachable(daemon, tmp_pa
     assert refused.returncode == EXIT_FAILED and "a valid API key is needed" in refused.stderr
     nobody, _ = _submit(daemon, lines, tmp_path, "--url", f"http://127.0.0.1:{free_port()}/v1")
     assert nobody.returncode == EXIT_UNREACHABLE and "nothing answers at" in nobody.stderr
+
+
+def test_a_silent_endpoint_ends_the_run_with_a_clear_error(tmp_path):
+    """An endpoint that takes the connection and never answers: the first request (GET
+    models) gives up after --request-timeout."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    with socket.socket() as listener:  # the kernel completes the connection; nothing reads it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        started_s = time.monotonic()
+        result = subprocess.run([SUBMIT, str(tmp_path / "in.jsonl"), "--url", url, "--request-timeout", "2"],
+                                capture_output=True, text=True, timeout=60)
+        took_s = time.monotonic() - started_s
+    assert result.returncode == EXIT_UNREACHABLE
+    assert result.stderr.strip() == f"cbatch-submit: nothing answers at {url}/: GET models: no answer within 2 s"
+    assert took_s < 20
+
+
+class _ScriptedServer(http.server.BaseHTTPRequestHandler):
+    """Lists a model; answers each completion with the server's next scripted answer,
+    (status, body), or never (None) until the server closes; then with a completion."""
+
+    def do_GET(self):
+        self._send(200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    def do_POST(self):
+        answer = self.server.answers.pop(0) if self.server.answers else (200, {
+            "choices": [{"text": "ok", "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+        if answer is None:
+            self.server.closing.wait()
+        else:
+            self._send(*answer)
+
+    def _send(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def _submit_to_scripted(tmp_path, answers: list, *flags: str) -> subprocess.CompletedProcess:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ScriptedServer)
+    server.answers, server.closing = answers, threading.Event()
+    serving = threading.Thread(target=server.serve_forever)
+    serving.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        return subprocess.run([SUBMIT, str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--url", url,
+                               *flags], capture_output=True, text=True, timeout=60)
+    finally:
+        server.closing.set()
+        server.shutdown()
+        serving.join()
+        server.server_close()
+
+
+def test_a_routers_500_is_sent_again_before_it_is_a_result(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+    gone = (500, {"error": "upstream connection refused"})  # as a router answers for a daemon that just exited
+    result = _submit_to_scripted(tmp_path, [gone, gone, gone, gone], "--max-in-flight", "1")
+    assert result.returncode == EXIT_FAILED, result.stderr
+    a, b = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert a["error"] == {"code": "internal", "message": "upstream connection refused"}  # the third 500 of a
+    assert b["text"] == "ok"  # the fourth 500 was b's first: sent again
+
+
+def test_an_endpoint_that_never_answers_a_completion_stops_the_run_unwritten(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n')
+    output = tmp_path / "out.jsonl"
+    result = _submit_to_scripted(tmp_path, [None] * 20, "--request-timeout", "1", "--retry-for", "2")
+    assert result.returncode == EXIT_UNREACHABLE
+    assert result.stderr.strip() == (f"cbatch-submit: interrupted: 0 of 2 lines written to {output}; rerun with "
+                                     "--resume (nothing answered for 2 s, --retry-for: no answer within 1 s)")
+    assert output.read_text() == ""
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -15,6 +15,7 @@ from cbatch.errors import EXIT_INTERRUPTED
 
 NUM_LINES = 40
 WAIT_S = 60.0
+RETRY_FOR_S = 2
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
@@ -58,11 +59,13 @@ def _is_idle_soon(daemon) -> bool:
 
 
 def test_endless_input_against_a_daemon_that_stops_ends_the_run(start_daemon, tiny_model_path, tmp_path):
-    """Lines that fail at once (the daemon is gone) must not turn an endless input into
-    endless errors: the run stops reading, says what it wrote, and exits 3."""
+    """Lines the daemon refuses (it drains, then is gone) must not turn an endless input
+    into endless errors: they are held, no more lines are read, and once nothing has been
+    answered for --retry-for the run stops, says what it wrote, and exits 3."""
     daemon = start_daemon(tiny_model_path, "--parallel", "2")
     output = tmp_path / "out.jsonl"
-    command = f"yes '{{\"prompt\": \"x\", \"max_tokens\": 1}}' | {SCRIPTS_DIR / 'cbatch-submit'} - -o {output}"
+    command = (f"yes '{{\"prompt\": \"x\", \"max_tokens\": 1}}' | {SCRIPTS_DIR / 'cbatch-submit'} - -o {output} "
+               f"--retry-for {RETRY_FOR_S}")
     process = subprocess.Popen(["bash", "-c", command], env=daemon.env, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)  # its own process group: the pipeline ends with it
     deadline = time.monotonic() + WAIT_S
@@ -76,6 +79,7 @@ def test_endless_input_against_a_daemon_that_stops_ends_the_run(start_daemon, ti
             os.killpg(process.pid, signal.SIGKILL)  # bash, yes and cbatch-submit, whatever happened
         process.wait()
     assert process.returncode == 3, stderr
-    num_written = output.read_text().count("\n")
-    assert stderr.strip().startswith(f"cbatch-submit: interrupted: {num_written} lines written to {output}; "
-                                     "rerun with --resume (")
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert stderr.strip().startswith(f"cbatch-submit: interrupted: {len(written)} lines written to {output}; "
+                                     f"rerun with --resume (nothing answered for {RETRY_FOR_S} s, --retry-for: ")
+    assert [line for line in written if "error" in line] == []  # the refused lines were not written

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
 from cbatch.client.batch_feeder import Choices
+from cbatch.client.batch_retry import is_transient
 from cbatch.errors import CbatchError
 from cbatch.wording import counted
 
@@ -43,8 +44,9 @@ class RunSummary:
 
 
 class BatchInterrupted(Exception):
-    """Ctrl-C or SIGTERM stopped the run, or the daemon went away (`reason`: the error its
-    requests got); `summary` says what was written before."""
+    """Ctrl-C or SIGTERM stopped the run, or the daemon refused or went away for longer than
+    the run's patience (`reason`: the last transient error); `summary` says what was
+    written before."""
 
     def __init__(self, summary: RunSummary, reason: CbatchError | None = None):
         super().__init__("interrupted")
@@ -81,14 +83,17 @@ class _InOrderWriter:
         return self.num_written + sum(1 for line in self.lines.values() if line.result is not None)
 
 
-def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object], BatchLine], out,
+def run_batch(stream_batch, numbered_items: Iterable, make_line: Callable[[int, object], BatchLine], out,
               max_in_flight: int, num_lines: int | None = None) -> RunSummary:
-    """`numbered_items` yields (line number, dict or CbatchError); `num_lines`, when
-    known, is shown in the progress line (drawn only when stderr is a terminal). A
-    KeyboardInterrupt ends the run with BatchInterrupted: what was written stays written,
-    and the requests still outstanding are cancelled. So does a daemon that went away: no
-    more lines are read (an endless input would otherwise turn into endless errors), and
-    the lines it failed are not written, so --resume runs them."""
+    """`stream_batch(items, max_in_flight)` is the client's, which holds and sends again
+    the requests refused for a moment (batch_retry); `numbered_items` yields (line number,
+    dict or CbatchError); `num_lines`, when known, is shown in the progress line (drawn
+    only when stderr is a terminal). A KeyboardInterrupt ends the run with
+    BatchInterrupted: what was written stays written, and the requests still outstanding
+    are cancelled. So does a transient error, which arrives only once the client's
+    patience is spent: a transient error is never a result, so its line is not written
+    and --resume runs it, and no more lines are read (an endless input would otherwise
+    turn into endless errors)."""
     writer = _InOrderWriter(out)
     owners: dict[int, tuple[int, int]] = {}  # batch position still outstanding -> (line index, choice)
     num_positions = 0
@@ -113,14 +118,12 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
     def summary() -> RunSummary:
         return RunSummary(writer.num_written, writer.num_failed, num_tokens, time.monotonic() - started_s)
 
-    arrivals = client.stream_batch(batch_items(), max_in_flight)
+    arrivals = stream_batch(batch_items(), max_in_flight)
     try:
         for position, chunk in arrivals:
             is_error = isinstance(chunk, CbatchError)
-            if is_error and client.failure is not None:  # the daemon is gone
-                arrivals.close()
-                writer.write_ready()
-                raise BatchInterrupted(summary(), client.failure)
+            if is_error and is_transient(chunk):
+                raise chunk
             owner = owners.pop(position, None) if is_error or chunk.finish_reason else owners.get(position)
             line = None if owner is None else writer.lines.get(owner[0])
             if line is not None:  # None: already written (its first failure ended it): a sibling's late chunk
@@ -137,6 +140,12 @@ def run_batch(client, numbered_items: Iterable, make_line: Callable[[int, object
     except KeyboardInterrupt:
         arrivals.close()  # cancels the outstanding requests
         raise BatchInterrupted(summary()) from None
+    except CbatchError as err:  # a request's, or an embeddings line's (raised as the line was read)
+        if not is_transient(err):
+            raise
+        arrivals.close()
+        writer.write_ready()
+        raise BatchInterrupted(summary(), err) from None
     finally:
         if show_progress:
             print(file=sys.stderr)

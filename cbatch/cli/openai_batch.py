@@ -11,6 +11,7 @@ else waits), while the completions before it run on.
 
 import uuid
 
+from cbatch.client.batch_retry import is_transient
 from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.params import BATCH
 from cbatch.http_api.openai_mapping import (CHAT, COMPLETION, embedding_response, error_body, error_status,
@@ -43,9 +44,10 @@ def _request_failure(custom_id, err: CbatchError) -> dict:
 
 class OpenAILine:
     """One input line: its parsed request, or why it cannot run, and its result so far.
-    `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings);
-    `reasoning` is the model's thinking tags, as the HTTP server splits answers by them;
-    `forwards_tools`: the line goes to another OpenAI server, which takes its tools itself."""
+    `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings,
+    held through transient failures: one it raises means the run must stop); `reasoning` is
+    the model's thinking tags, as the HTTP server splits answers by them; `forwards_tools`:
+    the line goes to another OpenAI server, which takes its tools itself."""
 
     def __init__(self, number: int, item, model_names: list[str], embed=None, chat_template=None, reasoning=None,
                  forwards_tools: bool = False):
@@ -74,6 +76,8 @@ class OpenAILine:
             request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names,
                                         reasoning, chat_template=chat_template, forwards_tools=forwards_tools)
         except CbatchError as err:
+            if is_transient(err):  # the embeddings were refused past the run's patience: the run stops
+                raise
             self.result = _request_failure(self.custom_id, err)
             return
         self.bodies = request.bodies

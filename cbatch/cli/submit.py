@@ -16,7 +16,8 @@ from cbatch.cli.native_batch import NativeLine
 from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
 from cbatch.cli.resume import id_key, prepare_resume
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
-from cbatch.client.http_batch import DEFAULT_RETRY_FOR_S
+from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
+from cbatch.client.http_batch import DEFAULT_REQUEST_TIMEOUT_S
 from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
 
 PROG = "cbatch-submit"
@@ -30,7 +31,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
                         help=f"requests outstanding at once (default {DEFAULT_MAX_IN_FLIGHT})")
     parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
-    parser.add_argument("--resume", action="store_true", help="skip the lines whose ids the output already holds, append the rest")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the lines whose ids the output already holds, append the rest (lines an older "
+                             "run wrote as a transient error are removed and run again)")
+    parser.add_argument("--retry-for", type=float, default=DEFAULT_RETRY_FOR_S, metavar="SECONDS",
+                        help="hold and send again the lines a draining, restarting, full or unreachable daemon "
+                             "refused, until nothing has been answered for this long; then stop "
+                             f"(default {DEFAULT_RETRY_FOR_S:.0f})")
     add_client_flags(parser)
     http = parser.add_argument_group("over HTTP, to any OpenAI-compatible endpoint (a router, a daemon's --http)")
     http.add_argument("--url", help="send the requests to this OpenAI base URL, e.g. http://127.0.0.1:30000/v1, "
@@ -39,9 +46,9 @@ def make_parser() -> argparse.ArgumentParser:
     key.add_argument("--api-key", help="sent as Authorization: Bearer KEY (or CBATCH_API_KEY)")
     key.add_argument("--api-key-file", help="a file holding the key (kept out of the process list)")
     http.add_argument("--model", help="the model to ask for (default: the first GET /v1/models lists)")
-    http.add_argument("--retry-for", type=float, default=DEFAULT_RETRY_FOR_S, metavar="SECONDS",
-                      help="retry a request answered 429/502/503/504, or whose connection failed, with backoff "
-                           f"for up to this long (default {DEFAULT_RETRY_FOR_S:.0f})")
+    http.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                      help="the longest one try of a request may take before it is sent again "
+                           f"(default {DEFAULT_REQUEST_TIMEOUT_S:.0f})")
     add_version(parser)
     return parser
 
@@ -93,8 +100,11 @@ def open_output(path: str | None, resume: bool):
 
 
 def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, out,
-             max_in_flight: int) -> tuple[RunSummary, str]:
-    """Tell the kind of file by its first JSON object, skip lines already done, run the rest."""
+             max_in_flight: int, retry_for_s: float) -> tuple[RunSummary, str]:
+    """Tell the kind of file by its first JSON object, skip lines already done, run the rest.
+    The requests a daemon refuses for a moment are held and sent again for up to
+    retry_for_s with nothing answered: over HTTP by the client itself, over ZeroMQ by the
+    batch (and the embeddings lines' calls) with one patience."""
     first = []  # the lines up to the first JSON object
     for numbered_item in numbered_items:
         first.append(numbered_item)
@@ -103,23 +113,35 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
     items = ((n, item) for n, item in itertools.chain(first, numbered_items)
              if not (isinstance(item, dict) and id_key(item) in done_ids))
     num_left = None if num_lines is None else num_lines - len(done_ids)
+    is_http = hasattr(client, "model_names")
+    if is_http:
+        stream_batch, embed = client.stream_batch, client.embeddings
+    else:
+        patience = Patience(retry_for_s)
+        stream_batch = functools.partial(client.stream_batch, patience=patience)
+        embed = functools.partial(_held_embeddings, client, patience)
     if is_openai_batch(first):  # `model` follows the HTTP API's rule: a name the daemon serves
         # An HTTP endpoint's names (and a cbatch one's thinking tags) are in its /v1/models
         # listing, and it takes tools itself; a daemon's are in its health reply, and tools
         # are rendered here with its chat template, as its HTTP server does.
-        is_http = hasattr(client, "model_names")
         if is_http:
             model_names, reasoning = client.model_names, client.reasoning
         else:
             health = _ready_health(client)
             model_names, reasoning = health["model_names"], health.get("reasoning")
-        make_line = functools.partial(OpenAILine, model_names=model_names, embed=client.embeddings,
+        make_line = functools.partial(OpenAILine, model_names=model_names, embed=embed,
                                       chat_template=None if is_http else client.chat_template, reasoning=reasoning,
                                       forwards_tools=is_http)
         noun = "OpenAI batch line"
     else:
         make_line, noun = NativeLine, "line"
-    return run_batch(client, items, make_line, out, max_in_flight, num_left), noun
+    return run_batch(stream_batch, items, make_line, out, max_in_flight, num_left), noun
+
+
+def _held_embeddings(client, patience: Patience, inputs, dimensions=None):
+    """client.embeddings, held through a drain or a restart as the lines' requests are
+    (each try is a message the daemon, or one restarted on the endpoint, answers)."""
+    return call_held(lambda: client.embeddings(inputs, dimensions), patience, client.pause)
 
 
 def _ready_health(client) -> dict:
@@ -147,7 +169,7 @@ def check_transport_flags(parser: argparse.ArgumentParser, args) -> None:
                                        ("--curve-server-key", args.curve_server_key),
                                        ("--curve-client-key", args.curve_client_key)) if value]
     http = [flag for flag, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
-                                     ("--model", args.model)) if value]
+                                     ("--model", args.model), ("--request-timeout", args.request_timeout)) if value]
     if args.url and zeromq:
         parser.error(f"--url sends over HTTP: {', '.join(zeromq)} cannot be used with it")
     if http and not args.url:
@@ -156,6 +178,8 @@ def check_transport_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--url must start with http:// or https://")
     if args.retry_for < 0:
         parser.error("--retry-for must be >= 0")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        parser.error("--request-timeout must be > 0")
 
 
 def api_key(args) -> str | None:
@@ -173,7 +197,8 @@ def connect(args):
     if args.url:
         from cbatch.client.http_batch import HttpBatchClient
 
-        return HttpBatchClient(args.url, api_key=api_key(args), model=args.model, retry_for_s=args.retry_for)
+        return HttpBatchClient(args.url, api_key=api_key(args), model=args.model, retry_for_s=args.retry_for,
+                               request_timeout_s=args.request_timeout or DEFAULT_REQUEST_TIMEOUT_S)
     from cbatch.client import Client
 
     return Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
@@ -205,14 +230,16 @@ def main(argv=None) -> None:
         client.close()
         raise
     try:
-        summary, noun = run_file(client, read_items(lines), done_ids, num_lines, out, args.max_in_flight)
+        summary, noun = run_file(client, read_items(lines), done_ids, num_lines, out, args.max_in_flight,
+                                 args.retry_for)
     except CbatchError as err:
         exit_on_error(PROG, err)
     except BatchInterrupted as interrupted:
         line = interrupted_line(interrupted.summary, len(done_ids), num_lines, args.output)
         if interrupted.reason is None:
             exit_with(PROG, line, EXIT_INTERRUPTED)
-        exit_with(PROG, f"{line} ({interrupted.reason.message})", EXIT_UNREACHABLE)
+        exit_with(PROG, f"{line} (nothing answered for {args.retry_for:g} s, --retry-for: "
+                        f"{interrupted.reason.message})", EXIT_UNREACHABLE)
     except KeyboardInterrupt:
         exit_with(PROG, "interrupted", EXIT_INTERRUPTED)
     except UnicodeDecodeError as err:  # standard input, read as it comes (a file was checked first)

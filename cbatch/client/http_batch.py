@@ -6,15 +6,15 @@ The batch policy is BatchFeeder's, unchanged (bounded pull-ahead, a request's ch
 together); this module is the session it drives. The requests run on an asyncio loop in
 a thread of their own (httpx's AsyncClient, so an interrupted batch cancels what it sent
 at once instead of waiting for answers); each one ends by putting its one chunk, or its
-error, in its stream. A full or restarting server (429, 503, 502, 504) and a connection
-that fails are retried with exponential backoff, honouring Retry-After, until
-`retry_for_s` has passed since the request was first sent.
+error, in its stream. A transient failure (batch_retry: a full or restarting server's 429,
+502, 503 or 504, a connection that fails, a try that outlasts `request_timeout_s`) is
+retried after the answer's Retry-After or a backoff, while the batch's patience lasts;
+then its error arrives, and a batch file's run stops there (it is not a result).
 """
 
 import asyncio
 import base64
 import itertools
-import random
 import threading
 import time
 
@@ -22,15 +22,20 @@ import httpx
 
 from cbatch.client.base import Embeddings
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
+from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, MAX_BACKOFF_S, Patience, Tries
 from cbatch.client.openai_wire import chunk_from_response, error_from_response, http_request
 from cbatch.client.streams import Chunk, RequestStream
-from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, UNAVAILABLE
 
-RETRIED_STATUSES = frozenset({429, 502, 503, 504})
-INITIAL_BACKOFF_S = 0.25
-MAX_BACKOFF_S = 8.0
-DEFAULT_RETRY_FOR_S = 300.0
 CONNECT_TIMEOUT_S = 10.0
+# The longest one try of a request may take (a non-streamed completion is answered whole,
+# so this bounds the generation too); one that outlasts it is a transient failure.
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+MAX_MODELS_WAIT_S = 30.0  # for the listing GET /models asked first: the endpoint's first answer
+# A 500 other than a failed decode (decode_failed: the line's result) is sent again this
+# many times, as the openai package does, before it is the line's result: a router answers
+# one for a daemon that just exited.
+MAX_SERVER_ERROR_RETRIES = 2
 WAKE_S = 0.5  # the waiting thread wakes this often, so Ctrl-C is never held up
 
 
@@ -43,12 +48,16 @@ def _retry_after_s(response: httpx.Response) -> float | None:
 
 
 class _HttpSession:
-    """What BatchFeeder asks of a session (submit, cancel, forget, is_closed), over HTTP.
-    Streams are completed on the loop's thread under `arrived`, the lock the waiting
+    """What BatchFeeder asks of a session (submit, cancel, forget, is_closed, failure), over
+    HTTP. Streams are completed on the loop's thread under `arrived`, the lock the waiting
     thread holds while it takes arrivals, so a stream is never seen done without its chunk."""
 
-    def __init__(self, http: httpx.AsyncClient, loop: asyncio.AbstractEventLoop, model: str | None, retry_for_s: float):
-        self._http, self._loop, self.model, self._retry_for_s = http, loop, model, retry_for_s
+    failure = None  # never set: over HTTP each request fails on its own, after its retries
+
+    def __init__(self, http: httpx.AsyncClient, loop: asyncio.AbstractEventLoop, model: str | None,
+                 patience: Patience, request_timeout_s: float):
+        self._http, self._loop, self.model = http, loop, model
+        self._patience, self._request_timeout_s = patience, request_timeout_s
         self.arrived = threading.Condition()
         self._request_ids = itertools.count(1)
         self._tasks: dict[int, asyncio.Future] = {}
@@ -86,25 +95,39 @@ class _HttpSession:
             self.arrived.notify_all()
 
     async def post(self, path: str, payload: dict) -> dict:
-        """The response body of a request that succeeded; retried while it may yet."""
-        give_up_at, backoff_s = time.monotonic() + self._retry_for_s, INITIAL_BACKOFF_S
+        """The response body of a request that succeeded; a transient failure is retried
+        while the batch's patience lasts, and raised when it is spent."""
+        tries, num_server_errors = Tries(), 0
         while True:
             try:
-                response = await self._http.post(path.lstrip("/"), json=payload)
-            except httpx.TransportError as err:
-                failure, wait_s = CbatchError(UNAVAILABLE, f"{self._http.base_url}: {err!r}"), None
+                response = await _within(self._request_timeout_s, self._http.post(path.lstrip("/"), json=payload))
+            except CbatchError as failure_of_try:
+                failure, wait_s = failure_of_try, None
             else:
                 if response.is_success:
+                    self._patience.on_progress()
                     return _json(response)
                 failure = error_from_response(response.status_code, response.text, _json(response, {}))
-                if response.status_code not in RETRIED_STATUSES:
-                    raise failure
                 wait_s = _retry_after_s(response)
-            wait_s = backoff_s * random.uniform(0.5, 1.0) if wait_s is None else wait_s
-            if time.monotonic() + wait_s > give_up_at:
+                is_server_error = response.status_code == 500 and failure.code == INTERNAL
+                if is_server_error and num_server_errors < MAX_SERVER_ERROR_RETRIES:
+                    num_server_errors += 1
+                    failure = CbatchError(UNAVAILABLE, failure.message)  # held as a 503 is
+            wait_s = self._patience.hold(tries, failure, wait_s)
+            if wait_s is None:
                 raise failure
             await asyncio.sleep(wait_s)
-            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+
+async def _within(timeout_s: float, sending) -> httpx.Response:
+    """The response of one try, or an `unavailable` error: the connection failed, or no
+    whole answer came within timeout_s (httpx bounds each read; this, the whole try)."""
+    try:
+        return await asyncio.wait_for(sending, timeout_s)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        raise CbatchError(UNAVAILABLE, f"no answer within {timeout_s:g} s") from None
+    except httpx.TransportError as err:
+        raise CbatchError(UNAVAILABLE, f"the connection failed: {err!r}") from None
 
 
 def _json(response: httpx.Response, default=None):
@@ -121,22 +144,21 @@ class HttpBatchClient:
     the first one GET /models lists is asked for. `api_key` goes as a Bearer token."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
-                 retry_for_s: float = DEFAULT_RETRY_FOR_S):
+                 retry_for_s: float = DEFAULT_RETRY_FOR_S, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
         self.base_url = base_url.rstrip("/") + "/"
         self._http: httpx.AsyncClient | None = None
         self._session: _HttpSession | None = None
-        # What ended every request at once, as a dead daemon does a ZeroMQ client's; over
-        # HTTP each request is retried for retry_for_s and ends on its own instead.
-        self.failure: CbatchError | None = None
+        self.patience = Patience(retry_for_s)  # the batch's, which embeddings share
+        self._request_timeout_s = request_timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cbatch-http-batch", daemon=True)
         self._thread.start()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)  # a completion takes as long as it takes
+        timeout = httpx.Timeout(request_timeout_s, connect=min(CONNECT_TIMEOUT_S, request_timeout_s))
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         try:
             self._http = self._call(self._make_http(headers, timeout, limits))
-            self._session = _HttpSession(self._http, self._loop, model, retry_for_s)
+            self._session = _HttpSession(self._http, self._loop, model, self.patience, request_timeout_s)
             # What a batch line's `model` may name, and the thinking tags a cbatch server
             # lists with them (None for other servers: a line's reasoning_budget is refused).
             self.model_names, self.reasoning = self._call(self._served_models())
@@ -153,10 +175,11 @@ class HttpBatchClient:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _served_models(self) -> tuple[list[str], dict | None]:
+        wait_s = min(MAX_MODELS_WAIT_S, self._request_timeout_s)
         try:
-            response = await self._http.get("models")
-        except httpx.TransportError as err:
-            raise CbatchError(UNAVAILABLE, f"nothing answers at {self.base_url}: {err!r}") from None
+            response = await _within(wait_s, self._http.get("models", timeout=wait_s))
+        except CbatchError as err:
+            raise CbatchError(UNAVAILABLE, f"nothing answers at {self.base_url}: GET models: {err.message}") from None
         if not response.is_success:
             raise error_from_response(response.status_code, response.text, _json(response, {}))
         models = _json(response).get("data") or []
@@ -174,7 +197,8 @@ class HttpBatchClient:
 
     def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT):
         """As Client.stream_batch: (item position, chunk or error) as they arrive; here each
-        item gets one chunk, its whole completion."""
+        item gets one chunk, its whole completion, and each request is retried on its own
+        within the client's patience."""
         feeder = BatchFeeder(self._session, items, max_in_flight)
         arrived = self._session.arrived
         try:

@@ -19,6 +19,7 @@ from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError
 from cbatch.protocol import MsgType
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
+from cbatch.client.batch_retry import Patience
 from cbatch.client.session import SAFETY_POLL_S, Session
 from cbatch.client.sockets import close_dealer, make_dealer
 from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
@@ -45,11 +46,13 @@ class Client(ClientBase):
             self.close()
             raise
 
-    def _wait(self, is_done, deadline: float | None = None) -> None:
-        """Pump messages and ring records until is_done() holds."""
+    def _wait(self, is_done, deadline: float | None = None, is_failure_raised: bool = True) -> None:
+        """Pump messages and ring records until is_done() holds. A daemon given up is raised,
+        unless is_failure_raised is false (a batch holding its requests waits for one that
+        comes back, whose first message clears the failure)."""
         session = self._session
         while not is_done():
-            if session.failure is not None:
+            if session.failure is not None and is_failure_raised:
                 raise session.failure
             if deadline is not None and time.monotonic() > deadline:
                 raise unreachable(self.endpoint)
@@ -83,16 +86,18 @@ class Client(ClientBase):
             pass
         return stream.completion()
 
-    def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> Iterator[tuple[int, Chunk | CbatchError]]:
+    def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                     patience: Patience | None = None) -> Iterator[tuple[int, Chunk | CbatchError]]:
         """Run items with at most max_in_flight outstanding; yield (item position, chunk or
-        error) as they arrive. Each item's last chunk has finish_reason, or is an error."""
-        feeder = BatchFeeder(self._session, items, max_in_flight)
+        error) as they arrive. Each item's last chunk has finish_reason, or is an error.
+        With a patience, items refused for a moment are held and sent again (BatchFeeder)."""
+        feeder = BatchFeeder(self._session, items, max_in_flight, patience)
         try:
             while True:
                 yield from feeder.fill()
                 if feeder.is_done:
                     return
-                self._wait(feeder.has_arrivals)
+                self._wait(feeder.has_arrivals, is_failure_raised=patience is None)
                 yield from feeder.take_arrivals()
         finally:
             feeder.close()
@@ -114,6 +119,13 @@ class Client(ClientBase):
         finally:  # a caller that gave up (an error, Ctrl-C) leaves no entry to wait on
             for nonce in nonces:
                 self._session.replies.pop(nonce, None)
+
+    def pause(self, seconds: float) -> None:
+        """Wait `seconds`, taking what arrives meanwhile, even from a daemon this client gave
+        up: its first message makes the client usable again (a caller retrying after a
+        restart pauses so between tries)."""
+        until_s = time.monotonic() + seconds
+        self._wait(lambda: time.monotonic() >= until_s, is_failure_raised=False)
 
     def health(self) -> dict:
         return self._ask(MsgType.HEALTH)[0]
