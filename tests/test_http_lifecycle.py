@@ -49,6 +49,10 @@ def test_http_answers_503_while_the_model_loads(tiny_model_path):
             assert caught.value.status_code == 503 and "starting" in _error_of(caught)["message"]
             assert "cbatch-worker ready" not in daemon.log()
             assert "cbatch-worker: loading" in daemon.log()  # said at once, not only when ready
+            status = subprocess.run([str(SCRIPTS_DIR / "cbatch-status")], env=daemon.env, capture_output=True,
+                                    text=True, timeout=60)
+            assert "starting: the decode worker is loading the model" in status.stdout, status.stdout
+            assert "worker pid 0" not in status.stdout
         finally:
             os.kill(worker_pid, signal.SIGCONT)
         daemon.wait_http_status(200)

@@ -143,3 +143,18 @@ def test_each_sequence_context_rounds_up_to_256_as_the_readme_says(tiny_model_pa
     d = start_daemon(tiny_model_path, "--ctx-size", str(ctx_size), "--parallel", str(parallel))
     assert d.health["ctx_per_seq"] == ctx_per_seq
     assert f"context {ctx_per_seq} per sequence" in d.log()
+
+
+def test_a_batch_file_with_a_byte_order_mark_and_a_control_character(tiny_model_path, start_daemon, tmp_path):
+    """Some editors start a file with a UTF-8 byte-order mark: the first line still runs. A
+    line with a raw control character inside a string says where, not a cut sentence."""
+    daemon = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    source, output = tmp_path / "bom.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b'\xef\xbb\xbf{"id": "first", "prompt": "hi", "max_tokens": 2}\n'
+                       b'{"id": "tab", "prompt": "a\tb", "max_tokens": 2}\n')
+    run = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(source), "-o", str(output)], env=daemon.env,
+                         capture_output=True, text=True, timeout=120)
+    first, bad = (json.loads(line) for line in output.read_text().splitlines())
+    assert run.returncode == 1, run.stderr  # the second line is bad
+    assert first["id"] == "first" and first["usage"]["completion_tokens"] == 2
+    assert bad["error"]["message"] == "line 2 is not valid JSON: Invalid control character at (column 27)"

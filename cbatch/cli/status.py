@@ -13,6 +13,10 @@ SLOT_COLUMNS = ("slot", "request", "state", "prompt", "tokens", "age")
 
 
 def format_status(endpoint: str, health: dict, stats: dict) -> str:
+    if health["status"] == "starting":  # the model, the worker and the context are not known yet
+        about = (f"starting: the decode worker is loading the model; parallel {stats['parallel']}; "
+                 f"{counted(stats.get('num_in_flight', 0), 'request')} waiting for it")
+        return f"cbatch-worker at {endpoint}: {about}"
     lines = [
         f"cbatch-worker at {endpoint}: {health['status']}, model {health['model']}, worker pid {health['worker_pid']}",
         f"parallel {stats['parallel']}, context {health['ctx_per_seq']} per sequence; "

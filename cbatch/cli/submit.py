@@ -62,7 +62,7 @@ def read_items(lines):
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as err:
-                yield number, CbatchError(INVALID_REQUEST, f"line {number} is not valid JSON: {err.msg}")
+                yield number, CbatchError(INVALID_REQUEST, f"line {number} is not valid JSON: {err.msg} (column {err.colno})")
                 continue
             if not isinstance(item, dict):
                 yield number, CbatchError(INVALID_REQUEST, f"line {number} must be a JSON object")
@@ -77,11 +77,11 @@ def read_items(lines):
 def open_input(path: str):
     """(number of lines or None for stdin, the open text stream); exits EXIT_USAGE if unreadable."""
     if path == "-":  # read as it comes: the number of lines is not known ahead
-        return None, open(sys.stdin.fileno(), encoding="utf-8", errors="strict", closefd=False)
-    try:
-        with open(path, encoding="utf-8") as f:
+        return None, open(sys.stdin.fileno(), encoding="utf-8-sig", errors="strict", closefd=False)
+    try:  # utf-8-sig: a byte-order mark (some editors write one) is not part of the first line
+        with open(path, encoding="utf-8-sig") as f:
             num_lines = sum(1 for line in f if line.strip())
-        return num_lines, open(path, encoding="utf-8", errors="strict")
+        return num_lines, open(path, encoding="utf-8-sig", errors="strict")
     except OSError as err:
         exit_with(PROG, f"cannot read {path}: {err.strerror}", EXIT_USAGE)
     except UnicodeDecodeError as err:
