@@ -46,4 +46,4 @@ def test_curve_admits_listed_clients_only(tiny_model_path, start_daemon, tmp_pat
                     {"curve_server_key": None, "curve_client_key": None}):
         with pytest.raises(CbatchError) as err:
             d.client(connect_timeout_s=1.5, **options)
-        assert err.value.code == "unavailable"
+        assert err.value.code == "unavailable" and "--curve-server-key" in err.value.message

@@ -65,7 +65,7 @@ class AsyncClient(ClientBase):
                                    connect_timeout_s)
         except asyncio.TimeoutError:
             await client.close()
-            raise unreachable(client.endpoint) from None
+            raise unreachable(client.endpoint, is_silent=True) from None
         except BaseException:
             await client.close()
             raise

@@ -21,9 +21,13 @@ STARTING_POLL_S = 0.05
 log = logging.getLogger("cbatch.client")
 
 
-def unreachable(endpoint: str) -> CbatchError:
+def unreachable(endpoint: str, is_silent: bool = False) -> CbatchError:
+    """is_silent: something is there but never answered the handshake, as a daemon that
+    requires CurveZMQ does to a client without its key."""
+    hint = ("; a daemon that requires CurveZMQ answers only clients with its public key "
+            "(--curve-server-key or CBATCH_CURVE_SERVER_KEY)") if is_silent else ""
     return CbatchError(UNAVAILABLE, f"no cbatch daemon answers at {endpoint}; start cbatch-worker, "
-                                    "or point --endpoint / CBATCH_ENDPOINT at it")
+                                    f"or point --endpoint / CBATCH_ENDPOINT at it{hint}")
 
 
 def _is_daemon_starting(socket_path: str) -> bool:

@@ -55,7 +55,7 @@ class Client(ClientBase):
             if session.failure is not None and is_failure_raised:
                 raise session.failure
             if deadline is not None and time.monotonic() > deadline:
-                raise unreachable(self.endpoint)
+                raise unreachable(self.endpoint, is_silent=True)
             if self._wake_fd != session.wake_fd:  # attached to a ring, or to a restarted daemon's
                 if self._wake_fd is not None:
                     self._poller.unregister(self._wake_fd)
