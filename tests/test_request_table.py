@@ -11,7 +11,7 @@ FINISH = {"finish_reason": "stop"}
 
 
 def test_add_refuses_ids_in_use_and_a_full_table():
-    table = RequestTable(max_in_flight=2, retention_s=60.0)
+    table = RequestTable(max_in_flight=(2, 2), retention_s=60.0)
     table.add(TrackedRequest(1, b"a", is_relayed=False))
     with pytest.raises(CbatchError) as err:
         table.add(TrackedRequest(1, b"b", is_relayed=False))
@@ -28,7 +28,7 @@ def test_add_refuses_ids_in_use_and_a_full_table():
 
 
 def test_only_the_owner_finds_its_request_and_retention_expires_it():
-    table = RequestTable(max_in_flight=8, retention_s=10.0)
+    table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
     table.add(TrackedRequest(1, b"a", is_relayed=False))
     assert table.owned(b"a", 1).request_id == 1
     with pytest.raises(CbatchError) as err:
@@ -45,7 +45,7 @@ def test_only_the_owner_finds_its_request_and_retention_expires_it():
 
 
 def test_owed_finishes_are_per_owner_and_forgotten_at_expiry():
-    table = RequestTable(max_in_flight=8, retention_s=10.0)
+    table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
     for request_id, owner in ((1, b"a"), (2, b"a"), (3, b"b")):
         table.add(TrackedRequest(request_id, owner, is_relayed=False))
         tracked = table.active[request_id]
@@ -60,7 +60,7 @@ def test_owed_finishes_are_per_owner_and_forgotten_at_expiry():
 
 
 def test_failed_requests_are_counted_by_code_and_not_kept():
-    table = RequestTable(max_in_flight=8, retention_s=10.0)
+    table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
     table.add(TrackedRequest(1, b"a", is_relayed=False, body={"prompt": "x"}))
     assert table.active[1].is_held
     table.fail(table.active[1], "worker_restarted")
