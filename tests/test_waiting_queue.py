@@ -5,8 +5,9 @@ import time
 
 import pytest
 
+from cbatch.cli.worker import config_from_args, make_parser
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError, QUEUE_FULL
+from cbatch.errors import CbatchError, INVALID_CONFIG, QUEUE_FULL
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.kv.pool import KVCacheManager
@@ -61,6 +62,18 @@ def test_each_priority_fills_only_its_own_room_and_the_error_names_its_setting()
     sched.add(make_seq(8, is_batch=True))
     with pytest.raises(CbatchError):
         sched.add(make_seq(9))
+
+
+def _engine_config(*flags: str) -> EngineConfig:
+    return config_from_args(make_parser().parse_args(["--endpoint", "ipc:///tmp/unused.sock", *flags])).engine
+
+
+def test_the_batch_room_is_as_the_interactive_one_unless_set_and_a_bad_one_names_its_flag():
+    assert _engine_config("--max-queue", "7").max_in_flight == (4 + 7, 4 + 7)
+    assert _engine_config("--max-queue", "7", "--max-batch-queue", "0").max_in_flight == (4 + 7, 4)
+    with pytest.raises(CbatchError) as err:
+        _engine_config("--max-batch-queue", "20000")
+    assert err.value.code == INVALID_CONFIG and err.value.message == "--max-batch-queue must be in [0, 16384], got 20000"
 
 
 def test_the_deadline_heap_holds_no_entry_for_long_ended_requests():

@@ -31,7 +31,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds a batch-priority request that sets no timeout may take (default 0: no limit)")
     add("--alias", action="append", default=[], metavar="NAME",
         help="another name the model answers to over HTTP and in batch files, beside its file's name (repeatable)")
-    add("--max-queue", type=int, default=ENGINE.max_queue,
+    add("--max-queue", type=int, default=ENGINE.max_queue, metavar="N",
         help=f"interactive requests waiting beyond --parallel; more get queue_full (default {ENGINE.max_queue})")
     add("--max-batch-queue", type=int, default=None, metavar="N",
         help="batch-priority requests waiting beyond --parallel, a room of their own: a batch load never fills "
