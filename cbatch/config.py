@@ -13,7 +13,7 @@ MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: KV sequence ids for running and 
 SEQ_IDS_PER_RUNNING = 4  # ids beyond `parallel` hold cached prefixes; each costs a logits row
 POOLING_NAMES = ("mean", "cls", "last")
 MAX_QUEUE = 16384  # keeps every message about the queue (a drain's cancels) within the protocol's limits
-QUEUE_FLAGS = ("--max-queue", "--max-batch-queue")  # the queue limit of each priority, by is_batch
+QUEUE_FLAGS = ("--max-queue", "--max-batch-queue")  # each priority's queue limit, by is_batch (as params.PRIORITIES)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,22 @@ def test_add_refuses_ids_in_use_and_a_full_table():
     table.add(TrackedRequest(3, b"a", is_relayed=False))  # the finished one freed its place
 
 
+def test_each_priority_has_its_own_bound_and_the_refusal_names_its_flag():
+    table = RequestTable(max_in_flight=(1, 2), retention_s=60.0)
+    table.add(TrackedRequest(1, b"a", is_relayed=False, is_batch=True))
+    table.add(TrackedRequest(2, b"a", is_relayed=False, is_batch=True))
+    with pytest.raises(CbatchError) as err:
+        table.add(TrackedRequest(3, b"a", is_relayed=False, is_batch=True))
+    assert err.value.code == QUEUE_FULL and err.value.message.endswith("raise --max-batch-queue")
+    table.add(TrackedRequest(4, b"b", is_relayed=False))  # a full batch bound leaves the interactive one
+    with pytest.raises(CbatchError) as err:
+        table.add(TrackedRequest(5, b"b", is_relayed=False))
+    assert err.value.message == "1 interactive request in flight; retry later or raise --max-queue"
+    table.fail(table.active[1], QUEUE_FULL)  # an ended batch request frees a batch place only
+    table.add(TrackedRequest(6, b"a", is_relayed=False, is_batch=True))
+    assert table.num_active_by_priority == [1, 2]
+
+
 def test_only_the_owner_finds_its_request_and_retention_expires_it():
     table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
     table.add(TrackedRequest(1, b"a", is_relayed=False))

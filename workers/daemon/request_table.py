@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
 from cbatch.ipc.records import NO_TOKEN, RingRecord
+from cbatch.params import PRIORITIES
 from cbatch.wording import counted
 
 
@@ -61,9 +62,8 @@ class RequestTable:
             raise CbatchError(INVALID_REQUEST, f"request_id {tracked.request_id} is already in use")
         is_batch = tracked.is_batch
         if self.num_active_by_priority[is_batch] >= self.max_in_flight[is_batch]:
-            priority = "batch" if is_batch else "interactive"
-            raise CbatchError(QUEUE_FULL, f"{counted(self.max_in_flight[is_batch], f'{priority} request')} in flight; "
-                                          f"retry later or raise {QUEUE_FLAGS[is_batch]}")
+            in_flight = counted(self.max_in_flight[is_batch], f"{PRIORITIES[is_batch]} request")
+            raise CbatchError(QUEUE_FULL, f"{in_flight} in flight; retry later or raise {QUEUE_FLAGS[is_batch]}")
         self.active[tracked.request_id] = tracked
         self.num_active_by_priority[is_batch] += 1
 

@@ -22,10 +22,10 @@ from collections import deque
 
 from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, QUEUE_FULL
+from cbatch.params import PRIORITIES
 from cbatch.wording import counted
 from cbatch.workers.engine.sequence import Sequence
 
-PRIORITY_NAMES = ("interactive", "batch")  # by is_batch, as QUEUE_FLAGS
 # Entries of ended sequences the deadline heap may hold beyond its live ones before it is
 # rebuilt: small enough to be nothing in memory, large enough that rebuilds are rare.
 MIN_STALE_DEADLINES = 1024
@@ -47,9 +47,6 @@ class WaitingQueue:
         yield from self._fifos[0]
         yield from self._fifos[1]
 
-    def num_waiting(self, is_batch: bool) -> int:
-        return len(self._fifos[is_batch])
-
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the tail of its priority, or refuse it with QUEUE_FULL
         when its priority's room is full (nothing changes then)."""
@@ -57,7 +54,7 @@ class WaitingQueue:
         if self._num_held[is_batch] >= self._max_held[is_batch]:
             raise CbatchError(
                 QUEUE_FULL,
-                f"the {PRIORITY_NAMES[is_batch]} queue is full ({counted(self.max_queues[is_batch], 'request')} "
+                f"the {PRIORITIES[is_batch]} queue is full ({counted(self.max_queues[is_batch], 'request')} "
                 f"waiting beyond the running ones); retry later or raise {QUEUE_FLAGS[is_batch]}",
             )
         self._num_held[is_batch] += 1
