@@ -13,6 +13,7 @@ MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: KV sequence ids for running and 
 SEQ_IDS_PER_RUNNING = 4  # ids beyond `parallel` hold cached prefixes; each costs a logits row
 POOLING_NAMES = ("mean", "cls", "last")
 MAX_QUEUE = 16384  # keeps every message about the queue (a drain's cancels) within the protocol's limits
+QUEUE_FLAGS = ("--max-queue", "--max-batch-queue")  # each priority's queue limit, by is_batch (as params.PRIORITIES)
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,10 @@ class EngineConfig:
     batch_size: int = 512  # tokens per step: decode tokens first, prompt chunks fill the rest
     threads: int = 0  # 0 = the CPUs this process may run on (num_usable_cpus)
     n_gpu_layers: int = -1  # -1 = every layer on a GPU build of llama.cpp, none on a CPU build
-    max_queue: int = 1024  # waiting requests beyond `parallel`; more are rejected with queue_full
+    # Each priority's own room: interactive (batch) requests waiting beyond `parallel`; more
+    # of that priority are rejected with queue_full. A max_batch_queue of None = max_queue.
+    max_queue: int = 1024
+    max_batch_queue: int | None = None
     # One KV stream per sequence (a token attends over its own stream only) rather than one
     # pool for all (each token attends over the pool's whole used range): measured faster
     # on short and on long independent prompts, and level on shared prefixes (README).
@@ -72,7 +76,20 @@ class EngineConfig:
         check(self.reasoning in ("auto", "off"), f"--reasoning must be auto or off, got {self.reasoning!r}")
         check(self.reasoning_tags is None or (len(self.reasoning_tags) == 2 and all(self.reasoning_tags)),
               "--reasoning-tags takes two non-empty tags: OPEN CLOSE")
-        check(0 <= self.max_queue <= MAX_QUEUE, f"--max-queue must be in [0, {MAX_QUEUE}], got {self.max_queue}")
+        if self.max_batch_queue is None:
+            object.__setattr__(self, "max_batch_queue", self.max_queue)
+        for flag, value in zip(QUEUE_FLAGS, self.max_queues):
+            check(0 <= value <= MAX_QUEUE, f"{flag} must be in [0, {MAX_QUEUE}], got {value}")
+
+    @property
+    def max_queues(self) -> tuple[int, int]:
+        """The queue limit of each priority, by is_batch."""
+        return self.max_queue, self.max_batch_queue
+
+    @property
+    def max_in_flight(self) -> tuple[int, int]:
+        """The requests of each priority, by is_batch, admitted at once: running and waiting."""
+        return self.parallel + self.max_queue, self.parallel + self.max_batch_queue
 
     @property
     def total_ctx(self) -> int:

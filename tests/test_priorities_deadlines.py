@@ -33,7 +33,7 @@ def test_the_engine_ends_a_queued_request_at_its_deadline_and_a_running_one_with
     running = submit(engine, {"prompt": "abc", **ENDLESS, **greedy, "timeout": 0.3})
     queued = submit(engine, {"prompt": "xyz", "max_tokens": 4, **greedy, "timeout": 0.1})
     collect(results, engine.step())
-    assert engine.scheduler.waiting[0].request_id == queued
+    assert [seq.request_id for seq in engine.scheduler.waiting] == [queued]
     time.sleep(0.15)
     collect(results, engine.step())
     assert engine.expired_while_queued == [queued] and queued not in results

@@ -11,7 +11,7 @@ FINISH = {"finish_reason": "stop"}
 
 
 def test_add_refuses_ids_in_use_and_a_full_table():
-    table = RequestTable(max_in_flight=2, retention_s=60.0)
+    table = RequestTable(max_in_flight=(2, 2), retention_s=60.0)
     table.add(TrackedRequest(1, b"a", is_relayed=False))
     with pytest.raises(CbatchError) as err:
         table.add(TrackedRequest(1, b"b", is_relayed=False))
@@ -27,8 +27,24 @@ def test_add_refuses_ids_in_use_and_a_full_table():
     table.add(TrackedRequest(3, b"a", is_relayed=False))  # the finished one freed its place
 
 
+def test_each_priority_has_its_own_bound_and_the_refusal_names_its_flag():
+    table = RequestTable(max_in_flight=(1, 2), retention_s=60.0)
+    table.add(TrackedRequest(1, b"a", is_relayed=False, is_batch=True))
+    table.add(TrackedRequest(2, b"a", is_relayed=False, is_batch=True))
+    with pytest.raises(CbatchError) as err:
+        table.add(TrackedRequest(3, b"a", is_relayed=False, is_batch=True))
+    assert err.value.code == QUEUE_FULL and err.value.message.endswith("raise --max-batch-queue")
+    table.add(TrackedRequest(4, b"b", is_relayed=False))  # a full batch bound leaves the interactive one
+    with pytest.raises(CbatchError) as err:
+        table.add(TrackedRequest(5, b"b", is_relayed=False))
+    assert err.value.message == "1 interactive request in flight; retry later or raise --max-queue"
+    table.fail(table.active[1], QUEUE_FULL)  # an ended batch request frees a batch place only
+    table.add(TrackedRequest(6, b"a", is_relayed=False, is_batch=True))
+    assert table.num_active_by_priority == [1, 2]
+
+
 def test_only_the_owner_finds_its_request_and_retention_expires_it():
-    table = RequestTable(max_in_flight=8, retention_s=10.0)
+    table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
     table.add(TrackedRequest(1, b"a", is_relayed=False))
     assert table.owned(b"a", 1).request_id == 1
     with pytest.raises(CbatchError) as err:
@@ -45,7 +61,7 @@ def test_only_the_owner_finds_its_request_and_retention_expires_it():
 
 
 def test_owed_finishes_are_per_owner_and_forgotten_at_expiry():
-    table = RequestTable(max_in_flight=8, retention_s=10.0)
+    table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
     for request_id, owner in ((1, b"a"), (2, b"a"), (3, b"b")):
         table.add(TrackedRequest(request_id, owner, is_relayed=False))
         tracked = table.active[request_id]
@@ -60,7 +76,7 @@ def test_owed_finishes_are_per_owner_and_forgotten_at_expiry():
 
 
 def test_failed_requests_are_counted_by_code_and_not_kept():
-    table = RequestTable(max_in_flight=8, retention_s=10.0)
+    table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
     table.add(TrackedRequest(1, b"a", is_relayed=False, body={"prompt": "x"}))
     assert table.active[1].is_held
     table.fail(table.active[1], "worker_restarted")

@@ -17,9 +17,9 @@ def make_seq(request_id, num_prompt, first_token=None):
     return Sequence(request_id, list(range(start, start + num_prompt)), SamplingParams())
 
 
-def Sched(num_slots, max_batch_tokens, max_queue, num_cells=4096, prefix_cache=True):
+def Sched(num_slots, max_batch_tokens, max_queue, num_cells=4096, prefix_cache=True, max_batch_queue=None):
     kv = KVCacheManager(num_cells, 4 * num_slots, prefix_cache, max_cached_cells=num_cells // 2)
-    return Scheduler(kv, num_slots, max_batch_tokens, max_queue)
+    return Scheduler(kv, num_slots, max_batch_tokens, max_queue, max_queue if max_batch_queue is None else max_batch_queue)
 
 
 def feed(sched, chunks):
@@ -177,7 +177,7 @@ def test_a_passed_over_prompt_keeps_a_slot_and_is_not_passed_over_for_nothing():
 
     shared = 3 * BLOCK_TOKENS
     pool = Sched(num_slots=2, max_batch_tokens=40, max_queue=8)
-    streams = Scheduler(StreamCacheManager(2, 1024, True), 2, 40, 8)
+    streams = Scheduler(StreamCacheManager(2, 1024, True), 2, 40, 8, 8)
     for sched, reuses in ((pool, True), (streams, False)):
         first = Sequence(0, list(range(shared)) + [900, 901], SamplingParams())
         second = Sequence(1, list(range(shared)) + [902, 903], SamplingParams())

@@ -31,8 +31,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds a batch-priority request that sets no timeout may take (default 0: no limit)")
     add("--alias", action="append", default=[], metavar="NAME",
         help="another name the model answers to over HTTP and in batch files, beside its file's name (repeatable)")
-    add("--max-queue", type=int, default=ENGINE.max_queue,
-        help=f"requests waiting beyond --parallel (default {ENGINE.max_queue})")
+    add("--max-queue", type=int, default=ENGINE.max_queue, metavar="N",
+        help=f"interactive requests waiting beyond --parallel; more get queue_full (default {ENGINE.max_queue})")
+    add("--max-batch-queue", type=int, default=None, metavar="N",
+        help="batch-priority requests waiting beyond --parallel, a room of their own: a batch load never fills "
+             "--max-queue (default: as --max-queue)")
     add("--kv-unified", action=argparse.BooleanOptionalAction, default=ENGINE.kv_unified,
         help="one KV pool shared by all sequences, or one stream per sequence (default)")
     add("--prefix-cache", action=argparse.BooleanOptionalAction, default=ENGINE.prefix_cache,
@@ -93,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
                           batch_size=args.batch_size, threads=args.threads,
                           n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
-                          max_queue=args.max_queue, kv_unified=args.kv_unified, prefix_cache=args.prefix_cache,
+                          max_queue=args.max_queue, max_batch_queue=args.max_batch_queue,
+                          kv_unified=args.kv_unified, prefix_cache=args.prefix_cache,
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
                           overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
                           reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None)

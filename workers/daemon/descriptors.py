@@ -38,13 +38,14 @@ def num_descriptors_needed(num_clients: int) -> int:
 
 
 def warn_if_too_few_descriptors(config: DaemonConfig) -> None:
-    """At least one client per request the daemon admits (--parallel running, --max-queue
-    waiting), plus the HTTP server processes."""
+    """At least one client per request the daemon admits (each priority: --parallel running,
+    its queue waiting), plus the HTTP server processes."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    num_clients = config.engine.parallel + config.engine.max_queue + (config.http_processes if config.http_address else 0)
+    num_clients = sum(config.engine.max_in_flight) + (config.http_processes if config.http_address else 0)
     needed = num_descriptors_needed(num_clients)
     if hard != resource.RLIM_INFINITY and hard < needed:
         log.warning("the open-file hard limit is %d, under the %d that %d clients (one per request in flight, "
-                    "--parallel + --max-queue) need: more clients are refused, and a burst of connects can abort the "
-                    "daemon; raise the hard limit (ulimit -Hn, systemd's LimitNOFILE=) or lower --max-queue",
+                    "--parallel + --max-queue interactive and --parallel + --max-batch-queue batch) need: more "
+                    "clients are refused, and a burst of connects can abort the daemon; raise the hard limit "
+                    "(ulimit -Hn, systemd's LimitNOFILE=) or lower --max-queue and --max-batch-queue",
                     hard, needed, num_clients)

@@ -43,7 +43,7 @@ class FrontEnd:
         self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
         self.clients = ClientLink(zctx, config)
         engine = config.engine
-        self.requests = RequestTable(engine.parallel + engine.max_queue, config.retention_s)
+        self.requests = RequestTable(engine.max_in_flight, config.retention_s)
         self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue)
         self._use_ring: dict[bytes, bool] = {}
         self._is_draining = False

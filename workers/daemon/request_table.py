@@ -4,14 +4,18 @@ Pure bookkeeping, no sockets. A request is active from its submit until its fini
 until it is failed), then retained for `retention_s` so that a reader the ring lapped can
 fetch its records and a client that missed its finish can have it again. Invariants: a
 request id is in at most one of `active` and the retained set; `owed` names only
-retained requests whose finish could not be sent to their owner.
+retained requests whose finish could not be sent to their owner; `num_active_by_priority`
+counts `active` by is_batch. Each priority has its own bound on requests in flight, so
+batch work never makes an interactive request see queue_full.
 """
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
 from cbatch.ipc.records import NO_TOKEN, RingRecord
+from cbatch.params import PRIORITIES
 from cbatch.wording import counted
 
 
@@ -45,10 +49,11 @@ class TrackedRequest:
 
 
 class RequestTable:
-    def __init__(self, max_in_flight: int, retention_s: float):
-        self.max_in_flight = max_in_flight
+    def __init__(self, max_in_flight: tuple[int, int], retention_s: float):
+        self.max_in_flight = max_in_flight  # by is_batch: (interactive, batch)
         self.retention_s = retention_s
         self.active: dict[int, TrackedRequest] = {}
+        self.num_active_by_priority = [0, 0]  # by is_batch
         self._retained: OrderedDict[int, TrackedRequest] = OrderedDict()  # in finishing order
         self._owed: dict[bytes, dict[int, TrackedRequest]] = {}  # owner -> retained tracked_requests whose finish it lacks
         self.num_ended_by_outcome: Counter = Counter()  # finish reason, or the error code it failed with
@@ -56,9 +61,12 @@ class RequestTable:
     def add(self, tracked: TrackedRequest) -> None:
         if tracked.request_id in self.active or tracked.request_id in self._retained:
             raise CbatchError(INVALID_REQUEST, f"request_id {tracked.request_id} is already in use")
-        if len(self.active) >= self.max_in_flight:
-            raise CbatchError(QUEUE_FULL, f"{counted(len(self.active), 'request')} in flight; retry later or raise --max-queue")
+        is_batch = tracked.is_batch
+        if self.num_active_by_priority[is_batch] >= self.max_in_flight[is_batch]:
+            in_flight = counted(self.max_in_flight[is_batch], f"{PRIORITIES[is_batch]} request")
+            raise CbatchError(QUEUE_FULL, f"{in_flight} in flight; retry later or raise {QUEUE_FLAGS[is_batch]}")
         self.active[tracked.request_id] = tracked
+        self.num_active_by_priority[is_batch] += 1
 
     def get(self, request_id) -> TrackedRequest | None:
         return self.active.get(request_id) or self._retained.get(request_id)
@@ -76,7 +84,7 @@ class RequestTable:
     def finish(self, tracked: TrackedRequest, finish: dict, now_s: float) -> None:
         """The request ended with `finish` (the FINISHED body): retain it, forget the expired."""
         tracked.finish, tracked.finished_at_s = finish, now_s
-        del self.active[tracked.request_id]
+        self._remove_active(tracked)
         self.num_ended_by_outcome[finish["finish_reason"]] += 1
         self._retained[tracked.request_id] = tracked
         self.expire(now_s)
@@ -89,8 +97,12 @@ class RequestTable:
 
     def fail(self, tracked: TrackedRequest, code: str) -> None:
         """The request ended with an error reply: nothing of it is kept."""
-        del self.active[tracked.request_id]
+        self._remove_active(tracked)
         self.num_ended_by_outcome[code] += 1
+
+    def _remove_active(self, tracked: TrackedRequest) -> None:
+        del self.active[tracked.request_id]
+        self.num_active_by_priority[tracked.is_batch] -= 1
 
     def set_delivered(self, tracked: TrackedRequest, is_delivered: bool) -> None:
         self._set_owed(tracked, not is_delivered)

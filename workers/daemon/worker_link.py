@@ -19,7 +19,7 @@ class WorkerLink:
         self.socket = zctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         # Never drop a submit or cancel on its way to the worker: no high-water mark here
-        # (the in-flight count is bounded by --parallel + --max-queue instead).
+        # (the in-flight count is bounded by --parallel + each priority's queue instead).
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.bind(control_endpoint)

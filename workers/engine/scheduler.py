@@ -1,9 +1,9 @@
 """Decides, each step, which sequences run and which tokens go into the batch.
 
 Policy:
-- admission is FIFO within a priority, every interactive request before any batch one
-  (the waiting queue holds the interactive ones first), into at most `max_running`
-  running sequences, each given a KV sequence id holding its longest cached prefix by the KV manager, which reserves cells
+- admission is FIFO within a priority, every interactive request before any batch one,
+  each priority with its own room in the queue (waiting_queue.py), into at most
+  `max_running` running sequences, each given a KV sequence id holding its longest cached prefix by the KV manager, which reserves cells
   for the rest of its tokens (evicting cached prefixes first) or says there is no room;
 - a sequence whose exact prompt a running one computes or has computed forks it instead
   (forks.py): it copies that KV, so a request's `n` choices compute their prompt once;
@@ -17,20 +17,19 @@ Policy:
   share the rest of the step's token budget in admission order (chunked prefill: a long
   prompt costs the others at most one span of latency per step, never a stall);
 - a generating sequence whose next cell cannot be had even by eviction preempts the
-  newest running sequence back to the head of the queue (recomputed on re-admission).
+  newest running sequence back to the head of its priority's queue (recomputed on
+  re-admission);
+- a request past its deadline ends: one still queued leaves the queue in the same one
+  pass as cancels (drop_waiting), however many expire at once.
 No model here: it is tested on its own.
 """
 
-import heapq
-import math
-from collections import deque
 from operator import attrgetter
 
-from cbatch.errors import CbatchError, QUEUE_FULL
-from cbatch.wording import counted
 from cbatch.workers.engine.forks import PendingForks, can_share_last_row, can_share_row, find_parent
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, KVManager
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
+from cbatch.workers.engine.waiting_queue import DeadlineHeap, WaitingQueue
 
 
 class BatchSpan:
@@ -53,18 +52,17 @@ _SPAN_SEQ_ID = attrgetter("seq.seq_id")
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int):
+    def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int, max_batch_queue: int):
         if max_batch_tokens < max_running:
             raise ValueError("max_batch_tokens must cover one token per running sequence")
         self.kv = kv
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
-        self.max_queue = max_queue
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(max_running, max_queue, max_batch_queue)
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.forks = PendingForks()  # admitted, waiting for a running sequence's prompt
         self.row_forks: list[tuple[Sequence, Sequence]] = []  # (parent, fork): see take_row_forks
-        self._deadlines: list[tuple[float, int, Sequence]] = []  # a heap; ended sequences are skipped
+        self.deadlines = DeadlineHeap()
         # Whether llama.cpp's logits of the last decode are still there when the next batch
         # is scheduled: not with overlap, where the next decode is queued at once.
         self.is_last_row_kept = True
@@ -74,38 +72,17 @@ class Scheduler:
         return bool(self.waiting or self.running or len(self.forks) or self.row_forks)
 
     def add(self, seq: Sequence) -> None:
-        # Those that a free slot takes at the next step are not queued: a burst of
-        # slots + max_queue requests reaching an idle worker between two steps fits.
-        num_free_slots = max(0, self.max_running - len(self.running) - len(self.forks) - len(self.row_forks))
-        if len(self.waiting) >= self.max_queue + num_free_slots:
-            raise CbatchError(
-                QUEUE_FULL,
-                f"the waiting queue is full ({counted(self.max_queue, 'request')}); retry later or raise --max-queue",
-            )
-        if seq.deadline_s != math.inf:
-            heapq.heappush(self._deadlines, (seq.deadline_s, id(seq), seq))
-        if seq.is_batch:
-            self.waiting.append(seq)
-            return
-        # After the interactive requests already waiting (they lead the queue), before any
-        # batch one: a batch file's queue never delays an interactive request's admission.
-        position = next((i for i, other in enumerate(self.waiting) if other.is_batch), len(self.waiting))
-        self.waiting.insert(position, seq)
+        """Queue a new sequence; QUEUE_FULL (nothing changes) when its priority's room is full."""
+        self.waiting.add(seq)
+        self.deadlines.add(seq)
 
     def take_expired(self, now_s: float) -> tuple[list[Sequence], list[Sequence]]:
         """The sequences whose deadline has passed by now_s: (those still queued with no
-        output, which leave the queue here; the others, for the caller to finish)."""
-        queued, started = [], []
-        while self._deadlines and self._deadlines[0][0] <= now_s:
-            seq = heapq.heappop(self._deadlines)[2]
-            if seq.status is SeqStatus.FINISHED:
-                continue  # it ended before its deadline
-            if seq.status is SeqStatus.WAITING and not seq.output_ids:
-                self.finish(seq, keep_cached=False)
-                queued.append(seq)
-            else:
-                started.append(seq)
-        return queued, started
+        output, which leave the queue here in one pass; the others, for the caller to finish)."""
+        due = self.deadlines.take_due(now_s)
+        queued = [seq for seq in due if seq.status is SeqStatus.WAITING and not seq.output_ids]
+        self.drop_waiting(queued)
+        return queued, [seq for seq in due if seq.status is not SeqStatus.FINISHED]
 
     def schedule(self) -> list[BatchSpan]:
         self._admit()
@@ -199,12 +176,14 @@ class Scheduler:
             self.forks.remove(seq)
             self.kv.release(seq.seq_id, seq.token_slice, 0, False)
             seq.seq_id = None
-        elif seq.status is not SeqStatus.FINISHED:  # FINISHED: already dropped from the queue
+        elif seq.status is SeqStatus.FINISHED:
+            return  # already dropped from the queue (drop_waiting)
+        else:
             self.running.remove(seq)
             self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
             seq.seq_id = None
             self._requeue_forks(seq)
-        seq.status = SeqStatus.FINISHED
+        self._ended(seq)
 
     def drop_waiting(self, seqs: list[Sequence]) -> None:
         """Take the waiting ones of seqs out of the queue in one pass (a drain cancels
@@ -213,19 +192,26 @@ class Scheduler:
         dropped = {id(seq) for seq in seqs if seq.status is SeqStatus.WAITING}
         if not dropped:
             return
-        self.waiting = deque(seq for seq in self.waiting if id(seq) not in dropped)
+        self.waiting.drop(dropped)
         for seq in seqs:
             if id(seq) in dropped:
-                seq.status = SeqStatus.FINISHED
+                self._ended(seq)
+
+    def _ended(self, seq: Sequence) -> None:
+        """The one place a held sequence becomes FINISHED: it frees its place in its
+        priority's room and its deadline."""
+        seq.status = SeqStatus.FINISHED
+        self.waiting.on_ended(seq)
+        self.deadlines.discard(seq)
 
     def preempt_newest(self) -> Sequence:
-        """Send the most recently admitted running sequence back to the head of the queue;
-        its prompt + output so far is recomputed on re-admission."""
+        """Send the most recently admitted running sequence back to the head of its
+        priority's queue; its prompt + output so far is recomputed on re-admission."""
         seq = self.running.pop()
         self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, False)
         seq.seq_id, seq.num_cached, seq.status = None, 0, SeqStatus.WAITING
         self._requeue_forks(seq)
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
         return seq
 
     def _requeue_forks(self, parent: Sequence) -> None:
@@ -237,7 +223,7 @@ class Scheduler:
     def _requeue(self, fork: Sequence) -> None:
         self.kv.release(fork.seq_id, fork.token_slice, 0, False)
         fork.seq_id, fork.num_cached, fork.status = None, 0, SeqStatus.WAITING
-        self.waiting.appendleft(fork)
+        self.waiting.push_front(fork)
 
     def _fork(self, parent: Sequence, fork: Sequence, num_tokens: int) -> None:
         """`fork` (admitted, nothing computed) takes the parent's first `num_tokens`
@@ -259,7 +245,7 @@ class Scheduler:
                 continue
             placed = self.kv.admit(seq.token_slice, seq.num_tokens, reuse=parent is None)
             if placed is None:
-                self.waiting.appendleft(seq)
+                self.waiting.push_front(seq)
                 break
             seq.seq_id, seq.num_cached = placed
             if parent is None:
@@ -274,7 +260,8 @@ class Scheduler:
                 self.row_forks.append((parent, seq))
             else:
                 self._fork(parent, seq, seq.num_prompt_tokens - 1)
-        self.waiting.extendleft(reversed(passed_over))
+        for seq in reversed(passed_over):
+            self.waiting.push_front(seq)
 
     def _is_prefilled_elsewhere(self, seq: Sequence) -> bool:
         """Is a running sequence computing the next block `seq` could reuse right now?"""

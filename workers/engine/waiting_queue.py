@@ -1,0 +1,129 @@
+"""What the scheduler holds besides its running set: the waiting requests, each priority's
+room, and the deadlines.
+
+WaitingQueue:
+- one FIFO per priority; `popleft` takes an interactive request while any waits, so every
+  interactive request is admitted before any batch one. A preempted or requeued sequence
+  goes back to the head of its own priority's FIFO;
+- each priority has its own room: it may hold `max_running` plus its own queue limit
+  (--max-queue for interactive requests, --max-batch-queue for batch ones) in the engine,
+  waiting and running together, as the front-end counts its requests in flight. A batch
+  load that fills its room therefore never makes an interactive request see queue_full,
+  and a burst of slots + queue limit reaching an idle worker between two steps fits.
+
+DeadlineHeap: the deadlines of the live sequences, soonest first, holding only
+(deadline_s, request_id) per entry, so a finished request costs nothing once it ends.
+No model here: the scheduler drives both.
+"""
+
+import heapq
+import math
+from collections import deque
+
+from cbatch.config import QUEUE_FLAGS
+from cbatch.errors import CbatchError, QUEUE_FULL
+from cbatch.params import PRIORITIES
+from cbatch.wording import counted
+from cbatch.workers.engine.sequence import Sequence
+
+# Entries of ended sequences the deadline heap may hold beyond its live ones before it is
+# rebuilt: small enough to be nothing in memory, large enough that rebuilds are rare.
+MIN_STALE_DEADLINES = 1024
+
+
+class WaitingQueue:
+    def __init__(self, max_running: int, max_queue: int, max_batch_queue: int):
+        self._fifos: tuple[deque[Sequence], deque[Sequence]] = (deque(), deque())  # by is_batch
+        self.max_queues = (max_queue, max_batch_queue)
+        self._max_held = (max_running + max_queue, max_running + max_batch_queue)
+        # Per priority: the sequences added and not yet ended (waiting, running or forking).
+        self._num_held = [0, 0]
+
+    def __len__(self) -> int:
+        return len(self._fifos[0]) + len(self._fifos[1])
+
+    def __iter__(self):
+        """In admission order: the interactive FIFO, then the batch one."""
+        yield from self._fifos[0]
+        yield from self._fifos[1]
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the tail of its priority, or refuse it with QUEUE_FULL
+        when its priority's room is full (nothing changes then)."""
+        is_batch = seq.is_batch
+        if self._num_held[is_batch] >= self._max_held[is_batch]:
+            raise CbatchError(
+                QUEUE_FULL,
+                f"the {PRIORITIES[is_batch]} queue is full ({counted(self.max_queues[is_batch], 'request')} "
+                f"waiting beyond the running ones); retry later or raise {QUEUE_FLAGS[is_batch]}",
+            )
+        self._num_held[is_batch] += 1
+        self._fifos[is_batch].append(seq)
+
+    def on_ended(self, seq: Sequence) -> None:
+        """`seq`, added once, ended (wherever it was): its place in its room is free.
+        Called exactly once per added sequence."""
+        self._num_held[seq.is_batch] -= 1
+
+    def popleft(self) -> Sequence:
+        return (self._fifos[0] or self._fifos[1]).popleft()
+
+    def push_front(self, seq: Sequence) -> None:
+        """Back to the head of its priority (preempted, requeued, or not admitted now)."""
+        self._fifos[seq.is_batch].appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """One sequence out of the queue (a search of its FIFO: for one at a time only)."""
+        self._fifos[seq.is_batch].remove(seq)
+
+    def drop(self, seq_ids: set[int]) -> None:
+        """Take the sequences whose id() is in seq_ids out of the queue in one pass."""
+        self._fifos = tuple(deque(seq for seq in fifo if id(seq) not in seq_ids) if fifo else fifo
+                            for fifo in self._fifos)
+
+
+class DeadlineHeap:
+    """The live sequences that have a deadline, soonest first. The heap holds (deadline_s,
+    request_id); the sequences themselves are found by id in `_live`, which a sequence
+    leaves as it ends (discard). Its heap entry, now stale, is skipped when it surfaces,
+    and the stale entries are dropped all at once when they outnumber the live ones by
+    MIN_STALE_DEADLINES: the heap holds at most 2 x live + MIN_STALE_DEADLINES entries,
+    and each rebuild is paid for by the ends that made its stale entries (amortized O(1)
+    per end). An entry is live only while `_live` holds a sequence of its id with its
+    deadline: a request id used again later is a new entry."""
+
+    def __init__(self):
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, Sequence] = {}
+
+    @property
+    def num_entries(self) -> int:
+        """Heap entries, stale ones included (what the heap costs in memory)."""
+        return len(self._heap)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.deadline_s != math.inf:
+            heapq.heappush(self._heap, (seq.deadline_s, seq.request_id))
+            self._live[seq.request_id] = seq
+
+    def discard(self, seq: Sequence) -> None:
+        """`seq` ended: its deadline no longer matters."""
+        if self._live.get(seq.request_id) is not seq:
+            return  # it had no deadline, or it was taken as due
+        del self._live[seq.request_id]
+        if len(self._heap) > 2 * len(self._live) + MIN_STALE_DEADLINES:
+            self._heap = [entry for entry in self._heap if self._is_live(entry)]
+            heapq.heapify(self._heap)
+
+    def take_due(self, now_s: float) -> list[Sequence]:
+        """The live sequences whose deadline is at or before now_s, which leave the heap."""
+        due = []
+        while self._heap and self._heap[0][0] <= now_s:
+            entry = heapq.heappop(self._heap)
+            if self._is_live(entry):
+                due.append(self._live.pop(entry[1]))
+        return due
+
+    def _is_live(self, entry: tuple[float, int]) -> bool:
+        seq = self._live.get(entry[1])
+        return seq is not None and seq.deadline_s == entry[0]
