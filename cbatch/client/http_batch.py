@@ -16,7 +16,6 @@ import asyncio
 import base64
 import itertools
 import threading
-import time
 
 import httpx
 

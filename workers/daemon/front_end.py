@@ -15,14 +15,14 @@ import msgpack
 import zmq
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, VERSION_MISMATCH
+from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN
 from cbatch.ipc.records import RingRecord, TokenEvent
-from cbatch.ipc.ring import is_ring_ordered
 from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request
-from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, field, reply_ids, unpack
+from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.embed_relay import EmbedRelay
+from cbatch.workers.daemon.handshakes import Handshakes
 from cbatch.workers.daemon.quarantine import Quarantine
 from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
 from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
@@ -40,12 +40,11 @@ class FrontEnd:
         self.config = config
         self.model_names = served_model_names(config.engine.model_path, config.aliases)  # what `model` may name
         self.worker = worker
-        self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
         self.clients = ClientLink(zctx, config)
+        self.handshakes = Handshakes(self.clients, config, worker, ring_name, tick_endpoint)
         engine = config.engine
         self.requests = RequestTable(engine.max_in_flight, config.retention_s)
         self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue)
-        self._use_ring: dict[bytes, bool] = {}
         self._is_draining = False
         self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
         self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)
@@ -78,8 +77,7 @@ class FrontEnd:
                 if handler is None:
                     raise ProtocolError(f"message type {msg_type.name} is not sent by clients")
                 handler(self, identity, body)
-                if identity not in self._use_ring:
-                    self._welcome_again(identity)
+                self.handshakes.welcome_unknown(identity)
             except ProtocolError as err:
                 self._error(identity, INVALID_REQUEST, str(err), body or reply_ids(frames))
             except CbatchError as err:
@@ -100,7 +98,7 @@ class FrontEnd:
             self.clients.wait_for_return(identity, time.monotonic())
             return
         self.clients.forget(identity)
-        self._use_ring.pop(identity, None)
+        self.handshakes.forget(identity)
         for tracked in active:
             self._cancel_tracked(tracked)
 
@@ -141,28 +139,6 @@ class FrontEnd:
                 reply[key] = body[key]
         self.clients.send(identity, MsgType.ERROR, reply)
 
-    def _hello(self, identity: bytes, body: dict) -> None:
-        version = field(body, "version", int)
-        if version != PROTOCOL_VERSION:
-            raise CbatchError(VERSION_MISMATCH, f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade cbatch")
-        # Off x86-64 the ring's lock-free protocol lacks the fences it would need: relay.
-        use_ring = bool(field(body, "use_ring", bool)) and self.config.endpoint.startswith("ipc://") and is_ring_ordered()
-        self._use_ring[identity] = use_ring
-        self._welcome(identity)
-
-    def _welcome(self, identity: bytes) -> None:  # again on WorkerReady: one sent during loading lacks the chat template
-        ready, use_ring = self.worker.ready, self._use_ring[identity]
-        self.clients.send(identity, MsgType.WELCOME, {
-            "version": PROTOCOL_VERSION, "model": ready.model if ready else "", "parallel": self.config.engine.parallel,
-            "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring, **(ready.chat if ready else {}),
-            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else ""})
-
-    def _welcome_again(self, identity: bytes) -> None:
-        """A client that speaks without a HELLO to this daemon (its socket reconnected by itself to a
-        daemon restarted on the endpoint) holds an old handshake and maybe another ring: it is
-        relayed until it says HELLO, and this WELCOME tells it so."""
-        self._hello(identity, {"version": PROTOCOL_VERSION, "use_ring": False})
-
     def _submit(self, identity: bytes, body: dict) -> None:
         request_id = field(body, "request_id", int)
         if not 1 <= request_id <= MAX_REQUEST_ID:
@@ -176,7 +152,7 @@ class FrontEnd:
         shape = self.quarantine.admit(request_body)
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request_body.get("logprobs") is not None
-        tracked = TrackedRequest(request_id, identity, is_relayed=wants_logprobs or not self._use_ring.get(identity, False),
+        tracked = TrackedRequest(request_id, identity, is_relayed=wants_logprobs or not self.handshakes.reads_ring(identity),
                   body=request_body, logprobs={} if wants_logprobs else None, is_batch=request.priority == BATCH,
                   deadline_s=self.config.deadline_s(request.timeout_s, request.priority == BATCH, time.monotonic()), shape=shape)
         self.requests.add(tracked)
@@ -231,7 +207,7 @@ class FrontEnd:
         self.clients.send(identity, MsgType.STATS_REPLY, {"nonce": body.get("nonce", 0), **stats})
 
     _CLIENT_HANDLERS = {
-        MsgType.HELLO: _hello, MsgType.SUBMIT: _submit, MsgType.CANCEL: _cancel, MsgType.FETCH: _fetch,
+        MsgType.HELLO: lambda self, identity, body: self.handshakes.hello(identity, body), MsgType.SUBMIT: _submit, MsgType.CANCEL: _cancel, MsgType.FETCH: _fetch,
         MsgType.HEALTH: _health, MsgType.STATS: _stats,
         MsgType.EMBED: lambda self, identity, body: self.embeds.on_embed(identity, body, self._is_draining),
     }
@@ -251,8 +227,7 @@ class FrontEnd:
     def on_worker_messages(self) -> None:
         for message in self.worker.receive():
             if isinstance(message, WorkerReady):  # what was held for it, interactive requests first
-                for identity in self._use_ring:
-                    self._welcome(identity)
+                self.handshakes.welcome_all()
                 for tracked in sorted(self.requests.active.values(), key=lambda tracked: tracked.is_batch):
                     self._forward(tracked)
                 self.embeds.forward_held()
