@@ -9,7 +9,14 @@ something. A session drains its inbox on its own thread, so session state is onl
 touched by the thread that owns it.
 
 Exactly once: the one RingReader, under a lock, returns each record once, and each
-record goes to the one inbox that watches its request. Overruns: the ids the RingReader
+record goes to the one inbox that watches its request.
+
+Finalizers: a client dropped without close() (an AsyncClient in a reference cycle, say)
+gives its tap back when the garbage collector runs, and the collector runs on whatever
+thread happens to allocate, the reader's own included, in the middle of pump() with the
+lock held. So the collected path takes no lock and waits for nothing: it queues the
+departure, and the reader thread applies it (unwatch, close the inbox, release) at its
+next wake-up, which the queueing causes. Only an explicit close() gives back at once. Overruns: the ids the RingReader
 reports as gapped reach their inbox as gap notices; the session fetches what it missed
 over ZeroMQ and calls resume(). Any thread may also pump the reader itself (`pump()`),
 as a session does before it acts on a FINISHED message, whose records the worker wrote
@@ -19,6 +26,7 @@ before the message was sent.
 import os
 import threading
 import weakref
+from collections import deque
 
 import zmq
 
@@ -103,25 +111,60 @@ class SharedRingReader:
             return reader
 
     def release(self) -> None:
+        """An explicit give-back; the last one stops the reader thread and waits for it."""
+        if self._drop_user():
+            self._wake()
+            self._thread.join()
+
+    def _drop_user(self) -> bool:
+        """One user fewer; True when it was the last: the reader thread is to stop."""
         with self._instances_lock:
             self._num_users -= 1
             if self._num_users:
-                return
+                return False
             del self._instances[(os.getpid(), self._ring.name)]
-        os.write(self._stop_write_fd, b"\0")
-        if threading.current_thread() is not self._thread:  # a collected client's finalizer may run on it
-            self._thread.join()
+            self._is_stopping = True
+            return True
 
     def __init__(self, ring_name: str, tick_endpoint: str):
         self._ring = attach_ring(ring_name)
         self._reader = RingReader(self._ring)
-        self._lock = threading.Lock()  # over _reader and _inbox_of
+        self._lock = threading.Lock()  # over _reader and _inbox_of; never taken by a finalizer
         self._inbox_of: dict[int, RingInbox] = {}  # watched request id -> the inbox of its session
         self._num_users = 0
-        self._stop_read_fd, self._stop_write_fd = os.pipe()  # written once, by the last release()
+        # Collected taps' (inbox, watched ids), for the reader thread: deque appends and
+        # pops are atomic, so the finalizer that queues one takes no lock.
+        self._departures: deque[tuple[RingInbox, list[int]]] = deque()
+        self._is_stopping = False  # the last user left: the reader thread ends
+        # Wakes the reader thread: a departure was queued, or the last user left.
+        self._wake_read_fd, self._wake_write_fd = os.pipe()
+        os.set_blocking(self._wake_write_fd, False)
         self._thread = threading.Thread(target=self._run, args=(tick_endpoint,), name="cbatch-ring-reader",
                                         daemon=True)
         self._thread.start()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write_fd, b"\0")
+        except BlockingIOError:
+            pass  # a full pipe wakes the thread as well
+
+    def depart_later(self, inbox: RingInbox, request_ids: list[int]) -> None:
+        """A collected tap's give-back, from whatever thread the collector ran on: queued
+        for the reader thread, never blocking (see the module docstring)."""
+        self._departures.append((inbox, request_ids))
+        self._wake()
+
+    def _apply_departures(self) -> None:
+        """On the reader thread, holding no lock: what collected taps queued."""
+        while self._departures:
+            inbox, request_ids = self._departures.popleft()
+            with self._lock:
+                for request_id in request_ids:
+                    self._reader.unwatch(request_id)
+                    self._inbox_of.pop(request_id, None)
+            inbox.close()  # nothing puts into it any more: its ids are unwatched
+            self._drop_user()
 
     @property
     def heartbeat_ns(self) -> int:
@@ -174,19 +217,22 @@ class SharedRingReader:
         tick = _make_tick_socket(zmq.Context.instance(), tick_endpoint)
         poller = zmq.Poller()
         poller.register(tick, zmq.POLLIN)
-        poller.register(self._stop_read_fd, zmq.POLLIN)
+        poller.register(self._wake_read_fd, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll(TICK_POLL_MS if self._inbox_of else IDLE_POLL_MS))
-                if self._stop_read_fd in ready:
-                    return
+                if self._wake_read_fd in ready:
+                    os.read(self._wake_read_fd, 4096)
+                    self._apply_departures()
+                    if self._is_stopping:
+                        return
                 while tick.poll(0):
                     tick.recv()
                 self.pump()
         finally:  # the thread owns what it reads with, so nothing is closed under it
             tick.close(linger=0)
-            os.close(self._stop_read_fd)
-            os.close(self._stop_write_fd)
+            os.close(self._wake_read_fd)
+            os.close(self._wake_write_fd)
             self._ring.close()
 
 
@@ -199,8 +245,13 @@ class RingTap:
         self._inbox = RingInbox()
         self._watched_ids: set[int] = set()
         # A client dropped without close() still gives the reader back (and the last user's
-        # going stops its thread) once it is collected.
-        self.close = weakref.finalize(self, _give_back, self._reader, self._inbox, self._watched_ids)
+        # going stops its thread) once it is collected, through the reader thread.
+        self._finalizer = weakref.finalize(self, _give_back_later, self._reader, self._inbox, self._watched_ids)
+
+    def close(self) -> None:
+        """Give the reader back now (once; a collected tap gives it back by itself)."""
+        if self._finalizer.detach() is not None:
+            _give_back(self._reader, self._inbox, self._watched_ids)
 
     @property
     def wake_fd(self) -> int:
@@ -232,8 +283,14 @@ class RingTap:
 
 
 def _give_back(reader: SharedRingReader, inbox: RingInbox, watched_ids: set[int]) -> None:
-    """RingTap.close(): runs once, at close() or when the tap is collected."""
+    """RingTap.close(): the tap's requests, the reader and the inbox, given back now."""
     for request_id in watched_ids:  # the reader must not put into a closed inbox
         reader.unwatch(request_id)
     reader.release()
     inbox.close()
+
+
+def _give_back_later(reader: SharedRingReader, inbox: RingInbox, watched_ids: set[int]) -> None:
+    """The finalizer of a tap collected without close(): may run on any thread, the reader's
+    own inside pump() included, so it only queues the give-back for the reader thread."""
+    reader.depart_later(inbox, list(watched_ids))
