@@ -178,9 +178,10 @@ class Session:
 
     def _on_welcome(self, body: dict) -> None:
         """Also a WELCOME nobody asked for: the daemon restarted on this endpoint and relays
-        this client until it says HELLO again; the old daemon's ring is given up."""
-        is_another_daemon = self.welcome is not None and body.get("ring_name") != self.welcome.get("ring_name")
-        if is_another_daemon and self._ring is not None:
+        this client until it says HELLO again, or it recreated its ring (removed from
+        /dev/shm) under a new name; either way the old ring is given up."""
+        is_another_ring = self.welcome is not None and body.get("ring_name") != self.welcome.get("ring_name")
+        if is_another_ring and self._ring is not None:
             self._ring.close()
             self._ring = None
             self.use_ring = self._wants_ring
@@ -192,9 +193,12 @@ class Session:
                 self.use_ring = False
                 self.hello()
                 return
+            for stream in self.streams.values() if is_another_ring else ():  # held across a worker restart
+                if not stream.is_done and not stream.wants_logprobs:
+                    self._ring.watch(stream.request_id, stream.next_index)
         self.welcome = body
         self._on_arrival(CONNECTION)
-        if is_another_daemon and self.use_ring and not body.get("use_ring"):
+        if is_another_ring and self.use_ring and not body.get("use_ring"):
             self.hello()  # for this daemon's ring
 
     def _on_records(self, body: dict) -> None:

@@ -170,12 +170,13 @@ class SharedRingReader:
     def heartbeat_ns(self) -> int:
         return self._ring.heartbeat_ns
 
-    def watch(self, request_id: int, inbox: RingInbox) -> None:
-        """Before the request is sent: its records may be published at once."""
+    def watch(self, request_id: int, inbox: RingInbox, next_index: int = 0) -> None:
+        """Before the request is sent: its records may be published at once. next_index:
+        the first record wanted (a request that came over from another ring)."""
         with self._lock:
             if not self._inbox_of:
                 self._reader = RingReader(self._ring)  # idle until now: start at the ring's present
-            self._reader.watch(request_id)
+            self._reader.watch(request_id, next_index)
             self._inbox_of[request_id] = inbox
 
     def unwatch(self, request_id: int) -> None:
@@ -261,9 +262,9 @@ class RingTap:
     def heartbeat_ns(self) -> int:
         return self._reader.heartbeat_ns
 
-    def watch(self, request_id: int) -> None:
+    def watch(self, request_id: int, next_index: int = 0) -> None:
         self._watched_ids.add(request_id)
-        self._reader.watch(request_id, self._inbox)
+        self._reader.watch(request_id, self._inbox, next_index)
 
     def unwatch(self, request_id: int) -> None:
         self._watched_ids.discard(request_id)

@@ -39,7 +39,8 @@ class FrontEnd:
         self.config = config
         self.model_names = served_model_names(config.engine.model_path, config.aliases)  # what `model` may name
         self.worker = worker
-        self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
+        self.ring_name = ring_name  # named in every WELCOME; the supervisor changes it when it recreates the ring
+        self._tick_endpoint = tick_endpoint
         self.clients = ClientLink(zctx, config)
         engine = config.engine
         self.requests = RequestTable(engine.parallel + engine.max_queue, config.retention_s)
@@ -153,7 +154,7 @@ class FrontEnd:
         self.clients.send(identity, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "model": ready.model if ready else "", "parallel": self.config.engine.parallel,
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring, **(ready.chat if ready else {}),
-            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else ""})
+            "ring_name": self.ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else ""})
 
     def _welcome_again(self, identity: bytes) -> None:
         """A client that speaks without a HELLO to this daemon (its socket reconnected by itself to a
