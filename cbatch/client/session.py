@@ -177,9 +177,8 @@ class Session:
             handler(self, body)
 
     def _on_welcome(self, body: dict) -> None:
-        """Also a WELCOME nobody asked for: the daemon restarted on this endpoint and relays
-        this client until it says HELLO again, or it recreated its ring (removed from
-        /dev/shm) under a new name; either way the old ring is given up."""
+        """Also a WELCOME nobody asked for: the daemon restarted on this endpoint (it relays this
+        client until it says HELLO again) or recreated its ring; the old ring is given up."""
         is_another_ring = self.welcome is not None and body.get("ring_name") != self.welcome.get("ring_name")
         if is_another_ring and self._ring is not None:
             self._ring.close()
@@ -187,15 +186,12 @@ class Session:
             self.use_ring = self._wants_ring
         if body.get("use_ring") and self._ring is None:
             try:
-                self._ring = RingTap(body["ring_name"], body["tick_endpoint"])
+                self._ring = RingTap(body["ring_name"], body["tick_endpoint"], self.streams.values() if is_another_ring else ())
             except RingError:
                 # Not on the daemon's host (or no access): take the relayed stream instead.
                 self.use_ring = False
                 self.hello()
                 return
-            for stream in self.streams.values() if is_another_ring else ():  # held across a worker restart
-                if not stream.is_done and not stream.wants_logprobs:
-                    self._ring.watch(stream.request_id, stream.next_index)
         self.welcome = body
         self._on_arrival(CONNECTION)
         if is_another_ring and self.use_ring and not body.get("use_ring"):

@@ -27,9 +27,11 @@ import os
 import threading
 import weakref
 from collections import deque
+from collections.abc import Iterable
 
 import zmq
 
+from cbatch.client.ring_inbox import RingInbox
 from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
 
 TICK_POLL_MS = 100  # read at least this often while requests are watched: a tick can be dropped
@@ -43,54 +45,6 @@ def _make_tick_socket(zctx, endpoint: str):
     sub.setsockopt(zmq.RCVHWM, 16)  # ticks carry no data: a few queued are as good as many
     sub.connect(endpoint)
     return sub
-
-
-class RingInbox:
-    """What the shared reader hands one session: record rows per request, the ids whose
-    records may be missing, and a ring error. Filled by any thread; drained by the
-    session's own, which `wake_fd` (a pipe) wakes once per fill until it drains."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._rows: dict[int, list] = {}  # request id -> [(index, token_id, flags, finish, count, text)]
-        self._gapped_ids: set[int] = set()
-        self._error: RingError | None = None
-        self._is_woken = False
-        self.wake_fd, self._wake_write_fd = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        os.set_blocking(self._wake_write_fd, False)
-
-    def put(self, rows_by_request: dict[int, list], gapped_ids=(), error: RingError | None = None) -> None:
-        with self._lock:
-            for request_id, rows in rows_by_request.items():
-                self._rows.setdefault(request_id, []).extend(rows)
-            self._gapped_ids.update(gapped_ids)
-            self._error = self._error or error
-            if self._is_woken:
-                return
-            self._is_woken = True
-        try:
-            os.write(self._wake_write_fd, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # a full pipe already wakes the reader; a closed one has no reader left
-
-    def drain(self) -> tuple[dict[int, list], set[int], RingError | None]:
-        """Everything put since the last drain; clears the wake-up."""
-        with self._lock:
-            if not self._is_woken:
-                return {}, set(), None  # the common case of a driver's safety poll
-            taken = self._rows, self._gapped_ids, self._error
-            self._rows, self._gapped_ids, self._error = {}, set(), None
-            self._is_woken = False
-        try:
-            os.read(self.wake_fd, 4096)
-        except (BlockingIOError, OSError):
-            pass
-        return taken
-
-    def close(self) -> None:
-        os.close(self.wake_fd)
-        os.close(self._wake_write_fd)
 
 
 class SharedRingReader:
@@ -241,10 +195,15 @@ class RingTap:
     """One session's use of its process's shared reader: the session's inbox and the
     requests it watches. Used by the session's own thread only."""
 
-    def __init__(self, ring_name: str, tick_endpoint: str):
+    def __init__(self, ring_name: str, tick_endpoint: str, carried_streams: Iterable = ()):
+        """carried_streams: the session's RequestStreams when it moves from another ring (a
+        worker restart recreated it): those still running read on from their next index."""
         self._reader = SharedRingReader.acquire(ring_name, tick_endpoint)  # raises RingError
         self._inbox = RingInbox()
         self._watched_ids: set[int] = set()
+        for stream in carried_streams:
+            if not stream.is_done and not stream.wants_logprobs:
+                self.watch(stream.request_id, stream.next_index)
         # A client dropped without close() still gives the reader back (and the last user's
         # going stops its thread) once it is collected, through the reader thread.
         self._finalizer = weakref.finalize(self, _give_back_later, self._reader, self._inbox, self._watched_ids)

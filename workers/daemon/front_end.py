@@ -39,8 +39,7 @@ class FrontEnd:
         self.config = config
         self.model_names = served_model_names(config.engine.model_path, config.aliases)  # what `model` may name
         self.worker = worker
-        self.ring_name = ring_name  # named in every WELCOME; the supervisor changes it when it recreates the ring
-        self._tick_endpoint = tick_endpoint
+        self.ring_name, self._tick_endpoint = ring_name, tick_endpoint  # the supervisor renames a recreated ring
         self.clients = ClientLink(zctx, config)
         engine = config.engine
         self.requests = RequestTable(engine.parallel + engine.max_queue, config.retention_s)
