@@ -114,6 +114,8 @@ class TokenRing:
 
     def __init__(self, name: str, buf, owner, shm: shared_memory.SharedMemory | None):
         self._name, self._owner, self._shm = name, owner, shm  # shm only in the creator
+        # The creator's segment as a file, (st_dev, st_ino): whether /dev/shm/<name> is still it.
+        self._file_id = _file_id(name) if shm is not None else None
         self.capacity = _validated_capacity(name, buf)
         self.header = np.ndarray((_NUM_HEADER_FIELDS,), "<u8", buffer=buf)
         self.records = np.ndarray((self.capacity,), RECORD_DTYPE, buffer=buf,
@@ -155,13 +157,19 @@ class TokenRing:
         except BufferError as exc:
             raise RingError(f"ring {self._name!r} still has live views: {exc}") from exc
 
+    def is_linked(self) -> bool:
+        """Whether /dev/shm/<name> is still this segment (creator only): a cleaner of
+        /dev/shm or a remounted tmpfs removes it under its readers and writer, whose
+        mappings live on, while a new process can no longer attach it."""
+        return self._file_id is not None and _file_id(self._name) == self._file_id
+
     def unlink(self) -> None:
         """Remove the segment (creator only). Existing mappings stay valid until closed."""
         if self._shm is None:
             raise RingError("only the process that created the ring may unlink it")
-        try:
+        if self.is_linked():
             self._shm.unlink()  # also drops the creator's resource-tracker registration
-        except FileNotFoundError:  # someone else removed it: still forget the registration
+        else:  # someone else removed it (or put another file there): only forget the registration
             resource_tracker.unregister("/" + self._name, "shared_memory")
 
     def __enter__(self) -> TokenRing:
@@ -188,6 +196,14 @@ def _validated_capacity(name: str, buf) -> int:
     if len(buf) < HEADER_SIZE_BYTES + capacity * RECORD_SIZE_BYTES:
         raise RingError(f"segment {name!r} is too small for {capacity} records")
     return capacity
+
+
+def _file_id(name: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(os.path.join(SHM_DIR, name))
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _check_name(name: str) -> str:

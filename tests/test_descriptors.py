@@ -5,13 +5,18 @@ import sys
 import resource
 import time
 
+import zmq
+
 from cbatch.errors import CbatchError
+from cbatch.protocol import PROTOCOL_VERSION, MsgType, pack, unpack
 from daemonkit import pid_alive, wait_until
 from common import GREEDY
 
 LIMIT = 64  # about 24 are the daemon's own: libzmq aborted it at the 41st client
 NUM_CLIENTS = 24  # about 10 fit under LIMIT; the old code refused none
 REFUSE_TIMEOUT_S = 1.5
+NUM_BURST = 200  # connects at once, five times what libzmq aborted the daemon at
+BURST_TIMEOUT_S = 60.0  # for every one of them to be welcomed or refused
 
 
 def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(tiny_model_path, start_daemon):
@@ -60,3 +65,48 @@ def test_a_hard_limit_too_low_for_the_queue_is_named_at_start(tiny_model_path, s
     assert "open-file hard limit is 256, under the" in low.log()
     enough = start_daemon(tiny_model_path, "--parallel", "2", "--max-queue", "16", launcher=_under_hard_limit(256))
     assert "open-file hard limit" not in enough.log()
+
+
+def test_a_burst_of_connects_under_a_low_hard_limit_is_refused_and_the_daemon_serves_on(tiny_model_path,
+                                                                                         start_daemon):
+    """libzmq accepts on its own thread, hundreds in a millisecond, and aborted the daemon at
+    the first accept that found no descriptor. Now it accepts one at a time while there is
+    room: each connect is welcomed or refused with the reason, and the daemon serves on."""
+    d = start_daemon(tiny_model_path, "--parallel", "1", launcher=_under_hard_limit(LIMIT))
+    pid = d.process.pid
+    held = len(os.listdir(f"/proc/{pid}/fd"))
+    zctx = zmq.Context()
+    peers = []
+    for _ in range(NUM_BURST):  # each queues its HELLO at once, as a client does
+        peer = zctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(d.endpoint)
+        peer.send_multipart(pack(MsgType.HELLO, {"version": PROTOCOL_VERSION, "use_ring": False}))
+        peers.append(peer)
+    welcomed, refusals = [], []
+    try:
+        deadline = time.monotonic() + BURST_TIMEOUT_S
+        waiting = list(peers)
+        while waiting and time.monotonic() < deadline:
+            zmq.select(waiting, [], [], 0.1)
+            for peer in [p for p in waiting if p.poll(0)]:
+                waiting.remove(peer)
+                msg_type, body = unpack(peer.recv_multipart())
+                if msg_type is MsgType.WELCOME:
+                    welcomed.append(peer)
+                else:  # a refused client closes, as the client library does
+                    refusals.append(body)
+                    peer.close()
+            assert pid_alive(pid), d.log()
+        assert not waiting, f"{len(waiting)} connects got no answer"
+        assert 1 <= len(welcomed) < NUM_BURST // 4 and len(refusals) == NUM_BURST - len(welcomed)
+        assert {r["code"] for r in refusals} == {"unavailable"}
+        assert "no room for another client" in refusals[0]["message"] and f"limit of {LIMIT}" in refusals[0]["message"]
+    finally:
+        zctx.destroy(linger=0)
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=10.0)
+    with d.client() as client:
+        assert len(client.generate(prompt="after the burst", max_tokens=3, **GREEDY).token_ids) == 3
+    assert d.stop() == 0, d.log()
+    assert "Too many open files" not in d.log() and "cannot pace" not in d.log()
+    assert d.leftovers() == []

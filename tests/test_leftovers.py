@@ -24,7 +24,7 @@ def test_dead_daemons_files_go_and_live_ones_stay(tmp_path):
     names = {
         runtime: [f"cbatch-{dead}-control.sock", f"cbatch-{dead}-tick.sock", f"cbatch-{live}-tick.sock",
                   "stale.sock", "stale.sock.lock", "served.sock", "served.sock.lock", "notes.txt"],
-        shm: [f"cbatch-{dead}", f"cbatch-{live}", "other-segment"],
+        shm: [f"cbatch-{dead}", f"cbatch-{dead}-ring3", f"cbatch-{live}", f"cbatch-{live}-ring3", "other-segment"],
     }
     for directory, files in names.items():
         for name in files:
@@ -36,7 +36,8 @@ def test_dead_daemons_files_go_and_live_ones_stay(tmp_path):
     finally:
         os.close(held)
     assert sorted(os.path.basename(p) for p in removed) == sorted(
-        [f"cbatch-{dead}-control.sock", f"cbatch-{dead}-tick.sock", "stale.sock", "stale.sock.lock", f"cbatch-{dead}"])
+        [f"cbatch-{dead}-control.sock", f"cbatch-{dead}-tick.sock", "stale.sock", "stale.sock.lock", f"cbatch-{dead}",
+         f"cbatch-{dead}-ring3"])
     assert sorted(os.listdir(runtime)) == sorted(
         [f"cbatch-{live}-tick.sock", "served.sock", "served.sock.lock", "notes.txt"])
-    assert sorted(os.listdir(shm)) == sorted([f"cbatch-{live}", "other-segment"])
+    assert sorted(os.listdir(shm)) == sorted([f"cbatch-{live}", f"cbatch-{live}-ring3", "other-segment"])

@@ -149,3 +149,31 @@ def test_clients_are_answered_while_the_supervisor_backs_off_between_worker_star
         result = client.generate(prompt="after the back-off", max_tokens=3, **GREEDY)
     assert result.finish_reason == "length"
     assert d.stop() == 0, d.log()
+
+
+def test_a_ring_removed_from_dev_shm_is_created_again_when_the_worker_restarts(tiny_model_path, start_daemon):
+    """A cleaner of /dev/shm (or a remounted tmpfs) removes the ring: the restarted worker
+    could not attach it and the daemon gave up. Now a new ring is created and every client
+    moves to it, reading its tokens from there (no FETCH), and shutdown leaves no segment."""
+    d = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    with d.client() as client:
+        old_ring = client.info["ring_name"]
+        os.unlink(f"/dev/shm/{old_ring}")
+        _, held = submit_while_restarting(client, prompt="held", max_tokens=50, **GREEDY)
+        held_chunks = list(client.read(held))
+        new_ring = client.info["ring_name"]
+        assert new_ring != old_ring and os.path.exists(f"/dev/shm/{new_ring}")
+        num_fetches = client.stats()["num_fetches"]
+        with d.client() as fresh:
+            assert fresh.info["use_ring"] and fresh.info["ring_name"] == new_ring
+            fresh._session.read_latencies_ns, client._session.read_latencies_ns = [], []  # one per ring read
+            fresh_result = fresh.generate(prompt="fresh", max_tokens=20, **GREEDY)
+            assert fresh._session.read_latencies_ns
+        again = client.generate(prompt="again", max_tokens=20, **GREEDY)
+        assert client._session.read_latencies_ns and client.stats()["num_fetches"] == num_fetches
+    assert len(sum((c.token_ids for c in held_chunks), [])) == 50
+    assert [len(fresh_result.token_ids), len(again.token_ids)] == [20, 20]
+    assert "token ring" in d.log() and "removed" in d.log()
+    assert d.stop() == 0, d.log()
+    assert [name for name in os.listdir("/dev/shm") if name.startswith(f"cbatch-{d.process.pid}")] == []
+    assert d.leftovers() == []

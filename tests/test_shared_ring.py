@@ -3,6 +3,9 @@ share it, each gets exactly its own tokens (through ring overruns too), and a th
 waiting on a quiet request is not woken by other requests' steps."""
 
 import gc
+import json
+import subprocess
+import sys
 import threading
 
 from cbatch.client.shared_ring import SharedRingReader
@@ -11,6 +14,7 @@ from common import GREEDY
 
 NUM_THREADS = 12
 RING_RECORDS = 64
+CHILD_TIMEOUT_S = 90.0  # a deadlocked child is killed here
 
 
 def reader_threads() -> list[threading.Thread]:
@@ -97,3 +101,55 @@ def test_a_client_dropped_without_close_gives_the_reader_back(tiny_model_path, s
     del client
     gc.collect()
     wait_until(lambda: readers_of(ring_name) == [] and reader_threads() == threads_before, timeout_s=5.0)
+
+
+# Run in a child process, since the bug it checks for is a deadlock: a client that still
+# watches a request is dropped in a reference cycle, and the collector runs on the reader
+# thread inside pump() (the first put into another client's inbox), with the reader's
+# lock held. Its finalizer must neither take that lock again nor wait for the thread.
+_COLLECTED_ON_THE_READER_THREAD = """
+import gc, json, threading, time
+import cbatch
+from cbatch.client.shared_ring import SharedRingReader
+
+gc.disable()
+dropped = cbatch.Client()
+dropped_id = dropped.submit(prompt="dropped", max_tokens=4000, temperature=0, ignore_eos=True).request_id
+dropped.cycle = dropped
+del dropped
+trigger = cbatch.Client()
+(reader,) = SharedRingReader._instances.values()
+collected_on = []
+inbox = trigger._session._ring._inbox
+original_put = inbox.put
+
+def put(*args, **kwargs):
+    if not collected_on and threading.current_thread().name == "cbatch-ring-reader":
+        collected_on.append(gc.collect())  # the dropped client's finalizer runs here
+    original_put(*args, **kwargs)
+
+inbox.put = put
+result = trigger.generate(prompt="trigger", max_tokens=40, temperature=0, ignore_eos=True)
+deadline = time.monotonic() + 10
+while (reader._num_users != 1 or dropped_id in reader._inbox_of) and time.monotonic() < deadline:
+    time.sleep(0.01)
+num_users, is_dropped_watched = reader._num_users, dropped_id in reader._inbox_of
+trigger.close()
+print(json.dumps({"collected": collected_on, "num_tokens": len(result.token_ids), "num_users": num_users,
+                  "is_dropped_watched": is_dropped_watched, "readers_left": len(SharedRingReader._instances),
+                  "reader_alive": reader._thread.is_alive()}))
+"""
+
+
+def test_a_client_collected_on_the_reader_thread_while_it_reads_gives_the_reader_back(tiny_model_path,
+                                                                                        start_daemon):
+    d = start_daemon(tiny_model_path, "--parallel", "2")
+    child = subprocess.run([sys.executable, "-c", _COLLECTED_ON_THE_READER_THREAD], env=d.env,
+                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 0, child.stderr
+    outcome = json.loads(child.stdout)
+    assert outcome["collected"] and outcome["collected"][0] > 0  # the cycle was collected on the reader thread
+    assert outcome["num_tokens"] == 40
+    # The reader thread applied the collected client's give-back; the last close stopped it.
+    assert outcome["num_users"] == 1 and not outcome["is_dropped_watched"]
+    assert outcome["readers_left"] == 0 and not outcome["reader_alive"]

@@ -177,16 +177,16 @@ class Session:
             handler(self, body)
 
     def _on_welcome(self, body: dict) -> None:
-        """Also a WELCOME nobody asked for: the daemon restarted on this endpoint and relays
-        this client until it says HELLO again; the old daemon's ring is given up."""
-        is_another_daemon = self.welcome is not None and body.get("ring_name") != self.welcome.get("ring_name")
-        if is_another_daemon and self._ring is not None:
+        """Also a WELCOME nobody asked for: the daemon restarted on this endpoint (it relays this
+        client until it says HELLO again) or recreated its ring; the old ring is given up."""
+        is_another_ring = self.welcome is not None and body.get("ring_name") != self.welcome.get("ring_name")
+        if is_another_ring and self._ring is not None:
             self._ring.close()
             self._ring = None
             self.use_ring = self._wants_ring
         if body.get("use_ring") and self._ring is None:
             try:
-                self._ring = RingTap(body["ring_name"], body["tick_endpoint"])
+                self._ring = RingTap(body["ring_name"], body["tick_endpoint"], self.streams.values() if is_another_ring else ())
             except RingError:
                 # Not on the daemon's host (or no access): take the relayed stream instead.
                 self.use_ring = False
@@ -194,7 +194,7 @@ class Session:
                 return
         self.welcome = body
         self._on_arrival(CONNECTION)
-        if is_another_daemon and self.use_ring and not body.get("use_ring"):
+        if is_another_ring and self.use_ring and not body.get("use_ring"):
             self.hello()  # for this daemon's ring
 
     def _on_records(self, body: dict) -> None:

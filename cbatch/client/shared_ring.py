@@ -9,7 +9,14 @@ something. A session drains its inbox on its own thread, so session state is onl
 touched by the thread that owns it.
 
 Exactly once: the one RingReader, under a lock, returns each record once, and each
-record goes to the one inbox that watches its request. Overruns: the ids the RingReader
+record goes to the one inbox that watches its request.
+
+Finalizers: a client dropped without close() (an AsyncClient in a reference cycle, say)
+gives its tap back when the garbage collector runs, and the collector runs on whatever
+thread happens to allocate, the reader's own included, in the middle of pump() with the
+lock held. So the collected path takes no lock and waits for nothing: it queues the
+departure, and the reader thread applies it (unwatch, close the inbox, release) at its
+next wake-up, which the queueing causes. Only an explicit close() gives back at once. Overruns: the ids the RingReader
 reports as gapped reach their inbox as gap notices; the session fetches what it missed
 over ZeroMQ and calls resume(). Any thread may also pump the reader itself (`pump()`),
 as a session does before it acts on a FINISHED message, whose records the worker wrote
@@ -19,9 +26,12 @@ before the message was sent.
 import os
 import threading
 import weakref
+from collections import deque
+from collections.abc import Iterable
 
 import zmq
 
+from cbatch.client.ring_inbox import RingInbox
 from cbatch.ipc.ring import RingError, RingOverrun, RingReader, attach_ring
 
 TICK_POLL_MS = 100  # read at least this often while requests are watched: a tick can be dropped
@@ -35,54 +45,6 @@ def _make_tick_socket(zctx, endpoint: str):
     sub.setsockopt(zmq.RCVHWM, 16)  # ticks carry no data: a few queued are as good as many
     sub.connect(endpoint)
     return sub
-
-
-class RingInbox:
-    """What the shared reader hands one session: record rows per request, the ids whose
-    records may be missing, and a ring error. Filled by any thread; drained by the
-    session's own, which `wake_fd` (a pipe) wakes once per fill until it drains."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._rows: dict[int, list] = {}  # request id -> [(index, token_id, flags, finish, count, text)]
-        self._gapped_ids: set[int] = set()
-        self._error: RingError | None = None
-        self._is_woken = False
-        self.wake_fd, self._wake_write_fd = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        os.set_blocking(self._wake_write_fd, False)
-
-    def put(self, rows_by_request: dict[int, list], gapped_ids=(), error: RingError | None = None) -> None:
-        with self._lock:
-            for request_id, rows in rows_by_request.items():
-                self._rows.setdefault(request_id, []).extend(rows)
-            self._gapped_ids.update(gapped_ids)
-            self._error = self._error or error
-            if self._is_woken:
-                return
-            self._is_woken = True
-        try:
-            os.write(self._wake_write_fd, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # a full pipe already wakes the reader; a closed one has no reader left
-
-    def drain(self) -> tuple[dict[int, list], set[int], RingError | None]:
-        """Everything put since the last drain; clears the wake-up."""
-        with self._lock:
-            if not self._is_woken:
-                return {}, set(), None  # the common case of a driver's safety poll
-            taken = self._rows, self._gapped_ids, self._error
-            self._rows, self._gapped_ids, self._error = {}, set(), None
-            self._is_woken = False
-        try:
-            os.read(self.wake_fd, 4096)
-        except (BlockingIOError, OSError):
-            pass
-        return taken
-
-    def close(self) -> None:
-        os.close(self.wake_fd)
-        os.close(self._wake_write_fd)
 
 
 class SharedRingReader:
@@ -103,36 +65,72 @@ class SharedRingReader:
             return reader
 
     def release(self) -> None:
+        """An explicit give-back; the last one stops the reader thread and waits for it."""
+        if self._drop_user():
+            self._wake()
+            self._thread.join()
+
+    def _drop_user(self) -> bool:
+        """One user fewer; True when it was the last: the reader thread is to stop."""
         with self._instances_lock:
             self._num_users -= 1
             if self._num_users:
-                return
+                return False
             del self._instances[(os.getpid(), self._ring.name)]
-        os.write(self._stop_write_fd, b"\0")
-        if threading.current_thread() is not self._thread:  # a collected client's finalizer may run on it
-            self._thread.join()
+            self._is_stopping = True
+            return True
 
     def __init__(self, ring_name: str, tick_endpoint: str):
         self._ring = attach_ring(ring_name)
         self._reader = RingReader(self._ring)
-        self._lock = threading.Lock()  # over _reader and _inbox_of
+        self._lock = threading.Lock()  # over _reader and _inbox_of; never taken by a finalizer
         self._inbox_of: dict[int, RingInbox] = {}  # watched request id -> the inbox of its session
         self._num_users = 0
-        self._stop_read_fd, self._stop_write_fd = os.pipe()  # written once, by the last release()
+        # Collected taps' (inbox, watched ids), for the reader thread: deque appends and
+        # pops are atomic, so the finalizer that queues one takes no lock.
+        self._departures: deque[tuple[RingInbox, list[int]]] = deque()
+        self._is_stopping = False  # the last user left: the reader thread ends
+        # Wakes the reader thread: a departure was queued, or the last user left.
+        self._wake_read_fd, self._wake_write_fd = os.pipe()
+        os.set_blocking(self._wake_write_fd, False)
         self._thread = threading.Thread(target=self._run, args=(tick_endpoint,), name="cbatch-ring-reader",
                                         daemon=True)
         self._thread.start()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write_fd, b"\0")
+        except BlockingIOError:
+            pass  # a full pipe wakes the thread as well
+
+    def depart_later(self, inbox: RingInbox, request_ids: list[int]) -> None:
+        """A collected tap's give-back, from whatever thread the collector ran on: queued
+        for the reader thread, never blocking (see the module docstring)."""
+        self._departures.append((inbox, request_ids))
+        self._wake()
+
+    def _apply_departures(self) -> None:
+        """On the reader thread, holding no lock: what collected taps queued."""
+        while self._departures:
+            inbox, request_ids = self._departures.popleft()
+            with self._lock:
+                for request_id in request_ids:
+                    self._reader.unwatch(request_id)
+                    self._inbox_of.pop(request_id, None)
+            inbox.close()  # nothing puts into it any more: its ids are unwatched
+            self._drop_user()
 
     @property
     def heartbeat_ns(self) -> int:
         return self._ring.heartbeat_ns
 
-    def watch(self, request_id: int, inbox: RingInbox) -> None:
-        """Before the request is sent: its records may be published at once."""
+    def watch(self, request_id: int, inbox: RingInbox, next_index: int = 0) -> None:
+        """Before the request is sent: its records may be published at once. next_index:
+        the first record wanted (a request that came over from another ring)."""
         with self._lock:
             if not self._inbox_of:
                 self._reader = RingReader(self._ring)  # idle until now: start at the ring's present
-            self._reader.watch(request_id)
+            self._reader.watch(request_id, next_index)
             self._inbox_of[request_id] = inbox
 
     def unwatch(self, request_id: int) -> None:
@@ -174,19 +172,22 @@ class SharedRingReader:
         tick = _make_tick_socket(zmq.Context.instance(), tick_endpoint)
         poller = zmq.Poller()
         poller.register(tick, zmq.POLLIN)
-        poller.register(self._stop_read_fd, zmq.POLLIN)
+        poller.register(self._wake_read_fd, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll(TICK_POLL_MS if self._inbox_of else IDLE_POLL_MS))
-                if self._stop_read_fd in ready:
-                    return
+                if self._wake_read_fd in ready:
+                    os.read(self._wake_read_fd, 4096)
+                    self._apply_departures()
+                    if self._is_stopping:
+                        return
                 while tick.poll(0):
                     tick.recv()
                 self.pump()
         finally:  # the thread owns what it reads with, so nothing is closed under it
             tick.close(linger=0)
-            os.close(self._stop_read_fd)
-            os.close(self._stop_write_fd)
+            os.close(self._wake_read_fd)
+            os.close(self._wake_write_fd)
             self._ring.close()
 
 
@@ -194,13 +195,23 @@ class RingTap:
     """One session's use of its process's shared reader: the session's inbox and the
     requests it watches. Used by the session's own thread only."""
 
-    def __init__(self, ring_name: str, tick_endpoint: str):
+    def __init__(self, ring_name: str, tick_endpoint: str, carried_streams: Iterable = ()):
+        """carried_streams: the session's RequestStreams when it moves from another ring (a
+        worker restart recreated it): those still running read on from their next index."""
         self._reader = SharedRingReader.acquire(ring_name, tick_endpoint)  # raises RingError
         self._inbox = RingInbox()
         self._watched_ids: set[int] = set()
+        for stream in carried_streams:
+            if not stream.is_done and not stream.wants_logprobs:
+                self.watch(stream.request_id, stream.next_index)
         # A client dropped without close() still gives the reader back (and the last user's
-        # going stops its thread) once it is collected.
-        self.close = weakref.finalize(self, _give_back, self._reader, self._inbox, self._watched_ids)
+        # going stops its thread) once it is collected, through the reader thread.
+        self._finalizer = weakref.finalize(self, _give_back_later, self._reader, self._inbox, self._watched_ids)
+
+    def close(self) -> None:
+        """Give the reader back now (once; a collected tap gives it back by itself)."""
+        if self._finalizer.detach() is not None:
+            _give_back(self._reader, self._inbox, self._watched_ids)
 
     @property
     def wake_fd(self) -> int:
@@ -210,9 +221,9 @@ class RingTap:
     def heartbeat_ns(self) -> int:
         return self._reader.heartbeat_ns
 
-    def watch(self, request_id: int) -> None:
+    def watch(self, request_id: int, next_index: int = 0) -> None:
         self._watched_ids.add(request_id)
-        self._reader.watch(request_id, self._inbox)
+        self._reader.watch(request_id, self._inbox, next_index)
 
     def unwatch(self, request_id: int) -> None:
         self._watched_ids.discard(request_id)
@@ -232,8 +243,14 @@ class RingTap:
 
 
 def _give_back(reader: SharedRingReader, inbox: RingInbox, watched_ids: set[int]) -> None:
-    """RingTap.close(): runs once, at close() or when the tap is collected."""
+    """RingTap.close(): the tap's requests, the reader and the inbox, given back now."""
     for request_id in watched_ids:  # the reader must not put into a closed inbox
         reader.unwatch(request_id)
     reader.release()
     inbox.close()
+
+
+def _give_back_later(reader: SharedRingReader, inbox: RingInbox, watched_ids: set[int]) -> None:
+    """The finalizer of a tap collected without close(): may run on any thread, the reader's
+    own inside pump() included, so it only queues the give-back for the reader thread."""
+    reader.depart_later(inbox, list(watched_ids))

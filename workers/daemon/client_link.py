@@ -10,7 +10,6 @@ reconnect, waits in its backlog.
 
 import errno
 import os
-import resource
 import socket
 import struct
 import time
@@ -21,21 +20,15 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.errors import CbatchError, INVALID_CONFIG, UNAVAILABLE
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, pack
 from cbatch.workers.daemon.backlog import MAX_STALL_S, Backlog
+from cbatch.workers.daemon.connection_guard import ConnectionGuard, shared_address
 
 CLOSE_LINGER_MS = 500  # the last replies still reach clients when the daemon stops
 PEER_HEARTBEAT_MS = 1000
 CLOSED_MEMORY_S = 10.0  # how long messages still queued from a closed connection are recognised
 MAX_MESSAGES_PER_TURN = 256  # then the worker's events get their turn
-# Descriptors kept free. libzmq's ipc listener aborts the process when an accept finds
-# none left, and it accepts on its own thread before the front-end hears of it, so the
-# invariant is: free descriptors >= the connects accepted in the time the front-end takes
-# to hear of one and refuse it, plus what the daemon opens for itself (a restarted
-# worker's sockets and pipes, the ring, the tick socket: under 20).
-MIN_FREE_DESCRIPTORS = 32
-FREE_DESCRIPTORS_FRACTION = 16  # of the limit: a bigger daemon meets bigger bursts
 
 
 class ClientLink:
@@ -66,13 +59,14 @@ class ClientLink:
             self.close()
             raise
         # Dead clients: a disconnect event names the connection's file descriptor, and every
-        # message says which descriptor it came on.
-        # An accept event names the new connection's descriptor too: one that leaves too
-        # few free is refused.
-        self.disconnects = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
-        self._listen_address = _listen_address(self.socket.last_endpoint.decode())
-        self._connection_fds: set[int] = set()  # accepted, not yet disconnected
-        self._other_fds = len(os.listdir("/proc/self/fd"))
+        # message says which descriptor it came on. An accept event names the new
+        # connection's descriptor too (one that leaves too few free is refused), and an
+        # accept, done or failed, lets the guard's gate through the next one.
+        self.disconnects = self.socket.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED)
+        self._guard = ConnectionGuard(shared_address(self.socket.last_endpoint.decode()),
+                                      len(os.listdir("/proc/self/fd")))
+        self._guard.pace(time.monotonic())
         self._peer_by_fd: dict[int, bytes] = {}
         # identity -> (descriptor, monotonic time, client pid) of connections that closed: what
         # they sent before closing may still be queued, and must not start work nobody reads.
@@ -116,6 +110,9 @@ class ClientLink:
             identity = identity_frame.bytes
             if message:
                 fd = int(message[0].get("__fd"))
+                if self._guard.is_refused(fd):  # never welcomed: told why, and closed soon
+                    self._tell_refused(identity)
+                    continue
                 closed = self._closed.get(identity)
                 if closed is not None:
                     if closed[0] == fd and (closed[2] is None or _peer_pid(fd) != closed[2]):
@@ -141,26 +138,28 @@ class ClientLink:
             event = recv_monitor_message(self.disconnects)
             events.append((event["event"], int(event["value"])))
         last_disconnect = {fd: at for at, (event, fd) in enumerate(events) if event == zmq.EVENT_DISCONNECTED}
+        now_s = time.monotonic()
         for at, (event, fd) in enumerate(events):
             if event == zmq.EVENT_ACCEPTED:
-                self._connection_fds.add(fd)
                 self._num_accepts += 1
                 self._accept_number[fd] = self._num_accepts
-                if last_disconnect.get(fd, -1) < at and self._is_short_of_descriptors():
-                    self._refuse(fd)
+                self._guard.on_accepted(fd, last_disconnect.get(fd, -1) < at, now_s)
                 continue
-            self._connection_fds.discard(fd)
+            if event == zmq.EVENT_ACCEPT_FAILED:
+                self._guard.on_accept_failed()
+                continue
+            self._guard.on_closed(fd)
             self._accept_number.pop(fd, None)
             identity = self._peer_by_fd.pop(fd, None)
             pid = self._peer_pid_by_fd.pop(fd, None)
             if identity is not None:
                 is_gone = pid is not None and not _is_process_stopped(pid)
                 if is_gone:  # what it sent before it closed or died must not start work
-                    now_s = time.monotonic()
                     self._closed = {i: c for i, c in self._closed.items() if now_s - c[1] < CLOSED_MEMORY_S}
                     self._closed[identity] = (fd, now_s, pid)
                 self._stalled.discard(identity)
                 on_disconnect(identity, not is_gone)
+        self._guard.pace(now_s)
 
     def wait_for_return(self, identity: bytes, now_s: float) -> None:
         """Its connection died but the client may come back (a paused process, a broken
@@ -182,32 +181,6 @@ class ClientLink:
         if pid is not None:
             self._peer_pid_by_fd[fd] = pid
 
-    def _is_short_of_descriptors(self) -> bool:
-        """Counting open descriptors costs a pass over them all (60 ms at 20000), so they
-        are counted only near the limit; elsewhere the count is the accepted connections'
-        plus the rest's as last counted."""
-        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        if limit == resource.RLIM_INFINITY:
-            return False
-        keep_free = max(MIN_FREE_DESCRIPTORS, limit // FREE_DESCRIPTORS_FRACTION)
-        if self._other_fds + len(self._connection_fds) < limit - 2 * keep_free:
-            return False
-        num_open = len(os.listdir("/proc/self/fd")) - 1  # less listdir's own
-        self._other_fds = num_open - len(self._connection_fds)
-        return num_open > limit - keep_free
-
-    def _refuse(self, fd: int) -> None:
-        """Shut the connection down under libzmq, which then reads its end, closes it and
-        frees the descriptor. The client is never welcomed: its HELLO is lost with the
-        connection, or its reconnects are refused too, so it reports `unavailable` when its
-        connect timeout runs out. Only a connection to our own endpoint is touched."""
-        try:
-            with socket.socket(fileno=os.dup(fd)) as conn:
-                if _listen_address(conn.getsockname()) == self._listen_address:
-                    conn.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # closed meanwhile, or not a socket any more
-
     def send(self, identity: bytes, msg_type: MsgType, body: dict) -> bool:
         """Send without blocking, or keep the message in the client's backlog when its
         queue is full; False if it was dropped (the client is gone, or cut off)."""
@@ -216,7 +189,7 @@ class ClientLink:
             backlog.add(msg_type, body)
             return True
         try:
-            self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
+            self._send_now(identity, msg_type, body)
             return True
         except zmq.ZMQError as err:
             # Again: its queue is full. EHOSTUNREACH: its connection died, and whether it
@@ -227,11 +200,21 @@ class ClientLink:
             backlog.add(msg_type, body)
             return True
 
+    def _tell_refused(self, identity: bytes) -> None:
+        try:
+            self._send_now(identity, MsgType.ERROR, {"code": UNAVAILABLE, "message": self._guard.refusal()})
+        except zmq.ZMQError:
+            pass  # gone already, or not reading: the refusal's linger shuts it down
+
+    def _send_now(self, identity: bytes, msg_type: MsgType, body: dict) -> None:
+        self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
+
     def flush(self, now_s: float) -> None:
         """Send what waits in backlogs as far as the clients' queues take it; cut off a
         client that took nothing for MAX_STALL_S, or did not come back within
         reconnect_grace_s (its backlog is dropped: its FINISHED messages go to
-        lost_finish_ids, its records stay fetchable)."""
+        lost_finish_ids, its records stay fetchable). Also paces accepts (ConnectionGuard)."""
+        self._guard.pace(now_s)
         for identity, backlog in list(self._backlogs.items()):
             limit_s = self.reconnect_grace_s if identity in self._away else MAX_STALL_S
             try:
@@ -283,17 +266,3 @@ def _is_process_stopped(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
-
-
-def _listen_address(address) -> str | int:
-    """What an accepted connection's local address shares with the endpoint: the socket
-    path over ipc, the port over tcp."""
-    if isinstance(address, tuple):
-        return address[1]
-    if isinstance(address, bytes):  # an abstract socket name
-        address = "@" + address[1:].decode(errors="replace")
-    if address.startswith("ipc://"):
-        return address[len("ipc://"):]
-    if address.startswith("tcp://"):
-        return int(address.rsplit(":", 1)[1])
-    return address

@@ -1,13 +1,13 @@
 """The daemon's open files: every client connection is a descriptor, and libzmq's ipc
 listener aborts the process when an accept finds none left (the front-end keeps a reserve
-free, see client_link). So the daemon takes every descriptor its hard limit allows, and
+free, see connection_guard). So the daemon takes every descriptor its hard limit allows, and
 says at start when that limit is too low for the clients its settings let in."""
 
 import logging
 import resource
 
 from cbatch.config import DaemonConfig
-from cbatch.workers.daemon.client_link import FREE_DESCRIPTORS_FRACTION, MIN_FREE_DESCRIPTORS
+from cbatch.workers.daemon.connection_guard import FREE_DESCRIPTORS_FRACTION, MIN_FREE_DESCRIPTORS
 
 log = logging.getLogger("cbatch.daemon")
 

@@ -14,7 +14,7 @@ class Handshakes:
     def __init__(self, clients: ClientLink, config: DaemonConfig, worker: WorkerLink, ring_name: str,
                  tick_endpoint: str):
         self._clients, self._config, self._worker = clients, config, worker
-        self._ring_name, self._tick_endpoint = ring_name, tick_endpoint
+        self.ring_name, self._tick_endpoint = ring_name, tick_endpoint  # the supervisor renames a recreated ring
         self._use_ring: dict[bytes, bool] = {}  # identity -> reads the ring, for every client welcomed
 
     def reads_ring(self, identity: bytes) -> bool:
@@ -48,4 +48,4 @@ class Handshakes:
         self._clients.send(identity, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "model": ready.model if ready else "", "parallel": self._config.engine.parallel,
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring, **(ready.chat if ready else {}),
-            "ring_name": self._ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else ""})
+            "ring_name": self.ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else ""})

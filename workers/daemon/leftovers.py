@@ -2,7 +2,8 @@
 
 A daemon names its files after its pid: `cbatch-PID-control.sock`, `cbatch-PID-tick.sock`
 and, with several HTTP processes, the directory `cbatch-PID-http-metrics` in the runtime
-directory, and its ring `cbatch-PID` in /dev/shm. Such a file whose pid is
+directory, and its ring `cbatch-PID` in /dev/shm (`cbatch-PID-ringN` once that was removed
+and created again). Such a file whose pid is
 no longer running belongs to nobody. A client endpoint's `PATH.lock` is held (flock) for
 the daemon's life, so a lock that can be taken marks PATH and the lock as left over.
 Files of a live daemon are never touched; only the current user's files are looked at.
@@ -15,7 +16,8 @@ import shutil
 
 from cbatch.ipc.ring import SHM_DIR
 
-_TAGGED = re.compile(r"cbatch-(\d+)(-control\.sock|-tick\.sock|-http-metrics)?")
+_TAGGED = re.compile(r"cbatch-(\d+)(-control\.sock|-tick\.sock|-http-metrics|-ring\d+)?")
+_RING_SUFFIX = "-ring"
 
 
 def _pid_running(pid: int) -> bool:
@@ -57,8 +59,9 @@ def remove_leftovers(runtime_dir: str, shm_dir: str = SHM_DIR) -> list[str]:
         for name in names:
             path = os.path.join(directory, name)
             match = _TAGGED.fullmatch(name)
-            is_socket = directory == runtime_dir and match and match.group(2)
-            is_ring = directory == shm_dir and match and not match.group(2)
+            suffix = match.group(2) or "" if match else ""
+            is_socket = directory == runtime_dir and match and suffix and not suffix.startswith(_RING_SUFFIX)
+            is_ring = directory == shm_dir and match and (not suffix or suffix.startswith(_RING_SUFFIX))
             if (is_socket or is_ring) and _owned(path) and not _pid_running(int(match.group(1))):
                 _unlink(path, removed)
             elif directory == runtime_dir and name.endswith(".sock.lock") and _owned(path):

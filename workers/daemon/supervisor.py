@@ -1,7 +1,7 @@
 """The daemon's main process: supervisor of the decode worker, host of the front-end.
 
-run_daemon() creates the ring (so it outlives worker restarts), starts the worker and
-waits for its READY, restarts it when it dies (failing the requests it held), and on
+run_daemon() creates the ring (so it outlives worker restarts; again if it was removed), starts
+the worker and waits for its READY, restarts it when it dies (failing the requests it held), and on
 SIGTERM/SIGINT drains: no new requests, in-flight ones finish within the grace period
 or are cancelled, then everything it created is removed.
 """
@@ -19,7 +19,7 @@ import zmq
 from cbatch.config import DaemonConfig, runtime_dir
 from cbatch.errors import (EXIT_FAILED, EXIT_OK, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, INVALID_REQUEST, SHUTTING_DOWN,
                            UNAVAILABLE, WORKER_RESTARTED)
-from cbatch.ipc.ring import RingError, create_ring
+from cbatch.ipc.ring import SHM_DIR, RingError, create_ring
 from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
 from cbatch.workers.decode.plan import WorkerPlan
@@ -60,7 +60,7 @@ class Supervisor:
         if http_socket is not None:
             model_names = served_model_names(config.engine.model_path, config.aliases)
             self.http = HttpServers(http_socket, config.endpoint, model_names, config.http_processes, config.api_key)
-        tag = f"cbatch-{os.getpid()}"
+        self._tag = tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
         try:
@@ -91,10 +91,26 @@ class Supervisor:
 
     def _start_worker(self) -> None:
         self._generation += 1
+        if not self.ring.is_linked():
+            self._recreate_ring()
         plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
         self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
         self.worker_link.expect(self._generation)
         self.worker.start()
+
+    def _recreate_ring(self) -> None:
+        """The segment was removed, so the new worker could not attach it. The new one's name
+        is its generation: the WELCOME all clients get at READY names it, and they attach it."""
+        name = f"{self._tag}-ring{self._generation}"
+        log.warning("the token ring %s was removed from %s; creating %s", self.ring.name, SHM_DIR, name)
+        try:
+            ring = create_ring(name, self.config.ring_capacity)
+        except RingError as err:
+            raise CbatchError(INVALID_CONFIG, f"cannot create the token ring again: {err}") from None
+        self.ring.close()
+        self.ring.unlink()  # only forgets the registration of the removed segment
+        self.ring = ring
+        self.frontend.handshakes.ring_name = ring.name
 
     def _serve_sockets(self, timeout_ms: int, is_worker_watched: bool = True) -> bool:
         """Serve the worker's and the clients' sockets once; True if the worker process has

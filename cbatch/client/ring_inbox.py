@@ -1,0 +1,54 @@
+"""What the process's shared ring reader (shared_ring.py) hands one session: its inbox."""
+
+import os
+import threading
+
+from cbatch.ipc.ring import RingError
+
+
+class RingInbox:
+    """What the shared reader hands one session: record rows per request, the ids whose
+    records may be missing, and a ring error. Filled by any thread; drained by the
+    session's own, which `wake_fd` (a pipe) wakes once per fill until it drains."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._rows: dict[int, list] = {}  # request id -> [(index, token_id, flags, finish, count, text)]
+        self._gapped_ids: set[int] = set()
+        self._error: RingError | None = None
+        self._is_woken = False
+        self.wake_fd, self._wake_write_fd = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_write_fd, False)
+
+    def put(self, rows_by_request: dict[int, list], gapped_ids=(), error: RingError | None = None) -> None:
+        with self._lock:
+            for request_id, rows in rows_by_request.items():
+                self._rows.setdefault(request_id, []).extend(rows)
+            self._gapped_ids.update(gapped_ids)
+            self._error = self._error or error
+            if self._is_woken:
+                return
+            self._is_woken = True
+        try:
+            os.write(self._wake_write_fd, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a full pipe already wakes the reader; a closed one has no reader left
+
+    def drain(self) -> tuple[dict[int, list], set[int], RingError | None]:
+        """Everything put since the last drain; clears the wake-up."""
+        with self._lock:
+            if not self._is_woken:
+                return {}, set(), None  # the common case of a driver's safety poll
+            taken = self._rows, self._gapped_ids, self._error
+            self._rows, self._gapped_ids, self._error = {}, set(), None
+            self._is_woken = False
+        try:
+            os.read(self.wake_fd, 4096)
+        except (BlockingIOError, OSError):
+            pass
+        return taken
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+        os.close(self._wake_write_fd)

@@ -1,0 +1,40 @@
+"""What waits for a relayed client that reads slower than the daemon sends: a request's
+records merge into few messages, each one within what a client unpacks, none lost.
+(Through a daemon, one request's records pass 4 MiB only after about 13,500 tokens with
+20 log-probabilities each: minutes of decoding on a small host, so the backlog is driven
+directly here, with records shaped as the front-end relays them.)"""
+
+from cbatch.protocol import MAX_FRAME_BYTES, MsgType, pack, unpack
+from cbatch.workers.daemon.backlog import MAX_MERGED_BYTES, MAX_MERGED_RECORDS, Backlog
+
+NUM_TOP = 20  # log-probabilities asked for: the widest record there is
+
+
+def logprobs_row(index: int) -> list:
+    """A relayed record with its log-probabilities entry, as the front-end sends it."""
+    top = [[token_id, b"piece %d" % token_id, -1.5 - token_id / 100] for token_id in range(NUM_TOP)]
+    return [index, 300 + index % 200, 0, 0, 0, "text", [300 + index % 200, b"piece", -0.25, top]]
+
+
+def test_a_lagging_clients_records_merge_within_the_clients_frame_bound():
+    """More than 4 MiB of one request's records wait: they go out as several messages, each
+    of which the client unpacks, in order and whole, with the finish after them."""
+    backlog = Backlog(0.0)
+    num_records = 0
+    while num_records * 450 < 2 * MAX_FRAME_BYTES:  # rows are about 450 bytes packed
+        backlog.add(MsgType.RECORDS, {"request_id": 7, "records": [logprobs_row(num_records)]})
+        num_records += 1
+    backlog.add(MsgType.FINISHED, {"request_id": 7, "num_records": num_records})
+    indices, sizes = [], []
+    while backlog.messages:
+        msg_type, body = backlog.messages[0]
+        frames = pack(msg_type, body)
+        sizes.append(len(frames[1]))
+        got_type, got = unpack(frames)  # what the client does: it refuses a body over its bound
+        backlog.sent_first(1.0)
+        if got_type is MsgType.RECORDS:
+            indices += [row[0] for row in got["records"]]
+            assert len(got["records"]) <= MAX_MERGED_RECORDS
+    assert indices == list(range(num_records)) and got_type is MsgType.FINISHED
+    assert 3 <= len(sizes) <= 4 * MAX_FRAME_BYTES // MAX_MERGED_BYTES  # merged, not one message per step
+    assert max(sizes) <= MAX_MERGED_BYTES + 1024
