@@ -103,10 +103,11 @@ def closed_loop(prompts: list[str], num_clients: int, send) -> float:
 
 
 class CbatchDaemon:
-    def __init__(self, model_path: str, parallel: int, flags: list[str]):
+    def __init__(self, model_path: str, parallel: int, flags: list[str], extra_env: dict | None = None):
         self.workdir = Path(tempfile.mkdtemp(prefix="cbb-"))
         self.endpoint = f"ipc://{self.workdir / 'cbatch.sock'}"
-        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.workdir), "CBATCH_ENDPOINT": self.endpoint}
+        self.env = {**os.environ, **(extra_env or {}), "XDG_RUNTIME_DIR": str(self.workdir),
+                    "CBATCH_ENDPOINT": self.endpoint}
         self.log = open(self.workdir / "daemon.log", "w")
         self.process = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "-m", model_path, "-np", str(parallel), *flags],
                                         env=self.env, stdout=self.log, stderr=subprocess.STDOUT)

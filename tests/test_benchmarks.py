@@ -91,3 +91,11 @@ def test_bench_embeddings_prints_each_path_and_the_stream_gaps(tiny_model_path):
     assert rows == ["cbatch HTTP", "cbatch Client"], out
     assert re.search(rf"^cbatch: token gap of a 8-token stream: worst {NUMBER} ms .* alone; worst {NUMBER} ms "
                      r".* beside 1 callers embedding batches of 4$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_http_cpu_prints_both_parsers_and_their_ratio(tiny_model_path):
+    out = run_script("bench_http_cpu", "--model", tiny_model_path, "--requests", "8", "--callers", "2", "--rounds", "1")
+    for parser in ("httptools", "h11"):
+        assert re.search(rf"round 1\s+{parser}: +{NUMBER} req/s, HTTP process {NUMBER} ms CPU/request", out), out
+    assert re.search(rf"h11 / httptools = {NUMBER}x", out), out

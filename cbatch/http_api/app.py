@@ -27,7 +27,7 @@ from starlette.routing import Route
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.http_api.access_log import AccessLog
 from cbatch.http_api.auth import API_KEY_ENV, RequireApiKey
-from cbatch.http_api.connection import TimedH11Protocol
+from cbatch.http_api.connection import timed_protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, parse_api_request
@@ -223,7 +223,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = HttpState(args.endpoint, args.model_names)
     api_key = os.environ.pop(API_KEY_ENV, "")  # nothing this process starts inherits it
-    config = uvicorn.Config(make_app(state, api_key), http=TimedH11Protocol, log_level="warning",
+    config = uvicorn.Config(make_app(state, api_key), http=timed_protocol(), log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM

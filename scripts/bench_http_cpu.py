@@ -1,0 +1,136 @@
+"""The HTTP server's CPU per request, with each of uvicorn's HTTP parsers, side by side in
+one run: httptools (C, the default) and h11 (pure Python, CBATCH_HTTP_PARSER=h11).
+
+    .venv/bin/python scripts/bench_http_cpu.py [--model M.gguf] [--requests 400] [--callers 4] [--rounds 2]
+
+Short requests (max_tokens 1 by default) on the tiny model, so that per-request work, not
+decoding, is what is measured. The callers are light: threads with `http.client`, one
+keep-alive connection each (or a new connection per request with --new-connections). The
+figures are CPU seconds read from /proc: the HTTP server process(es) and the whole daemon
+per request, and this load generator's own CPU, flagged when it used more than a third of
+a core (then it, not the server, may set the pace).
+"""
+
+import argparse
+import http.client
+import json
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_long_prompts import CbatchDaemon  # noqa: E402
+from bench_system import cpu_seconds  # noqa: E402
+from make_tiny_model import make_tiny_model  # noqa: E402
+
+PARSERS = ("httptools", "h11")
+LIGHT_CALLER_CORES = 1 / 3  # more than this and the load generator may be the bottleneck
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_http(port: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise RuntimeError(f"the HTTP server on port {port} never answered /health with 200")
+
+
+def daemon_pids(daemon: CbatchDaemon) -> tuple[list[int], list[int]]:
+    """(the HTTP server processes, every process of the daemon) from its log and /proc."""
+    log = (daemon.workdir / "daemon.log").read_text()
+    http = [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in log.splitlines() if "cbatch http: serving" in line]
+    children = Path(f"/proc/{daemon.process.pid}/task/{daemon.process.pid}/children").read_text().split()
+    return http, [daemon.process.pid, *map(int, children)]
+
+
+def run_callers(port: int, num_requests: int, num_callers: int, max_tokens: int, is_new_connection: bool) -> float:
+    """Seconds to answer num_requests, each caller sending its share one after another."""
+    body = json.dumps({"prompt": "x", "max_tokens": max_tokens, "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json"}
+    errors: list[str] = []
+
+    def caller(count: int) -> None:
+        connection = None
+        for _ in range(count):
+            if connection is None or is_new_connection:
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            connection.request("POST", "/v1/completions", body, headers)
+            reply = connection.getresponse()
+            reply.read()
+            if reply.status != 200:
+                errors.append(f"HTTP {reply.status}")
+            if is_new_connection:
+                connection.close()
+
+    threads = [threading.Thread(target=caller, args=(num_requests // num_callers,)) for _ in range(num_callers)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
+    return time.perf_counter() - started
+
+
+def measure(model: str, parser: str, args) -> dict:
+    port = free_port()
+    daemon = CbatchDaemon(model, args.parallel, ["--http", str(port), "--http-processes", "1"],
+                          extra_env={"CBATCH_HTTP_PARSER": parser})
+    try:
+        wait_for_http(port)
+        run_callers(port, args.callers * 4, args.callers, args.max_tokens, args.new_connections)  # warm up
+        http_pids, all_pids = daemon_pids(daemon)
+        http_before, all_before = sum(map(cpu_seconds, http_pids)), sum(map(cpu_seconds, all_pids))
+        own_before = time.process_time()
+        wall_s = run_callers(port, args.requests, args.callers, args.max_tokens, args.new_connections)
+        num = args.requests // args.callers * args.callers
+        return {"parser": parser, "requests_per_s": num / wall_s,
+                "http_cpu_ms": 1000 * (sum(map(cpu_seconds, http_pids)) - http_before) / num,
+                "daemon_cpu_ms": 1000 * (sum(map(cpu_seconds, all_pids)) - all_before) / num,
+                "caller_cores": (time.process_time() - own_before) / wall_s}
+    finally:
+        daemon.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF (default: the tiny test model, written to a temp dir)")
+    parser.add_argument("--parallel", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--callers", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--new-connections", action="store_true", help="a new connection per request, as curl")
+    args = parser.parse_args()
+    model = args.model or make_tiny_model(Path(tempfile.mkdtemp(prefix="cbb-")) / "tiny.gguf")
+    print(f"{args.requests} requests of {args.max_tokens} token(s), {args.callers} callers, "
+          f"{'a new connection each' if args.new_connections else 'keep-alive'}, --parallel {args.parallel}")
+    for round_number in range(1, args.rounds + 1):
+        rows = {name: measure(model, name, args) for name in PARSERS}
+        for row in rows.values():
+            flag = "  (load generator heavy)" if row["caller_cores"] > LIGHT_CALLER_CORES else ""
+            print(f"round {round_number} {row['parser']:>9}: {row['requests_per_s']:7.1f} req/s, HTTP process "
+                  f"{row['http_cpu_ms']:.2f} ms CPU/request, whole daemon {row['daemon_cpu_ms']:.2f} ms; "
+                  f"load generator {row['caller_cores']:.2f} cores{flag}")
+        ratio = rows["h11"]["http_cpu_ms"] / rows["httptools"]["http_cpu_ms"]
+        print(f"round {round_number}: HTTP CPU per request h11 / httptools = {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
