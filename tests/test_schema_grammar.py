@@ -72,7 +72,8 @@ def test_the_parser_check_sees_a_bad_grammar(parses):
 
 
 @pytest.mark.parametrize("call_format", [Tagged(), BareJson("arguments")])
-@pytest.mark.parametrize("extra", [{"tool_choice": "required"}, {"tool_choice": "required", "parallel_tool_calls": False},
+@pytest.mark.parametrize("extra", [{"tool_choice": "required"},
+                                   {"tool_choice": "required", "parallel_tool_calls": False},
                                    {"tool_choice": {"type": "function", "function": {"name": "get_time"}}}])
 def test_forced_call_grammars_parse_in_llama_cpp(parses, call_format, extra):
     grammar = tool_plan({"tools": TOOLS, **extra}, call_format).grammar()

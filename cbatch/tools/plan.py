@@ -59,12 +59,11 @@ class ToolPlan:
     def grammar(self) -> str:
         """GBNF for an answer that is a call (calls, when parallel) of the allowed functions;
         a refusal names the tool's field to change (schema_grammar.py)."""
-        names = list(self.functions) if self.choice == "required" else [self.choice]
         key, schemas = self.format.arguments_key, SchemaFields()
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                  "properties": {"name": {"const": name}, key: schemas.checked(
-                      self.functions[name]["parameters"], f"tools[{list(self.functions).index(name)}].function.parameters")}}
-                 for name in names]
+                  "properties": {"name": {"const": name},
+                                 key: schemas.checked(spec["parameters"], f"tools[{i}].function.parameters")}}
+                 for i, (name, spec) in enumerate(self.functions.items()) if self.choice in ("required", name)]
         return self.format.grammar(calls, self.choice != "required" or not self.is_parallel, schemas)
 
     def parse(self, text: str) -> tuple[str | None, list[dict]] | None:

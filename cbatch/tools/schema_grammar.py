@@ -33,6 +33,9 @@ DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: tak
 # Keys that send a string or array schema down another of the converter's ways.
 _NOT_PLAIN = ("$ref", "oneOf", "anyOf", "allOf", "const", "enum", "pattern", "format", "prefixItems")
 ITEM_SEPARATOR = '"," space'  # between a JSON array's items, as the converter writes it
+# A JSON string's character: the converter's own rule lets raw control characters (a
+# newline) in, which no JSON parser takes.
+JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
 _QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
 
 
@@ -63,7 +66,7 @@ class SchemaFields:
     came from (for the refusals of the conversion, which sees only the nodes)."""
 
     def __init__(self):
-        self.field_of: dict[int, str] = {}  # id(schema node) -> its field in the request
+        self._field_of: dict[int, str] = {}  # id(schema node) -> its field in the request
         self._nodes: list[dict] = []  # kept alive: an id names its node only while it lives
         self._num_repetitions = 0
 
@@ -79,7 +82,7 @@ class SchemaFields:
         values = _integer_values(node)
         if values is not None and 0 < len(values) <= MAX_ENUMERATED_INTEGERS:
             node = {"enum": list(values)}
-        self.field_of[id(node)] = field
+        self._field_of[id(node)] = field
         self._nodes.append(node)
         return node
 
@@ -108,39 +111,42 @@ class SchemaFields:
     def grammar(self, schema: dict, field: str, root_name: str = "", head: str = "") -> str:
         """GBNF for a schema built of checked() nodes (`field` names the whole of it),
         after the rules in `head`."""
-        converter = _converter_class()(self.field_of, field, len(head))
+        converter = _converter_class()(self._field_of, field, len(head))
         try:
             converter.visit(converter.resolve_refs(schema, "schema"), root_name)
-            text = head + converter.format_grammar()
+            return head + converter.format_grammar()
         except CbatchError:
             raise
         except Exception as err:  # the converter raises plain exceptions (and asserts) for what it cannot take
             raise invalid(f"{field} cannot be converted to a grammar: {err!r}") from None
-        if len(text) > MAX_GRAMMAR_CHARS:
-            raise invalid(f"{field} makes a grammar of {len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
-        return text
+
+
+def _line_chars(name: str, rule: str) -> int:
+    return len(name) + len(" ::= ") + len(rule) + len("\n")
 
 
 def _repeated(item: str, low: int, high: int | None) -> str:
     return f"{item}{{{low},{'' if high is None else high}}}"
 
 
-
 @functools.cache
 def _converter_class():
     """Made on first use: llama_cpp loads the llama.cpp library, which clients that never
     convert a schema should not load."""
-    from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, SchemaConverter
+    from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, BuiltinRule, SchemaConverter
 
     class BoundedConverter(SchemaConverter):
-        """llama-cpp-python's converter, writing string and array bounds as repetitions
-        and stopping as soon as the grammar passes the daemon's limits."""
+        """llama-cpp-python's converter, writing string and array bounds as repetitions,
+        strings without raw control characters, and stopping as soon as the grammar passes
+        the daemon's limits."""
 
         def __init__(self, field_of: dict[int, str], field: str, num_head_chars: int):
             super().__init__(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
             self._field_of = field_of
             self._fields = [field]  # of the nodes being visited, innermost last
-            self._num_chars = num_head_chars + sum(len(name) + len(rule) + 6 for name, rule in self._rules.items())
+            # At least the grammar's length (format_grammar writes "name ::= rule" lines):
+            # the conversion stops as soon as it passes the limit.
+            self._num_chars = num_head_chars + sum(_line_chars(name, rule) for name, rule in self._rules.items())
 
         def visit(self, schema, name):
             field = self._field_of.get(id(schema))
@@ -160,6 +166,8 @@ def _converter_class():
             if low_key is None or not (low_key in schema or high_key in schema) or any(k in schema for k in _NOT_PLAIN):
                 return None
             low, high = schema.get(low_key, 0), schema.get(high_key)
+            if not isinstance(low, int) or not isinstance(high, (int, type(None))):  # a property named so
+                return None
             rule_name = name + "-" if name in RESERVED_NAMES else name or "root"  # as the converter names it
             if kind == "string":
                 char = self._add_primitive("char", PRIMITIVE_RULES["char"])
@@ -172,14 +180,18 @@ def _converter_class():
             # Rules, not groups, are repeated and made optional: llama.cpp counts the rules
             # made inside a group (a repetition's among them) against its repetition limit.
             more = self._add_rule(f"{rule_name}-more", f"{ITEM_SEPARATOR} {item}")
-            items = self._add_rule(f"{rule_name}-items", f"{item} {_repeated(more, max(low - 1, 0), None if high is None else high - 1)}")
+            rest = _repeated(more, max(low - 1, 0), None if high is None else high - 1)
+            items = self._add_rule(f"{rule_name}-items", f"{item} {rest}")
             return self._add_rule(rule_name, f'"[" space {items}{"" if low else "?"} "]" space')
+
+        def _add_primitive(self, name: str, rule):
+            return super()._add_primitive(name, BuiltinRule(JSON_CHAR, []) if name == "char" else rule)
 
         def _add_rule(self, name, rule):
             num_rules = len(self._rules)
             key = super()._add_rule(name, rule)
             if len(self._rules) > num_rules:  # a new rule, not one made again
-                self._num_chars += len(key) + len(rule) + 6
+                self._num_chars += _line_chars(key, rule)
             field = self._fields[-1]
             if self._num_chars > MAX_GRAMMAR_CHARS:
                 where = "" if field == self._fields[0] else f", passing the limit at {field}"
