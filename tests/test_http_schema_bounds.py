@@ -3,7 +3,7 @@ details, against a real daemon with --http on the tiny model (its chat template 
 response_format and in a tool's parameters) is a quick 400 naming the field, the HTTP
 process does not grow, and a concurrent stream keeps its pace; bounds within the limits
 constrain the answer; a streamed forced call opens with null content; a /v1/responses
-request its timeout ends is incomplete."""
+request its timeout ends is incomplete (and a cancelled answer, without a daemon, cancelled)."""
 
 import json
 import threading
@@ -154,3 +154,17 @@ def test_a_responses_request_its_timeout_ends_is_incomplete(daemon):
     assert all(item.status == "incomplete" for item in response.output)
     events = list(api.responses.create(stream=True, **request))
     assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+
+
+def test_a_cancelled_answer_is_a_cancelled_response():
+    """(Cancelled answers reach a caller only when a drain's grace period runs out.)"""
+    from cbatch.http_api.responses_output import ResponseEvents
+    from cbatch.http_api.responses_request import parse_responses_request
+
+    events = ResponseEvents(parse_responses_request({"input": "x"}, [MODEL_ID], None), {})
+    last = events.push("some text", 2, "cancelled", {"prompt_tokens": 3, "completion_tokens": 2})[-1]
+    assert last["type"] == "response.incomplete"
+    response = Response.model_validate({**last["response"], "tools": [], "tool_choice": "auto",
+                                        "parallel_tool_calls": True})
+    assert response.status == "cancelled" and response.incomplete_details is None
+    assert response.output[0].status == "incomplete" and response.output_text == "some text"
