@@ -117,10 +117,8 @@ def _text(name, value, max_chars, *, allow_empty=False):
     return value
 
 
-def _grammar(value):
-    if value is None:
-        return None
-    text = _text("grammar", value, MAX_GRAMMAR_CHARS)
+def grammar_nesting(text: str) -> int:
+    """How deep the GBNF text nests parenthesized groups."""
     depth = max_depth = 0
     quote = None  # inside "..." or [...], brackets are literal characters
     escaped = False
@@ -139,6 +137,14 @@ def _grammar(value):
             max_depth = max(max_depth, depth)
         elif char == ")":
             depth -= 1
+    return max_depth
+
+
+def _grammar(value):
+    if value is None:
+        return None
+    text = _text("grammar", value, MAX_GRAMMAR_CHARS)
+    max_depth = grammar_nesting(text)
     if max_depth > MAX_GRAMMAR_NESTING:
         raise invalid(f"grammar nests groups {max_depth} deep; at most {MAX_GRAMMAR_NESTING}")
     return text

@@ -1,11 +1,10 @@
-"""cbatch.tools without a daemon: the call formats chat templates teach (read back, and
-their grammars accepted by llama.cpp), the streamed hold-back of what may be a call, and
+"""cbatch.tools without a daemon: the call formats chat templates teach (read back; their
+grammars are in test_schema_grammar.py), the streamed hold-back of what may be a call, and
 the sandboxed template's globals and errors. The daemon runs are tests/test_tools*.py."""
 
 import json
 
 import pytest
-from llama_cpp import LlamaGrammar
 
 from cbatch.errors import CbatchError
 from cbatch.tools import ChatTemplate, ToolCallStream, template_of, tool_plan
@@ -49,15 +48,6 @@ def test_a_bare_json_call_with_parameters_is_read_and_that_format_is_told_from_t
     assert r'\"parameters\"' in plan("required", template.call_format).grammar()  # a JSON key in GBNF
 
 
-@pytest.mark.parametrize("call_format", [Tagged(), BareJson("arguments")])
-@pytest.mark.parametrize("extra", [{"tool_choice": "required"}, {"tool_choice": "required", "parallel_tool_calls": False},
-                                   {"tool_choice": {"type": "function", "function": {"name": "get_time"}}}])
-def test_forced_grammars_are_accepted_by_llama_cpp(call_format, extra):
-    grammar = tool_plan({"tools": TOOLS, **extra}, call_format).grammar()
-    LlamaGrammar.from_string(grammar, verbose=False)
-    assert ("<tool_call>" in grammar) == isinstance(call_format, Tagged)
-
-
 def test_a_stream_releases_text_until_a_call_may_begin_and_ends_with_the_calls():
     stream = ToolCallStream(plan())
     pieces = ["Sure, ", "one moment <tool_", 'call>\n{"name": "get_time", ', '"arguments": {"city": "Oslo"}}\n</tool_call>']
@@ -99,12 +89,12 @@ def test_only_a_template_that_knows_tools_is_used_for_them():
 
 
 def test_a_small_integer_range_is_enforced_a_wide_one_left_to_the_converter():
-    from cbatch.tools.formats import _enumerated_ranges
+    from cbatch.tools.schema_grammar import SchemaFields
 
     schema = {"type": "object", "properties": {
         "days": {"type": "integer", "minimum": 1, "maximum": 7}, "odd": {"type": "integer", "exclusiveMinimum": 0,
                                                                         "exclusiveMaximum": 3},
         "id": {"type": "integer", "minimum": 0, "maximum": 10 ** 6}, "ratio": {"type": "number", "maximum": 1}}}
-    properties = _enumerated_ranges(schema)["properties"]
+    properties = SchemaFields().checked(schema, "parameters")["properties"]
     assert properties["days"] == {"enum": [1, 2, 3, 4, 5, 6, 7]} and properties["odd"] == {"enum": [1, 2]}
     assert properties["id"] == schema["properties"]["id"] and properties["ratio"] == schema["properties"]["ratio"]

@@ -18,6 +18,7 @@ import socket
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -30,7 +31,7 @@ from cbatch.http_api.auth import API_KEY_ENV, RequireApiKey
 from cbatch.http_api.connection import timed_protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.metrics import kv_cache_usage
-from cbatch.http_api.openai_mapping import CHAT, COMPLETION, error_body, parse_api_request
+from cbatch.http_api.openai_mapping import CHAT, COMPLETION, ApiRequest, error_body, parse_api_request
 from cbatch.http_api.embeddings import embeddings_endpoint
 from cbatch.http_api.responses_output import ResponseEvents, echoed_fields
 from cbatch.http_api.responses_request import parse_responses_request
@@ -49,6 +50,18 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+def _parse(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, ResponseEvents | None]:
+    """A generation request read: run in a worker thread, as the chat template's rendering
+    and a JSON schema's conversion to a grammar take a while (both bounded), and the event
+    loop meanwhile serves the other requests' streams."""
+    raw = json_body(body)
+    if kind == RESPONSES:
+        api = parse_responses_request(raw, state.model_names, state.reasoning, chat_template=state.client.chat_template)
+        return api, ResponseEvents(api, echoed_fields(raw))
+    return parse_api_request(kind, raw, state.model_names, state.reasoning,
+                             chat_template=state.client.chat_template), None
+
+
 async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     """A completions, chat or responses request: errors before the first token get their
     status; a stream then goes out as server-sent events; a caller that hangs up cancels it."""
@@ -57,14 +70,7 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     if refusal is not None:
         return state.error(endpoint, refusal)
     try:
-        raw = json_body(await request.body())
-        if kind == RESPONSES:
-            api = parse_responses_request(raw, state.model_names, state.reasoning,
-                                          chat_template=state.client.chat_template)
-            events = ResponseEvents(api, echoed_fields(raw))
-        else:
-            api = parse_api_request(kind, raw, state.model_names, state.reasoning,
-                                    chat_template=state.client.chat_template)
+        api, events = await run_in_threadpool(_parse, state, kind, await request.body())
     except CbatchError as err:
         return state.error(endpoint, err)
     state.num_in_flight += 1

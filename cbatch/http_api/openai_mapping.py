@@ -7,7 +7,6 @@ value is an `invalid_request`, HTTP 400); unknown fields are ignored as OpenAI d
 """
 
 import base64
-import json
 import re
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
 from cbatch.http_api.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
+from cbatch.tools.schema_grammar import SchemaFields
 
 CHAT, COMPLETION = "chat", "completion"
 RETRY_AFTER_S = 1  # what a 429 tells the caller to wait
@@ -58,7 +58,7 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
                                       "model", "tools", "tool_choice", "parallel_tool_calls", "reasoning_budget",
                                       "reasoning_effort", "input", "instructions", "max_output_tokens",
                                       "previous_response_id", "reasoning", "background", "text", "dimensions",
-                                      "encoding_format")
+                                      "encoding_format", "response_format")
         param = name.group(1) if name and name.group(1) in known else None
     return {"error": {"message": err.message, "type": _STATUS.get(err.code, (500, "server_error"))[1],
                       "param": param, "code": err.code}}
@@ -78,7 +78,7 @@ class ApiRequest:
 
 
 def _grammar_of(response_format) -> str | None:
-    """response_format -> GBNF through llama-cpp-python's own JSON-schema converter."""
+    """response_format -> GBNF (a JSON schema's through cbatch.tools.schema_grammar)."""
     from llama_cpp import llama_grammar
 
     if not isinstance(response_format, dict):
@@ -93,10 +93,8 @@ def _grammar_of(response_format) -> str | None:
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise invalid("response_format.json_schema.schema must be an object")
-        try:
-            return llama_grammar.json_schema_to_gbnf(json.dumps(schema))
-        except Exception as err:  # the converter raises plain exceptions for schemas it cannot take
-            raise invalid(f"response_format.json_schema cannot be converted to a grammar: {err}") from None
+        field, schemas = "response_format.json_schema.schema", SchemaFields()
+        return schemas.grammar(schemas.checked(schema, field), field)
     raise invalid(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 

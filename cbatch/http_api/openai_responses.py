@@ -87,8 +87,9 @@ class ResponseBuilder:
 
     def role_chunk(self, choice: int) -> dict:
         """A streamed chat choice's first chunk: the role alone, before any content, as
-        OpenAI sends it."""
-        return self._chat_chunk(choice, {"role": "assistant", "content": ""}, None, None)
+        OpenAI sends it; its content is null when a call is forced (the answer is one)."""
+        is_call = self.request.tools is not None and self.request.tools.is_forced
+        return self._chat_chunk(choice, {"role": "assistant", "content": None if is_call else ""}, None, None)
 
     def _chat_chunk(self, choice: int, delta: dict, finish_reason: str | None, logprobs) -> dict:
         entry = {"index": choice, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}

@@ -3,8 +3,9 @@
 One ResponseEvents per request takes the answer's text as it arrives and returns the
 events it makes: `response.created` and `response.in_progress`; per output item
 `response.output_item.added`, its content part's `.added`, text deltas and `.done`s,
-`response.output_item.done`; at the end `response.completed` (or `response.incomplete`
-when max_output_tokens cut the answer), each with its `sequence_number`. Thinking is a
+`response.output_item.done`; at the end `response.completed`, or `response.incomplete`
+(ENDINGS: max_output_tokens or the request's timeout cut the answer, or it was
+cancelled), each with its `sequence_number`. Thinking is a
 `reasoning` item (reasoning_text deltas) before the `message` item; a tool call is a
 `function_call` item, with its arguments' delta and done events. A response that does
 not stream is the same events' last response.
@@ -21,6 +22,12 @@ from cbatch.tools import ToolCallStream
 # output item type -> (content part type, its delta event, its done event)
 PARTS = {"message": ("output_text", "response.output_text.delta", "response.output_text.done"),
          "reasoning": ("reasoning_text", "response.reasoning_text.delta", "response.reasoning_text.done")}
+# finish reason -> (the response's status, its incomplete_details.reason) for an answer cut
+# short; any other finish completes it. OpenAI's reasons name no deadline: one the request's
+# timeout cut has none (a reason of cbatch's own would fail clients that check the values).
+# Responses stream no event of their own for a cancelled response: its last is response.incomplete.
+ENDINGS = {"length": ("incomplete", "max_output_tokens"), "timeout": ("incomplete", None),
+           "cancelled": ("cancelled", None)}
 
 
 def _new_id(prefix: str) -> str:
@@ -54,11 +61,10 @@ class ResponseEvents:
         self._num_events += 1
         return {"type": kind, "sequence_number": self._num_events - 1, **fields}
 
-    def response(self, status: str = "in_progress", usage: dict | None = None) -> dict:
-        is_cut = status == "incomplete"
+    def response(self, status: str = "in_progress", usage: dict | None = None, cut_by: str | None = None) -> dict:
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "model": self.api.model, "output": list(self.output), "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if is_cut else None,
+                "incomplete_details": {"reason": cut_by} if status == "incomplete" else None,
                 "usage": usage and {
                     "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                     "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
@@ -89,10 +95,10 @@ class ResponseEvents:
                 events += self._close("completed") + self._function_call(call)
         if finish_reason is None:
             return events
-        status = "incomplete" if finish_reason == "length" else "completed"
-        events += self._close(status)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return events + [self.event(kind, response=self.response(status, usage))]
+        status, cut_by = ENDINGS.get(finish_reason, ("completed", None))
+        events += self._close("completed" if status == "completed" else "incomplete")
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return events + [self.event(kind, response=self.response(status, usage, cut_by))]
 
     def _text(self, kind: str, text: str) -> list[dict]:
         """A text delta of a reasoning or message item; a new item when the kind changes."""

@@ -7,53 +7,18 @@
 - BareJson (Llama 3.1 and the like): the whole answer is one `{"name", "arguments"}` (or
   "parameters", as the template says).
 
-A format's grammar is built from one JSON schema per function for one call (llama-cpp-
-python's converter), so a forced call's arguments always match their schema.
+A format's grammar is built from one JSON schema per function for one call
+(schema_grammar.py), so a forced call's arguments always match their schema.
 """
 
 import json
 import re
 
-from cbatch.params import invalid
 from cbatch.partial_markers import partial_marker_len
+from cbatch.tools.schema_grammar import SchemaFields
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
-MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum (the converter ignores ranges)
 _TAGGED_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
-
-
-def _integer_values(schema: dict) -> range | None:
-    """The values a schema allows when it is an integer between integer bounds."""
-    bounds = {name: schema[name] for name in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
-              if name in schema}
-    if schema.get("type") != "integer" or not all(type(value) is int for value in bounds.values()):
-        return None
-    lows = [bounds[name] + (name != "minimum") for name in ("minimum", "exclusiveMinimum") if name in bounds]
-    highs = [bounds[name] - (name != "maximum") for name in ("maximum", "exclusiveMaximum") if name in bounds]
-    return range(max(lows), min(highs) + 1) if lows and highs else None
-
-
-def _enumerated_ranges(schema):
-    """The schema with each integer range of at most MAX_ENUMERATED_INTEGERS values as an
-    enum of them: llama-cpp-python's converter ignores minimum and maximum."""
-    if isinstance(schema, list):
-        return [_enumerated_ranges(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    schema = {key: _enumerated_ranges(value) for key, value in schema.items()}
-    values = _integer_values(schema)
-    return {"enum": list(values)} if values is not None and 0 < len(values) <= MAX_ENUMERATED_INTEGERS else schema
-
-
-def _gbnf(schema: dict, root_name: str = "") -> str:
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    try:
-        converter.visit(_enumerated_ranges(converter.resolve_refs(schema, "tools")), root_name)
-    except Exception as err:  # the converter raises plain exceptions for schemas it cannot take
-        raise invalid(f"tools: a function's parameters cannot be converted to a grammar: {err}") from None
-    return converter.format_grammar()
 
 
 def _arguments(value) -> dict | None:
@@ -84,10 +49,12 @@ def _json(text: str):
 class JsonAnswer:
     arguments_key = "arguments"
 
-    def grammar(self, call_schemas: list[dict], is_one_call: bool) -> str:
-        return _gbnf({"type": "object", "additionalProperties": False, "required": ["tool_calls"], "properties": {
-            "tool_calls": {"type": "array", "minItems": 1, "items": {"anyOf": call_schemas},
-                           **({"maxItems": 1} if is_one_call else {})}}})
+    def grammar(self, call_schemas: list[dict], is_one_call: bool, schemas: SchemaFields) -> str:
+        """`call_schemas` are made of `schemas`' checked nodes."""
+        return schemas.grammar({"type": "object", "additionalProperties": False, "required": ["tool_calls"],
+                                "properties": {"tool_calls": {"type": "array", "minItems": 1,
+                                                              "items": {"anyOf": call_schemas},
+                                                              **({"maxItems": 1} if is_one_call else {})}}}, "tools")
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         answer = _json(text)
@@ -104,8 +71,8 @@ class BareJson(JsonAnswer):
     def __init__(self, arguments_key: str):
         self.arguments_key = arguments_key
 
-    def grammar(self, call_schemas: list[dict], is_one_call: bool) -> str:
-        return _gbnf({"anyOf": call_schemas})  # one call: the format has no room for more
+    def grammar(self, call_schemas: list[dict], is_one_call: bool, schemas: SchemaFields) -> str:
+        return schemas.grammar({"anyOf": call_schemas}, "tools")  # one call: the format has no room for more
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         answer = _json(text)
@@ -120,10 +87,10 @@ class Tagged(BareJson):
     def __init__(self):
         super().__init__("arguments")
 
-    def grammar(self, call_schemas: list[dict], is_one_call: bool) -> str:
+    def grammar(self, call_schemas: list[dict], is_one_call: bool, schemas: SchemaFields) -> str:
         block = f'"{TOOL_CALL_OPEN}\\n" tool-call "\\n{TOOL_CALL_CLOSE}"'
         more = "" if is_one_call else f' ("\\n" {block})*'
-        return f"root ::= {block}{more}\n" + _gbnf({"anyOf": call_schemas}, "tool-call")
+        return schemas.grammar({"anyOf": call_schemas}, "tools", "tool-call", head=f"root ::= {block}{more}\n")
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         blocks = _TAGGED_CALL.findall(text)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cbatch.params import invalid
 from cbatch.tools.formats import JSON_ANSWER, JsonAnswer
+from cbatch.tools.schema_grammar import SchemaFields
 
 MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -56,13 +57,14 @@ class ToolPlan:
         return [{"role": "system", "content": self.instructions()}, *messages]
 
     def grammar(self) -> str:
-        """GBNF for an answer that is a call (calls, when parallel) of the allowed functions."""
-        names = list(self.functions) if self.choice == "required" else [self.choice]
-        key = self.format.arguments_key
+        """GBNF for an answer that is a call (calls, when parallel) of the allowed functions;
+        a refusal names the tool's field to change (schema_grammar.py)."""
+        key, schemas = self.format.arguments_key, SchemaFields()
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                  "properties": {"name": {"const": name}, key: self.functions[name]["parameters"]}}
-                 for name in names]
-        return self.format.grammar(calls, is_one_call=self.choice != "required" or not self.is_parallel)
+                  "properties": {"name": {"const": name},
+                                 key: schemas.checked(spec["parameters"], f"tools[{i}].function.parameters")}}
+                 for i, (name, spec) in enumerate(self.functions.items()) if self.choice in ("required", name)]
+        return self.format.grammar(calls, self.choice != "required" or not self.is_parallel, schemas)
 
     def parse(self, text: str) -> tuple[str | None, list[dict]] | None:
         """(the answer's text besides its calls or None, its calls in OpenAI's shape); None
