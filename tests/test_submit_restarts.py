@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from daemonkit import SCRIPTS_DIR, wait_until
 from httpkit import HttpDaemon
-from cbatch.errors import EXIT_OK, EXIT_UNREACHABLE
+from cbatch.errors import EXIT_OK
 
 SUBMIT = str(SCRIPTS_DIR / "cbatch-submit")
 NUM_LINES = 1500  # thousands of lines went as errors through the drain's refusal window before
