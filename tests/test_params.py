@@ -5,7 +5,7 @@ import math
 import pytest
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.params import MAX_SEED, SamplingParams, expand_choices, parse_request
+from cbatch.params import MAX_SEED, SamplingParams, expand_choices, parse_params, parse_request
 
 BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -72,3 +72,17 @@ def test_n_expands_into_choices_with_consecutive_seeds():
     for bad in ({"n": 0}, {"n": 17}, {"n": "2"}, {"n": 2, "seed": MAX_SEED}):
         with pytest.raises(CbatchError, match="n must|seed must"):
             expand_choices({"prompt": "p", **bad})
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ('root ::= "a"{0,3000}', "bounds up to 3000"),  # past llama.cpp's own limit on one bound
+    ("root ::= " + " ".join('"a"{0,2000}' for _ in range(5)), "10000 in all"),  # a rule per repetition
+])
+def test_a_grammar_with_too_many_repetitions_is_refused(grammar, message):
+    with pytest.raises(CbatchError) as caught:
+        parse_params({"grammar": grammar})
+    assert caught.value.code == "invalid_request" and message in caught.value.message
+
+
+def test_braces_inside_literals_are_not_repetitions():
+    assert parse_params({"grammar": 'root ::= "{9999}" [{] "a"{0,2000}'}).grammar.endswith("{0,2000}")

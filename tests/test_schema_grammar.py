@@ -14,7 +14,7 @@ from cbatch.http_api.openai_mapping import CHAT, parse_api_request
 from cbatch.tools import tool_plan
 from cbatch.tools.chat import prepare_request
 from cbatch.tools.formats import BareJson, Tagged
-from cbatch.tools.schema_grammar import MAX_GRAMMAR_REPETITIONS, MAX_REPETITIONS, SchemaFields
+from cbatch.tools.schema_grammar import MAX_GRAMMAR_REPETITIONS, MAX_REPETITION_BOUND, SchemaFields
 
 CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": CITY}} for name in ("get_weather", "get_time")]
@@ -81,8 +81,8 @@ def test_forced_call_grammars_parse_in_llama_cpp(parses, call_format, extra):
     assert ("<tool_call>" in grammar) == isinstance(call_format, Tagged)
 
 
-@pytest.mark.parametrize("low, high", [(0, None), (0, 0), (0, 1), (1, None), (3, 10), (0, MAX_REPETITIONS),
-                                       (MAX_REPETITIONS, MAX_REPETITIONS)])
+@pytest.mark.parametrize("low, high", [(0, None), (0, 0), (0, 1), (1, None), (3, 10), (0, MAX_REPETITION_BOUND),
+                                       (MAX_REPETITION_BOUND, MAX_REPETITION_BOUND)])
 def test_string_and_array_bounds_are_repetitions_llama_cpp_takes(parses, low, high):
     """Up to llama.cpp's own limit, whatever the rules' names' order (a property "a" sorts
     before the "char" rule it repeats)."""
@@ -110,8 +110,8 @@ def test_string_and_array_bounds_are_repetitions_llama_cpp_takes(parses, low, hi
     (tool_with({"type": "string", "maxLength": '5} | [^"]{0,'}), "tools[2].function.parameters.maxLength must be"),
     (tool_with({"type": "string", "minLength": 5, "maxLength": 3}),
      "tools[2].function.parameters.minLength is more than its maxLength"),
-    (answer_format({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": MAX_REPETITIONS}
-                                                     for i in range(MAX_GRAMMAR_REPETITIONS // MAX_REPETITIONS + 1)}}),
+    (answer_format({"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": MAX_REPETITION_BOUND}
+                                                     for i in range(MAX_GRAMMAR_REPETITIONS // MAX_REPETITION_BOUND + 1)}}),
      f"properties.p4.maxLength takes the repetitions the schemas' grammar allows to 10000; at most "
      f"{MAX_GRAMMAR_REPETITIONS}"),
     (answer_format({"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{1,100}$"}}}),

@@ -6,7 +6,7 @@ group nested in the next, so its work and its grammar grow with the bound: `maxL
 100000000` took seconds and hundreds of MB before the daemon refused the grammar. Here:
 - a string's or an array's bounds are GBNF repetitions (`char{0,500}`), which llama.cpp
   turns into a rule per optional item when the decode worker starts the request: one
-  bound is at most MAX_REPETITIONS (past llama.cpp's own limit it drops a maximum), and
+  bound is at most MAX_REPETITION_BOUND (past llama.cpp's own limit it drops a maximum), and
   all a request's bounds and pattern quantifiers together at most MAX_GRAMMAR_REPETITIONS,
   checked before anything is converted;
 - the converter writes a pattern's quantifiers out; they count against the same total;
@@ -21,12 +21,8 @@ import math
 import re
 
 from cbatch.errors import CbatchError
-from cbatch.params import MAX_GRAMMAR_CHARS, MAX_GRAMMAR_NESTING, grammar_nesting, invalid
-
-MAX_REPETITIONS = 2000  # llama.cpp's MAX_REPETITION_THRESHOLD: a larger maximum it silently drops
-# All bounds of one request's schemas: llama.cpp makes a rule per repetition (about 1 us
-# and 230 bytes each in the decode worker, which parses the grammar on its loop).
-MAX_GRAMMAR_REPETITIONS = 8192
+from cbatch.params import (MAX_GRAMMAR_CHARS, MAX_GRAMMAR_NESTING, MAX_GRAMMAR_REPETITIONS, MAX_REPETITION_BOUND,
+                           grammar_nesting, invalid)
 MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum
 BOUNDS = {"string": ("minLength", "maxLength"), "array": ("minItems", "maxItems")}
 DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: taken as they are
@@ -51,12 +47,12 @@ def _integer_values(schema: dict) -> range | None:
 
 
 def _count(field: str, value) -> int:
-    """A repetition bound: a non-negative integer (1e3 is one too) up to MAX_REPETITIONS."""
+    """A repetition bound: a non-negative integer (1e3 is one too) up to MAX_REPETITION_BOUND."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value < 0 or value != int(value):
         raise invalid(f"{field} must be a non-negative integer, got {value!r}")
-    if value > MAX_REPETITIONS:
-        raise invalid(f"{field} is {value}; at most {MAX_REPETITIONS}: the grammar that enforces it grows "
+    if value > MAX_REPETITION_BOUND:
+        raise invalid(f"{field} is {value}; at most {MAX_REPETITION_BOUND}: the grammar that enforces it grows "
                       "with it. Lower it or leave it out")
     return int(value)
 
