@@ -158,3 +158,17 @@ def test_a_batch_file_with_a_byte_order_mark_and_a_control_character(tiny_model_
     assert run.returncode == 1, run.stderr  # the second line is bad
     assert first["id"] == "first" and first["usage"]["completion_tokens"] == 2
     assert bad["error"]["message"] == "line 2 is not valid JSON: Invalid control character at (column 27)"
+
+
+def test_status_says_when_the_compute_threads_are_starved(tiny_model_path, start_daemon):
+    """Two compute threads on one core get half of it at most: the steps are slow for want
+    of CPU, not of work, and cbatch-status says so and which setting helps."""
+    daemon = start_daemon(tiny_model_path, *DAEMON_ARGS, "--threads", "2", prefix=("taskset", "-c", "0"))
+    with daemon.client() as client:
+        client.generate_batch([{"prompt": f"starved {i}", "max_tokens": 300, **GREEDY} for i in range(4)])
+        share = wait_for(lambda: (lambda s: s if s < 1.0 else None)(client.stats()["compute_cpu_share"]),
+                         what="a measured share")
+    table = subprocess.run([str(SCRIPTS_DIR / "cbatch-status")], env=daemon.env, capture_output=True, text=True,
+                           timeout=60)
+    assert share < 0.6, share
+    assert "slow steps: llama.cpp's compute threads got" in table.stdout and "--threads" in table.stdout

@@ -10,6 +10,7 @@ from cbatch.wording import counted
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
 SLOT_COLUMNS = ("slot", "request", "state", "prompt", "tokens", "age")
+STARVED_CPU_SHARE = 0.6  # below this share of their cores the compute threads wait for the CPU more than they compute
 
 
 def format_status(endpoint: str, health: dict, stats: dict) -> str:
@@ -26,6 +27,10 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
         f"decode {stats.get('decode_tokens_per_s', 0.0):.1f} tok/s, prefill {stats.get('prefill_tokens_per_s', 0.0):.1f} "
         f"tok/s, {stats.get('avg_concurrent_seqs', 0.0):.1f} sequences per decode step on average",
     ]
+    share = stats.get("compute_cpu_share", 1.0)
+    if share < STARVED_CPU_SHARE:
+        lines.append(f"slow steps: llama.cpp's compute threads got {100 * share:.0f}% of their cores while decoding "
+                     "(other processes use them): give the daemon fewer --threads, or the host fewer other jobs")
     if "kv_cells_total" in stats:  # the worker has reported once
         lines.append(
             f"prefix cache {'on' if stats['prefix_cache'] else 'off'}: hit rate {100 * stats['cache_hit_rate']:.0f}%, "

@@ -115,7 +115,7 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One step's events; with overlap the next batch decodes while they are published."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         events = []
         if self._in_flight is None:
             events += self._apply_cancels()
@@ -133,7 +133,10 @@ class Engine:
         if self.is_overlapped and self.scheduler.has_work:
             self._launch()  # decodes while the text below is made and the caller publishes
         events += self._output.postprocess(to_text, logprobs)
-        self.stats.record_step(time.perf_counter() - started, llama_decode_s, *self._step_counts)
+        step_s = time.perf_counter() - started
+        self.stats.record_step(step_s, llama_decode_s, *self._step_counts)
+        if not self.is_overlapped:  # with overlap the decode runs beside the loop thread's work
+            self.stats.record_cpu(time.process_time() - cpu_started, step_s, llama_decode_s, self.config.num_threads)
         return events
 
     def _launch(self) -> list[TokenEvent]:

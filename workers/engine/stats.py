@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from cbatch.workers.engine.sequence import Sequence
 
 
+MIN_TIMED_DECODE_S = 0.001  # shorter decodes say little about the threads' share (clock granularity)
+CPU_SHARE_SMOOTHING = 0.05  # weight of one step in compute_cpu_share: about the last 20 steps
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
@@ -29,6 +33,18 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0  # prompt tokens fed in any step (not served by the cache)
     requests_ended: int = 0  # finished for any reason: stop, length, cancelled, error
     num_last_batch_tokens: int = 0  # of the latest step: what an embedding decode beside it may carry
+    # The share of their cores llama.cpp's compute threads got inside llama_decode, over the
+    # recent steps (see record_cpu); 1.0 until measured. Its threads spin at their barriers,
+    # so they use their cores whole unless other processes take them.
+    compute_cpu_share: float = 1.0
+
+    def record_cpu(self, step_cpu_s: float, step_s: float, llama_decode_s: float, num_threads: int) -> None:
+        """One step without overlap: the process's CPU time in it, less the loop thread's own
+        (one core outside llama_decode), is the compute threads'."""
+        if llama_decode_s < MIN_TIMED_DECODE_S:
+            return
+        share = (step_cpu_s - (step_s - llama_decode_s)) / (llama_decode_s * num_threads)
+        self.compute_cpu_share += CPU_SHARE_SMOOTHING * (min(max(share, 0.0), 1.0) - self.compute_cpu_share)
 
     def record_step(self, step_s: float, llama_decode_s: float, num_batch_tokens: int, num_prompt_tokens: int,
                     num_decode_seqs: int, num_generated: int) -> None:
@@ -61,6 +77,7 @@ class EngineStats:
             "generated_tokens": self.num_sampled_tokens,
             "requests_ended": self.requests_ended,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "compute_cpu_share": self.compute_cpu_share,
         }
 
 
