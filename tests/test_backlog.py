@@ -5,7 +5,7 @@ records merge into few messages, each one within what a client unpacks, none los
 directly here, with records shaped as the front-end relays them.)"""
 
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, pack, unpack
-from cbatch.workers.daemon.backlog import MAX_MERGED_BYTES, MAX_MERGED_RECORDS, Backlog
+from cbatch.workers.daemon.backlog import MAX_MERGED_BYTES, MAX_MERGED_RECORDS, Backlog, split_to_fit
 
 NUM_TOP = 20  # log-probabilities asked for: the widest record there is
 
@@ -38,3 +38,20 @@ def test_a_lagging_clients_records_merge_within_the_clients_frame_bound():
     assert indices == list(range(num_records)) and got_type is MsgType.FINISHED
     assert 3 <= len(sizes) <= 4 * MAX_FRAME_BYTES // MAX_MERGED_BYTES  # merged, not one message per step
     assert max(sizes) <= MAX_MERGED_BYTES + 1024
+
+
+def test_a_long_fetch_reply_is_split_within_the_clients_frame_bound():
+    """A FETCH of 4096 records with long log-probability pieces would pass the bound in one
+    reply: it goes as several, in order, each of which a client unpacks."""
+    def long_pieces(row: list) -> list:
+        token_id, _, logprob, top = row[6]
+        return [*row[:6], [token_id, b"p" * 40, logprob, [[t, b"q" * 40, lp] for t, _, lp in top]]]
+
+    rows = [long_pieces(logprobs_row(i)) for i in range(4096)]
+    parts = split_to_fit(rows)
+    assert len(parts) > 1 and [row for part in parts for row in part] == rows
+    for part in parts:
+        frames = pack(MsgType.RECORDS, {"request_id": 1, "records": part})
+        assert sum(map(len, frames)) <= MAX_FRAME_BYTES
+        unpack(frames)
+    assert split_to_fit(rows[:8]) == [rows[:8]]  # a step's few rows are sent as they are, unmeasured

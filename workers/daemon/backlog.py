@@ -27,6 +27,18 @@ MAX_MERGED_BYTES = MAX_FRAME_BYTES // 4
 MAX_MERGED_RECORDS = MAX_CONTAINER_LEN // 16
 
 
+MIN_ROWS_MEASURED = 256  # fewer record rows than this (one step's, mostly) are far below the byte bound
+
+
+def split_to_fit(rows: list) -> list[list]:
+    """Record rows as consecutive parts of at most MAX_MERGED_BYTES packed each (a single
+    row is never split); only long lists are packed to measure them."""
+    if len(rows) < MIN_ROWS_MEASURED or len(msgpack.packb(rows, use_bin_type=True)) <= MAX_MERGED_BYTES:
+        return [rows]
+    half = len(rows) // 2
+    return split_to_fit(rows[:half]) + split_to_fit(rows[half:])
+
+
 class Backlog:
     def __init__(self, now_s: float):
         self.messages: deque[tuple[MsgType, dict]] = deque()

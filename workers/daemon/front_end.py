@@ -20,6 +20,7 @@ from cbatch.ipc.records import RingRecord, TokenEvent
 from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
+from cbatch.workers.daemon.backlog import split_to_fit
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.embed_relay import EmbedRelay
 from cbatch.workers.daemon.handshakes import Handshakes
@@ -221,7 +222,8 @@ class FrontEnd:
                     for r in records[at:at + MAX_RECORDS_PER_MESSAGE]]
             if tracked.logprobs is not None:  # a seventh column: the token's logprobs entry
                 rows = [[*row, tracked.logprobs.get(row[0])] for row in rows]
-            self.clients.send(tracked.owner, MsgType.RECORDS, {"request_id": tracked.request_id, "records": rows})
+            for part in split_to_fit(rows):  # within the client's frame bound, however long the pieces
+                self.clients.send(tracked.owner, MsgType.RECORDS, {"request_id": tracked.request_id, "records": part})
 
     # ---- decode worker ------------------------------------------------------------
     def on_worker_messages(self) -> None:
