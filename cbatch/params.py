@@ -5,21 +5,16 @@ reach a queue, so the decode loop only ever sees well-formed requests.
 """
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.gbnf import grammar_problem
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20
 MAX_GRAMMAR_CHARS = 1 << 14
-MAX_GRAMMAR_NESTING = 64  # llama.cpp's GBNF parser recurses per group: deeper input overflows its stack
-MAX_REPETITION_BOUND = 2000  # llama.cpp's limit on one {m,n}: a larger minimum fails, a larger maximum is dropped
-# All {m,n} bounds of one request's grammar: llama.cpp makes a rule per repetition (about
-# 1 us and 230 bytes each in the decode worker, which parses the grammar on its loop).
-MAX_GRAMMAR_REPETITIONS = 8192
 MAX_MESSAGES = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
@@ -122,63 +117,13 @@ def _text(name, value, max_chars, *, allow_empty=False):
     return value
 
 
-def _outside_literals(text: str):
-    """(position, character) of the GBNF text's characters outside "..." and [...], where
-    brackets and braces are literal characters."""
-    quote = None
-    escaped = False
-    for position, char in enumerate(text):
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif quote:
-            if char == quote:
-                quote = None
-        elif char in "\"[":
-            quote = "\"" if char == "\"" else "]"
-        else:
-            yield position, char
-
-
-def grammar_nesting(text: str) -> int:
-    """How deep the GBNF text nests parenthesized groups."""
-    depth = max_depth = 0
-    for _, char in _outside_literals(text):
-        if char == "(":
-            depth += 1
-            max_depth = max(max_depth, depth)
-        elif char == ")":
-            depth -= 1
-    return max_depth
-
-
-_REPETITION = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
-
-
-def grammar_repetitions(text: str) -> tuple[int, int]:
-    """(the largest bound of one {m,n} repetition, all bounds together) in the GBNF text."""
-    largest = total = 0
-    for position, char in _outside_literals(text):
-        match = _REPETITION.match(text, position) if char == "{" else None
-        if match:
-            bound = max(int(match.group(1)), int(match.group(2) or 0))
-            largest, total = max(largest, bound), total + bound
-    return largest, total
-
-
 def _grammar(value):
     if value is None:
         return None
     text = _text("grammar", value, MAX_GRAMMAR_CHARS)
-    max_depth = grammar_nesting(text)
-    if max_depth > MAX_GRAMMAR_NESTING:
-        raise invalid(f"grammar nests groups {max_depth} deep; at most {MAX_GRAMMAR_NESTING}")
-    largest, total = grammar_repetitions(text)
-    if largest > MAX_REPETITION_BOUND or total > MAX_GRAMMAR_REPETITIONS:
-        raise invalid(f"grammar repeats with {{m,n}} bounds up to {largest}, {total} in all; at most "
-                      f"{MAX_REPETITION_BOUND} each and {MAX_GRAMMAR_REPETITIONS} in all (llama.cpp makes a "
-                      "rule per repetition, in the decode loop)")
+    problem = grammar_problem(text)
+    if problem:
+        raise invalid(f"grammar {problem}")
     return text
 
 

@@ -21,8 +21,8 @@ import math
 import re
 
 from cbatch.errors import CbatchError
-from cbatch.params import (MAX_GRAMMAR_CHARS, MAX_GRAMMAR_NESTING, MAX_GRAMMAR_REPETITIONS, MAX_REPETITION_BOUND,
-                           grammar_nesting, invalid)
+from cbatch.gbnf import MAX_GRAMMAR_NESTING, MAX_GRAMMAR_REPETITIONS, MAX_REPETITION_BOUND, grammar_nesting
+from cbatch.params import MAX_GRAMMAR_CHARS, invalid
 MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum
 BOUNDS = {"string": ("minLength", "maxLength"), "array": ("minItems", "maxItems")}
 DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: taken as they are
