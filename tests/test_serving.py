@@ -223,7 +223,7 @@ def test_submit_cli_writes_every_line_in_order(daemon, tmp_path):
     assert results[3]["usage"]["completion_tokens"] == 7
     assert results[4]["error"]["code"] == "invalid_request" and "max_tokens" in results[4]["error"]["message"]
     assert all(r["usage"]["completion_tokens"] == 4 for r in results[5:])
-    assert "34 lines, 31 ok, 3 failed" in run.stderr
+    assert "34 lines written, 31 ok, 3 failed" in run.stderr
 
 
 def test_submit_cli_missing_file_and_unreachable_endpoint(daemon, tmp_path):
