@@ -139,7 +139,7 @@ def run_file(client, numbered_items, done_keys: set[str], num_lines: int | None,
                                       chat_template=None if is_http else client.chat_template, reasoning=reasoning,
                                       forwards_tools=is_http)
         noun = "OpenAI batch line"
-    else:  # over HTTP checked here as the daemon checks them, since another server may not
+    else:  # over HTTP a line is checked here as the daemon would: a server may ignore what it does not know
         make_line, noun = functools.partial(NativeLine, checks_bodies=is_http), "line"
     summary = run_batch(stream_batch, items, make_line, out, max_in_flight, num_left)
     return dataclasses.replace(summary, num_skipped=selector.num_skipped), noun
