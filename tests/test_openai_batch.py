@@ -39,7 +39,7 @@ def test_openai_batch_mixed_lines(start_daemon, tiny_model_path, tmp_path):
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [o["custom_id"] for o in out] == [None, "two-bad", "ok", "bad-url", "bad-value", "two", "no-template",
                                             "unserved"]
-    assert "8 OpenAI batch lines, 2 ok, 6 failed; 11 tokens in" in stderr
+    assert "8 OpenAI batch lines written, 2 ok, 6 failed; 11 tokens in" in stderr
     assert out[1]["response"]["status_code"] == 400
     assert out[1]["response"]["body"]["error"]["code"] == "prompt_too_long"
     out.pop(1)

@@ -207,7 +207,7 @@ def test_submit_cli_writes_every_line_in_order(daemon, tmp_path):
         json.dumps({"id": "c", "messages": [{"role": "user", "content": "hi"}]}),  # tiny model: no template
         "",
         json.dumps({"prompt": "no id", "max_tokens": 7, **GREEDY}),
-        json.dumps({"id": 5, "prompt": "x", "max_tokens": -1}),
+        json.dumps({"id": "bad", "prompt": "x", "max_tokens": -1}),
     ] + [json.dumps({"id": f"bulk-{i}", "prompt": "b" * i, "max_tokens": 4, **GREEDY}) for i in range(1, 30)]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(lines) + "\n")
@@ -216,14 +216,14 @@ def test_submit_cli_writes_every_line_in_order(daemon, tmp_path):
                          env=daemon.env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr  # some lines failed
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in results] == ["a", 2, "c", 5, 5] + [f"bulk-{i}" for i in range(1, 30)]
+    assert [r["id"] for r in results] == ["a", 2, "c", 5, "bad"] + [f"bulk-{i}" for i in range(1, 30)]
     assert results[0]["finish_reason"] == "length" and results[0]["usage"]["completion_tokens"] == 5
     assert results[1]["error"]["code"] == "invalid_request" and "line 2" in results[1]["error"]["message"]
     assert results[2]["error"]["code"] == "invalid_request" and "chat template" in results[2]["error"]["message"]
     assert results[3]["usage"]["completion_tokens"] == 7
     assert results[4]["error"]["code"] == "invalid_request" and "max_tokens" in results[4]["error"]["message"]
     assert all(r["usage"]["completion_tokens"] == 4 for r in results[5:])
-    assert "34 lines, 31 ok, 3 failed" in run.stderr
+    assert "34 lines written, 31 ok, 3 failed" in run.stderr
 
 
 def test_submit_cli_missing_file_and_unreachable_endpoint(daemon, tmp_path):

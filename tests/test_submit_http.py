@@ -64,6 +64,35 @@ def test_a_file_over_http_gives_the_lines_a_zeromq_run_gives(daemon, tmp_path):
     assert written[5]["error"]["code"] == "invalid_request"
 
 
+REFUSED_NATIVE_LINES = [
+    {"id": "ok", "prompt": "one", "max_tokens": 3, **GREEDY},
+    {"id": "unknown", "prompt": "two", "max_tokens": 3, "colour": "blue"},
+    {"id": "both", "prompt": "three", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    {"id": "too-many", "prompt": "four", "n": 99},
+    {"id": "bad-tools", "messages": [{"role": "user", "content": "hi"}], "tools": "none", "max_tokens": 3},
+    {"id": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},  # the model has no template
+    {"id": "two", "prompt": "five", "max_tokens": 3, "n": 2, "seed": 3},
+    {"id": "ok", "prompt": "again", "max_tokens": 3},
+]
+
+
+def _verdicts(written: list) -> list:
+    return [(line["id"], line["error"]["code"] if "error" in line else None) for line in written]
+
+
+def test_a_native_line_gets_the_same_verdict_over_http_as_over_zeromq(daemon, tmp_path):
+    """cbatch's server takes what it does not know in an OpenAI request: a native line is
+    checked by the daemon's own parsing before it goes over --url."""
+    over_zeromq, expected = _submit(daemon, REFUSED_NATIVE_LINES, tmp_path, "--max-in-flight", "1", name="zeromq")
+    over_http, written = _submit(daemon, REFUSED_NATIVE_LINES, tmp_path, *_over_http(daemon, "--max-in-flight", "1"),
+                                 name="http")
+    assert over_zeromq.returncode == over_http.returncode == EXIT_FAILED
+    assert _verdicts(written) == _verdicts(expected) == [
+        ("ok", None), ("unknown", "invalid_request"), ("both", "invalid_request"), ("too-many", "invalid_request"),
+        ("bad-tools", "invalid_request"), ("chat", "invalid_request"), ("two", None), (8, "invalid_request")]
+    assert written == expected  # the same messages, and the same greedy texts
+
+
 def test_an_openai_batch_file_over_http(daemon, tmp_path):
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"q {i}", "max_tokens": 4, "temperature": 0, "logprobs": 1}}

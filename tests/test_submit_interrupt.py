@@ -43,7 +43,7 @@ def test_an_interrupted_run_keeps_its_lines_and_resume_finishes(start_daemon, ti
 
     resumed = subprocess.run([*command, "--resume"], env=daemon.env, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"{NUM_LINES - len(written)} lines, {NUM_LINES - len(written)} ok" in resumed.stderr
+    assert f"{NUM_LINES - len(written)} lines written, {NUM_LINES - len(written)} ok" in resumed.stderr
     ids = [json.loads(line)["id"] for line in output.read_text().splitlines()]
     assert ids == [f"q{i}" for i in range(NUM_LINES)]
 

@@ -40,7 +40,7 @@ def test_submit_reads_prompts_from_stdin(daemon, tmp_path):
     assert (first["id"], first["usage"]["completion_tokens"]) == ("a", 5)
     assert (second["id"], second["usage"]["completion_tokens"]) == (3, 3)  # its line number
     assert bad["error"]["code"] == "invalid_request" and "line 4" in bad["error"]["message"]
-    assert "3 lines, 2 ok, 1 failed" in run.stderr
+    assert "3 lines written, 2 ok, 1 failed" in run.stderr
 
 
 def test_submit_from_stdin_that_is_not_utf8_is_a_usage_error(daemon):

@@ -31,15 +31,17 @@ class BatchLine(Protocol):
 
 @dataclass
 class RunSummary:
-    num_written: int
+    num_written: int  # lines this run wrote, failed ones included
     num_failed: int
     num_tokens: int
     elapsed_s: float
+    num_skipped: int = 0  # input lines an earlier run had answered (--resume)
 
-    def line(self, noun: str) -> str:
+    def line(self, noun: str, is_resumed: bool = False) -> str:
         rate = self.num_tokens / max(self.elapsed_s, 1e-9)
-        return (f"cbatch-submit: {counted(self.num_written, noun)}, {self.num_written - self.num_failed} ok, "
-                f"{self.num_failed} failed; {counted(self.num_tokens, 'token')} in {self.elapsed_s:.1f} s "
+        skipped = f", {self.num_skipped} skipped as done by an earlier run" if is_resumed else ""
+        return (f"cbatch-submit: {counted(self.num_written, noun)} written, {self.num_written - self.num_failed} ok, "
+                f"{self.num_failed} failed{skipped}; {counted(self.num_tokens, 'token')} in {self.elapsed_s:.1f} s "
                 f"({rate:.1f} tok/s)")
 
 

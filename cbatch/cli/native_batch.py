@@ -1,11 +1,14 @@
 """cbatch's own batch files: one request per line, {"id", "prompt" or "messages",
 params...}; one result line per input line: {"id", "text", "finish_reason", "usage"}, or
 {"id", "usage", "choices": [...]} for a line with `n`, or {"id", "error"}. A line with
-`tools` gets "tool_calls" (OpenAI's shape) beside "text" when the model called."""
+`tools` gets "tool_calls" (OpenAI's shape) beside "text" when the model called. A line
+that is not a request of its own gets its line number as id, and `line` in its error."""
 
+from cbatch.cli.line_keys import line_error
 from cbatch.client.streams import Completion, completion_from_chunks
 from cbatch.errors import CbatchError
-from cbatch.params import BATCH, expand_choices
+from cbatch.params import BATCH, expand_choices, parse_request
+from cbatch.tools.chat import prepare_request
 
 
 def _answer(completion: Completion) -> dict:
@@ -14,21 +17,37 @@ def _answer(completion: Completion) -> dict:
     return {"text": completion.text, "finish_reason": completion.finish_reason, **calls}
 
 
-class NativeLine:
-    """One input line's choices as they complete (several with `n`)."""
+def check_body(body: dict) -> None:
+    """Refuse a request body as the daemon would: by its own parsing (cbatch.params), after
+    any tools are made part of the request as the ZeroMQ client makes them (with no model
+    template: the tools are checked, not rendered)."""
+    request = {name: value for name, value in body.items() if name != "id"}
+    parse_request(1, prepare_request(request, None)[0])
 
-    def __init__(self, number: int, item):
+
+class NativeLine:
+    """One input line's choices as they complete (several with `n`). `checks_bodies`: the
+    requests go where the daemon's checks do not reach them (over HTTP, where any other
+    server may ignore what it does not know), so they are checked here, and a line that
+    fails them has the verdict it has over ZeroMQ."""
+
+    def __init__(self, number: int, item, checks_bodies: bool = False):
         self.id = item.get("id") if isinstance(item, dict) else number
         self.has_n = isinstance(item, dict) and "n" in item
         self.bodies: list[dict] = []
         self.result: dict | None = None
         self._chunks: dict[int, list] = {}  # choice -> chunks so far
         self._ended: dict[int, Completion | CbatchError] = {}  # choice -> how it ended
+        if isinstance(item, CbatchError):
+            self.result = {"id": self.id, "error": line_error(item, number)}
+            return
         try:
-            if isinstance(item, CbatchError):
-                raise item
             # A batch file's lines yield to interactive requests unless a line says otherwise.
-            self.bodies = expand_choices({"priority": BATCH, **item})
+            bodies = expand_choices({"priority": BATCH, **item})
+            if checks_bodies:
+                for body in bodies:
+                    check_body(body)
+            self.bodies = bodies
         except CbatchError as err:
             self.result = {"id": self.id, "error": err.to_dict()}
 

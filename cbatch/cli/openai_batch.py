@@ -4,13 +4,15 @@ Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions",
 "/v1/completions" or "/v1/embeddings", "body"}. Output lines, in input order: {"id", "custom_id",
 "response": {"status_code", "request_id", "body"}, "error"}. A request that fails has
 the OpenAI error object as its response body and its HTTP status; a line that is not a
-request at all has `response: null` and `error: {"code", "message"}`. An embeddings line is
+request at all has `response: null` and `error: {"code", "message"}` (and `line`, its line
+number, when it has no custom_id of its own: line_keys). An embeddings line is
 embedded when it is read (its inputs in one request, batched by the daemon with whatever
 else waits), while the completions before it run on.
 """
 
 import uuid
 
+from cbatch.cli.line_keys import LINE_FIELD
 from cbatch.client.batch_retry import is_transient
 from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.params import BATCH
@@ -31,9 +33,11 @@ def is_openai_batch(numbered_items) -> bool:
     return False
 
 
-def _line_failure(custom_id, err: CbatchError) -> dict:
+def _line_failure(custom_id, err: CbatchError, number: int | None = None) -> dict:
+    """A line that is not a request; `number` for one known by its line number."""
+    line = {} if number is None else {LINE_FIELD: number}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
-            "error": {"code": err.code, "message": err.message}}
+            "error": {"code": err.code, "message": err.message, **line}}
 
 
 def _request_failure(custom_id, err: CbatchError) -> dict:
@@ -55,11 +59,12 @@ class OpenAILine:
         self.bodies: list[dict] = []
         self.whole: WholeResponse | None = None
         self.result: dict | None = None
+        if isinstance(item, CbatchError):  # not JSON, no custom_id of its own (line_keys)
+            self.result = _line_failure(None, item, number)
+            return
         try:
-            if isinstance(item, CbatchError):
-                raise item
-            if not isinstance(self.custom_id, str) or not isinstance(item.get("body"), dict):
-                raise CbatchError(INVALID_REQUEST, f"line {number} needs a string custom_id and an object body")
+            if not isinstance(item.get("body"), dict):
+                raise CbatchError(INVALID_REQUEST, f"line {number} needs an object body")
             kind = URL_KINDS.get(item.get("url"))
             if kind is None or item.get("method", "POST") != "POST":
                 raise CbatchError(INVALID_REQUEST, f"line {number}: url must be one of {sorted(URL_KINDS)} with POST")

@@ -1,6 +1,7 @@
 """`cbatch-submit --resume`: which lines of the input an earlier run already wrote.
 
-The output must end with each id once. A line whose result is a transient error (a
+The output must end with each input line answered once (line_keys: by its id, or its
+line number). A line whose result is a transient error (a
 draining, restarting or full daemon's, which an older cbatch-submit wrote as a result) is
 not done: it is removed from the output, which is rewritten without it, and runs again.
 """
@@ -9,13 +10,8 @@ import json
 import os
 import shutil
 
+from cbatch.cli.line_keys import result_key
 from cbatch.client.batch_retry import TRANSIENT_CODES
-
-
-def id_key(item) -> str:
-    """The JSON text of a line's id (ids may be any JSON value)."""
-    return json.dumps(item.get("custom_id", item.get("id")), sort_keys=True)
-
 
 def is_transient_result(result: dict) -> bool:
     """A native line's `error`, an OpenAI line's `error` or its failed response's error body,
@@ -26,16 +22,17 @@ def is_transient_result(result: dict) -> bool:
     return any(isinstance(error, dict) and error.get("code") in TRANSIENT_CODES for error in errors)
 
 
-def prepare_resume(output_path: str) -> set[str]:
-    """Ids of the lines an earlier run already wrote to `output_path`. A last line cut by
-    an interruption is removed, and so are transient errors' lines, so appending continues
-    the file cleanly and their ids run again."""
+def prepare_resume(output_path: str) -> tuple[set[str], int]:
+    """(the keys of the input lines an earlier run already answered in `output_path`, the
+    number of lines it then holds). A last line cut by an interruption is removed, and so
+    are transient errors' lines, so appending continues the file cleanly and their input
+    lines run again."""
     if not os.path.exists(output_path):
-        return set()
+        return set(), 0
     with open(output_path, "rb") as out:
         data = out.read()
     complete = data[:data.rfind(b"\n") + 1]
-    ids, kept_lines = set(), []
+    keys, kept_lines = set(), []
     lines = [line + b"\n" for line in complete.split(b"\n")[:-1]]
     for line in lines:
         try:
@@ -45,14 +42,14 @@ def prepare_resume(output_path: str) -> set[str]:
         if isinstance(result, dict):
             if is_transient_result(result):
                 continue
-            ids.add(id_key(result))
+            keys.add(result_key(result))
         kept_lines.append(line)
     if len(kept_lines) != len(lines):
         _replace(output_path, b"".join(kept_lines))
     elif len(complete) != len(data):
         with open(output_path, "rb+") as out:
             out.truncate(len(complete))
-    return ids
+    return keys, len(kept_lines)
 
 
 def _replace(output_path: str, data: bytes) -> None:

@@ -2,6 +2,7 @@
 through a daemon and write one result line per input line, in input order."""
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -12,13 +13,15 @@ import time
 
 from cbatch.cli.batch_run import BatchInterrupted, RunSummary, run_batch
 from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
+from cbatch.cli.line_keys import LineSelector, native_id, openai_id
 from cbatch.cli.native_batch import NativeLine
 from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
-from cbatch.cli.resume import id_key, prepare_resume
+from cbatch.cli.resume import prepare_resume
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
 from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
 from cbatch.client.http_batch import DEFAULT_REQUEST_TIMEOUT_S
 from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
+from cbatch.wording import counted
 
 PROG = "cbatch-submit"
 READY_POLL_S = 0.2  # while the daemon's model loads, before an OpenAI batch file's lines are read
@@ -32,7 +35,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help=f"requests outstanding at once (default {DEFAULT_MAX_IN_FLIGHT})")
     parser.add_argument("--no-shm", action="store_true", help="take tokens over ZeroMQ instead of shared memory")
     parser.add_argument("--resume", action="store_true",
-                        help="skip the lines whose ids the output already holds, append the rest (lines an older "
+                        help="skip the lines the output already answers, append the rest (lines an older "
                              "run wrote as a transient error are removed and run again)")
     parser.add_argument("--retry-for", type=float, default=DEFAULT_RETRY_FOR_S, metavar="SECONDS",
                         help="hold and send again the lines a draining, restarting, full or unreachable daemon "
@@ -88,20 +91,22 @@ def open_input(path: str):
         exit_with(PROG, f"{path} is not UTF-8 text (byte {err.start})", EXIT_USAGE)
 
 
-def open_output(path: str | None, resume: bool):
-    """(ids already written, the output stream); exits EXIT_USAGE if unwritable."""
+def open_output(path: str | None, resume: bool) -> tuple[set[str], int, object]:
+    """(the keys of the input lines already answered, the number of lines the output then
+    holds, the output stream); exits EXIT_USAGE if unwritable."""
     if not path:
-        return set(), sys.stdout
+        return set(), 0, sys.stdout
     try:
-        done_ids = prepare_resume(path) if resume else set()
-        return done_ids, open(path, "a" if resume else "w", encoding="utf-8")
+        done_keys, num_kept_lines = prepare_resume(path) if resume else (set(), 0)
+        return done_keys, num_kept_lines, open(path, "a" if resume else "w", encoding="utf-8")
     except OSError as err:
         exit_with(PROG, f"cannot write {path}: {err.strerror}", EXIT_USAGE)
 
 
-def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, out,
+def run_file(client, numbered_items, done_keys: set[str], num_lines: int | None, out,
              max_in_flight: int, retry_for_s: float) -> tuple[RunSummary, str]:
-    """Tell the kind of file by its first JSON object, skip lines already done, run the rest.
+    """Tell the kind of file by its first JSON object, skip lines already done (the
+    summary counts them), refuse a line that repeats an earlier one's id, run the rest.
     The requests a daemon refuses for a moment are held and sent again for up to
     retry_for_s with nothing answered: over HTTP by the client itself, over ZeroMQ by the
     batch (and the embeddings lines' calls) with one patience."""
@@ -110,9 +115,10 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
         first.append(numbered_item)
         if isinstance(numbered_item[1], dict):
             break
-    items = ((n, item) for n, item in itertools.chain(first, numbered_items)
-             if not (isinstance(item, dict) and id_key(item) in done_ids))
-    num_left = None if num_lines is None else num_lines - len(done_ids)
+    is_openai = is_openai_batch(first)
+    selector = LineSelector(done_keys, openai_id if is_openai else native_id)
+    items = selector.select(itertools.chain(first, numbered_items))
+    num_left = None if num_lines is None else max(num_lines - len(done_keys), 0)
     is_http = hasattr(client, "model_names")
     if is_http:
         stream_batch, embed = client.stream_batch, client.embeddings
@@ -120,7 +126,7 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
         patience = Patience(retry_for_s)
         stream_batch = functools.partial(client.stream_batch, patience=patience)
         embed = functools.partial(_held_embeddings, client, patience)
-    if is_openai_batch(first):  # `model` follows the HTTP API's rule: a name the daemon serves
+    if is_openai:  # `model` follows the HTTP API's rule: a name the daemon serves
         # An HTTP endpoint's names (and a cbatch one's thinking tags) are in its /v1/models
         # listing, and it takes tools itself; a daemon's are in its health reply, and tools
         # are rendered here with its chat template, as its HTTP server does.
@@ -133,9 +139,10 @@ def run_file(client, numbered_items, done_ids: set[str], num_lines: int | None, 
                                       chat_template=None if is_http else client.chat_template, reasoning=reasoning,
                                       forwards_tools=is_http)
         noun = "OpenAI batch line"
-    else:
-        make_line, noun = NativeLine, "line"
-    return run_batch(stream_batch, items, make_line, out, max_in_flight, num_left), noun
+    else:  # over HTTP a line is checked here as the daemon would: a server may ignore what it does not know
+        make_line, noun = functools.partial(NativeLine, checks_bodies=is_http), "line"
+    summary = run_batch(stream_batch, items, make_line, out, max_in_flight, num_left)
+    return dataclasses.replace(summary, num_skipped=selector.num_skipped), noun
 
 
 def _held_embeddings(client, patience: Patience, inputs, dimensions=None):
@@ -156,8 +163,9 @@ def _ready_health(client) -> dict:
     return health
 
 
-def interrupted_line(summary: RunSummary, num_done_before: int, num_lines: int | None, output: str | None) -> str:
-    num_written = num_done_before + summary.num_written
+def interrupted_line(summary: RunSummary, num_kept_lines: int, num_lines: int | None, output: str | None) -> str:
+    """What the output holds: the lines an earlier run left, and this run's."""
+    num_written = num_kept_lines + summary.num_written
     of_total = "" if num_lines is None else f" of {num_lines}"
     where = f" to {output}; rerun with --resume" if output else ""
     return f"interrupted: {num_written}{of_total} lines written{where}"
@@ -225,17 +233,17 @@ def main(argv=None) -> None:
     except CbatchError as err:
         exit_on_error(PROG, err)
     try:
-        done_ids, out = open_output(args.output, args.resume)
+        done_keys, num_kept_lines, out = open_output(args.output, args.resume)
     except BaseException:
         client.close()
         raise
     try:
-        summary, noun = run_file(client, read_items(lines), done_ids, num_lines, out, args.max_in_flight,
+        summary, noun = run_file(client, read_items(lines), done_keys, num_lines, out, args.max_in_flight,
                                  args.retry_for)
     except CbatchError as err:
         exit_on_error(PROG, err)
     except BatchInterrupted as interrupted:
-        line = interrupted_line(interrupted.summary, len(done_ids), num_lines, args.output)
+        line = interrupted_line(interrupted.summary, num_kept_lines, num_lines, args.output)
         if interrupted.reason is None:
             exit_with(PROG, line, EXIT_INTERRUPTED)
         exit_with(PROG, f"{line} (nothing answered for {args.retry_for:g} s, --retry-for: "
@@ -248,5 +256,8 @@ def main(argv=None) -> None:
         client.close()
         if out is not sys.stdout:
             out.close()
-    print(summary.line(noun), file=sys.stderr)
+    print(summary.line(noun, is_resumed=args.resume), file=sys.stderr)
+    if args.resume and num_kept_lines > summary.num_skipped:  # the output was another input's, or edited
+        print(f"{PROG}: {args.output} also holds {counted(num_kept_lines - summary.num_skipped, 'line')} "
+              "of an earlier run answering no line of this input", file=sys.stderr)
     sys.exit(EXIT_FAILED if summary.num_failed else EXIT_OK)
