@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from cbatch.errors import CbatchError
+from cbatch.errors import EXIT_UNREACHABLE, CbatchError
 from cbatch.protocol import MsgType
 from cbatch.workers.daemon.backlog import MAX_STALL_S
 from common import GREEDY
@@ -80,22 +80,23 @@ def test_sigterm_drains_cancels_after_grace_and_refuses_new_work(tiny_model_path
         stream = client.stream(prompt="x", max_tokens=16000, **GREEDY)
         next(stream)
         d.process.send_signal(signal.SIGTERM)
-        wait_until(lambda: latecomer.health()["status"] == "draining", timeout_s=5.0)
+        wait_until(lambda: latecomer.health()["status"] == "draining", timeout_s=60.0)  # generous: a busy machine
         with pytest.raises(CbatchError) as err:
             latecomer.generate(prompt="late", max_tokens=3)
         assert err.value.code == "shutting_down"
         rest = list(stream)
     assert rest[-1].finish_reason == "cancelled" and 0 < rest[-1].usage["completion_tokens"] < 16000
     assert d.stop() == 0
-    wait_until(lambda: not pid_alive(worker_pid), 5)
+    wait_until(lambda: not pid_alive(worker_pid), 60)
     assert not os.path.exists(f"/dev/shm/{ring_name}")
     assert d.leftovers() == []
 
 
 def test_sigterm_under_load_keeps_every_finished_result_and_ends_the_rest_per_item(tiny_model_path, start_daemon,
                                                                                   tmp_path):
-    """A batch in flight when the daemon drains: what finished reaches the caller, the rest
-    end with an error each, and cbatch-submit writes a line for every input line."""
+    """A batch in flight when the daemon drains: what finished reaches the caller and the rest
+    end with an error each; cbatch-submit writes what finished and holds the rest (a drain's
+    refusal is not a result) until its --retry-for is spent, then says how to resume."""
     import json
     import threading
 
@@ -103,7 +104,8 @@ def test_sigterm_under_load_keeps_every_finished_result_and_ends_the_rest_per_it
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "max_tokens": 60, **GREEDY}) + "\n" for i in range(300)))
     submit = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(tmp_path / "out.jsonl"),
-                               "--max-in-flight", "8"], env=d.env, stderr=subprocess.PIPE, text=True)
+                               "--max-in-flight", "8", "--retry-for", "5"], env=d.env, stderr=subprocess.PIPE,
+                              text=True)
     outcome = {}
 
     def run_batch():
@@ -122,7 +124,8 @@ def test_sigterm_under_load_keeps_every_finished_result_and_ends_the_rest_per_it
     d.process.send_signal(signal.SIGTERM)
     batch.join(timeout=40)
     assert not batch.is_alive(), "generate_batch did not return after the daemon left"
-    assert submit.wait(timeout=40) == 1  # some lines failed: those that never ran
+    assert submit.wait(timeout=120) == EXIT_UNREACHABLE  # no daemon came back within --retry-for
+    assert "--resume" in submit.stderr.read()
     assert d.stop() == 0
     results = outcome["results"]
     completed = [r for r in results if not isinstance(r, CbatchError)]
@@ -131,8 +134,8 @@ def test_sigterm_under_load_keeps_every_finished_result_and_ends_the_rest_per_it
     assert completed and all(c.usage["completion_tokens"] == 60 for c in completed)
     assert codes and codes <= {"shutting_down", "unavailable"}
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [line["id"] for line in lines] == list(range(1, 301))
-    assert any("text" in line for line in lines) and any("error" in line for line in lines)
+    assert 2 <= len(lines) < 300 and [line["id"] for line in lines] == list(range(1, len(lines) + 1))
+    assert all("text" in line for line in lines)  # no line written as an error: --resume runs the rest
 
 
 def test_sigint_lets_short_requests_finish(tiny_model_path, start_daemon):
@@ -311,14 +314,16 @@ def test_a_client_that_reads_late_loses_nothing_and_no_request_is_cancelled(tiny
     and nothing was cancelled (a client that multiplexes callers, like the HTTP server,
     must not lose all of them for a moment's delay)."""
     d = start_daemon(tiny_model_path, "--parallel", "4", "--ctx-size", str(4 * 2048))
-    num_tokens = 600  # done well inside the 10 s after which a client that takes nothing is cut off
+    # 1600 records, past the queues, and done well inside the 10 s after which a client that
+    # takes nothing is cut off, on a busy machine too
+    num_tokens = 400
     with RawPeer(d.endpoint) as peer, d.client(use_ring=False) as watcher:
         peer.sock.setsockopt(zmq.RCVHWM, 10)
         request_ids = [9000 + i for i in range(4)]
         for request_id in request_ids:
             peer.send(MsgType.SUBMIT, {"request_id": request_id,
                                        "body": {"prompt": f"late {request_id}", "max_tokens": num_tokens, **GREEDY}})
-        # Not reading until every request has finished: 4 x 600 records, against queues of
+        # Not reading until every request has finished: 4 x 400 records, against queues of
         # about 1000 messages.
         wait_until(lambda: watcher.stats()["num_requests_by_outcome"].get("length", 0) >= 4, timeout_s=60.0)
         records: dict[int, list] = {request_id: [] for request_id in request_ids}
