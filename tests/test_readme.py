@@ -169,3 +169,11 @@ def test_examples_run_as_printed(scratch_dir, name):
         exit_codes = scratch.stop_daemons()
     assert not runnable or scratch.daemons, f"{name} runs examples but starts no daemon for them"
     assert exit_codes == [0] * len(exit_codes)
+
+
+def test_ci_runs_the_readme_test_command():
+    """What CI runs is what a reader of the README runs."""
+    readme_command = next(block.code for block in doc_blocks("README.md") if "pytest" in block.code).strip()
+    ci_lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+                if line and not line.startswith(("#", "set ", "cd "))]
+    assert " && ".join(ci_lines) == readme_command
