@@ -61,6 +61,7 @@ def test_the_recipe_runs_as_printed(tmp_path):
         assert results[-1]["error"]["code"] == "invalid_request"
         refused = httpx.post(f"{router_url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)  # no key
         assert refused.status_code == 401
+        assert not scratch.unignored_files(), "the recipe leaves files .gitignore does not cover"
     finally:
         codes = scratch.stop_daemons()
     assert codes == [0, 0, 0]
