@@ -38,6 +38,7 @@ ENDPOINT_FLAG = re.compile(r"--endpoint ipc://(\S+)")  # a path relative to wher
 DAEMON_READY_TIMEOUT_S = 300.0  # generous: the examples run on the default model, on a machine that may be busy
 COMMAND_TIMEOUT_S = 300.0  # a pasted command includes the model load of a daemon started beside it
 STOP_TIMEOUT_S = 30.0
+DEMO_TIMEOUT_S = 600.0  # a model load and a few hundred tokens, on a machine that may be busy
 
 
 DOC_FILES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
@@ -84,7 +85,7 @@ class Scratch:
         self.path = path
         (path / ".venv").symlink_to(Path(sys.executable).parent.parent)
         (path / "scripts").symlink_to(REPO / "scripts")
-        runtime = path / "run"
+        runtime = self.runtime = path / "run"
         runtime.mkdir(mode=0o700)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CBATCH_")}
         self.env["XDG_RUNTIME_DIR"] = str(runtime)
@@ -100,7 +101,7 @@ class Scratch:
         go on at once, as a pasted block does."""
         endpoint = ENDPOINT_FLAG.search(command)
         endpoint = self.endpoint if endpoint is None else f"ipc://{self.path / endpoint.group(1)}"
-        log = open(self.path / f"daemon-{len(self.daemons)}.log", "w")
+        log = open(self.runtime / f"daemon-{len(self.daemons)}.log", "w")  # not among what the examples write
         process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.path, env=self.env,
                                    stdout=log, stderr=subprocess.STDOUT)
         self.daemons.append(process)
@@ -117,6 +118,17 @@ class Scratch:
                 pass  # not listening yet
             time.sleep(0.2)
         raise AssertionError(f"{command!r} did not become ready")
+
+    def unignored_files(self) -> list[str]:
+        """What the examples wrote where they ran that the repository's .gitignore lets
+        through: run in a checkout, as printed, it would show in `git status`."""
+        written = sorted(p.name for p in self.path.iterdir() if p.name not in (".venv", "scripts", "run"))
+        if not written:
+            return []
+        check = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True,
+                               text=True, timeout=COMMAND_TIMEOUT_S)
+        assert check.returncode in (0, 1), check.stderr  # 1: none of them is ignored
+        return sorted(set(written) - set(check.stdout.split()))
 
     def stop_daemons(self) -> list[int]:
         codes = []
@@ -165,7 +177,37 @@ def test_examples_run_as_printed(scratch_dir, name):
     try:
         for block in runnable:
             run_block(scratch, block)
+        assert not scratch.unignored_files(), f"{name}'s examples leave files .gitignore does not cover"
     finally:
         exit_codes = scratch.stop_daemons()
     assert not runnable or scratch.daemons, f"{name} runs examples but starts no daemon for them"
     assert exit_codes == [0] * len(exit_codes)
+
+
+def test_ci_runs_the_readme_test_command():
+    """What CI runs is what a reader of the README runs."""
+    readme_command = next(block.code for block in doc_blocks("README.md") if "pytest" in block.code).strip()
+    ci_lines = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+                if line and not line.startswith(("#", "set ", "cd "))]
+    assert " && ".join(ci_lines) == readme_command
+
+
+def test_the_demo_answers_and_leaves_nothing_behind():
+    """`./scripts/demo.sh`, the README's first command after the set-up: SmolLM2 answers,
+    the bad line gets its error, and the repository is left as it was."""
+    if Path(sys.prefix) != REPO / ".venv":
+        pytest.skip("the demo runs the repository's .venv (it would run scripts/setup.sh to make one)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CBATCH_")}
+    before = _git_status()
+    demo = subprocess.run(["./scripts/demo.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=DEMO_TIMEOUT_S)
+    assert demo.returncode == 0, demo.stderr
+    first_answer = demo.stdout.splitlines()[:2]
+    assert first_answer[0].startswith("[capital] (stop, ") and "Paris" in first_answer[1], demo.stdout
+    assert "[bad] error invalid_request: top_p" in demo.stdout, demo.stdout
+    assert _git_status() == before
+
+
+def _git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout

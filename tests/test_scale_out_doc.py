@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -18,12 +17,11 @@ from common import free_port
 from conftest import REPO
 from daemonkit import child_pids, pid_alive
 from cbatch.errors import EXIT_FAILED
-from test_readme import Scratch  # noqa: F401  (a class, not a test: nothing is collected twice)
+from test_readme import BACKGROUND, Scratch  # noqa: F401  (not tests: nothing is collected twice)
 
 DOC = "docs/scale-out.md"
 DOC_PORTS = ("8000", "8001", "8002", "8003")
 RUN_HERE = re.compile(r"<!-- readme-test: skip: [^>]*tests/test_scale_out_doc\.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
-ROUTER_READY_TIMEOUT_S = 120.0
 
 
 def _examples() -> list[tuple[str, str]]:
@@ -34,23 +32,6 @@ def _with_free_ports(code: str, ports: dict[str, str]) -> str:
     return re.sub(r"\b(800[0-3])\b", lambda match: ports[match.group(1)], code)
 
 
-def _start_router(scratch: Scratch, command: str, url: str) -> None:
-    log = open(scratch.path / "smg.log", "w")
-    process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=scratch.path, env=scratch.env, stdout=log,
-                               stderr=subprocess.STDOUT)
-    scratch.daemons.append(process)  # stopped (SIGTERM, exit 0 expected) with the daemons
-    deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, (scratch.path / "smg.log").read_text()
-        try:
-            if httpx.get(f"{url}/readiness", timeout=2).json().get("healthy_workers") == 2:
-                return
-        except (httpx.HTTPError, ValueError):
-            pass  # not listening yet
-        time.sleep(0.2)
-    raise AssertionError(f"the router did not take both daemons: {(scratch.path / 'smg.log').read_text()}")
-
-
 def test_the_recipe_runs_as_printed(tmp_path):
     examples = _examples()
     assert [language for language, _ in examples] == ["sh", "python", "sh", "sh", "sh"]
@@ -59,13 +40,15 @@ def test_the_recipe_runs_as_printed(tmp_path):
     recipe, client, submit = (_with_free_ports(code, ports) for _, code in examples[:3])
     scratch = Scratch(tmp_path)
     try:
+        # As pasted: a background line goes on at once, and only the recipe's own lines
+        # (curl until /health, then /readiness, answers) wait; the client runs right after.
         for line in recipe.strip().splitlines():
-            if not line.endswith("&"):
-                assert scratch.run(["bash", "-c", line]).returncode == 0, line
-            elif "smg launch" in line:
-                _start_router(scratch, line[:-1], router_url)
+            background = BACKGROUND.match(line)
+            if background:
+                scratch.start_daemon(background.group(1).strip(), is_waited=False)
             else:
-                scratch.start_daemon(line[:-1].strip())
+                waited = scratch.run(["bash", "-c", line])
+                assert waited.returncode == 0, f"{line!r} exited {waited.returncode}: {waited.stderr}"
         printed = scratch.run([sys.executable, "-c", client])
         assert printed.returncode == 0 and "100" in printed.stdout, printed.stderr
 
@@ -78,6 +61,7 @@ def test_the_recipe_runs_as_printed(tmp_path):
         assert results[-1]["error"]["code"] == "invalid_request"
         refused = httpx.post(f"{router_url}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)  # no key
         assert refused.status_code == 401
+        assert not scratch.unignored_files(), "the recipe leaves files .gitignore does not cover"
     finally:
         codes = scratch.stop_daemons()
     assert codes == [0, 0, 0]
