@@ -18,6 +18,7 @@ from cbatch.tools import ChatTemplate, template_of
 CONNECT_TIMEOUT_S = 10.0
 STARTING_DAEMON_WAIT_S = 120.0  # for a starting daemon's socket: its imports on a busy machine
 STARTING_POLL_S = 0.05
+NO_LOCK_GRACE_S = 1.0  # for the lock of a daemon whose process started beside this client's
 log = logging.getLogger("cbatch.client")
 
 
@@ -51,15 +52,19 @@ def check_endpoint(endpoint: str) -> None:
     timeout, unless a daemon is starting there (say, started in the same breath as this
     client), which is waited for with a line saying so."""
     path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
-    if path is None or os.path.exists(path):
+    if path is None:
         return
-    if _is_daemon_starting(path):
-        log.warning("cbatch: waiting for the daemon starting at %s", endpoint)
-        deadline = time.monotonic() + STARTING_DAEMON_WAIT_S
-        while not os.path.exists(path) and _is_daemon_starting(path) and time.monotonic() < deadline:
-            time.sleep(STARTING_POLL_S)
-    if not os.path.exists(path):
-        raise unreachable(endpoint)
+    started_s = time.monotonic()
+    is_said = False
+    while not os.path.exists(path):
+        is_starting = _is_daemon_starting(path)
+        if is_starting and not is_said:
+            log.warning("cbatch: waiting for the daemon starting at %s", endpoint)
+            is_said = True
+        # A daemon started in the same breath may not even have taken its lock yet.
+        if time.monotonic() - started_s > (STARTING_DAEMON_WAIT_S if is_starting else NO_LOCK_GRACE_S):
+            raise unreachable(endpoint)
+        time.sleep(STARTING_POLL_S)
 
 
 def _request_body(prompt, messages, params) -> dict:
