@@ -103,8 +103,11 @@ def test_status_shows_each_running_request_from_the_engine(tiny_model_path, star
     assert slots and {s["state"] for s in slots} == {"decode"} and all(s["age_s"] > 0 for s in slots)
     assert table.returncode == 0, table.stderr
     assert ": ok, model" in table.stdout and "worker pid" in table.stdout
-    rows = {line.split()[1]: line.split() for line in table.stdout.splitlines()[5:]}
-    assert table.stdout.splitlines()[4].split() == ["slot", "request", "state", "prompt", "tokens", "age"]
+    lines = table.stdout.splitlines()
+    # The table's header: after a `slow steps` line too, which a busy machine may bring.
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["slot", "request"])
+    rows = {line.split()[1]: line.split() for line in lines[header + 1:]}
+    assert lines[header].split() == ["slot", "request", "state", "prompt", "tokens", "age"]
     assert {str(i) for i in ids} <= set(rows)
     assert all(rows[str(i)][2] in ("prefill", "decode") for i in ids)
     assert raw["health"]["status"] == "ok" and {s["request_id"] for s in raw["stats"]["slots"]} >= ids
