@@ -241,7 +241,7 @@ def test_cbatch_submit_through_the_router_resumes_after_an_interrupt(cluster, tm
 
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"{num_lines - written} lines, {num_lines - written} ok" in resumed.stderr
+    assert f"{num_lines - written} lines written, {num_lines - written} ok" in resumed.stderr
     lines = [json.loads(line) for line in output.read_text().splitlines()]
     assert [line["id"] for line in lines] == [f"q{i}" for i in range(num_lines)]
     assert all(line["usage"]["completion_tokens"] == 60 for line in lines)
