@@ -1,5 +1,6 @@
-"""What many tests share: request parameters and a free port."""
+"""What many tests share: request parameters, a free port, and children that take Ctrl-C."""
 
+import signal
 import socket
 
 # Greedy and never ending early: a request's token count is exactly its max_tokens.
@@ -10,3 +11,10 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def default_sigint() -> None:
+    """preexec_fn of a child a test interrupts with SIGINT: a test run started in the
+    background has SIGINT ignored (as a shell does for `cmd &`), which a child inherits and
+    Python then keeps, so the interrupt would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from common import GREEDY
+from common import GREEDY, default_sigint
 from daemonkit import SCRIPTS_DIR, pid_alive, wait_until
 from routerkit import API_KEY, HOSTS_KIND, Host, Router
 from cbatch.errors import EXIT_INTERRUPTED
@@ -224,14 +224,14 @@ def test_a_rolling_restart_loses_no_request(cluster):
 
 
 def test_cbatch_submit_through_the_router_resumes_after_an_interrupt(cluster, tmp_path):
-    num_lines = 30
+    num_lines = 200  # seconds of work on the tiny model: still running when interrupted, on a quiet machine too
     prompts, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"item {i}", "max_tokens": 60, **GREEDY}) + "\n"
                                for i in range(num_lines)))
     (tmp_path / "key").write_text(API_KEY + "\n")
     command = [str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output), "--max-in-flight", "4",
                "--url", f"{cluster.router.base_url}/v1", "--api-key-file", str(tmp_path / "key")]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     wait_until(lambda: output.exists() and output.read_text().count("\n") >= 3, timeout_s=60, poll_s=0.02)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from common import free_port
+from common import default_sigint, free_port
 from conftest import REPO
 from daemonkit import child_pids, pid_alive
 from cbatch.errors import EXIT_FAILED
@@ -75,7 +75,8 @@ def test_the_launcher_starts_and_stops_everything(tmp_path, tiny_model_path):
     # (the test may run where fewer CPUs are allowed)
     command = [part for part in command if part != "--pin"] + ["--model", tiny_model_path]
     process = subprocess.Popen([sys.executable if part == ".venv/bin/python" else part for part in command],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=default_sigint)
     try:
         ready = process.stdout.readline()
         assert ready.startswith(f"router at http://127.0.0.1:{port}/v1 in front of 2 daemons"), ready

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from common import default_sigint
 from daemonkit import SCRIPTS_DIR
 from cbatch.errors import EXIT_INTERRUPTED
 
@@ -26,7 +27,7 @@ def test_an_interrupted_run_keeps_its_lines_and_resume_finishes(start_daemon, ti
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "go", "max_tokens": 200, "ignore_eos": True})
                                + "\n" for i in range(NUM_LINES)))
     command = [str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output), "--max-in-flight", "2"]
-    process = subprocess.Popen(command, env=daemon.env, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=daemon.env, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline and (not output.exists() or output.read_text().count("\n") < 3):
         time.sleep(0.02)  # native results are written (and flushed) as their turn comes
