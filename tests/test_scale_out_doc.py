@@ -4,7 +4,9 @@ launcher, and the benchmark on a small configuration. Free ports stand in for
 8000-8003 (fixed ports may be taken on a shared machine); the rest runs unchanged, in a
 scratch directory as the README test runs every other file's examples."""
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -88,8 +90,10 @@ def test_the_launcher_starts_and_stops_everything(tmp_path, tiny_model_path):
         process.send_signal(signal.SIGINT)
         out, _ = process.communicate(timeout=120)
     finally:
-        if process.poll() is None:
-            process.kill()
+        if process.poll() is None:  # a failed stop: its daemons and router must not outlive the test
+            for pid in [*child_pids(process.pid), process.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             process.wait()
     assert process.returncode == 0, out
     assert "stopped: router and 2 daemons (exit codes [0, 0])" in out
