@@ -43,6 +43,8 @@ MAX_STARTUP_FAILURES = 3  # consecutive worker deaths before READY, then the dae
 RESTART_BACKOFF_S = 1.0  # doubled after each consecutive start-up failure
 CANCEL_GRACE_S = 5.0  # after cancelling at the end of a drain, wait this long for the finishes
 STOP_TIMEOUT_S = 10.0
+# What a process dies of when its own code fails (an abort, a bad access), as opposed to a kill.
+CRASH_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 
 
 class DaemonState(enum.Enum):
@@ -195,9 +197,13 @@ class Supervisor:
         self._start_until_ready()
 
     def _quarantine_culprits(self) -> None:
-        """The request the dead worker was inside llama.cpp for alone (ring.mark_*) crashed it:
-        it fails with the quarantine's refusal, and its shape is refused from now on."""
-        for request_id in self.ring.take_crash_marks():
+        """The request the worker was inside llama.cpp for alone (ring.mark_*) when it crashed
+        caused it: it fails with the quarantine's refusal, and its shape is refused from now
+        on. A worker killed (SIGKILL, the watchdog's too, or SIGTERM) crashed on nothing."""
+        marked_ids = self.ring.take_crash_marks()
+        if -(self.worker.exitcode or 0) not in CRASH_SIGNALS:
+            return
+        for request_id in marked_ids:
             tracked = self.frontend.requests.active.get(request_id)
             if tracked is not None:
                 log.error("decode worker crashed inside request %d; its shape is quarantined", request_id)
