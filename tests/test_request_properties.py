@@ -83,8 +83,13 @@ def watch(daemon):
     pid = daemon.new_decode_worker_pid()
     bystander = Bystander(daemon)
     yield pid
-    assert bystander.finished(timeout_s=300) == "length"
-    assert daemon.new_decode_worker_pid() == pid
+    assert bystander.finished(timeout_s=300) == "length", worker_log(daemon)
+    assert daemon.new_decode_worker_pid() == pid, worker_log(daemon)
+
+
+def worker_log(daemon) -> str:
+    """The tail of the daemon's log (where a dead worker's traceback is), for an assertion's message."""
+    return daemon.log()[-6000:]
 
 
 PROPERTY_SETTINGS = settings(max_examples=NUM_EXAMPLES, deadline=None, derandomize=True,
@@ -98,8 +103,8 @@ def test_any_native_request_succeeds_or_is_refused(daemon, watch, body):
         try:
             client.generate(**body)
         except CbatchError as err:
-            assert err.code in REQUEST_CODES, err
-    assert daemon.new_decode_worker_pid() == watch
+            assert err.code in REQUEST_CODES, (err, worker_log(daemon))
+    assert daemon.new_decode_worker_pid() == watch, worker_log(daemon)
 
 
 @PROPERTY_SETTINGS
@@ -113,5 +118,5 @@ def test_any_http_request_succeeds_or_is_refused(daemon, watch, drawn):
     answer = httpx.post(daemon.base_url + path, json=body, timeout=120)  # no model: the served one
     if answer.status_code != 200:
         assert 400 <= answer.status_code < 500, answer.text
-        assert answer.json()["error"]["code"] in REQUEST_CODES, answer.text
-    assert daemon.new_decode_worker_pid() == watch
+        assert answer.json()["error"]["code"] in REQUEST_CODES, (answer.text, worker_log(daemon))
+    assert daemon.new_decode_worker_pid() == watch, worker_log(daemon)

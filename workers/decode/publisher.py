@@ -2,6 +2,7 @@
 and (now and then) the engine's stats to the front-end."""
 
 import time
+from operator import attrgetter
 
 import zmq
 
@@ -13,6 +14,30 @@ from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
 
 STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers with
+_REQUEST_ID = attrgetter("request_id")
+
+
+def one_event_per_request(events: list[TokenEvent]) -> list[TokenEvent]:
+    """A step may make two events for one request (a fork samples its first token from the
+    last decode's row, then its deadline passes in the same step): they become one, in
+    order, because each event's records are numbered from the request's next index before
+    any is framed. A finishing event is a request's last, so its finish, usage and error
+    are the merged event's."""
+    if len(set(map(_REQUEST_ID, events))) == len(events):
+        return events
+    merged: dict[int, TokenEvent] = {}
+    for event in events:
+        first = merged.setdefault(event.request_id, event)
+        if first is event:
+            continue
+        first.token_ids = first.token_ids + event.token_ids
+        first.text += event.text
+        if first.logprobs is not None or event.logprobs is not None:
+            first.logprobs = (first.logprobs or []) + (event.logprobs or [])
+        if event.finish_reason:
+            first.finish_reason, first.usage = event.finish_reason, event.usage
+            first.error, first.error_code = event.error, event.error_code
+    return list(merged.values())
 
 
 class EventPublisher:
@@ -32,6 +57,7 @@ class EventPublisher:
             else:
                 self._writer.heartbeat()
             return
+        events = one_event_per_request(events)
         next_index = self._next_index
         for event in events:
             event.index = next_index.get(event.request_id, 0)
