@@ -1,13 +1,15 @@
 """The decode worker's publisher numbers each step's records per request, into a real ring."""
 
+import os
 from types import SimpleNamespace
+
+import pytest
 
 import zmq
 
 from cbatch.ipc.records import FINISH_LENGTH, FINISH_TIMEOUT, FLAG_LAST, TokenEvent
-from cbatch.ipc.ring import RingReader
+from cbatch.ipc.ring import RingReader, create_ring
 from cbatch.workers.decode.publisher import EventPublisher
-from test_ring import rings  # noqa: F401 (the fixture)
 
 
 class SentEvents:
@@ -20,10 +22,17 @@ class SentEvents:
         self.messages.append(message)
 
 
-def test_two_events_of_one_request_in_a_step_are_numbered_as_one_stream(rings):  # noqa: F811
+@pytest.fixture
+def ring():
+    created = create_ring(f"cbpub_test_{os.getpid()}", 64)
+    yield created
+    created.close()
+    created.unlink()
+
+
+def test_two_events_of_one_request_in_a_step_are_numbered_as_one_stream(ring):
     # A fork samples its first token from the last decode's row, then its deadline passes
     # in the same step: the engine makes a token event and a finish event for one request.
-    ring = rings.create(capacity=64)
     reader = RingReader(ring)
     for request_id in (7, 8):
         reader.watch(request_id)
