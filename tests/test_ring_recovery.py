@@ -2,7 +2,13 @@
 fetches the records it missed from the front-end (the stats count those FETCHes), and a
 finished request's records stay fetchable for --retention seconds, then are gone."""
 
+import contextlib
+import json
+import os
 import secrets
+import signal
+import subprocess
+import sys
 import time
 
 from cbatch.protocol import MsgType
@@ -15,32 +21,72 @@ RING_RECORDS = 8
 SOLO_ARGS = ("--parallel", "1", "--ctx-size", "4096", "--batch-size", "64", "--no-prefix-cache")
 
 
+# A ring reader in its own process: it submits, says so, and reads only once told to
+# (while it waits for that, the test stops the whole process, its ring-reading thread
+# included, so that the ring laps it); then it prints what it read as JSON.
+READER_SCRIPT = """
+import json, sys
+from cbatch import Client
+endpoint, bodies = sys.argv[1], json.loads(sys.argv[2])
+with Client(endpoint) as client:
+    assert client.info["use_ring"]
+    got = []
+    for batch in bodies:
+        streams = [client.submit(**body) for body in batch]
+        print("submitted", flush=True)
+        sys.stdin.readline()
+        for stream in streams:
+            chunks = list(client.read(stream))
+            got.append([sum((c.token_ids for c in chunks), []), "".join(c.text for c in chunks),
+                        chunks[-1].finish_reason, chunks[-1].usage])
+print(json.dumps(got), flush=True)
+"""
+
+
 def test_a_reader_the_ring_lapped_gets_every_token_once(tiny_model_path, start_daemon):
     d = start_daemon(tiny_model_path, *SOLO_ARGS, "--ring-capacity", str(RING_RECORDS))
     running, *finished = [{"prompt": f"lapped {i}", "max_tokens": n, **GREEDY} for i, n in enumerate((2000, 150, 150))]
-    with d.client(use_ring=False) as watcher, d.client() as reader:
-        assert reader.info["use_ring"]
+    with d.client(use_ring=False) as watcher:
         want = [watcher.generate(**body) for body in (running, *finished)]
         wait_until(lambda: watcher.stats()["num_active"] == 0, timeout_s=5.0)  # the idle worker's last figures
         before = watcher.stats()
-
-        # Lapped mid-stream: the first read comes after four laps, while the request still runs.
-        stream = reader.submit(**running)
-        wait_until(lambda: watcher.stats()["num_steps"] >= before["num_steps"] + 4 * RING_RECORDS, timeout_s=10.0)
-        assert watcher.stats()["num_in_flight"] == 1, "finished before the reader was lapped: raise max_tokens"
-        got = [list(reader.read(stream))]
-
-        # Lapped for good: read only once both have finished.
-        streams = [reader.submit(**body) for body in finished]
-        wait_until(lambda: watcher.stats()["num_in_flight"] == 0, timeout_s=30.0)
-        got += [list(reader.read(s)) for s in streams]
+        reader = subprocess.Popen([sys.executable, "-c", READER_SCRIPT, d.endpoint, json.dumps([[running], finished])],
+                                  env=d.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            # Lapped mid-stream: the reader runs again after four laps, while the request still runs.
+            assert reader.stdout.readline() == "submitted\n"
+            with stopped(reader):
+                wait_until(lambda: watcher.stats()["num_steps"] >= before["num_steps"] + 4 * RING_RECORDS, timeout_s=10.0)
+                assert watcher.stats()["num_in_flight"] == 1, "finished before the reader was lapped: raise max_tokens"
+            reader.stdin.write("read\n")
+            reader.stdin.flush()
+            # Lapped for good: it runs again only once both have finished.
+            assert reader.stdout.readline() == "submitted\n"
+            with stopped(reader):
+                wait_until(lambda: watcher.stats()["num_in_flight"] == 0, timeout_s=30.0)
+            reader.stdin.write("read\n")
+            reader.stdin.flush()
+            got = json.loads(reader.stdout.readline())
+            assert reader.wait(timeout=60) == 0
+        finally:
+            reader.kill()
+            reader.wait()
         num_fetches = watcher.stats()["num_fetches"] - before["num_fetches"]
 
-    for chunks, relayed in zip(got, want, strict=True):
-        assert sum((c.token_ids for c in chunks), []) == relayed.token_ids
-        assert "".join(c.text for c in chunks) == relayed.text
-        assert chunks[-1].finish_reason == "length" and chunks[-1].usage == relayed.usage
+    for (token_ids, text, finish_reason, usage), relayed in zip(got, want, strict=True):
+        assert (token_ids, text) == (relayed.token_ids, relayed.text)
+        assert finish_reason == "length" and usage == relayed.usage
     assert num_fetches >= 3  # each of the three streams recovered over ZeroMQ
+
+
+@contextlib.contextmanager
+def stopped(process: subprocess.Popen):
+    """The process is stopped (SIGSTOP, as a debugger or a swapped-out host would) meanwhile."""
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
 
 
 def run_to_finish(peer: RawPeer, body: dict) -> tuple[int, list, dict]:
