@@ -17,11 +17,11 @@ NUM_STEPS = 20
 
 
 def bare_decode(model_path: str, parallel: int, prompt_tokens: int = PROMPT_TOKENS, num_steps: int = NUM_STEPS,
-                ctx_per_seq: int = 512) -> tuple[float, float]:
+                ctx_per_seq: int = 512, threads: int = 0) -> tuple[float, float]:
     """(prefill tok/s, seconds per decode step): `parallel` prompts of `prompt_tokens` tokens
     prefilled one per decode, then `num_steps` steps of one token for each sequence."""
-    runner = LlamaRunner(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=ctx_per_seq * parallel),
-                         model_path)
+    runner = LlamaRunner(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=ctx_per_seq * parallel,
+                                      threads=threads), model_path)
     try:
         # Token ids wrap at the vocabulary's size, so a tiny test model runs it too.
         seqs = [Sequence(i, [(1000 + i + k) % runner.n_vocab for k in range(prompt_tokens)], SamplingParams())

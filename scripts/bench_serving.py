@@ -1,45 +1,73 @@
-"""Every way of reaching cbatch beside the physical limit and llama-server, in one run, at
-each --parallel level: a closed loop of --clients callers (short prompts, greedy with
-ignore_eos, --max-tokens each), measured as generated tok/s through
+"""Every way of reaching cbatch beside llama-server, with callers too light to be the
+bottleneck, in one run: at each --threads setting and --parallel level, a closed loop of
+--clients callers (short prompts, greedy with ignore_eos, --max-tokens each), as generated
+tok/s through
 
-    bare llama_decode   steps of --parallel sequences of the same shapes (the prompts'
-                        length, then one token each), through the engine's runner with no
-                        scheduling, sampling, sockets or ring: the limit of this machine
-    one Client's batch  generate_batch(max_in_flight=--clients)
-    threads             --clients threads, a Client each (a threaded web app)
-    AsyncClient         --clients coroutines sharing one AsyncClient (an asyncio web app)
-    HTTP                /v1/completions, whole responses and streamed (TTFT, ITL)
-    llama-server        the same over its HTTP, whole and streamed (--llama-server PATH)
+    one Client's batch      generate_batch(max_in_flight=--clients), in this process
+    threads                 --clients threads with a Client each (a threaded web app)
+    AsyncClient             --clients coroutines sharing one AsyncClient (an asyncio app)
+    HTTP whole / streamed   /v1/completions from scripts/loadgen.py, a separate process of
+                            raw kept-alive sockets on one thread; "new conn" opens a
+                            connection per request, as curl and many scripts do
+    llama-server            the same three HTTP ways (--llama-server PATH)
 
-with each path's ratio to llama-server (whole against whole, streamed against streamed)
-and to bare decode. Every caller is a thread or coroutine of this process, sharing the
-cores with the server as on one host; one daemon per level, started with --http.
+with each path's ratio to llama-server's same way (the ZeroMQ paths to its kept-alive
+whole responses) and the CPU it cost per generated token, in microseconds: the caller
+(this process, or the load generator), cbatch's front-end, HTTP processes, the decode
+worker's main thread (the engine loop, which also computes its share of each llama_decode:
+the wall time inside llama_decode is printed beside it) and its other threads (mostly
+llama.cpp's compute), and llama-server in total. A load generator
+that used more than a third of a core is flagged: its server's figure is then suspect.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
-    .venv/bin/python scripts/bench_serving.py --model /tmp/tiny.gguf --parallel 16 64 \
-        [--llama-server build/llama-server/bin/llama-server]
+    scripts/build_llama_server.sh
+    .venv/bin/python scripts/bench_serving.py --model /tmp/tiny.gguf --parallel 64 --threads 2 1 \
+        --llama-server build/llama-server/bin/llama-server
 """
 
 import argparse
 import asyncio
+import json
 import os
+import resource
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_step import bare_decode  # noqa: E402
-from bench_http import closed_loop, http_sender, one_client_batch, percentiles, prompts, wait_http, zmq_sender  # noqa: E402
+from bench_http import closed_loop, one_client_batch, percentiles, prompts, wait_http, zmq_sender  # noqa: E402
 from bench_long_prompts import CbatchDaemon, LlamaServer  # noqa: E402
 import bench_long_prompts  # noqa: E402
+import proc_cpu  # noqa: E402
 
 from cbatch.client import AsyncClient, Client  # noqa: E402
 from cbatch.model import resolve_model_path  # noqa: E402
 
 CTX_PER_SEQ = 1024
-BARE = "bare llama_decode"
-SERVER_WHOLE, SERVER_STREAMED = "llama-server, HTTP whole", "llama-server, HTTP streamed"
+LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
+HTTP_WAYS = (("whole", []), ("streamed", ["--stream"]), ("whole, new conn", ["--new-connections"]))
+MAX_CALLER_CORE_SHARE = 1 / 3
+CPU_COLUMNS = ("caller", "front-end", "HTTP processes", "worker main thread", "llama_decode wall", "worker other threads",
+               "server")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def llama_decode_s(stats: dict) -> float:
+    """The decode worker's seconds inside llama_decode so far, from its step statistics."""
+    return stats["decode_fraction"] * stats["avg_step_ms"] / 1000 * stats["num_steps"]
 
 
 def async_callers(endpoint: str, work: list[str], max_tokens: int, num_clients: int) -> float:
@@ -60,72 +88,111 @@ def async_callers(endpoint: str, work: list[str], max_tokens: int, num_clients: 
     return asyncio.run(run())
 
 
-def http_pair(url: str, work: list[str], args, model: str, rows: dict, latencies: dict, name: str,
-              streamed_name: str) -> None:
-    """Whole responses, then streamed with TTFT and ITL, into rows and latencies."""
-    num_clients = args.clients
-    closed_loop(work[:num_clients], num_clients, http_sender(url, 8, model, False))  # warm-up
-    rows[name] = closed_loop(work, num_clients, http_sender(url, args.max_tokens, model, False))[0]
-    rows[streamed_name], ttfts, itls = closed_loop(work, num_clients, http_sender(url, args.max_tokens, model, True))
-    latencies[streamed_name] = f"TTFT {percentiles(ttfts)}; ITL {percentiles(itls)}"
+def loadgen(url: str, prompts_path: str, args, extra: list[str]) -> tuple[float, float, list[float]]:
+    """(tok/s, the load generator's CPU seconds, TTFTs) of one HTTP way."""
+    body = json.dumps({"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True})
+    done = subprocess.run([sys.executable, str(LOADGEN), "--url", url, "--prompts", prompts_path, "--body", body,
+                           "--clients", str(args.clients), *extra], capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout)
+    if result["errors"]:
+        raise RuntimeError(f"{url}: {result['errors'][:3]}")
+    return result["requests"] * args.max_tokens / result["elapsed_s"], result["cpu_s"], result["ttft_s"]
 
 
-def measure_level(model_path: str, parallel: int, args, work: list[str]) -> tuple[dict, dict, int]:
-    """(path -> tok/s, streamed path -> latency percentiles, prompt tokens) at one level."""
-    rows, latencies, model = {}, {}, Path(model_path).name
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    daemon = CbatchDaemon(model_path, parallel, ["--http", str(port), "-c", str(CTX_PER_SEQ * parallel)])
-    endpoint = daemon.endpoint
+class Measured:
+    """The table's rows: tok/s, CPU per token by part, and notes, per path."""
+
+    def __init__(self):
+        self.tok_s: dict[str, float] = {}
+        self.cpu_us: dict[str, dict[str, float]] = {}
+        self.notes: list[str] = []
+
+    def add(self, name: str, tok_s: float, elapsed_s: float, num_tokens: int, cpu_s: dict[str, float],
+            ttfts: list[float]) -> None:
+        self.tok_s[name] = tok_s
+        if ttfts:
+            self.notes.append(f"{name}: TTFT {percentiles(ttfts)}")
+        self.cpu_us[name] = {part: 1e6 * seconds / num_tokens for part, seconds in cpu_s.items()}
+        if cpu_s.get("caller", 0.0) > MAX_CALLER_CORE_SHARE * elapsed_s:
+            self.notes.append(f"{name}: the caller used {cpu_s['caller'] / elapsed_s:.0%} of a core")
+
+
+def measure_cbatch(model_path: str, parallel: int, threads: int, args, work: list[str], prompts_path: str,
+                   measured: Measured) -> int:
+    port = free_port()
+    daemon = CbatchDaemon(model_path, parallel, ["--http", str(port), "-c", str(CTX_PER_SEQ * parallel),
+                                                 "-t", str(threads)])
+    endpoint, url, num_tokens = daemon.endpoint, f"http://127.0.0.1:{port}", len(work) * args.max_tokens
     try:
-        wait_http(f"http://127.0.0.1:{port}")
+        wait_http(url)
         with Client(endpoint) as client:
             prompt_tokens = client.generate(prompt=work[0], max_tokens=1).usage["prompt_tokens"]
         closed_loop(work[:args.clients], args.clients, zmq_sender(endpoint, 8))  # warm-up
-        rows["one Client, generate_batch"] = one_client_batch(endpoint, work, args.max_tokens, args.clients)
-        rows[f"{args.clients} threads, a Client each"] = closed_loop(work, args.clients,
-                                                                     zmq_sender(endpoint, args.max_tokens))[0]
-        rows[f"AsyncClient, {args.clients} coroutines"] = async_callers(endpoint, work, args.max_tokens, args.clients)
-        http_pair(f"http://127.0.0.1:{port}", work, args, model, rows, latencies, "cbatch HTTP whole",
-                  "cbatch HTTP streamed")
+
+        def timed(name: str, run) -> None:
+            stats_before, parts_before = daemon.stats(), proc_cpu.cbatch_cpu_s(daemon.process.pid)
+            own_before, started = own_cpu_s(), time.perf_counter()
+            tok_s, caller_cpu_s, ttfts = run()
+            elapsed_s = time.perf_counter() - started
+            parts = proc_cpu.difference(proc_cpu.cbatch_cpu_s(daemon.process.pid), parts_before)
+            parts["llama_decode wall"] = llama_decode_s(daemon.stats()) - llama_decode_s(stats_before)
+            caller = caller_cpu_s if caller_cpu_s is not None else own_cpu_s() - own_before
+            measured.add(name, tok_s, elapsed_s, num_tokens, {"caller": caller, **parts}, ttfts)
+
+        timed("one Client, generate_batch",
+              lambda: (one_client_batch(endpoint, work, args.max_tokens, args.clients), None, []))
+        timed(f"{args.clients} threads, a Client each",
+              lambda: (closed_loop(work, args.clients, zmq_sender(endpoint, args.max_tokens))[0], None, []))
+        timed(f"AsyncClient, {args.clients} coroutines",
+              lambda: (async_callers(endpoint, work, args.max_tokens, args.clients), None, []))
+        for way, extra in HTTP_WAYS:
+            timed(f"cbatch HTTP {way}", lambda: loadgen(url, prompts_path, args, extra))
     finally:
         daemon.stop()
-    rows[BARE] = parallel / bare_decode(model_path, parallel, prompt_tokens, args.max_tokens, CTX_PER_SEQ)[1]
-    if args.llama_server:
-        server = LlamaServer(model_path, parallel, CTX_PER_SEQ, os.cpu_count(), args.clients)
-        try:
-            http_pair(f"http://127.0.0.1:{server.port}", work, args, model, rows, latencies, SERVER_WHOLE,
-                      SERVER_STREAMED)
-        finally:
-            server.stop()
-    return rows, latencies, prompt_tokens
+    return prompt_tokens
 
 
-def ratio(value: float, base: float | None) -> str:
-    return f"{value / base:.2f}" if base else "-"
+def measure_llama_server(model_path: str, parallel: int, threads: int, args, work: list[str], prompts_path: str,
+                         measured: Measured) -> None:
+    server = LlamaServer(model_path, parallel, CTX_PER_SEQ, threads, args.clients)
+    url, num_tokens = f"http://127.0.0.1:{server.port}", len(work) * args.max_tokens
+    try:
+        loadgen(url, prompts_path, argparse.Namespace(**{**vars(args), "max_tokens": 8}), [])  # warm-up
+        for way, extra in HTTP_WAYS:
+            server_before, started = proc_cpu.process_cpu_s(server.process.pid), time.perf_counter()
+            tok_s, caller_cpu_s, ttfts = loadgen(url, prompts_path, args, extra)
+            cpu_s = {"caller": caller_cpu_s, "server": proc_cpu.process_cpu_s(server.process.pid) - server_before}
+            measured.add(f"llama-server HTTP {way}", tok_s, time.perf_counter() - started, num_tokens, cpu_s, ttfts)
+    finally:
+        server.stop()
 
 
-def print_table(levels: list[int], results: list[tuple[dict, dict, int]]) -> None:
-    names = [BARE] + [name for name in results[0][0] if name != BARE]
-    header = f"{'path':32}" + "".join(f"  {'--parallel ' + str(p):>28}" for p in levels)
-    print(header)
-    print(f"{'':32}" + f"  {'tok/s':>10} {'/server':>8} {'/bare':>8}" * len(levels))
-    for name in names:
-        cells = []
-        for rows, _, _ in results:
-            server = rows.get(SERVER_STREAMED if "streamed" in name else SERVER_WHOLE)
-            cells.append(f"  {rows[name]:10.1f} {ratio(rows[name], server):>8} {ratio(rows[name], rows[BARE]):>8}")
-        print(f"{name:32}" + "".join(cells))
-    for parallel, (_, latencies, _) in zip(levels, results):
-        for name, line in latencies.items():
-            print(f"--parallel {parallel} {name}: {line}")
+def peer_of(name: str) -> str:
+    way = name.removeprefix("cbatch HTTP ") if name.startswith("cbatch HTTP ") else "whole"
+    return f"llama-server HTTP {way}"
+
+
+def print_table(title: str, measured: Measured) -> None:
+    print(f"\n{title}")
+    print(f"{'path':32} {'tok/s':>9} {'/server':>8}  " + " ".join(f"{c[:12]:>12}" for c in CPU_COLUMNS)
+          + "   (CPU microseconds per generated token)")
+    for name, tok_s in measured.tok_s.items():
+        peer = measured.tok_s.get(peer_of(name))
+        ratio = f"{tok_s / peer:.2f}" if peer and not name.startswith("llama-server") else "-"
+        cells = " ".join(f"{measured.cpu_us[name][c]:12.1f}" if c in measured.cpu_us[name] else f"{'':>12}"
+                         for c in CPU_COLUMNS)
+        print(f"{name:32} {tok_s:9.1f} {ratio:>8}  {cells}")
+    for note in measured.notes:
+        print(f"  note: {note}")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
-    parser.add_argument("--parallel", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--parallel", type=int, nargs="+", default=[64])
+    parser.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count(), max(1, os.cpu_count() - 1)],
+                        help="llama.cpp compute threads, the same for both servers (default: all cores, then one "
+                             "core left to the host processes)")
     parser.add_argument("--clients", type=int, default=64, help="closed-loop callers on every path")
     parser.add_argument("--requests", type=int, default=768, help="requests per path (default 64 callers x 12)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -135,11 +202,18 @@ def main(argv=None) -> None:
         bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)
     model_path = resolve_model_path(args.model)
     work = prompts(args.requests)
-    results = [measure_level(model_path, parallel, args, work) for parallel in args.parallel]
-    print(f"model {Path(model_path).name}; {args.requests} requests x {args.max_tokens} tokens (greedy, ignore_eos), "
-          f"{args.clients} closed-loop callers per path, {results[0][2]}-token prompts; generated tok/s, "
-          "and the ratio to llama-server (/server) and to bare decode (/bare)")
-    print_table(args.parallel, results)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as prompts_file:
+        json.dump(work, prompts_file)
+        prompts_file.flush()
+        for threads in args.threads:
+            for parallel in args.parallel:
+                measured = Measured()
+                prompt_tokens = measure_cbatch(model_path, parallel, threads, args, work, prompts_file.name, measured)
+                if args.llama_server:
+                    measure_llama_server(model_path, parallel, threads, args, work, prompts_file.name, measured)
+                print_table(f"model {Path(model_path).name}, --threads {threads}, --parallel {parallel}: "
+                            f"{args.requests} requests x {args.max_tokens} tokens (greedy, ignore_eos), "
+                            f"{prompt_tokens}-token prompts, {args.clients} closed-loop callers", measured)
 
 
 if __name__ == "__main__":
