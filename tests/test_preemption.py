@@ -100,11 +100,15 @@ def steps_to_first_token(engine, results, request_id, max_steps=50):
 
 @pytest.mark.parametrize("unified", [True, False], ids=["pool", "streams"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("options", [{}, {"overlap": True}, {"backend_sampling": True}],
+                         ids=["host", "overlap", "backend-sampling"])
 def test_an_interactive_request_gets_its_first_token_at_once_and_batch_output_is_unchanged(make_engine, unified,
-                                                                                           sampling):
+                                                                                           sampling, options):
+    """Also with overlap (the batch preempted is scheduled while nothing decodes) and with
+    sampling in llama.cpp's graph (a preempted chain moves to another sequence id)."""
     bodies = [{"prompt": f"Batch line {i}: keep counting", **BATCH_LINE, **sampling} for i in range(2)]
-    unpreempted = generate(make_engine(parallel=2, ctx_size=2 * 256, kv_unified=unified), bodies)
-    engine = make_engine(parallel=2, ctx_size=2 * 256, kv_unified=unified)
+    unpreempted = generate(make_engine(parallel=2, ctx_size=2 * 256, kv_unified=unified, **options), bodies)
+    engine = make_engine(parallel=2, ctx_size=2 * 256, kv_unified=unified, **options)
     batch_ids = [submit(engine, body) for body in bodies]
     results: dict = {}
     for _ in range(10):
