@@ -34,6 +34,9 @@ class EngineConfig:
     kv_unified: bool = False
     # Reuse the KV of cached prompt prefixes; off for A/B runs.
     prefix_cache: bool = True
+    # An interactive request that finds every slot taken preempts a running batch sequence
+    # (workers/engine/preemption.py) rather than wait for one to end.
+    preempt_batch: bool = True
     # Unified pool only: cells kept for finished requests' prefixes beyond what running
     # ones hold; 0 = one sequence's context. Every token attends over the pool's used
     # range, so idle cached cells are not free: this bounds what they add.

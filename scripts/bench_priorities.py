@@ -9,8 +9,9 @@ queued batch lines), then a few as `batch` (behind them, arrival order), to show
 the priority is worth.
 
 The target: an interactive p99 under load no more than one step over the idle p99 plus
-the wait for a free slot (no running sequence is preempted, so a probe that finds every
-slot busy waits for the first batch line to end). The step is the probes' own median gap
+the wait for a free slot (the daemon runs with --no-preempt-batch, so a probe that finds
+every slot busy waits for the first batch line to end; scripts/bench_preempt.py measures
+what preemption does). The step is the probes' own median gap
 between tokens under load. Just before each probe the daemon's `stats()` tells how many
 tokens each running line has made, so the slot wait of that probe is the fewest tokens a
 running line has left times the step; the figure checked is each probe's time to first
@@ -98,7 +99,7 @@ def main(argv=None) -> None:
     parser.add_argument("--probe-tokens", type=int, default=8)
     args = parser.parse_args(argv)
     model_path = str(resolve_model_path(args.model))
-    daemon = CbatchDaemon(model_path, args.parallel, [])
+    daemon = CbatchDaemon(model_path, args.parallel, ["--no-preempt-batch"])
     submit = None
     try:
         with Client(daemon.endpoint) as client:

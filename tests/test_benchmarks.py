@@ -84,6 +84,19 @@ def test_bench_priorities_prints_each_phase_and_the_verdict(tiny_model_path):
 
 
 @pytest.mark.slow
+def test_bench_preempt_prints_both_settings_idle_and_loaded(tiny_model_path):
+    """Probes beside batch streams that hold every slot, with preemption on, then off."""
+    out = run_script("bench_preempt", "--model", tiny_model_path, "--parallel", "1", "--probes", "3",
+                     "--batch-tokens", "24")
+    rows = re.findall(rf"^(on|off)\s+(idle|beside batch load)\s+{NUMBER}\s+{NUMBER}(?:\s+{NUMBER}\s+(\d+))?$",
+                      out, re.M)
+    assert [row[:2] for row in rows] == [("on", "idle"), ("on", "beside batch load"), ("off", "idle"),
+                                         ("off", "beside batch load")], out
+    assert int(rows[1][2]) >= 1 and rows[3][2] == "0", out  # probes preempted the batch stream, then none did
+    assert re.search(r"^CPU: .+, \d+ usable of \d+ CPUs", out, re.M), out
+
+
+@pytest.mark.slow
 def test_bench_embeddings_prints_each_path_and_the_stream_gaps(tiny_model_path):
     out = run_script("bench_embeddings", "--model", tiny_model_path, "--clients", "1", "--requests", "2",
                      "--batch-sizes", "1", "4", "--parallel", "2", "--max-tokens", "8")

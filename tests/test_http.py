@@ -181,7 +181,7 @@ def test_metrics_parse_and_move(daemon, api):
     assert after[ttft] == before.get(ttft, 0) + 1
     assert after[("cbatch_http_inter_token_latency_seconds_count", ())] >= 5
     for name in ("cbatch_queue_depth", "cbatch_active_sequences", "cbatch_decode_steps_total",
-                 "cbatch_prompt_tokens_reused_total"):
+                 "cbatch_prompt_tokens_reused_total", "cbatch_preemptions_total"):
         assert (name, ()) in after, name
     assert after[("cbatch_decode_steps_total", ())] > before[("cbatch_decode_steps_total", ())]
 

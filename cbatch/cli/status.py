@@ -23,7 +23,8 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
         f"parallel {stats['parallel']}, context {health['ctx_per_seq']} per sequence; "
         f"{stats['num_active']} active, {stats['num_queued']} queued, "
         f"{counted(stats.get('num_in_flight', 0), 'request')} in flight, "
-        f"{counted(stats['num_requests_ended'], 'request')} ended",
+        f"{counted(stats['num_requests_ended'], 'request')} ended, "
+        f"{counted(stats.get('num_preemptions', 0), 'preemption')}",
         f"decode {stats.get('decode_tokens_per_s', 0.0):.1f} tok/s, prefill {stats.get('prefill_tokens_per_s', 0.0):.1f} "
         f"tok/s, {stats.get('avg_concurrent_seqs', 0.0):.1f} sequences per decode step on average",
     ]

@@ -40,6 +40,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="one KV pool shared by all sequences, or one stream per sequence (default)")
     add("--prefix-cache", action=argparse.BooleanOptionalAction, default=ENGINE.prefix_cache,
         help="reuse the KV of cached prompt prefixes (default on)")
+    add("--preempt-batch", action=argparse.BooleanOptionalAction, default=ENGINE.preempt_batch,
+        help="an interactive request that finds every slot taken preempts a running batch-priority one, which "
+             "resumes later with the same output (default on)")
     add("--pooling", choices=POOLING_NAMES, default=ENGINE.pooling,
         help=f"embedding pooling for a model whose GGUF declares none, a causal LM (default {ENGINE.pooling})")
     add("--cache-tokens", type=int, default=ENGINE.cache_tokens,
@@ -97,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           batch_size=args.batch_size, threads=args.threads,
                           n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
                           max_queue=args.max_queue, max_batch_queue=args.max_batch_queue,
-                          kv_unified=args.kv_unified, prefix_cache=args.prefix_cache,
+                          kv_unified=args.kv_unified, prefix_cache=args.prefix_cache, preempt_batch=args.preempt_batch,
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
                           overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
                           reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None)

@@ -25,6 +25,7 @@ _DAEMON_STATS = {
     "num_requests_ended": ("cbatch_daemon_requests_ended", "Requests the daemon ended (any outcome), all clients", True),
     "prompt_tokens_computed": ("cbatch_prompt_tokens_computed", "Prompt tokens computed (not served by the prefix cache)", True),
     "prompt_tokens_reused": ("cbatch_prompt_tokens_reused", "Prompt tokens reused from the prefix cache", True),
+    "num_preemptions": ("cbatch_preemptions", "Running sequences sent back to the queue (for an interactive request, or for KV room)", True),
     "kv_cells_used": ("cbatch_kv_cells_used", "KV cells in use (a shared cell once)", False),
     "kv_cells_total": ("cbatch_kv_cells_total", "KV cells in the context", False),
     "decode_tokens_per_s": ("cbatch_decode_tokens_per_second", "Generated tokens per second of decode steps", False),

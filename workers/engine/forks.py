@@ -16,9 +16,12 @@ prompt tokens (a fork) copies the parent's KV instead of computing it:
 The row is shared only by sequences whose first sample reads it the same way: both
 sampled on the host (a row sampled in llama.cpp's graph is not kept on the host), and
 the same end-of-generation masking, which writes into the row.
+`num_shared_tokens` measures how much of a prompt another sequence's tokens begin with,
+for the scheduler's wait while a running sequence computes a prefix it would reuse.
 No model here; the scheduler decides, the KV managers copy (`KVManager.fork`).
 """
 
+from cbatch.workers.engine.kv.base import BLOCK_TOKENS
 from cbatch.workers.engine.sequence import Sequence
 
 
@@ -83,3 +86,14 @@ def find_parent(seq: Sequence, running: list[Sequence]) -> Sequence | None:
             if other.is_prefilling or (num_prompt > 1 and other.num_cached >= num_prompt - 1):
                 return other
     return None
+
+
+def num_shared_tokens(seq: Sequence, other: Sequence) -> int:
+    """The whole blocks of seq's tokens (its last token excluded: it is always computed)
+    that other's tokens begin with."""
+    num_blocks = min(seq.num_tokens - 1, other.num_tokens) // BLOCK_TOKENS
+    num_shared = 0
+    while num_shared < num_blocks and seq.token_slice(num_shared * BLOCK_TOKENS, (num_shared + 1) * BLOCK_TOKENS) \
+            == other.token_slice(num_shared * BLOCK_TOKENS, (num_shared + 1) * BLOCK_TOKENS):
+        num_shared += 1
+    return num_shared * BLOCK_TOKENS

@@ -18,7 +18,10 @@ Policy:
   prompt costs the others at most one span of latency per step, never a stall);
 - a generating sequence whose next cell cannot be had even by eviction preempts the
   newest running sequence back to the head of its priority's queue (recomputed on
-  re-admission);
+  re-admission), its KV dropped: the cells are what is short;
+- an interactive request that finds too few free slots takes running batch sequences'
+  (preemption.py, unless `preempt_batch` is off): they go back the same way, their KV kept
+  in the prefix cache so that resuming costs little;
 - a request past its deadline ends: one still queued leaves the queue in the same one
   pass as cancels (drop_waiting), however many expire at once.
 No model here: it is tested on its own.
@@ -26,8 +29,10 @@ No model here: it is tested on its own.
 
 from operator import attrgetter
 
-from cbatch.workers.engine.forks import PendingForks, can_share_last_row, can_share_row, find_parent
+from cbatch.workers.engine.forks import (PendingForks, can_share_last_row, can_share_row, find_parent,
+                                         num_shared_tokens)
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, KVManager
+from cbatch.workers.engine.preemption import choose_batch_victims, num_slots_wanted
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 from cbatch.workers.engine.waiting_queue import DeadlineHeap, WaitingQueue
 
@@ -52,7 +57,8 @@ _SPAN_SEQ_ID = attrgetter("seq.seq_id")
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int, max_batch_queue: int):
+    def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int, max_batch_queue: int,
+                 preempt_batch: bool = True):
         if max_batch_tokens < max_running:
             raise ValueError("max_batch_tokens must cover one token per running sequence")
         self.kv = kv
@@ -66,6 +72,8 @@ class Scheduler:
         # Whether llama.cpp's logits of the last decode are still there when the next batch
         # is scheduled: not with overlap, where the next decode is queued at once.
         self.is_last_row_kept = True
+        self.preempt_batch = preempt_batch  # batch sequences give their slots to interactive requests
+        self.num_preemptions = 0  # running sequences sent back to the queue, for any reason
 
     @property
     def has_work(self) -> bool:
@@ -206,13 +214,21 @@ class Scheduler:
 
     def preempt_newest(self) -> Sequence:
         """Send the most recently admitted running sequence back to the head of its
-        priority's queue; its prompt + output so far is recomputed on re-admission."""
-        seq = self.running.pop()
-        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, False)
+        priority's queue, its KV dropped (the cells are short); its prompt + output so far
+        is recomputed on re-admission."""
+        seq = self.running[-1]
+        self.preempt(seq, keep_cached=False)
+        return seq
+
+    def preempt(self, seq: Sequence, keep_cached: bool) -> None:
+        """A running sequence back to the head of its priority's queue, keeping its output
+        and sampler; with `keep_cached` its computed prefix stays in the prefix cache."""
+        self.running.remove(seq)
+        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
         seq.seq_id, seq.num_cached, seq.status = None, 0, SeqStatus.WAITING
         self._requeue_forks(seq)
         self.waiting.push_front(seq)
-        return seq
+        self.num_preemptions += 1
 
     def _requeue_forks(self, parent: Sequence) -> None:
         """The parent ended or was preempted before its prompt was computed: its forks go
@@ -237,6 +253,10 @@ class Scheduler:
     def _admit(self) -> None:
         passed_over = []  # each keeps a slot: later arrivals must not take all of them
         num_forks = len(self.forks)
+        if self.preempt_batch and self.waiting.num_interactive:
+            num_free = self.max_running - len(self.running) - num_forks - len(self.row_forks)
+            for seq in choose_batch_victims(self.running, num_slots_wanted(self.waiting.num_interactive, num_free)):
+                self.preempt(seq, keep_cached=True)
         while self.waiting and len(self.running) + num_forks + len(self.row_forks) + len(passed_over) < self.max_running:
             seq = self.waiting.popleft()
             parent = find_parent(seq, self.running) if self.kv.enable_prefix_cache else None
@@ -272,15 +292,4 @@ class Scheduler:
             return False  # that block holds the last token, which seq computes itself
         prefix = seq.token_slice(0, end)
         return any(other.num_cached < end <= other.num_tokens and other.token_slice(0, end) == prefix
-                   and self._num_shared_tokens(seq, other) >= self.kv.min_reuse_tokens for other in self.running)
-
-    @staticmethod
-    def _num_shared_tokens(seq: Sequence, other: Sequence) -> int:
-        """The whole blocks of seq's tokens (its last token excluded: it is always computed)
-        that other's tokens begin with."""
-        num_blocks = min(seq.num_tokens - 1, other.num_tokens) // BLOCK_TOKENS
-        num_shared = 0
-        while num_shared < num_blocks and seq.token_slice(num_shared * BLOCK_TOKENS, (num_shared + 1) * BLOCK_TOKENS) \
-                == other.token_slice(num_shared * BLOCK_TOKENS, (num_shared + 1) * BLOCK_TOKENS):
-            num_shared += 1
-        return num_shared * BLOCK_TOKENS
+                   and num_shared_tokens(seq, other) >= self.kv.min_reuse_tokens for other in self.running)

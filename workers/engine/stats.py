@@ -111,5 +111,6 @@ def engine_snapshot(stats: EngineStats, scheduler) -> dict:
         "kv_cells_used": kv.num_cells_used,
         "kv_cells_evictable": kv.num_cells_evictable,
         "cached_prefixes": kv.num_cached_holders,
+        "num_preemptions": scheduler.num_preemptions,
         "slots": [slot_snapshot(seq, now_s) for seq in sorted(scheduler.running, key=lambda s: s.seq_id)],
     }

@@ -42,6 +42,10 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._fifos[0]) + len(self._fifos[1])
 
+    @property
+    def num_interactive(self) -> int:
+        return len(self._fifos[0])
+
     def __iter__(self):
         """In admission order: the interactive FIFO, then the batch one."""
         yield from self._fifos[0]

@@ -37,8 +37,9 @@ class BackendSamplers:
 
     Invariants: a chain is attached to at most one id, and at most once in its life
     (llama.cpp prepares a chain for the graph when it is attached and cannot do so twice),
-    so a sequence whose chain must move to another id (preempted, then re-admitted under a
-    new one) gets a clone that carries its state. Every change makes llama.cpp re-plan its
+    so a sequence whose chain was attached before (preempted, then re-admitted under
+    another id or under the same one, which another request's chain took meanwhile) gets
+    a clone that carries its state. Every change makes llama.cpp re-plan its
     graph at the next decode, so greedy, which has no state, uses one chain per id, owned
     here, that stays attached while requests on that id come and go.
     """
@@ -48,6 +49,7 @@ class BackendSamplers:
         self._chain_of_id: dict[int, object] = {}
         self._id_of_chain: dict[int, int] = {}  # chain address -> seq id
         self._greedy_ids: set[int] = set()  # ids whose attached chain is an owned greedy one
+        self._ever_attached: set[int] = set()  # addresses of the live chains attached once, now or before
 
     def prepare(self, spans: list[BatchSpan]) -> None:
         """Before a decode: each sequence with an output row gets the chain it samples
@@ -63,7 +65,7 @@ class BackendSamplers:
                     self._attach(seq.seq_id, make_greedy_chain())
                     self._greedy_ids.add(seq.seq_id)
             elif self._chain_of_id.get(seq.seq_id) is not seq.sampler:  # the common case, attached, costs no cast
-                if _address(seq.sampler) in self._id_of_chain:  # attached to another id before
+                if _address(seq.sampler) in self._ever_attached:  # to another id, or detached since
                     old = seq.sampler
                     self.release(old)
                     seq.sampler = lc.llama_sampler_clone(old)
@@ -75,9 +77,12 @@ class BackendSamplers:
 
     def release(self, chain) -> None:
         """Detach a request's own chain (before it is freed); a no-op if not attached."""
-        seq_id = self._id_of_chain.get(_address(chain)) if chain is not None else None
+        if chain is None:
+            return
+        seq_id = self._id_of_chain.get(_address(chain))
         if seq_id is not None:
             self._detach(seq_id)
+        self._ever_attached.discard(_address(chain))  # a chain made later may get the same address
 
     def close(self) -> None:
         """Detach everything and free the owned greedy chains."""
@@ -90,6 +95,7 @@ class BackendSamplers:
             raise RuntimeError(f"llama.cpp could not attach a sampler chain to sequence {seq_id}")
         self._chain_of_id[seq_id] = chain
         self._id_of_chain[_address(chain)] = seq_id
+        self._ever_attached.add(_address(chain))
 
     def _detach(self, seq_id: int) -> None:
         chain = self._chain_of_id.pop(seq_id, None)
@@ -99,4 +105,5 @@ class BackendSamplers:
         del self._id_of_chain[_address(chain)]
         if seq_id in self._greedy_ids:
             self._greedy_ids.discard(seq_id)
+            self._ever_attached.discard(_address(chain))
             lc.llama_sampler_free(chain)

@@ -1,0 +1,119 @@
+"""Interactive time to first token beside a saturating batch load, with batch preemption
+on (the default) and off (--no-preempt-batch).
+
+For each setting one daemon: first --probes interactive requests one after another on the
+idle daemon (streamed, each timed from its submit to its first token), then the same
+probes beside --parallel batch-priority streams that hold every slot (each asks for
+--batch-tokens tokens and sends its next request as soon as one ends). With preemption
+an interactive probe takes a batch stream's slot at the next step; without it, it waits
+for the first batch request to end. The batch requests' own duration is printed beside,
+for scale, and so are the daemon's preemptions and the CPU the figures come from.
+
+    .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
+    .venv/bin/python scripts/bench_preempt.py --model /tmp/tiny.gguf --parallel 4
+"""
+
+import argparse
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_long_prompts import CbatchDaemon  # noqa: E402
+from bench_priorities import ms, probe  # noqa: E402
+
+from cbatch.client import Client  # noqa: E402
+from cbatch.model import resolve_model_path  # noqa: E402
+
+LOAD_WAIT_S = 60.0  # for the batch streams to hold every slot
+
+
+class BatchLoad:
+    """`parallel` threads, each sending batch-priority requests back to back until stopped."""
+
+    def __init__(self, endpoint: str, parallel: int, max_tokens: int):
+        self.durations_s: list[float] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(endpoint, i, max_tokens)) for i in range(parallel)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, endpoint: str, i: int, max_tokens: int) -> None:
+        with Client(endpoint) as client:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                client.generate(prompt=f"Batch stream {i}: carry on counting", max_tokens=max_tokens, temperature=0,
+                                ignore_eos=True, priority="batch")
+                self.durations_s.append(time.perf_counter() - started)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def wait_saturated(client: Client, parallel: int) -> None:
+    deadline = time.monotonic() + LOAD_WAIT_S
+    while client.stats()["num_active"] < parallel:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the batch streams did not fill every slot")
+        time.sleep(0.1)
+
+
+def measure(model_path: str, args, preempt: bool) -> dict:
+    daemon = CbatchDaemon(model_path, args.parallel, [] if preempt else ["--no-preempt-batch"])
+    load = None
+    try:
+        with Client(daemon.endpoint) as client:
+            probe(client, 3, args.probe_tokens, "interactive")  # warm-up
+            idle, _ = probe(client, args.probes, args.probe_tokens, "interactive")
+            load = BatchLoad(daemon.endpoint, args.parallel, args.batch_tokens)
+            wait_saturated(client, args.parallel)
+            busy, _ = probe(client, args.probes, args.probe_tokens, "interactive")
+            load.stop()
+            num_preemptions = client.stats()["num_preemptions"]
+    finally:
+        if load is not None:
+            load.stop()
+        daemon.stop()
+    return {"idle": idle, "busy": busy, "batch_s": load.durations_s, "num_preemptions": num_preemptions}
+
+
+def cpu_description() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    return (f"{names[0] if names else platform.processor() or 'unknown CPU'}, {len(os.sched_getaffinity(0))} usable "
+            f"of {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded model)")
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--batch-tokens", type=int, default=256, help="max_tokens of each batch request")
+    parser.add_argument("--probes", type=int, default=50, help="interactive probes per phase")
+    parser.add_argument("--probe-tokens", type=int, default=8)
+    args = parser.parse_args(argv)
+    model_path = str(resolve_model_path(args.model))
+    results = {preempt: measure(model_path, args, preempt) for preempt in (True, False)}
+    print(f"model {Path(model_path).name}, --parallel {args.parallel}, {args.parallel} batch streams of "
+          f"{args.batch_tokens}-token requests, {args.probes} interactive probes a phase of {args.probe_tokens} tokens")
+    print(f"{'preemption':<12}{'daemon':<20}{'TTFT p50 ms':>12}{'p99 ms':>9}{'batch request p50 s':>21}"
+          f"{'preemptions':>13}")
+    for preempt, result in results.items():
+        setting = "on" if preempt else "off"
+        batch_s = f"{np.median(result['batch_s']):.2f}" if result["batch_s"] else "-"
+        print(f"{setting:<12}{'idle':<20}{ms(result['idle'], 50):>12.1f}{ms(result['idle'], 99):>9.1f}")
+        print(f"{setting:<12}{'beside batch load':<20}{ms(result['busy'], 50):>12.1f}{ms(result['busy'], 99):>9.1f}"
+              f"{batch_s:>21}{result['num_preemptions']:>13}")
+    print(f"CPU: {cpu_description()}")
+
+
+if __name__ == "__main__":
+    main()
