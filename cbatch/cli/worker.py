@@ -2,11 +2,12 @@
 
 import argparse
 import logging
+import signal
 import sys
 
 from cbatch.cli.common import add_version, exit_with
 from cbatch.config import POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
-from cbatch.errors import EXIT_FAILED, INVALID_CONFIG, CbatchError
+from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, INVALID_CONFIG, CbatchError
 
 ENGINE = EngineConfig()  # the defaults the flags show
 DAEMON = DaemonConfig(ENGINE, endpoint="ipc://unused")
@@ -125,28 +126,38 @@ def warn_if_no_gpu(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> None:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # Until the daemon sets its own handlers (run_daemon, first thing), a stop signal while
+    # it parses and imports itself (seconds) ends it with one line: SIGTERM as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     from cbatch.workers.daemon.endpoint_lock import lock_endpoint, release_endpoint
 
+    config = lock_fd = None
     try:
-        config = config_from_args(args)
-    except CbatchError as err:
-        parser.error(err.message)
-    try:  # before the seconds of importing the rest: a client started beside this one waits for it
-        lock_fd = lock_endpoint(config.endpoint)
-    except CbatchError as err:
-        exit_with("cbatch-worker", err.message, EXIT_FAILED)
-    from cbatch.workers.daemon.http_manager import listen_http
-    from cbatch.workers.daemon.supervisor import run_daemon
+        parser = make_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        try:
+            config = config_from_args(args)
+        except CbatchError as err:
+            parser.error(err.message)
+        try:  # before the seconds of importing the rest: a client started beside this one waits for it
+            lock_fd = lock_endpoint(config.endpoint)
+        except CbatchError as err:
+            exit_with("cbatch-worker", err.message, EXIT_FAILED)
+        from cbatch.workers.daemon.http_manager import listen_http
+        from cbatch.workers.daemon.supervisor import run_daemon
 
-    warn_if_no_gpu(args)
-    # Bound before the model loads, so a taken port ends the daemon at once, as a taken
-    # endpoint does (exit 1: cannot serve); the HTTP server processes serve this socket.
-    try:
-        http_socket = listen_http(*config.http_address) if config.http_address else None
-    except CbatchError as err:
-        release_endpoint(config.endpoint, lock_fd)
-        exit_with("cbatch-worker", err.message, EXIT_FAILED)
-    sys.exit(run_daemon(config, http_socket, lock_fd))
+        warn_if_no_gpu(args)
+        # Bound before the model loads, so a taken port ends the daemon at once, as a taken
+        # endpoint does (exit 1: cannot serve); the HTTP server processes serve this socket.
+        try:
+            http_socket = listen_http(*config.http_address) if config.http_address else None
+        except CbatchError as err:
+            release_endpoint(config.endpoint, lock_fd)
+            exit_with("cbatch-worker", err.message, EXIT_FAILED)
+        # It sets its own handlers first; from then on, it removes what it made.
+        sys.exit(run_daemon(config, http_socket, lock_fd))
+    except KeyboardInterrupt:
+        if config is not None:
+            release_endpoint(config.endpoint, lock_fd)
+        exit_with("cbatch-worker", "stopped while starting", EXIT_INTERRUPTED)
