@@ -18,9 +18,9 @@ from cbatch.cli.native_batch import NativeLine
 from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
 from cbatch.cli.resume import prepare_resume
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
-from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
-from cbatch.client.http_batch import DEFAULT_REQUEST_TIMEOUT_S
+from cbatch.client.batch_retry import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_FOR_S, Patience, call_held
 from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
+from cbatch.extras import URL, URL_MODULES, check_extra
 from cbatch.wording import counted
 
 PROG = "cbatch-submit"
@@ -229,6 +229,11 @@ def main(argv=None) -> None:
     if args.resume and not args.output:
         parser.error("--resume needs -o/--output")
     check_transport_flags(parser, args)
+    if args.url:
+        try:
+            check_extra(URL, URL_MODULES, f"{PROG} --url")
+        except CbatchError as err:
+            exit_with(PROG, err.message, EXIT_USAGE)
     num_lines, lines = open_input(args.prompts)
     try:  # first: the output of an earlier run is not emptied when no daemon answers
         client = connect(args)

@@ -7,7 +7,8 @@ import sys
 
 from cbatch.cli.common import add_version, exit_with
 from cbatch.config import POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
-from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, INVALID_CONFIG, CbatchError
+from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, INVALID_CONFIG, CbatchError
+from cbatch.extras import DEFAULT_MODEL_MODULE, SERVER, SERVER_MODULES, check_extra
 
 ENGINE = EngineConfig()  # the defaults the flags show
 DAEMON = DaemonConfig(ENGINE, endpoint="ipc://unused")
@@ -135,6 +136,10 @@ def main(argv=None) -> None:
     try:
         parser = make_parser()
         args = parser.parse_args(argv)
+        try:  # `pip install cbatch` is the client alone
+            check_extra(SERVER, (*SERVER_MODULES, *(() if args.model else (DEFAULT_MODEL_MODULE,))), "the daemon")
+        except CbatchError as err:
+            exit_with("cbatch-worker", err.message, EXIT_USAGE)
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
         try:
             config = config_from_args(args)

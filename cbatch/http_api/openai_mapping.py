@@ -14,6 +14,7 @@ from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERN
                            NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
                            WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
+from cbatch.extras import SERVER, check_extra
 from cbatch.http_api.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
@@ -79,6 +80,7 @@ class ApiRequest:
 
 def _grammar_of(response_format) -> str | None:
     """response_format -> GBNF (a JSON schema's through cbatch.tools.schema_grammar)."""
+    check_extra(SERVER, ("llama_cpp",), "a response_format's grammar")
     from llama_cpp import llama_grammar
 
     if not isinstance(response_format, dict):
