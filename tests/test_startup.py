@@ -183,11 +183,13 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-@pytest.mark.parametrize("moment", ["at once", "importing", "decode worker importing"])
+@pytest.mark.parametrize("moment", ["importing", "decode worker importing"])
 def test_ctrl_c_while_starting_ends_in_one_line_and_leaves_nothing(tiny_model_path, workdir, moment):
     """Ctrl-C, as a terminal sends it (to the whole process group), in the daemon's first
     second: no traceback from it or from a child still importing itself, and nothing left
-    behind (sockets, the lock, the ring in /dev/shm, processes)."""
+    behind (sockets, the lock, the ring in /dev/shm, processes). (Before the console
+    script's first line, the interpreter's own start-up reads its site files: a Ctrl-C
+    there is Python's to report.)"""
     socket_path = workdir / "d.sock"
     env = {**os.environ, "XDG_RUNTIME_DIR": str(workdir / "run"), "CBATCH_ENDPOINT": f"ipc://{socket_path}"}
     with open(workdir / "daemon.log", "w") as log:
@@ -208,10 +210,7 @@ def test_ctrl_c_while_starting_ends_in_one_line_and_leaves_nothing(tiny_model_pa
             daemon.wait()
     output = (workdir / "daemon.log").read_text()
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
-    if code == -signal.SIGINT:  # before Python set its own handler: the default action, silent
-        assert output == ""
-    else:
-        assert code in (0, 130) and output.splitlines()[-1] in STOP_LINES, output
+    assert code in (0, 130) and output.splitlines()[-1] in STOP_LINES, output
     if moment == "importing" and code == 130:
         assert output.splitlines() == [STOP_LINES[0]]
     wait_until(lambda: _group_members(daemon.pid) == [], timeout_s=30)
