@@ -5,6 +5,7 @@ commands started there say which extra to install. pyproject.toml's base depende
 are exactly what the client imports."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -104,6 +105,14 @@ def test_a_client_without_the_server_talks_to_a_daemon(tiny_tools_model_path, st
     assert submit.returncode == 0, submit.stderr
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["id"] for r in results] == [0, 1, 2] and all(r["usage"]["completion_tokens"] == 3 for r in results)
+    openai_lines = tmp_path / "openai.jsonl"  # an OpenAI batch file: read with the HTTP API's own mapping
+    openai_lines.write_text(json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {
+        "model": os.path.basename(tiny_tools_model_path), "prompt": "Water boils at", "max_tokens": 3}}) + "\n")
+    submit = run_without_server("from cbatch.cli.submit import main\nmain()", str(openai_lines), "-o",
+                                str(tmp_path / "openai-out.jsonl"), env=daemon.env)
+    assert submit.returncode == 0, submit.stderr
+    (answer,) = [json.loads(line) for line in (tmp_path / "openai-out.jsonl").read_text().splitlines()]
+    assert answer["response"]["body"]["usage"]["completion_tokens"] == 3
     status = run_without_server("from cbatch.cli.status import main\nmain()", "--json", env=daemon.env)
     assert status.returncode == 0 and json.loads(status.stdout)["health"]["status"] == "ok", status.stderr
 
