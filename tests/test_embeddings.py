@@ -262,6 +262,11 @@ def test_batch_file_embedding_lines(daemon, model_id, tmp_path, transport):
     assert np.allclose([entry["embedding"] for entry in body["data"]], expected, atol=TOLERANCE)
     decoded = np.frombuffer(base64.b64decode(encoded["response"]["body"]["data"][0]["embedding"]), "<f4")
     assert np.allclose(decoded, expected[0], atol=TOLERANCE)
+    # The summary says what the run did: 3 inputs embedded, with their prompt tokens; no token rate.
+    num_prompt_tokens = body["usage"]["prompt_tokens"] + encoded["response"]["body"]["usage"]["prompt_tokens"]
+    summary = done.stderr.splitlines()[-1]
+    assert f"; 3 inputs embedded ({num_prompt_tokens} prompt tokens) in " in summary, done.stderr
+    assert "tok/s" not in summary and "0 tokens" not in summary
 
 
 DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_embeddings.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)

@@ -78,6 +78,20 @@ def test_every_block_is_marked():
     assert all(len(b.marker) > len("skip: ") for b in skipped)  # each says why
 
 
+HTTP_DAEMON = re.compile(r"cbatch-worker .*--http (?:\S+:)?(\d+)\b.*&\s*(#.*)?$")
+HTTP_READY_WAIT = "curl -sf --retry 300 --retry-connrefused --retry-delay 1 -o /dev/null http://127.0.0.1:{port}/health"
+
+
+def test_every_block_that_starts_an_http_daemon_waits_until_it_serves():
+    """Pasted, the next line runs at once: an HTTP client, unlike cbatch's own, does not wait
+    for a daemon that is still loading its model (connection refused, then 503), so the
+    block itself waits for the daemon's /health, as the first HTTP example does."""
+    missing = [f"{block.where}: port {match.group(1)}" for name in DOC_FILES for block in doc_blocks(name)
+               for match in map(HTTP_DAEMON.search, block.code.splitlines())
+               if match and HTTP_READY_WAIT.format(port=match.group(1)) not in block.code]
+    assert not missing, f"an HTTP daemon started without waiting for its /health: {missing}"
+
+
 class Scratch:
     """Where one file's commands run, and the daemons they started."""
 

@@ -146,6 +146,8 @@ def test_the_docs_example_runs_as_printed(daemon):
     one started here, as the docs' command starts it)."""
     (_, command), (_, code) = DOCS_EXAMPLE.findall((REPO / "docs" / "http.md").read_text())
     assert "cbatch.model smollm2" in command and '--reasoning-tags "<think>" "</think>"' in command
+    ready_wait = command.splitlines()[1].replace("8000", str(daemon.port))  # as pasted, before the script
+    subprocess.run(["bash", "-c", ready_wait], check=True, timeout=600)
     out = subprocess.run([sys.executable, "-c", code.replace("8000", str(daemon.port))], capture_output=True,
                          text=True, timeout=600, check=True).stdout
     call, answer, items = out.strip().split("\n")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from daemonkit import SCRIPTS_DIR, wait_until
+from common import default_sigint
+from daemonkit import SCRIPTS_DIR, child_pids, wait_until
 
 
 @pytest.fixture
@@ -153,3 +154,66 @@ def _lock_is_held(socket_path: Path) -> bool:
     from cbatch.client.base import _is_daemon_starting
 
     return _is_daemon_starting(str(socket_path))
+
+
+STOP_LINES = ("cbatch-worker: stopped while starting", "cbatch-worker stopped")
+
+
+def _decode_worker_importing(pid: int) -> bool:
+    """The decode worker has loaded llama.cpp's library: it is importing its modules, before
+    its own code could set any signal handler."""
+    for child in child_pids(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes() and \
+                    "libllama" in Path(f"/proc/{child}/maps").read_text():
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:  # "state ppid pgrp"
+                members.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return members
+
+
+@pytest.mark.parametrize("moment", ["importing", "decode worker importing"])
+def test_ctrl_c_while_starting_ends_in_one_line_and_leaves_nothing(tiny_model_path, workdir, moment):
+    """Ctrl-C, as a terminal sends it (to the whole process group), in the daemon's first
+    second: no traceback from it or from a child still importing itself, and nothing left
+    behind (sockets, the lock, the ring in /dev/shm, processes). (Before the console
+    script's first line, the interpreter's own start-up reads its site files: a Ctrl-C
+    there is Python's to report.)"""
+    socket_path = workdir / "d.sock"
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(workdir / "run"), "CBATCH_ENDPOINT": f"ipc://{socket_path}"}
+    with open(workdir / "daemon.log", "w") as log:
+        daemon = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-worker"), "--model", tiny_model_path, "--parallel", "1"],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  preexec_fn=default_sigint)
+    try:
+        if moment == "importing":
+            wait_until(lambda: _lock_is_held(socket_path) or daemon.poll() is not None, timeout_s=60, poll_s=0.002)
+        elif moment == "decode worker importing":
+            wait_until(lambda: _decode_worker_importing(daemon.pid) or daemon.poll() is not None, timeout_s=60,
+                       poll_s=0.002)
+        os.killpg(daemon.pid, signal.SIGINT)
+        code = daemon.wait(60)
+    finally:
+        if daemon.poll() is None:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+    output = (workdir / "daemon.log").read_text()
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert code in (0, 130) and output.splitlines()[-1] in STOP_LINES, output
+    if moment == "importing" and code == 130:
+        assert output.splitlines() == [STOP_LINES[0]]
+    wait_until(lambda: _group_members(daemon.pid) == [], timeout_s=30)
+    assert sorted(p.name for p in workdir.iterdir()) == ["daemon.log", "run"]
+    assert [p for p in (workdir / "run").rglob("*") if not p.is_dir()] == []
+    assert [name for name in os.listdir("/dev/shm") if name.startswith(f"cbatch-{daemon.pid}")] == []

@@ -71,6 +71,20 @@ def test_required_streamed_gives_tool_call_deltas_and_one_call_without_parallel_
     assert not any(c.choices[0].delta.content for c in chunks)
 
 
+def test_a_forced_call_cut_by_max_tokens_says_length_and_keeps_its_text(api):
+    """SmolLM2 with parallel calls (the default) calls again and again until max_tokens:
+    the answer is not a call, and says so (finish_reason "length", as OpenAI's does for a
+    cut answer), with what the model wrote as content, the same streamed and not."""
+    ask = {"model": model(api), "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+           "temperature": 0, "max_tokens": 20}
+    choice = api.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith('{ "tool_calls": [{"name": "get_weather"')
+    chunks = [c.choices[0] for c in api.chat.completions.create(**ask, stream=True) if c.choices]
+    assert chunks[-1].finish_reason == "length" and not any(c.delta.tool_calls for c in chunks)
+    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content
+
+
 DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_tools.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
 
 
@@ -79,6 +93,8 @@ def test_the_docs_tool_loop_runs_as_printed_call_result_and_streamed_answer(daem
     started here, on the model the docs' command names)."""
     (_, command), (_, code) = DOCS_EXAMPLE.findall((REPO / "docs" / "http.md").read_text())
     assert "cbatch.model smollm2" in command
+    ready_wait = command.splitlines()[1].replace("8000", str(daemon.port))  # as pasted, before the script
+    subprocess.run(["bash", "-c", ready_wait], check=True, timeout=600)
     out = subprocess.run([sys.executable, "-c", code.replace("8000", str(daemon.port))], capture_output=True,
                          text=True, timeout=600, check=True).stdout
     call, answer = out.split("\n", 1)

@@ -188,6 +188,8 @@ def test_the_docs_template_example_runs_as_printed(daemon, tiny_tools_model_path
     subprocess.run(make_model.replace(".venv/bin/python", sys.executable), shell=True, cwd=REPO, check=True,
                    capture_output=True)
     assert (tmp_path / "m.gguf").read_bytes() == Path(tiny_tools_model_path).read_bytes()
+    ready_wait = commands.splitlines()[2].replace("8001", str(daemon.port))  # as pasted, before the script
+    subprocess.run(["bash", "-c", ready_wait], check=True, timeout=600)
     out = subprocess.run([sys.executable, "-c", code.replace("8001", str(daemon.port))], capture_output=True,
                          text=True, timeout=300, check=True).stdout
     call, answer = out.splitlines()

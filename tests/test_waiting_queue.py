@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from cbatch.cli.worker import config_from_args, make_parser
+from cbatch.cli.worker_flags import config_from_args, make_parser
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, INVALID_CONFIG, QUEUE_FULL
 from cbatch.params import SamplingParams

@@ -36,13 +36,36 @@ class RunSummary:
     num_tokens: int
     elapsed_s: float
     num_skipped: int = 0  # input lines an earlier run had answered (--resume)
+    num_embedded: int = 0  # inputs of embeddings lines
+    num_embedding_tokens: int = 0  # their prompt tokens (0 from a server that does not say)
 
     def line(self, noun: str, is_resumed: bool = False) -> str:
-        rate = self.num_tokens / max(self.elapsed_s, 1e-9)
+        """What the run did: the tokens generated and the inputs embedded, whichever it did
+        (a file of embeddings lines generates nothing, and its rate would say 0 tok/s)."""
         skipped = f", {self.num_skipped} skipped as done by an earlier run" if is_resumed else ""
+        is_generating = self.num_tokens or not self.num_embedded
+        done = [counted(self.num_tokens, "token")] if is_generating else []
+        if self.num_embedded:
+            tokens = f" ({counted(self.num_embedding_tokens, 'prompt token')})" if self.num_embedding_tokens else ""
+            done.append(f"{counted(self.num_embedded, 'input')} embedded{tokens}")
+        rate = f" ({self.num_tokens / max(self.elapsed_s, 1e-9):.1f} tok/s)" if is_generating else ""
         return (f"cbatch-submit: {counted(self.num_written, noun)} written, {self.num_written - self.num_failed} ok, "
-                f"{self.num_failed} failed{skipped}; {counted(self.num_tokens, 'token')} in {self.elapsed_s:.1f} s "
-                f"({rate:.1f} tok/s)")
+                f"{self.num_failed} failed{skipped}; {' and '.join(done)} in {self.elapsed_s:.1f} s{rate}")
+
+
+class EmbeddingTally:
+    """Counts what an embeddings call (`embed(inputs, dimensions)`, a client's) did, for
+    the run's summary."""
+
+    def __init__(self, embed):
+        self._embed = embed
+        self.num_inputs = self.num_prompt_tokens = 0
+
+    def __call__(self, inputs, dimensions=None):
+        result = self._embed(inputs, dimensions)
+        self.num_inputs += len(result.data)
+        self.num_prompt_tokens += result.prompt_tokens
+        return result
 
 
 class BatchInterrupted(Exception):

@@ -11,16 +11,16 @@ import signal
 import sys
 import time
 
-from cbatch.cli.batch_run import BatchInterrupted, RunSummary, run_batch
+from cbatch.cli.batch_run import BatchInterrupted, EmbeddingTally, RunSummary, run_batch
 from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
 from cbatch.cli.line_keys import LineSelector, native_id, openai_id
 from cbatch.cli.native_batch import NativeLine
 from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
 from cbatch.cli.resume import prepare_resume
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
-from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
-from cbatch.client.http_batch import DEFAULT_REQUEST_TIMEOUT_S
+from cbatch.client.batch_retry import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_FOR_S, Patience, call_held
 from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
+from cbatch.extras import URL, URL_MODULES, check_extra
 from cbatch.wording import counted
 
 PROG = "cbatch-submit"
@@ -126,6 +126,7 @@ def run_file(client, numbered_items, done_keys: set[str], num_lines: int | None,
         patience = Patience(retry_for_s)
         stream_batch = functools.partial(client.stream_batch, patience=patience)
         embed = functools.partial(_held_embeddings, client, patience)
+    embed = EmbeddingTally(embed)
     if is_openai:  # `model` follows the HTTP API's rule: a name the daemon serves
         # An HTTP endpoint's names (and a cbatch one's thinking tags) are in its /v1/models
         # listing, and it takes tools itself; a daemon's are in its health reply, and tools
@@ -142,7 +143,8 @@ def run_file(client, numbered_items, done_keys: set[str], num_lines: int | None,
     else:  # over HTTP a line is checked here as the daemon would: a server may ignore what it does not know
         make_line, noun = functools.partial(NativeLine, checks_bodies=is_http), "line"
     summary = run_batch(stream_batch, items, make_line, out, max_in_flight, num_left)
-    return dataclasses.replace(summary, num_skipped=selector.num_skipped), noun
+    return dataclasses.replace(summary, num_skipped=selector.num_skipped, num_embedded=embed.num_inputs,
+                               num_embedding_tokens=embed.num_prompt_tokens), noun
 
 
 def _held_embeddings(client, patience: Patience, inputs, dimensions=None):
@@ -227,6 +229,11 @@ def main(argv=None) -> None:
     if args.resume and not args.output:
         parser.error("--resume needs -o/--output")
     check_transport_flags(parser, args)
+    if args.url:
+        try:
+            check_extra(URL, URL_MODULES, f"{PROG} --url")
+        except CbatchError as err:
+            exit_with(PROG, err.message, EXIT_USAGE)
     num_lines, lines = open_input(args.prompts)
     try:  # first: the output of an earlier run is not emptied when no daemon answers
         client = connect(args)

@@ -1,155 +1,60 @@
-"""cbatch-worker: the daemon (a front-end, the decode worker and, with --http, the HTTP server)."""
+"""cbatch-worker: the daemon (a front-end, the decode worker and, with --http, the HTTP server).
 
-import argparse
-import logging
+This module imports next to nothing before main() runs: from main's first line, a Ctrl-C
+(or a SIGTERM) while the daemon parses its flags and imports itself (seconds) ends it
+with one line; the daemon's own handlers take over before it creates anything.
+"""
+
 import sys
 
-from cbatch.cli.common import add_version, exit_with
-from cbatch.config import POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
-from cbatch.errors import EXIT_FAILED, INVALID_CONFIG, CbatchError
+from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, CbatchError
 
-ENGINE = EngineConfig()  # the defaults the flags show
-DAEMON = DaemonConfig(ENGINE, endpoint="ipc://unused")
-
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cbatch-worker", description="Serve one GGUF model to many clients.")
-    add_version(parser)
-    add = parser.add_argument
-    add("-m", "--model", help="GGUF file (default: the embedded gemma-3-270m)")
-    add("-np", "--parallel", type=int, default=ENGINE.parallel,
-        help=f"sequences decoded together (default {ENGINE.parallel})")
-    add("-c", "--ctx-size", type=int, default=ENGINE.ctx_size, help="total context for all sequences (default 4096 each)")
-    add("-b", "--batch-size", type=int, default=ENGINE.batch_size,
-        help=f"tokens per decode step (default {ENGINE.batch_size})")
-    add("-t", "--threads", type=int, default=ENGINE.threads, help="CPU threads (default: the CPUs this daemon may run on, from its affinity mask)")
-    add("-ngl", "--n-gpu-layers", type=int, default=None,
-        help="layers to offload to a GPU (default -1: all of them on a GPU build)")
-    add("--interactive-timeout", type=float, default=0.0, metavar="S",
-        help="seconds an interactive request that sets no timeout may take, queued and running (default 0: no limit)")
-    add("--batch-timeout", type=float, default=0.0, metavar="S",
-        help="seconds a batch-priority request that sets no timeout may take (default 0: no limit)")
-    add("--alias", action="append", default=[], metavar="NAME",
-        help="another name the model answers to over HTTP and in batch files, beside its file's name (repeatable)")
-    add("--max-queue", type=int, default=ENGINE.max_queue, metavar="N",
-        help=f"interactive requests waiting beyond --parallel; more get queue_full (default {ENGINE.max_queue})")
-    add("--max-batch-queue", type=int, default=None, metavar="N",
-        help="batch-priority requests waiting beyond --parallel, a room of their own: a batch load never fills "
-             "--max-queue (default: as --max-queue)")
-    add("--kv-unified", action=argparse.BooleanOptionalAction, default=ENGINE.kv_unified,
-        help="one KV pool shared by all sequences, or one stream per sequence (default)")
-    add("--prefix-cache", action=argparse.BooleanOptionalAction, default=ENGINE.prefix_cache,
-        help="reuse the KV of cached prompt prefixes (default on)")
-    add("--preempt-batch", action=argparse.BooleanOptionalAction, default=ENGINE.preempt_batch,
-        help="an interactive request that finds every slot taken preempts a running batch-priority one, which "
-             "resumes later with the same output (default on)")
-    add("--pooling", choices=POOLING_NAMES, default=ENGINE.pooling,
-        help=f"embedding pooling for a model whose GGUF declares none, a causal LM (default {ENGINE.pooling})")
-    add("--cache-tokens", type=int, default=ENGINE.cache_tokens,
-        help="unified pool: KV cells kept for finished requests' prefixes (default: one sequence's context)")
-    add("--backend-sampling", action=argparse.BooleanOptionalAction, default=ENGINE.backend_sampling,
-        help="sample inside llama.cpp's graph when a request allows (default: on a GPU build only)")
-    add("--overlap", action=argparse.BooleanOptionalAction, default=ENGINE.overlap,
-        help="decode step N+1 while step N's text is made and published (default: on when layers are "
-             "offloaded to a GPU, off on a CPU)")
-    add("--reasoning", choices=("auto", "off"), default=ENGINE.reasoning,
-        help="split a thinking model's <think>...</think> into reasoning_content over HTTP: auto (default: when the "
-             "chat template mentions <think>, or --reasoning-tags is given) or off")
-    add("--reasoning-tags", nargs=2, default=None, metavar=("OPEN", "CLOSE"),
-        help="the tags the model thinks in, when its chat template does not tell (e.g. '<think>' '</think>')")
-    add("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
-    add("--ring-capacity", type=int, default=DAEMON.ring_capacity, help="token ring records (power of two)")
-    add("--drain-grace", type=float, default=DAEMON.drain_grace_s, help="seconds in-flight requests get on SIGTERM")
-    add("--retention", type=float, default=DAEMON.retention_s,
-        help=f"seconds a finished request's tokens stay fetchable by a reader the ring lapped "
-             f"(default {DAEMON.retention_s:g})")
-    add("--reconnect-grace", type=float, default=DAEMON.reconnect_grace_s,
-        help=f"seconds a client whose connection died keeps its requests, to come back and get what they produced "
-             f"(default {DAEMON.reconnect_grace_s:g}; 0 = cancel them at once)")
-    add("--worker-timeout", type=float, default=DAEMON.worker_timeout_s,
-        help="seconds without a step before the decode worker is restarted (0 = never)")
-    add("--progress-interval", type=float, default=DAEMON.progress_interval_s,
-        help=f"seconds between progress lines in the log while requests are in flight "
-             f"(default {DAEMON.progress_interval_s:g})")
-    add("-q", "--quiet", action="store_true", help="no progress lines")
-    add("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
-    add("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
-    add("--curve-clients", default="", help="directory of client public certificates allowed in")
-    add("--http", default="", metavar="[HOST:]PORT", help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
-    add("--api-key", default="", metavar="KEY",
-        help="HTTP callers must send 'Authorization: Bearer KEY' (needed when --http listens beyond loopback)")
-    add("--api-key-file", default="", metavar="PATH", help="read the --api-key from this file (kept out of ps)")
-    add("--http-processes", type=int, default=0, metavar="N",
-        help="HTTP server processes sharing the --http port (default: one per 8 CPUs this daemon may use, 1 to 4)")
-    return parser
-
-
-def _api_key(args) -> str:
-    if not args.api_key_file:
-        return args.api_key
-    try:
-        with open(args.api_key_file) as key_file:
-            return key_file.read().strip()
-    except OSError as err:
-        raise CbatchError(INVALID_CONFIG, f"cannot read --api-key-file {args.api_key_file}: {err.strerror}") from None
-
-
-def config_from_args(args: argparse.Namespace) -> DaemonConfig:
-    """Raises CbatchError(INVALID_CONFIG) naming the flag to change."""
-    engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
-                          batch_size=args.batch_size, threads=args.threads,
-                          n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
-                          max_queue=args.max_queue, max_batch_queue=args.max_batch_queue,
-                          kv_unified=args.kv_unified, prefix_cache=args.prefix_cache, preempt_batch=args.preempt_batch,
-                          cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
-                          overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
-                          reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None)
-    return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
-                        drain_grace_s=args.drain_grace, retention_s=args.retention,
-                        reconnect_grace_s=args.reconnect_grace, worker_timeout_s=args.worker_timeout,
-                        allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,
-                        curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
-                        http_address=parse_http_address(args.http) if args.http else None,
-                        http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
-                        interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
-
-
-def warn_if_no_gpu(args: argparse.Namespace) -> None:
-    """-ngl asks for GPU layers; a CPU build of llama.cpp runs every layer on the CPU all
-    the same, which the caller should hear rather than find out from the speed."""
-    if args.n_gpu_layers is None or args.n_gpu_layers == 0:
-        return
-    import llama_cpp
-
-    if not llama_cpp.llama_supports_gpu_offload():
-        logging.getLogger("cbatch.daemon").warning(
-            "cbatch-worker: warning: -ngl %d has no effect: this llama.cpp build has no GPU support, so every "
-            "layer runs on the CPU", args.n_gpu_layers)
+PROG = "cbatch-worker"
 
 
 def main(argv=None) -> None:
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from cbatch.workers.daemon.endpoint_lock import lock_endpoint, release_endpoint
-
+    config = lock_fd = None
     try:
-        config = config_from_args(args)
-    except CbatchError as err:
-        parser.error(err.message)
-    try:  # before the seconds of importing the rest: a client started beside this one waits for it
-        lock_fd = lock_endpoint(config.endpoint)
-    except CbatchError as err:
-        exit_with("cbatch-worker", err.message, EXIT_FAILED)
-    from cbatch.workers.daemon.http_manager import listen_http
-    from cbatch.workers.daemon.supervisor import run_daemon
+        import signal
 
-    warn_if_no_gpu(args)
-    # Bound before the model loads, so a taken port ends the daemon at once, as a taken
-    # endpoint does (exit 1: cannot serve); the HTTP server processes serve this socket.
-    try:
-        http_socket = listen_http(*config.http_address) if config.http_address else None
-    except CbatchError as err:
-        release_endpoint(config.endpoint, lock_fd)
-        exit_with("cbatch-worker", err.message, EXIT_FAILED)
-    sys.exit(run_daemon(config, http_socket, lock_fd))
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop while it starts, as Ctrl-C
+        import logging
+
+        from cbatch.cli.common import exit_with
+        from cbatch.cli.worker_flags import config_from_args, make_parser, warn_if_no_gpu
+        from cbatch.extras import DEFAULT_MODEL_MODULE, SERVER, SERVER_MODULES, check_extra
+        from cbatch.workers.daemon.endpoint_lock import lock_endpoint, release_endpoint
+
+        parser = make_parser()
+        args = parser.parse_args(argv)
+        try:  # `pip install cbatch` is the client alone
+            check_extra(SERVER, (*SERVER_MODULES, *(() if args.model else (DEFAULT_MODEL_MODULE,))), "the daemon")
+        except CbatchError as err:
+            exit_with(PROG, err.message, EXIT_USAGE)
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        try:
+            config = config_from_args(args)
+        except CbatchError as err:
+            parser.error(err.message)
+        try:  # before the seconds of importing the rest: a client started beside this one waits for it
+            lock_fd = lock_endpoint(config.endpoint)
+        except CbatchError as err:
+            exit_with(PROG, err.message, EXIT_FAILED)
+        from cbatch.workers.daemon.http_manager import listen_http
+        from cbatch.workers.daemon.supervisor import run_daemon
+
+        warn_if_no_gpu(args)
+        # Bound before the model loads, so a taken port ends the daemon at once, as a taken
+        # endpoint does (exit 1: cannot serve); the HTTP server processes serve this socket.
+        try:
+            http_socket = listen_http(*config.http_address) if config.http_address else None
+        except CbatchError as err:
+            release_endpoint(config.endpoint, lock_fd)
+            exit_with(PROG, err.message, EXIT_FAILED)
+        # It sets its own handlers first; from then on, it removes what it made.
+        sys.exit(run_daemon(config, http_socket, lock_fd))
+    except KeyboardInterrupt:
+        if lock_fd is not None:
+            release_endpoint(config.endpoint, lock_fd)
+        print(f"{PROG}: stopped while starting", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)

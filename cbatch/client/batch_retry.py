@@ -23,6 +23,11 @@ TRANSIENT_CODES = frozenset({SHUTTING_DOWN, WORKER_RESTARTED, QUEUE_FULL, UNAVAI
 INITIAL_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 8.0
 DEFAULT_RETRY_FOR_S = 300.0
+# Over HTTP (http_batch.py), the longest one try of a request may take (a non-streamed
+# completion is answered whole, so this bounds the generation too); one that outlasts it is
+# a transient failure. Here, beside the other retry settings, so that cbatch-submit tells
+# it without importing the HTTP client (the `url` extra).
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 def is_transient(error) -> bool:

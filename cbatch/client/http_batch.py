@@ -21,15 +21,12 @@ import httpx
 
 from cbatch.client.base import Embeddings
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
-from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, MAX_BACKOFF_S, Patience, Tries
+from cbatch.client.batch_retry import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_FOR_S, MAX_BACKOFF_S, Patience, Tries
 from cbatch.client.openai_wire import chunk_from_response, error_from_response, http_request
 from cbatch.client.streams import Chunk, RequestStream
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, UNAVAILABLE
 
 CONNECT_TIMEOUT_S = 10.0
-# The longest one try of a request may take (a non-streamed completion is answered whole,
-# so this bounds the generation too); one that outlasts it is a transient failure.
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
 MAX_MODELS_WAIT_S = 30.0  # for the listing GET /models asked first: the endpoint's first answer
 # A 500 other than a failed decode (decode_failed: the line's result) is sent again this
 # many times, as the openai package does, before it is the line's result: a router answers

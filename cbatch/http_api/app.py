@@ -74,7 +74,7 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     except CbatchError as err:
         return state.error(endpoint, err)
     state.num_in_flight += 1
-    gen = Generation(state, api, endpoint)
+    gen = Generation(state, api, endpoint, is_cancel_an_error=kind != RESPONSES)
     is_streaming_out = False
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:

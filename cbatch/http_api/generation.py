@@ -9,11 +9,12 @@ chunk, and llama-server and vLLM send them so too).
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 
 from cbatch.client.streams import merge_chunks
-from cbatch.errors import CbatchError
+from cbatch.errors import SHUTTING_DOWN, UNAVAILABLE, CbatchError
 from cbatch.http_api.metrics import TokenTimer
 from cbatch.http_api.openai_mapping import CHAT, ApiRequest, error_body, error_status
 from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse
@@ -25,8 +26,12 @@ def sse(obj) -> bytes:
 
 
 class Generation:
-    def __init__(self, state: HttpState, api: ApiRequest, endpoint: str):
+    def __init__(self, state: HttpState, api: ApiRequest, endpoint: str, is_cancel_an_error: bool = True):
+        """`is_cancel_an_error`: a choice the daemon cancelled ends the request with an error,
+        for the APIs that have no such ending (chat and completions; the Responses API has
+        its own `cancelled` status)."""
         self.state, self.api, self.endpoint = state, api, endpoint
+        self.is_cancel_an_error = is_cancel_an_error
         self.builder = ResponseBuilder(api, state.fingerprint)
         self.rounds = state.client.stream_batch_rounds([{**b, "id": i} for i, b in enumerate(api.bodies)],
                                                        max_in_flight=len(api.bodies))
@@ -49,12 +54,23 @@ class Generation:
                 self._error = item
                 break
             self.timers[choice].on_tokens(len(item.token_ids), now_s)
+            if item.finish_reason == "cancelled" and self.is_cancel_an_error:
+                chunks_by_choice.setdefault(choice, []).append(dataclasses.replace(item, finish_reason=None))
+                self._error = self._cancelled_error()
+                break
             chunks_by_choice.setdefault(choice, []).append(item)
             if item.finish_reason:
                 self._on_finished(choice, item)
         if not chunks_by_choice and self._error is not None:
             raise self._error
         return [(choice, merge_chunks(chunks)) for choice, chunks in chunks_by_choice.items()]
+
+    def _cancelled_error(self) -> CbatchError:
+        """The daemon cancels a running request when its drain's grace period is over (this
+        server was told to drain then), or when this server read too slowly to keep up."""
+        if self.state.is_draining:
+            return CbatchError(SHUTTING_DOWN, "the daemon shut down before the request finished; send it again")
+        return CbatchError(UNAVAILABLE, "the daemon cancelled the request before it finished; send it again")
 
     def _on_finished(self, choice: int, chunk) -> None:
         self.usages[choice] = chunk.usage

@@ -16,22 +16,31 @@ disable_created_metrics()  # no *_created series: they double the text and no da
 # Latency buckets in seconds: tokens come every few ms on a GPU, every 10-100 ms on a CPU.
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-# STATS key -> (metric name, help, is_counter)
-_DAEMON_STATS = {
-    "num_queued": ("cbatch_queue_depth", "Requests waiting for a sequence slot", False),
-    "num_active": ("cbatch_active_sequences", "Sequences being decoded", False),
-    "parallel": ("cbatch_parallel", "Sequence slots", False),
-    "num_steps": ("cbatch_decode_steps", "Decode steps (one llama_decode each) since the worker started", True),
-    "num_requests_ended": ("cbatch_daemon_requests_ended", "Requests the daemon ended (any outcome), all clients", True),
-    "prompt_tokens_computed": ("cbatch_prompt_tokens_computed", "Prompt tokens computed (not served by the prefix cache)", True),
-    "prompt_tokens_reused": ("cbatch_prompt_tokens_reused", "Prompt tokens reused from the prefix cache", True),
-    "num_preemptions": ("cbatch_preemptions", "Running sequences sent back to the queue (for an interactive request, or for KV room)", True),
-    "kv_cells_used": ("cbatch_kv_cells_used", "KV cells in use (a shared cell once)", False),
-    "kv_cells_total": ("cbatch_kv_cells_total", "KV cells in the context", False),
-    "decode_tokens_per_s": ("cbatch_decode_tokens_per_second", "Generated tokens per second of decode steps", False),
-    "num_embedding_decodes": ("cbatch_embedding_decodes", "Embedding decodes (the inputs of several callers share one)", True),
-    "num_embedding_inputs": ("cbatch_embedding_inputs", "Inputs embedded, all clients", True),
+# STATS key -> (metric name, help), the figures that go up and down
+_DAEMON_GAUGES = {
+    "num_queued": ("cbatch_queue_depth", "Requests waiting for a sequence slot"),
+    "num_active": ("cbatch_active_sequences", "Sequences being decoded"),
+    "parallel": ("cbatch_parallel", "Sequence slots"),
+    "kv_cells_used": ("cbatch_kv_cells_used", "KV cells in use (a shared cell once)"),
+    "kv_cells_total": ("cbatch_kv_cells_total", "KV cells in the context"),
+    "decode_tokens_per_s": ("cbatch_decode_tokens_per_second", "Generated tokens per second of decode steps"),
 }
+# ... and the counts since the worker started
+_DAEMON_COUNTERS = {
+    "num_steps": ("cbatch_decode_steps", "Decode steps (one llama_decode each) since the worker started"),
+    "num_requests_ended": ("cbatch_daemon_requests_ended", "Requests the daemon ended (any outcome), all clients"),
+    "prompt_tokens_computed": ("cbatch_prompt_tokens_computed", "Prompt tokens computed (not served by the prefix cache)"),
+    "prompt_tokens_reused": ("cbatch_prompt_tokens_reused", "Prompt tokens reused from the prefix cache"),
+    "num_preemptions": ("cbatch_preemptions", "Running sequences sent back to the queue (for an interactive request, or for KV room)"),
+    "num_embedding_decodes": ("cbatch_embedding_decodes", "Embedding decodes (the inputs of several callers share one)"),
+    "num_embedding_inputs": ("cbatch_embedding_inputs", "Inputs embedded, all clients"),
+}
+
+
+def _one_value(family_class, name: str, help_text: str, value: float):
+    family = family_class(name, help_text)
+    family.add_metric([], float(value))
+    return family
 
 
 class _DaemonStats:
@@ -41,13 +50,10 @@ class _DaemonStats:
         self.stats: dict = {}
 
     def collect(self):
-        for key, (name, help_text, is_counter) in _DAEMON_STATS.items():
-            value = self.stats.get(key)
-            if value is None:
-                continue
-            family = CounterMetricFamily(name, help_text) if is_counter else GaugeMetricFamily(name, help_text)
-            family.add_metric([], float(value))
-            yield family
+        for family_class, table in ((GaugeMetricFamily, _DAEMON_GAUGES), (CounterMetricFamily, _DAEMON_COUNTERS)):
+            for key, (name, help_text) in table.items():
+                if self.stats.get(key) is not None:
+                    yield _one_value(family_class, name, help_text, self.stats[key])
         yield from router_gauges(self.stats)
 
 
@@ -65,9 +71,7 @@ def router_gauges(stats: dict):
             ("vllm:num_requests_running", "Requests being decoded", stats["num_active"]),
             ("vllm:num_requests_waiting", "Requests waiting for a sequence slot", stats["num_queued"]),
             ("vllm:kv_cache_usage_perc", "Fraction of KV cache cells in use (0 to 1)", kv_cache_usage(stats))):
-        family = GaugeMetricFamily(name, help_text)
-        family.add_metric([], float(value))
-        yield family
+        yield _one_value(GaugeMetricFamily, name, help_text, value)
 
 
 class HttpMetrics:

@@ -14,6 +14,7 @@ from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERN
                            NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
                            WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
+from cbatch.extras import SERVER, check_extra
 from cbatch.http_api.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
@@ -28,20 +29,15 @@ MAX_CHOICES_PER_REQUEST = 256
 PASSTHROUGH_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                       "repeat_penalty", "seed", "ignore_eos", "min_tokens", "logit_bias", "grammar", "priority", "timeout")
 # cbatch error code -> (HTTP status, OpenAI error type)
-_STATUS = {
-    INVALID_REQUEST: (400, "invalid_request_error"),
-    PROMPT_TOO_LONG: (400, "invalid_request_error"),
-    MODEL_EMBEDS_ONLY: (400, "invalid_request_error"),
-    NOT_FOUND: (404, "invalid_request_error"),
-    DEADLINE_EXCEEDED: (408, "timeout_error"),
-    UNAUTHORIZED: (401, "authentication_error"),
-    QUEUE_FULL: (429, "rate_limit_error"),
-    SHUTTING_DOWN: (503, "service_unavailable"),
-    UNAVAILABLE: (503, "service_unavailable"),
-    WORKER_RESTARTED: (503, "service_unavailable"),
-    DECODE_FAILED: (500, "server_error"),
-    INTERNAL: (500, "server_error"),
-}
+_STATUS = {code: status for codes, status in (
+    ((INVALID_REQUEST, PROMPT_TOO_LONG, MODEL_EMBEDS_ONLY), (400, "invalid_request_error")),
+    ((NOT_FOUND,), (404, "invalid_request_error")),
+    ((DEADLINE_EXCEEDED,), (408, "timeout_error")),
+    ((UNAUTHORIZED,), (401, "authentication_error")),
+    ((QUEUE_FULL,), (429, "rate_limit_error")),
+    ((SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED), (503, "service_unavailable")),
+    ((DECODE_FAILED, INTERNAL), (500, "server_error")),
+) for code in codes}
 _LEADING_NAME = re.compile(r"^([a-z_]+)")
 
 
@@ -79,6 +75,7 @@ class ApiRequest:
 
 def _grammar_of(response_format) -> str | None:
     """response_format -> GBNF (a JSON schema's through cbatch.tools.schema_grammar)."""
+    check_extra(SERVER, ("llama_cpp",), "a response_format's grammar")
     from llama_cpp import llama_grammar
 
     if not isinstance(response_format, dict):

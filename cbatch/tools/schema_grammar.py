@@ -21,6 +21,7 @@ import math
 import re
 
 from cbatch.errors import CbatchError
+from cbatch.extras import SERVER, check_extra
 from cbatch.gbnf import MAX_GRAMMAR_NESTING, MAX_GRAMMAR_REPETITIONS, MAX_REPETITION_BOUND, grammar_nesting
 from cbatch.params import MAX_GRAMMAR_CHARS, invalid
 MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum
@@ -129,6 +130,7 @@ def _repeated(item: str, low: int, high: int | None) -> str:
 def _converter_class():
     """Made on first use: llama_cpp loads the llama.cpp library, which clients that never
     convert a schema should not load."""
+    check_extra(SERVER, ("llama_cpp",), "a JSON schema's grammar (a forced tool call, a json_schema response format)")
     from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, BuiltinRule, SchemaConverter
 
     class BoundedConverter(SchemaConverter):

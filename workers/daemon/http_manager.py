@@ -25,6 +25,7 @@ import time
 from cbatch.config import runtime_dir
 from cbatch.http_api.auth import API_KEY_ENV
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE
+from cbatch.workers.daemon.stop_signals import children_ignore_sigint
 
 log = logging.getLogger("cbatch.daemon.http")
 
@@ -113,8 +114,9 @@ class HttpProcess:
         self._started_s, self._died_s = time.monotonic(), None
         fd = self.sock.fileno()
         names = [arg for name in self.model_names for arg in ("--model-id", name)]
-        self.process = subprocess.Popen([sys.executable, "-m", "cbatch.http_api.app", "--endpoint", self.endpoint,
-                                         "--fd", str(fd), *names], pass_fds=(fd,), env=self.env)
+        with children_ignore_sigint():
+            self.process = subprocess.Popen([sys.executable, "-m", "cbatch.http_api.app", "--endpoint", self.endpoint,
+                                             "--fd", str(fd), *names], pass_fds=(fd,), env=self.env)
         log.info("cbatch http: serving http://%s:%d (server %d, pid %d)", self.host, self.port, self.number,
                  self.process.pid)
 

@@ -32,6 +32,7 @@ from cbatch.workers.daemon.leftovers import remove_leftovers
 from cbatch.ipc.worker_messages import WorkerStop
 from cbatch.workers.daemon.progress import ProgressLog
 from cbatch.workers.daemon.quarantine import QUARANTINED_MESSAGE
+from cbatch.workers.daemon.stop_signals import StopSignals, children_ignore_sigint
 from cbatch.workers.daemon.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.daemon")
@@ -98,7 +99,8 @@ class Supervisor:
         plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
         self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
         self.worker_link.expect(self._generation)
-        self.worker.start()
+        with children_ignore_sigint():
+            self.worker.start()
 
     def _recreate_ring(self) -> None:
         """The segment was removed, so the new worker could not attach it. The new one's name
@@ -265,6 +267,7 @@ def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None, l
     """Serve until SIGTERM/SIGINT; return the process exit code. `http_socket`, bound by
     the caller, is served by the OpenAI-compatible HTTP server; `lock_fd` is the endpoint's
     lock when the caller took it (endpoint_lock.py), released here."""
+    stop_signals = StopSignals()  # first: a stop while it starts still removes what it made
     raise_open_file_limit()
     warn_if_too_few_descriptors(config)
     supervisor = None
@@ -276,12 +279,7 @@ def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None, l
         if removed:
             log.info("removed %s left by daemons that are no longer running", counted(len(removed), "file"))
         supervisor = Supervisor(config, http_socket)
-
-        def request_stop(signum, frame):
-            supervisor.stop_requested = True
-
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+        stop_signals.notify(supervisor)
         supervisor.serve()
         log.info("cbatch-worker stopped")
         return EXIT_OK
@@ -292,8 +290,4 @@ def run_daemon(config: DaemonConfig, http_socket: socket.socket | None = None, l
         if supervisor is not None:
             supervisor.close()
         release_endpoint(config.endpoint, lock_fd)
-        # Everything is cleaned up: a repeated stop signal must not turn the exit code into
-        # "killed by SIGTERM" while the interpreter shuts down (it restores the default
-        # handler of a signal that has a Python one, but not of an ignored signal).
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop_signals.ignore()

@@ -1,0 +1,57 @@
+"""SIGTERM and SIGINT in the daemon's main process, from its first moment to its last.
+
+A terminal's Ctrl-C goes to the whole process group: the daemon and every process it
+started. Only the daemon acts on it (it drains, then stops the others), so a child must
+never see it, not even while it imports itself, before its own code could ignore it:
+children are started with SIGINT ignored and blocked, which they inherit across exec
+(Python keeps an ignored SIGINT ignored). The daemon's own handlers are set before it
+creates anything it must remove (the ring, its sockets), so a stop that comes while it
+starts is a stop like any other, and never an exception that skips the clean-up.
+"""
+
+import contextlib
+import signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Around starting a child process. A SIGINT that comes meanwhile waits, blocked (Linux
+    keeps a blocked signal pending even while it is ignored), and reaches this process's
+    handler when the block ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+class StopSignals:
+    """Set on creation: every stop signal from then on is recorded, and handed to whoever
+    serves (`notify`, an object with a `stop_requested` flag) once there is one."""
+
+    def __init__(self):
+        self.is_received = False
+        self._notified = None
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.is_received = True
+        if self._notified is not None:
+            self._notified.stop_requested = True
+
+    def notify(self, served) -> None:
+        self._notified = served
+        served.stop_requested = served.stop_requested or self.is_received
+
+    @staticmethod
+    def ignore() -> None:
+        """Everything is cleaned up: a repeated stop signal must not turn the exit code into
+        "killed by SIGTERM" while the interpreter shuts down (it restores the default
+        handler of a signal that has a Python one, but not of an ignored signal)."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
