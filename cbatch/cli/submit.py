@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from cbatch.cli.batch_run import BatchInterrupted, RunSummary, run_batch
+from cbatch.cli.batch_run import BatchInterrupted, InOrderWriter, RunSummary, run_batch
 from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
 from cbatch.cli.line_keys import LineSelector, native_id, openai_id
 from cbatch.cli.native_batch import NativeLine
@@ -141,7 +141,7 @@ def run_file(client, numbered_items, done_keys: set[str], num_lines: int | None,
         noun = "OpenAI batch line"
     else:  # over HTTP a line is checked here as the daemon would: a server may ignore what it does not know
         make_line, noun = functools.partial(NativeLine, checks_bodies=is_http), "line"
-    summary = run_batch(stream_batch, items, make_line, out, max_in_flight, num_left)
+    summary = run_batch(stream_batch, items, make_line, InOrderWriter(out), max_in_flight, num_left)
     return dataclasses.replace(summary, num_skipped=selector.num_skipped), noun
 
 
