@@ -46,12 +46,14 @@ async def _upload(store: BatchStore, request: Request) -> Response:
         form = await request.form(max_files=1, max_fields=16)
     except Exception as err:  # Starlette's own refusals of a malformed form (its exception types vary by version)
         raise CbatchError(INVALID_REQUEST, f"the body must be a multipart form with `file` and `purpose`: {err}") from None
-    async with form:
+    try:
         upload, purpose = form.get("file"), form.get("purpose")
         if upload is None or isinstance(upload, str) or not isinstance(purpose, str):
             raise CbatchError(INVALID_REQUEST, "the form needs a `file` and a `purpose`")
         return json_response(await run_in_threadpool(store.files.upload, upload.file, upload.filename or "upload.jsonl",
                                                      purpose))
+    finally:
+        await form.close()  # the upload's spooled copy
 
 
 async def _files(store: BatchStore, request: Request) -> Response:

@@ -127,13 +127,7 @@ class JobRun:
         counts = {"total": self.batch["request_counts"]["total"], "completed": results.total_completed,
                   "failed": results.total_failed}
         if os.path.exists(self.input_path):
-            unanswered = None
-            if status == EXPIRED:
-                def unanswered(custom_id):
-                    counts["failed"] += 1
-                    return {"id": f"batch_req_{uuid.uuid4().hex}",
-                            "custom_id": custom_id, "response": None, "error": EXPIRED_ERROR}
-            file_ids = self._write_files(unanswered)
+            file_ids = self._write_files(functools.partial(self._expired_line, counts) if status == EXPIRED else None)
         else:
             file_ids = {"output_file_id": None, "error_file_id": None}
         ended = {COMPLETED: "completed_at", CANCELLED: "cancelled_at", EXPIRED: "expired_at"}[status]
@@ -141,6 +135,13 @@ class JobRun:
         log.info("cbatch jobs: %s %s (%d completed, %d failed)", batch_id, status, counts["completed"],
                  counts["failed"])
         return True
+
+    @staticmethod
+    def _expired_line(counts: dict, custom_id) -> dict:
+        """The error line of a request the window ended before it was answered (counted failed)."""
+        counts["failed"] += 1
+        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+                "error": EXPIRED_ERROR}
 
     def _write_files(self, unanswered) -> dict:
         batch_id, files = self.batch["id"], self.store.files
