@@ -131,6 +131,8 @@ class JobRun:
         else:
             file_ids = {"output_file_id": None, "error_file_id": None}
         ended = {COMPLETED: "completed_at", CANCELLED: "cancelled_at", EXPIRED: "expired_at"}[status]
+        if status == CANCELLED:
+            file_ids["cancelling_at"] = self.store.cancel_asked_at(batch_id)
         self._save(status=status, request_counts=counts, **file_ids, **{ended: now})
         log.info("cbatch jobs: %s %s (%d completed, %d failed)", batch_id, status, counts["completed"],
                  counts["failed"])
