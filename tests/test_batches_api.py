@@ -5,11 +5,15 @@ loses no line and answers none twice."""
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 
 import openai
 import pytest
 
+from conftest import REPO
 from daemonkit import serve_module, wait_until
 from httpkit import HttpDaemon
 
@@ -181,3 +185,16 @@ def test_a_killed_decode_worker_leaves_no_error_line(start_http_daemon, tiny_too
     assert [o["custom_id"] for o in _lines(api, batch.output_file_id)] == ids
     with daemon.client() as client:
         assert client.health()["worker_pid"] not in (0, worker_pid)
+
+
+DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_batches_api.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+
+
+def test_the_docs_example_runs_as_printed(daemon):
+    """docs/batch-files.md's example, with this test's port for 8000."""
+    (_, command), (_, code) = DOCS_EXAMPLE.findall((REPO / "docs" / "batch-files.md").read_text())
+    assert "--http 8000" in command
+    out = subprocess.run([sys.executable, "-c", code.replace("8000", str(daemon.port))], capture_output=True,
+                         text=True, timeout=600, check=True).stdout.splitlines()
+    assert out[0] == "completed 2 0"
+    assert [line.split(" ")[0] for line in out[1:]] == ["q0", "q1"]
