@@ -77,8 +77,9 @@ class Daemon:
         return code
 
     def leftovers(self) -> list[str]:
-        """Files the daemon left in its directories (the per-user runtime dir itself may stay)."""
-        found = [p.name for p in self.workdir.iterdir() if p.name not in ("daemon.log", "run")]
+        """Files the daemon left in its directories (the per-user runtime dir itself may stay;
+        the state directory is kept on purpose: its jobs outlive the daemon)."""
+        found = [p.name for p in self.workdir.iterdir() if p.name not in ("daemon.log", "run", "state")]
         found += [q.name for p in self.runtime_dir.iterdir() for q in p.iterdir()]
         return found
 

@@ -153,3 +153,11 @@ def _lock_is_held(socket_path: Path) -> bool:
     from cbatch.client.base import _is_daemon_starting
 
     return _is_daemon_starting(str(socket_path))
+
+
+def test_a_state_dir_that_cannot_be_written_fails_the_start(tiny_model_path, workdir):
+    (workdir / "a-file").write_text("")
+    daemon = run_worker(workdir, tiny_model_path, "--http", "0", "--state-dir", str(workdir / "a-file" / "state"))
+    assert daemon.returncode == 2 and "Traceback" not in daemon.stderr, daemon.stderr
+    assert f"cannot write the state directory {workdir / 'a-file' / 'state'}" in daemon.stderr
+    assert "pass another --state-dir" in daemon.stderr
