@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from conftest import REPO
-from daemonkit import serve_module, wait_until
+from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
 
 JOB_TIMEOUT_S = 180.0
@@ -198,3 +198,22 @@ def test_the_docs_example_runs_as_printed(daemon):
                          text=True, timeout=600, check=True).stdout.splitlines()
     assert out[0] == "completed 2 0"
     assert [line.split(" ")[0] for line in out[1:]] == ["q0", "q1"]
+
+
+def test_cbatch_submit_detaches_a_file_and_waits_for_its_job(daemon, api, tmp_path):
+    lines = [_line(f"r{i}", {"model": "m", "prompt": p, **GREEDY}) for i, p in enumerate(["a", "b", "c"])]
+    (tmp_path / "in.jsonl").write_text("\n".join([*lines, _line("bad", {"model": "m", "prompt": "x", "n": 0})]) + "\n")
+    url = ["--url", f"{daemon.base_url}/v1"]
+    submit = [str(SCRIPTS_DIR / "cbatch-submit"), *url]
+    detached = subprocess.run([*submit, "--detach", str(tmp_path / "in.jsonl")], capture_output=True, text=True,
+                              timeout=60)
+    assert detached.returncode == 0, detached.stderr
+    batch_id = detached.stdout.strip()
+    assert api.batches.retrieve(batch_id).endpoint == "/v1/completions"
+    waited = subprocess.run([*submit, "--wait", batch_id, "-o", str(tmp_path / "out.jsonl")], capture_output=True,
+                            text=True, timeout=JOB_TIMEOUT_S)
+    assert waited.returncode == 1, waited.stderr  # a line failed
+    assert f"batch {batch_id} completed: 3 ok, 1 failed of 4" in waited.stderr
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["r0", "r1", "r2", "bad"]  # the output file's lines, then the errors'
+    assert out[3]["response"]["status_code"] == 400

@@ -29,7 +29,8 @@ READY_POLL_S = 0.2  # while the daemon's model loads, before an OpenAI batch fil
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Run a JSONL file of prompts through cbatch-worker.")
-    parser.add_argument("prompts", help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line; - reads stdin")
+    parser.add_argument("prompts", nargs="?",
+                        help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line; - reads stdin")
     parser.add_argument("-o", "--output", help="results JSONL (default: stdout)")
     parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
                         help=f"requests outstanding at once (default {DEFAULT_MAX_IN_FLIGHT})")
@@ -52,6 +53,10 @@ def make_parser() -> argparse.ArgumentParser:
     http.add_argument("--request-timeout", type=float, metavar="SECONDS",
                       help="the longest one try of a request may take before it is sent again "
                            f"(default {DEFAULT_REQUEST_TIMEOUT_S:.0f})")
+    jobs = http.add_mutually_exclusive_group()
+    jobs.add_argument("--detach", action="store_true",
+                      help="hand the OpenAI batch file to the daemon at --url as a batch job and print its id")
+    jobs.add_argument("--wait", metavar="BATCH_ID", help="wait for a batch job to end and write its result lines")
     add_version(parser)
     return parser
 
@@ -184,6 +189,12 @@ def check_transport_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"{', '.join(http)} needs --url")
     if args.url and not args.url.startswith(("http://", "https://")):
         parser.error("--url must start with http:// or https://")
+    if (args.detach or args.wait) and not args.url:
+        parser.error(f"{'--detach' if args.detach else '--wait'} needs --url (the daemon's --http address)")
+    if (args.prompts is None) != bool(args.wait):
+        parser.error("--wait takes no input file" if args.wait else "the input file is required")
+    if args.detach and args.prompts == "-":
+        parser.error("--detach needs a file, not standard input")
     if args.retry_for < 0:
         parser.error("--retry-for must be >= 0")
     if args.request_timeout is not None and args.request_timeout <= 0:
@@ -213,6 +224,26 @@ def connect(args):
                   curve_client_key=args.curve_client_key)
 
 
+def run_job_command(args) -> int:
+    """--detach (prints the job's id) or --wait (writes its lines to -o or stdout)."""
+    from cbatch.cli.detach import JobsClient
+
+    jobs = JobsClient(args.url, api_key(args))
+    try:
+        if args.detach:
+            print(jobs.detach(args.prompts))
+            return EXIT_OK
+        with open(args.output, "w", encoding="utf-8") if args.output else open(sys.stdout.fileno(), "w",
+                                                                               closefd=False) as out:
+            return jobs.wait(args.wait, out)
+    except CbatchError as err:
+        exit_on_error(PROG, err)
+    except OSError as err:
+        exit_with(PROG, f"cannot use {err.filename}: {err.strerror}", EXIT_USAGE)
+    finally:
+        jobs.close()
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -227,6 +258,8 @@ def main(argv=None) -> None:
     if args.resume and not args.output:
         parser.error("--resume needs -o/--output")
     check_transport_flags(parser, args)
+    if args.detach or args.wait:
+        sys.exit(run_job_command(args))
     num_lines, lines = open_input(args.prompts)
     try:  # first: the output of an earlier run is not emptied when no daemon answers
         client = connect(args)
