@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
@@ -217,3 +218,21 @@ def test_cbatch_submit_detaches_a_file_and_waits_for_its_job(daemon, api, tmp_pa
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [o["custom_id"] for o in out] == ["r0", "r1", "r2", "bad"]  # the output file's lines, then the errors'
     assert out[3]["response"]["status_code"] == 400
+
+
+def test_a_job_past_its_window_expires_keeping_its_finished_lines(start_http_daemon, tiny_tools_model_path):
+    args = (tiny_tools_model_path, "--parallel", "2", "--alias", "m")
+    daemon = start_http_daemon(*args)
+    ids, lines = _long_lines(16)
+    batch = _started(daemon.openai(), lines, 2)
+    assert daemon.stop() == 0  # a drain: the job runner stops, its finished lines kept
+    # As if its 24 hours had passed while the daemon was down.
+    path = daemon.workdir / "state" / "cbatch" / "batches" / f"{batch.id}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "expires_at": int(time.time()) - 1}))
+    api = start_http_daemon(*args, workdir=daemon.workdir).openai()
+    batch = _wait_final(api, batch.id)
+    assert batch.status == "expired" and batch.expired_at
+    out, errors = _lines(api, batch.output_file_id), _lines(api, batch.error_file_id)
+    assert 2 <= len(out) == batch.request_counts.completed and len(errors) == batch.request_counts.failed
+    assert sorted(o["custom_id"] for o in out + errors) == sorted(ids)
+    assert all(e["error"]["code"] == "batch_expired" and e["response"] is None for e in errors)

@@ -39,6 +39,7 @@ class Runner:
         self.parent_pid = os.getppid()
         self.is_stopping = False  # SIGTERM, or the daemon is gone
         self.running_id: str | None = None
+        self._ended_ids: set[str] = set()
         self._is_interruptible = False
         self._lock = threading.Lock()
 
@@ -70,9 +71,11 @@ class Runner:
                 self._is_interruptible = False
 
     def _pending_ids(self) -> list[str]:
-        batches = [self.store.stored(batch_id) for batch_id in self.store.ids()]
-        return [batch["id"] for batch in sorted((b for b in batches if b is not None and b["status"] not in
-                                                 FINAL_STATUSES), key=lambda b: (b["created_at"], b["id"]))]
+        """The jobs not ended, oldest first (an ended job never changes: it is not read again)."""
+        batches = [self.store.stored(batch_id) for batch_id in self.store.ids() if batch_id not in self._ended_ids]
+        self._ended_ids.update(b["id"] for b in batches if b is not None and b["status"] in FINAL_STATUSES)
+        return [b["id"] for b in sorted((b for b in batches if b is not None and b["id"] not in self._ended_ids),
+                                        key=lambda b: (b["created_at"], b["id"]))]
 
     def _wait(self, is_done) -> None:
         while not is_done() and not self.is_stopping:
