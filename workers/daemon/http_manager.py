@@ -1,6 +1,7 @@
 """The HTTP server processes as the supervisor sees them: started before the model loads
 (they answer 503 until the daemon is ready), each restarted if it dies, drained with
-SIGTERM when the daemon drains, killed if they linger.
+SIGTERM when the daemon drains, killed if they linger (child_process). Beside them, the
+batch job runner, which runs the jobs they take (cbatch.jobs.runner), kept the same way.
 
 A server (cbatch/http_api/app.py) is a separate process so that its event loop and JSON
 work never delay the front-end's poll loop; it reaches the daemon as any local client
