@@ -105,6 +105,9 @@ def test_bad_lines_land_in_the_error_file(api):
     assert all(e["response"] is None for e in errors[:4])
     assert errors[4]["response"]["status_code"] == 400 and errors[4]["response"]["body"]["error"]["param"] == "temperature"
     assert errors[5]["response"]["status_code"] == 404 and errors[5]["error"] is None
+    assert batch.id in [listed.id for listed in api.batches.list()]
+    with pytest.raises(openai.BadRequestError):  # it has ended
+        api.batches.cancel(batch.id)
 
 
 def test_files_are_listed_retrieved_deleted_and_limited(api):
@@ -128,25 +131,31 @@ def test_files_are_listed_retrieved_deleted_and_limited(api):
 
 def _long_lines(num_lines: int) -> tuple[list[str], list[str]]:
     ids = [f"req-{i}" for i in range(num_lines)]
-    body = {"model": "m", "prompt": "go", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    body = {"model": "m", "prompt": "go", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
     return ids, [_line(i, body) for i in ids]
 
 
 def _started(api, lines: list[str], num_done: int):
     """A batch of `lines`, once `num_done` of them are answered."""
     batch = api.batches.create(input_file_id=_upload(api, lines), endpoint="/v1/completions", completion_window="24h")
-    wait_until(lambda: api.batches.retrieve(batch.id).request_counts.completed >= num_done, JOB_TIMEOUT_S, poll_s=0.1)
+    wait_until(lambda: api.batches.retrieve(batch.id).request_counts.completed >= num_done, JOB_TIMEOUT_S, poll_s=0.05)
     return batch
 
 
+def _num_answered(daemon, batch_id: str) -> int:
+    """The lines the job's results log holds (in its state directory)."""
+    return (daemon.workdir / "state" / "cbatch" / "batches" / f"{batch_id}.results.jsonl").read_bytes().count(b"\n")
+
+
 def test_cancel_keeps_the_finished_lines(start_http_daemon, tiny_tools_model_path):
-    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "2", "--alias", "m")
+    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     api = daemon.openai()
-    ids, lines = _long_lines(40)
+    ids, lines = _long_lines(60)
     batch = _started(api, lines, 2)
     assert api.batches.cancel(batch.id).status == "cancelling"
+    assert _num_answered(daemon, batch.id) < len(ids)
     batch = _wait_final(api, batch.id)
-    assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at
+    assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at, daemon.log()
     out = _lines(api, batch.output_file_id)
     assert 2 <= len(out) == batch.request_counts.completed < len(ids)
     assert len({o["custom_id"] for o in out}) == len(out) and batch.error_file_id is None
@@ -155,13 +164,14 @@ def test_cancel_keeps_the_finished_lines(start_http_daemon, tiny_tools_model_pat
 
 
 def test_kill_9_of_the_daemon_mid_job_loses_no_line_and_answers_none_twice(start_http_daemon, tiny_tools_model_path):
-    args = (tiny_tools_model_path, "--parallel", "2", "--alias", "m")
+    args = (tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     daemon = start_http_daemon(*args)
     api = daemon.openai()
     ids, lines = _long_lines(16)
     batch = _started(api, lines, 3)
     daemon.process.send_signal(signal.SIGKILL)
     daemon.process.wait()
+    assert _num_answered(daemon, batch.id) < len(ids)  # killed mid-job
     log_path = daemon.workdir / "state" / "cbatch" / "batches" / f"{batch.id}.results.jsonl"
     before = log_path.read_bytes()
     again = start_http_daemon(*args, workdir=daemon.workdir)  # the same state directory
@@ -175,12 +185,13 @@ def test_kill_9_of_the_daemon_mid_job_loses_no_line_and_answers_none_twice(start
 
 
 def test_a_killed_decode_worker_leaves_no_error_line(start_http_daemon, tiny_tools_model_path):
-    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "2", "--alias", "m")
+    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     api = daemon.openai()
     ids, lines = _long_lines(12)
     worker_pid = daemon.health["worker_pid"]
     batch = _started(api, lines, 2)
     os.kill(worker_pid, signal.SIGKILL)  # the lines it was running end worker_restarted: held and sent again
+    assert _num_answered(daemon, batch.id) < len(ids)
     batch = _wait_final(api, batch.id)
     assert batch.status == "completed" and batch.error_file_id is None
     assert [o["custom_id"] for o in _lines(api, batch.output_file_id)] == ids
@@ -221,18 +232,19 @@ def test_cbatch_submit_detaches_a_file_and_waits_for_its_job(daemon, api, tmp_pa
 
 
 def test_a_job_past_its_window_expires_keeping_its_finished_lines(start_http_daemon, tiny_tools_model_path):
-    args = (tiny_tools_model_path, "--parallel", "2", "--alias", "m")
+    args = (tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     daemon = start_http_daemon(*args)
-    ids, lines = _long_lines(16)
+    ids, lines = _long_lines(60)
     batch = _started(daemon.openai(), lines, 2)
     assert daemon.stop() == 0  # a drain: the job runner stops, its finished lines kept
     # As if its 24 hours had passed while the daemon was down.
     path = daemon.workdir / "state" / "cbatch" / "batches" / f"{batch.id}.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "expires_at": int(time.time()) - 1}))
-    api = start_http_daemon(*args, workdir=daemon.workdir).openai()
+    again = start_http_daemon(*args, workdir=daemon.workdir)
+    api = again.openai()
     batch = _wait_final(api, batch.id)
-    assert batch.status == "expired" and batch.expired_at
+    assert batch.status == "expired" and batch.expired_at, again.log()
     out, errors = _lines(api, batch.output_file_id), _lines(api, batch.error_file_id)
-    assert 2 <= len(out) == batch.request_counts.completed and len(errors) == batch.request_counts.failed
+    assert 2 <= len(out) == batch.request_counts.completed and 0 < len(errors) == batch.request_counts.failed
     assert sorted(o["custom_id"] for o in out + errors) == sorted(ids)
     assert all(e["error"]["code"] == "batch_expired" and e["response"] is None for e in errors)

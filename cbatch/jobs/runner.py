@@ -57,8 +57,13 @@ class Runner:
             time.sleep(WATCH_S)
             with self._lock:
                 if self._is_interruptible and self._should_stop_run():
-                    self._is_interruptible = False
-                    os.kill(os.getpid(), signal.SIGUSR1)  # raised in the main thread, which runs the job
+                    os.kill(os.getpid(), signal.SIGUSR1)  # interrupt(), in the main thread, which runs the job
+
+    def interrupt(self, signum, frame) -> None:
+        """SIGUSR1's handler: stops the job's run, once, and only within interruptible()."""
+        if self._is_interruptible:
+            self._is_interruptible = False
+            raise KeyboardInterrupt
 
     @contextlib.contextmanager
     def interruptible(self):
@@ -137,10 +142,6 @@ class Runner:
             lock_file.close()
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="cbatch-jobs")
     parser.add_argument("--endpoint", required=True)
@@ -154,7 +155,7 @@ def main(argv=None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM
-    signal.signal(signal.SIGUSR1, _interrupt)
+    signal.signal(signal.SIGUSR1, runner.interrupt)
     runner.serve()
 
 
