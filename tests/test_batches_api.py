@@ -184,7 +184,7 @@ def test_kill_9_of_the_daemon_mid_job_loses_no_line_and_answers_none_twice(start
     assert sorted(json.loads(line)["custom_id"] for line in after.splitlines()) == sorted(ids)  # none twice
 
 
-def test_a_killed_decode_worker_leaves_no_error_line(start_http_daemon, tiny_tools_model_path):
+def test_a_killed_decode_worker_or_a_deleted_input_leaves_no_error_line(start_http_daemon, tiny_tools_model_path):
     daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     api = daemon.openai()
     ids, lines = _long_lines(12)
@@ -192,6 +192,7 @@ def test_a_killed_decode_worker_leaves_no_error_line(start_http_daemon, tiny_too
     batch = _started(api, lines, 2)
     os.kill(worker_pid, signal.SIGKILL)  # the lines it was running end worker_restarted: held and sent again
     assert _num_answered(daemon, batch.id) < len(ids)
+    assert api.files.delete(batch.input_file_id).deleted  # the job keeps its own link to the bytes
     batch = _wait_final(api, batch.id)
     assert batch.status == "completed" and batch.error_file_id is None
     assert [o["custom_id"] for o in _lines(api, batch.output_file_id)] == ids

@@ -63,6 +63,10 @@ class BatchStore:
     def results_path(self, batch_id: str) -> str:
         return self._path(batch_id, ".results.jsonl")
 
+    def input_path(self, batch_id: str) -> str:
+        """The job's own link to its input file's bytes, which deleting the file leaves in place."""
+        return self._path(batch_id, ".input.jsonl")
+
     def create(self, body) -> dict:
         _check_create(body, self.files)
         batch = batch_object(f"batch_{uuid.uuid4().hex}", body["input_file_id"], body["endpoint"],

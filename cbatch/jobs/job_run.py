@@ -48,7 +48,7 @@ class JobRun:
     def __init__(self, store: BatchStore, batch_id: str, client, health: dict, interruptible):
         self.store, self.client, self.health, self.interruptible = store, client, health, interruptible
         self.batch = store.stored(batch_id)
-        self.input_path = store.files.content_path(self.batch["input_file_id"])
+        self.input_path = store.input_path(batch_id)
         self._saved_s = 0.0
 
     def _save(self, **fields) -> None:
@@ -69,9 +69,13 @@ class JobRun:
             return self._finish(EXPIRED)
         if self.batch["status"] == FINALIZING:
             return self._finish(COMPLETED)
-        if not os.path.exists(self.input_path):
-            return self._fail("missing_file", f"the input file {self.batch['input_file_id']} was deleted")
         if self.batch["status"] == VALIDATING:
+            try:
+                if not os.path.exists(self.input_path):
+                    os.link(self.store.files.content_path(self.batch["input_file_id"]), self.input_path)
+                    fsync_dir(os.path.dirname(self.input_path))
+            except FileNotFoundError:
+                return self._fail("missing_file", f"the input file {self.batch['input_file_id']} was deleted")
             total = sum(1 for _ in input_lines(self.input_path, self.batch["endpoint"]))
             self._save(status=IN_PROGRESS, in_progress_at=int(time.time()),
                        request_counts={**self.batch["request_counts"], "total": total})
