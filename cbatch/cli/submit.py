@@ -240,6 +240,8 @@ def run_job_command(args) -> int:
         exit_on_error(PROG, err)
     except OSError as err:
         exit_with(PROG, f"cannot use {err.filename}: {err.strerror}", EXIT_USAGE)
+    except KeyboardInterrupt:
+        exit_with(PROG, "interrupted: the job runs on in the daemon (--wait for it again)", EXIT_INTERRUPTED)
     finally:
         jobs.close()
 
