@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from cbatch.cli.batch_run import BatchInterrupted, EmbeddingTally, RunSummary, run_batch
+from cbatch.cli.batch_run import BatchInterrupted, EmbeddingTally, InOrderWriter, RunSummary, run_batch
 from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
 from cbatch.cli.line_keys import LineSelector, native_id, openai_id
 from cbatch.cli.native_batch import NativeLine
@@ -29,7 +29,8 @@ READY_POLL_S = 0.2  # while the daemon's model loads, before an OpenAI batch fil
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Run a JSONL file of prompts through cbatch-worker.")
-    parser.add_argument("prompts", help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line; - reads stdin")
+    parser.add_argument("prompts", nargs="?",
+                        help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line; - reads stdin")
     parser.add_argument("-o", "--output", help="results JSONL (default: stdout)")
     parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
                         help=f"requests outstanding at once (default {DEFAULT_MAX_IN_FLIGHT})")
@@ -52,6 +53,10 @@ def make_parser() -> argparse.ArgumentParser:
     http.add_argument("--request-timeout", type=float, metavar="SECONDS",
                       help="the longest one try of a request may take before it is sent again "
                            f"(default {DEFAULT_REQUEST_TIMEOUT_S:.0f})")
+    jobs = http.add_mutually_exclusive_group()
+    jobs.add_argument("--detach", action="store_true",
+                      help="hand the OpenAI batch file to the daemon at --url as a batch job and print its id")
+    jobs.add_argument("--wait", metavar="BATCH_ID", help="wait for a batch job to end and write its result lines")
     add_version(parser)
     return parser
 
@@ -142,7 +147,7 @@ def run_file(client, numbered_items, done_keys: set[str], num_lines: int | None,
         noun = "OpenAI batch line"
     else:  # over HTTP a line is checked here as the daemon would: a server may ignore what it does not know
         make_line, noun = functools.partial(NativeLine, checks_bodies=is_http), "line"
-    summary = run_batch(stream_batch, items, make_line, out, max_in_flight, num_left)
+    summary = run_batch(stream_batch, items, make_line, InOrderWriter(out), max_in_flight, num_left)
     return dataclasses.replace(summary, num_skipped=selector.num_skipped, num_embedded=embed.num_inputs,
                                num_embedding_tokens=embed.num_prompt_tokens), noun
 
@@ -186,6 +191,12 @@ def check_transport_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"{', '.join(http)} needs --url")
     if args.url and not args.url.startswith(("http://", "https://")):
         parser.error("--url must start with http:// or https://")
+    if (args.detach or args.wait) and not args.url:
+        parser.error(f"{'--detach' if args.detach else '--wait'} needs --url (the daemon's --http address)")
+    if (args.prompts is None) != bool(args.wait):
+        parser.error("--wait takes no input file" if args.wait else "the input file is required")
+    if args.detach and args.prompts == "-":
+        parser.error("--detach needs a file, not standard input")
     if args.retry_for < 0:
         parser.error("--retry-for must be >= 0")
     if args.request_timeout is not None and args.request_timeout <= 0:
@@ -215,6 +226,28 @@ def connect(args):
                   curve_client_key=args.curve_client_key)
 
 
+def run_job_command(args) -> int:
+    """--detach (prints the job's id) or --wait (writes its lines to -o or stdout)."""
+    from cbatch.cli.detach import JobsClient
+
+    jobs = JobsClient(args.url, api_key(args))
+    try:
+        if args.detach:
+            print(jobs.detach(args.prompts))
+            return EXIT_OK
+        with open(args.output, "w", encoding="utf-8") if args.output else open(sys.stdout.fileno(), "w",
+                                                                               closefd=False) as out:
+            return jobs.wait(args.wait, out)
+    except CbatchError as err:
+        exit_on_error(PROG, err)
+    except OSError as err:
+        exit_with(PROG, f"cannot use {err.filename}: {err.strerror}", EXIT_USAGE)
+    except KeyboardInterrupt:
+        exit_with(PROG, "interrupted: the job runs on in the daemon (--wait for it again)", EXIT_INTERRUPTED)
+    finally:
+        jobs.close()
+
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -234,6 +267,8 @@ def main(argv=None) -> None:
             check_extra(URL, URL_MODULES, f"{PROG} --url")
         except CbatchError as err:
             exit_with(PROG, err.message, EXIT_USAGE)
+    if args.detach or args.wait:
+        sys.exit(run_job_command(args))
     num_lines, lines = open_input(args.prompts)
     try:  # first: the output of an earlier run is not emptied when no daemon answers
         client = connect(args)
