@@ -154,3 +154,14 @@ def _frame_each(events: list[TokenEvent]) -> tuple[np.ndarray, list[int]]:
         parts += [pack(0, *record[:5], len(record.text), record.count, record.text) for record in records]
         counts.append(len(records))
     return np.frombuffer(b"".join(parts), RECORD_DTYPE), counts
+
+
+def record_request_ids(data: bytes) -> list[int]:
+    """The request id of each record in framed bytes (RECORD_DTYPE rows), in one C call."""
+    return np.frombuffer(data, RECORD_DTYPE)["request_id"].tolist()
+
+
+def relay_rows(data: bytes) -> list[list]:
+    """Framed records as the RECORDS message's rows: [index, token_id, flags, finish, count, text]."""
+    return [[index, token_id, flags, finish, count, text[:text_len]]
+            for _, _, index, token_id, flags, finish, text_len, count, text in RECORD_STRUCT.iter_unpack(data)]

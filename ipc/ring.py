@@ -262,8 +262,13 @@ class RingWriter:
 
     def publish_many(self, events: list[TokenEvent]) -> list[int]:
         """Append the records of several events and advance write_cursor once. Returns each
-        event's next index. The step's records are framed as one array (frame_events) before
-        anything is stored, so an invalid event publishes nothing (RingError)."""
+        event's next index."""
+        return self.publish_step(events)[0]
+
+    def publish_step(self, events: list[TokenEvent]) -> tuple[list[int], np.ndarray]:
+        """publish_many, also returning the step's records as stored (RECORD_DTYPE, seq left
+        0). The step's records are framed as one array (frame_events) before anything is
+        stored, so an invalid event publishes nothing (RingError)."""
         try:
             framed, counts = frame_events(events)
             next_indices = [event.index + count for event, count in zip(events, counts)]
@@ -273,7 +278,7 @@ class RingWriter:
             self._store(framed.view(np.uint8).reshape(len(framed), RECORD_SIZE_BYTES))  # one write for the step
         else:
             self.heartbeat()
-        return next_indices
+        return next_indices, framed
 
     def _store(self, data: np.ndarray) -> None:
         """data: (records, RECORD_SIZE_BYTES) uint8, the framed records."""

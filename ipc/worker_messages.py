@@ -3,12 +3,13 @@
 On the wire each is [type byte, msgpack map of its fields] (cbatch.protocol's framing).
 A struct grows by a field with a default at the end; both ends are always the same
 version (the supervisor starts the worker from its own install), so no field is ever
-optional on the wire. Token events (cbatch.ipc.records) travel as lists in field order: a step of 64
-sequences is 64 of them, and map keys would be most of the bytes.
+optional on the wire. A step's token events travel as the records the worker wrote to the
+ring, one bytes field: the front-end keeps and relays those bytes, never a per-token object.
 """
 
 from dataclasses import dataclass, field, fields
-from operator import attrgetter
+
+import numpy as np
 
 from cbatch.ipc.records import TokenEvent
 from cbatch.protocol import MsgType, pack, unpack
@@ -78,8 +79,23 @@ class WorkerEmbedded:
 
 @dataclass
 class WorkerEvents:
-    events: list[TokenEvent] = field(default_factory=list)
+    """One step's output: its records as written to the ring (RECORD_DTYPE rows, in event
+    order), the end of each request it finished, and the logprobs of the requests that
+    asked. Built by `of_step`, the one place events become this message."""
+
+    records: bytes
+    ends: list = field(default_factory=list)  # [request_id, finish_reason, usage, error, error_code]
+    logprobs: list = field(default_factory=list)  # [request_id, index of its first token record, entries]
     stats: dict | None = None  # the engine's snapshot, at most every STATS_INTERVAL_S
+
+    @classmethod
+    def of_step(cls, events: list[TokenEvent], framed: np.ndarray, stats: dict | None = None) -> "WorkerEvents":
+        """framed: the events' records (frame_events); an event's token records come first,
+        so its logprobs entries belong to the records from its index on."""
+        ends = [[event.request_id, event.finish_reason, event.usage, event.error, event.error_code]
+                for event in events if event.finish_reason]
+        logprobs = [[event.request_id, event.index, event.logprobs] for event in events if event.logprobs]
+        return cls(framed.tobytes(), ends, logprobs, stats)
 
 
 _TYPES = {
@@ -88,14 +104,10 @@ _TYPES = {
     WorkerEvents: MsgType.WORKER_EVENTS, WorkerEmbed: MsgType.WORKER_EMBED, WorkerEmbedded: MsgType.WORKER_EMBEDDED,
 }
 _CLASSES = {msg_type: cls for cls, msg_type in _TYPES.items()}
-_EVENT_ROW = attrgetter(*(f.name for f in fields(TokenEvent)))  # an event's fields in order, as a tuple
 
 
 def encode(message) -> list[bytes]:
-    body = {f.name: getattr(message, f.name) for f in fields(message)}
-    if isinstance(message, WorkerEvents):
-        body["events"] = [_EVENT_ROW(event) for event in message.events]
-    return pack(_TYPES[type(message)], body)
+    return pack(_TYPES[type(message)], {f.name: getattr(message, f.name) for f in fields(message)})
 
 
 def decode(frames: list[bytes]):
@@ -105,6 +117,4 @@ def decode(frames: list[bytes]):
     cls = _CLASSES.get(msg_type)
     if cls is None:
         raise TypeError(f"{msg_type.name} is not a worker message")
-    if cls is WorkerEvents:
-        body["events"] = [TokenEvent(*row) for row in body["events"]]
     return cls(**body)

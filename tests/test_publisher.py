@@ -7,7 +7,7 @@ import pytest
 
 import zmq
 
-from cbatch.ipc.records import FINISH_LENGTH, FINISH_TIMEOUT, FLAG_LAST, TokenEvent
+from cbatch.ipc.records import FINISH_LENGTH, FINISH_TIMEOUT, FLAG_LAST, TokenEvent, relay_rows
 from cbatch.ipc.ring import RingReader, create_ring
 from cbatch.workers.decode.publisher import EventPublisher
 
@@ -51,7 +51,8 @@ def test_two_events_of_one_request_in_a_step_are_numbered_as_one_stream(ring):
     assert seven[-1].flags & FLAG_LAST and seven[-1].count == 2
     eight = [r for r in records if r.request_id == 8]
     assert [(r.index, r.finish, r.count) for r in eight] == [(0, 0, 0), (1, FINISH_LENGTH, 2)]
-    last_step = sent.messages[-1].events
-    assert [(e.request_id, e.token_ids, e.text, e.finish_reason) for e in last_step] == [
-        (7, [12], "c", "timeout"), (8, [22], "d", "length")]
-    assert last_step[0].usage == {"completion_tokens": 2}
+    # The front-end hears the same records, and one end for each request.
+    last_step = sent.messages[-1]
+    assert [row[:2] for row in relay_rows(last_step.records)] == [[1, 12], [1, 22]]
+    assert [end[:3] for end in last_step.ends] == [[7, "timeout", {"completion_tokens": 2}],
+                                                   [8, "length", {"completion_tokens": 2}]]

@@ -3,7 +3,7 @@
 import pytest
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
-from cbatch.ipc.records import TokenEvent
+from cbatch.ipc.records import TokenEvent, frame_events, record_request_ids, relay_rows
 from cbatch.ipc.worker_messages import WorkerEvents, WorkerReject, WorkerSubmit, decode, encode
 from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
 
@@ -84,9 +84,11 @@ def test_failed_requests_are_counted_by_code_and_not_kept():
 
 
 def test_worker_messages_round_trip_as_their_structs():
-    events = WorkerEvents([TokenEvent(7, [1, 2], "hi"), TokenEvent(8, [], "", "stop", {"prompt_tokens": 1}, index=3)],
-                          stats={"num_active": 1})
+    step = [TokenEvent(7, [1, 2], "hi", logprobs=[{"a": 1}, {"b": 2}]), TokenEvent(8, [], "", "stop", {"prompt_tokens": 1}, index=3)]
+    events = WorkerEvents.of_step(step, frame_events(step)[0], stats={"num_active": 1})
     for message in (events, WorkerSubmit(5, {"prompt": "x"}), WorkerReject(5, "invalid_request", "bad")):
         assert decode(encode(message)) == message
-    first, last = events.events
-    assert not first.finish and last.finish and last.index == 3
+    assert record_request_ids(events.records) == [7, 7, 8]
+    assert [row[:5] for row in relay_rows(events.records)] == [[0, 1, 0, 0, 0], [1, 2, 0, 0, 0], [3, -1, 1, 1, 4]]
+    assert events.ends == [[8, "stop", {"prompt_tokens": 1}, None, ""]]
+    assert events.logprobs == [[7, 0, [{"a": 1}, {"b": 2}]]]

@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from cbatch.config import EngineConfig
+from cbatch.ipc.records import record_request_ids
 from cbatch.ipc.ring import create_ring
 from cbatch.protocol import MsgType, pack
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
@@ -100,7 +101,7 @@ class FrontEndStandIn:
             assert left_ms > 0 and self.socket.poll(left_ms), f"no {of_type.__name__} from the worker"
             _, *frames = self.socket.recv_multipart()
             message = decode(frames)
-            if isinstance(message, of_type) and (not isinstance(message, WorkerEvents) or message.events):
+            if isinstance(message, of_type) and (not isinstance(message, WorkerEvents) or message.records):
                 return message
 
     def close(self) -> None:
@@ -130,10 +131,10 @@ def front_end(tiny_model_path):
 def run_to_finish(stand_in: FrontEndStandIn, request_id: int) -> str:
     stand_in.send(WorkerSubmit(request_id, {"prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
     while True:
-        for event in stand_in.recv(WorkerEvents).events:
-            assert event.request_id == request_id
-            if event.finish_reason:
-                return event.finish_reason
+        step = stand_in.recv(WorkerEvents)
+        assert set(record_request_ids(step.records)) == {request_id}
+        if step.ends:
+            return step.ends[0][1]
 
 
 def test_an_unexpected_failure_to_prepare_costs_only_that_request(front_end):
@@ -151,9 +152,10 @@ def test_an_unexpected_failure_to_prepare_costs_only_that_request(front_end):
 def test_a_dead_io_thread_ends_the_worker(front_end):
     stand_in = front_end()
     assert run_to_finish(stand_in, 1) == "length"
-    # A message the I/O thread fails on as it would on a front-end's bug: WORKER_EVENTS
-    # (which only a worker sends) without its events field makes decode() raise KeyError.
-    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack(MsgType.WORKER_EVENTS, {})])
+    # A message the I/O thread fails on as it would on a front-end's bug: a submit whose
+    # request id is a list decodes, then cannot be noted as preparing (unhashable).
+    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack(MsgType.WORKER_SUBMIT,
+                                                                       {"request_id": [1], "body": {}})])
     # Exit code 1, the same as any worker death the supervisor restarts after.
     stand_in.process.join(10)
     assert stand_in.process.exitcode == 1
@@ -170,16 +172,16 @@ def test_a_command_the_worker_cannot_read_ends_its_request(front_end):
 def test_a_cancel_does_not_wait_behind_a_long_preparation(front_end):
     stand_in = front_end(run_worker_with_a_slow_prepare, ctx_size=8192)
     stand_in.send(WorkerSubmit(1, {"prompt": "x", "max_tokens": 8000, "temperature": 0, "ignore_eos": True}))
-    assert stand_in.recv(WorkerEvents).events[0].request_id == 1  # running
+    assert record_request_ids(stand_in.recv(WorkerEvents).records)[0] == 1  # running
     stand_in.send(WorkerSubmit(2, {"prompt": SLOW_PROMPT, "max_tokens": 3}))
     stand_in.send(WorkerCancel(1))
     stand_in.send(WorkerCancel(2))  # overtakes its submit: kept until the request is prepared
     while True:
-        finishes = [event for event in stand_in.recv(WorkerEvents).events if event.finish_reason]
+        finishes = stand_in.recv(WorkerEvents).ends
         if finishes:
             break
-    assert [(event.request_id, event.finish_reason) for event in finishes] == [(1, "cancelled")]
-    assert finishes[0].usage["completion_tokens"] < 8000
+    assert [(request_id, finish_reason) for request_id, finish_reason, *_ in finishes] == [(1, "cancelled")]
+    assert finishes[0][2]["completion_tokens"] < 8000
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(front_end):

@@ -16,7 +16,7 @@ import zmq
 
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN
-from cbatch.ipc.records import RingRecord, TokenEvent
+from cbatch.ipc.records import RECORD_SIZE_BYTES, TokenEvent, frame_events, record_request_ids, relay_rows
 from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
@@ -174,12 +174,13 @@ class FrontEnd:
             self.worker.send(WorkerCancel(tracked.request_id))
         else:  # never reached the worker: it ends here, with nothing produced
             usage = {"prompt_tokens": 0, "completion_tokens": 0}
-            self._on_event(TokenEvent(tracked.request_id, [], "", "cancelled", usage), is_front_end_finish=True)
+            event = TokenEvent(tracked.request_id, [], "", "cancelled", usage)
+            self._on_step(WorkerEvents.of_step([event], frame_events([event])[0]), is_front_end_finish=True)
 
     def _fetch(self, identity: bytes, body: dict) -> None:
         tracked = self.requests.owned(identity, field(body, "request_id", int))
         self.num_fetches += 1
-        self._send_records(tracked, tracked.records[max(field(body, "from_index", int), 0):], even_if_empty=True)
+        self._send_records(tracked, max(field(body, "from_index", int), 0), even_if_empty=True)
 
     def _health(self, identity: bytes, body: dict) -> None:
         """Also the liveness ping of a waiting client, listing the requests it waits for:
@@ -213,13 +214,15 @@ class FrontEnd:
         MsgType.EMBED: lambda self, identity, body: self.embeds.on_embed(identity, body, self._is_draining),
     }
 
-    def _send_records(self, tracked: TrackedRequest, records: list[RingRecord], *, even_if_empty: bool = False) -> None:
-        """Even an empty answer matters to a FETCH: it lets the reader resume the ring."""
-        if not records and even_if_empty:
+    def _send_records(self, tracked: TrackedRequest, first_index: int, *, even_if_empty: bool = False) -> None:
+        """Its records from first_index on. Even an empty answer matters to a FETCH: it lets
+        the reader resume the ring."""
+        num_records = tracked.num_records
+        if first_index >= num_records and even_if_empty:
             self.clients.send(tracked.owner, MsgType.RECORDS, {"request_id": tracked.request_id, "records": []})
-        for at in range(0, len(records), MAX_RECORDS_PER_MESSAGE):
-            rows = [[r.index, r.token_id, r.flags, r.finish, r.count, r.text]
-                    for r in records[at:at + MAX_RECORDS_PER_MESSAGE]]
+        for at in range(first_index, num_records, MAX_RECORDS_PER_MESSAGE):
+            end = min(at + MAX_RECORDS_PER_MESSAGE, num_records)
+            rows = relay_rows(tracked.records[at * RECORD_SIZE_BYTES:end * RECORD_SIZE_BYTES])
             if tracked.logprobs is not None:  # a seventh column: the token's logprobs entry
                 rows = [[*row, tracked.logprobs.get(row[0])] for row in rows]
             for part in split_to_fit(rows):  # within the client's frame bound, however long the pieces
@@ -240,24 +243,34 @@ class FrontEnd:
                 if tracked is not None:
                     self.fail(tracked, message.code, message.message)
             elif isinstance(message, WorkerEvents):
-                for event in message.events:
-                    self._on_event(event)
+                self._on_step(message)
             self._cancel_stalled()
 
-    def _on_event(self, event: TokenEvent, *, is_front_end_finish: bool = False) -> None:
-        """is_front_end_finish: a finish the front-end made itself; the worker never wrote it to
-        the ring, so even a ring reader gets its records sent."""
-        tracked = self.requests.active.get(event.request_id)
-        if tracked is None:
-            return  # already failed (worker restart) or rejected
-        records = event.records()
-        tracked.add_records(records, event.logprobs)
-        if tracked.is_relayed or is_front_end_finish:
-            self._send_records(tracked, records)
-        if event.finish_reason:
-            self.requests.finish(tracked, {"request_id": tracked.request_id, "finish_reason": event.finish_reason,
-                                       "usage": event.usage, "num_records": len(tracked.records), "error": event.error,
-                                       "error_code": event.error_code},
+    def _on_step(self, step: WorkerEvents, *, is_front_end_finish: bool = False) -> None:
+        """A step's records are kept as the bytes they came in (one slice per record, no
+        per-token object), relayed to the owners that do not read the ring, then its ends
+        are delivered. is_front_end_finish: a finish the front-end made itself; the worker
+        never wrote it to the ring, so even a ring reader gets its records sent."""
+        active, data, relayed = self.requests.active, step.records, {}
+        for position, request_id in enumerate(record_request_ids(data)):
+            tracked = active.get(request_id)
+            if tracked is None:
+                continue  # already failed (worker restart) or rejected
+            if (tracked.is_relayed or is_front_end_finish) and request_id not in relayed:
+                relayed[request_id] = (tracked, tracked.num_records)
+            tracked.records += data[position * RECORD_SIZE_BYTES:(position + 1) * RECORD_SIZE_BYTES]
+        for request_id, first_index, entries in step.logprobs:
+            tracked = active.get(request_id)
+            if tracked is not None and tracked.logprobs is not None:
+                tracked.logprobs.update(zip(range(first_index, first_index + len(entries)), entries))
+        for tracked, first_index in relayed.values():
+            self._send_records(tracked, first_index)
+        for request_id, finish_reason, usage, error, error_code in step.ends:
+            tracked = active.get(request_id)
+            if tracked is None:
+                continue
+            self.requests.finish(tracked, {"request_id": request_id, "finish_reason": finish_reason, "usage": usage,
+                                           "num_records": tracked.num_records, "error": error, "error_code": error_code},
                                  time.monotonic())
             self._deliver_finish(tracked)
 

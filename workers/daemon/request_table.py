@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
-from cbatch.ipc.records import NO_TOKEN, RingRecord
+from cbatch.ipc.records import RECORD_SIZE_BYTES
 from cbatch.params import PRIORITIES
 from cbatch.wording import counted
 
@@ -28,9 +28,9 @@ class TrackedRequest:
     is_relayed: bool  # the owner reads records over ZeroMQ instead of the ring
     body: dict | None = None  # the request, kept only until it reaches a ready worker
     finish: dict | None = None  # the FINISHED body, once finished (resent on request)
-    records: list[RingRecord] = field(default_factory=list)
+    records: bytearray = field(default_factory=bytearray)  # its records so far, framed as in the ring
     finished_at_s: float | None = None
-    logprobs: dict[int, list] | None = None  # record index -> logprobs entry, when the request asked
+    logprobs: dict[int, list] | None = None  # token record index -> logprobs entry, when the request asked
     is_batch: bool = False  # priority "batch": handed to a worker after the interactive requests held with it
     deadline_s: float = 0.0  # monotonic clock; 0 = none
     shape: bytes = b""  # quarantine.request_shape of its body, kept in case it crashes the worker
@@ -40,12 +40,9 @@ class TrackedRequest:
         """Not yet handed to a worker (none was ready): nothing has run."""
         return self.body is not None
 
-    def add_records(self, records: list[RingRecord], logprobs: list | None) -> None:
-        """An event's records, and its logprobs entries (one per token record, in order)."""
-        self.records += records
-        if self.logprobs is not None and logprobs:
-            token_records = [record for record in records if record.token_id != NO_TOKEN]
-            self.logprobs.update((record.index, entry) for record, entry in zip(token_records, logprobs))
+    @property
+    def num_records(self) -> int:
+        return len(self.records) // RECORD_SIZE_BYTES
 
 
 class RequestTable:

@@ -61,18 +61,19 @@ class EventPublisher:
         next_index = self._next_index
         for event in events:
             event.index = next_index.get(event.request_id, 0)
-        next_index.update(zip([event.request_id for event in events], self._writer.publish_many(events)))
+        next_indices, framed = self._writer.publish_step(events)
+        next_index.update(zip([event.request_id for event in events], next_indices))
         for request_id in [event.request_id for event in events if event.finish_reason]:
             del next_index[request_id]
         # Invariant: the records are in the ring before the tick and before the front-end
         # hears of them, so a reader told of a finish finds every record already there.
         self._tick.send(b"", zmq.NOBLOCK)
         is_stats_due = time.monotonic() - self._stats_sent_at >= STATS_INTERVAL_S
-        self._io.send(WorkerEvents(events, self._stats() if is_stats_due else None))
+        self._io.send(WorkerEvents.of_step(events, framed, self._stats() if is_stats_due else None))
 
     def send_stats(self) -> None:
         self._writer.heartbeat()  # idle is alive too: the supervisor's watchdog reads this
-        self._io.send(WorkerEvents([], self._stats()))
+        self._io.send(WorkerEvents(b"", stats=self._stats()))
 
     def _stats(self) -> dict:
         self._stats_sent_at = time.monotonic()
