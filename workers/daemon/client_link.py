@@ -40,8 +40,8 @@ class ClientLink:
         # Over tcp a peer can vanish without closing: libzmq's own PING/PONG notices it. Not
         # over ipc, where the kernel closes a dead peer's socket at once, and where a PING
         # waits unread behind the messages of a live client that is slow to read (a busy HTTP
-        # server): the timeout would cut it off, and cancel its requests, long before the
-        # stall rule (MAX_STALL_S) does.
+        # server): its timeout would cut that client off, and cancel its requests, before the
+        # stall rule (MAX_STALL_S without taking anything) does.
         if config.endpoint.startswith("tcp://"):
             self.socket.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_MS)
             self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
