@@ -3,6 +3,7 @@
 import argparse
 import logging
 
+from cbatch.api_keys import load_keys
 from cbatch.cli.common import add_version
 from cbatch.config import POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
 from cbatch.errors import INVALID_CONFIG, CbatchError
@@ -78,12 +79,20 @@ def make_parser() -> argparse.ArgumentParser:
     add("--api-key", default="", metavar="KEY",
         help="HTTP callers must send 'Authorization: Bearer KEY' (needed when --http listens beyond loopback)")
     add("--api-key-file", default="", metavar="PATH", help="read the --api-key from this file (kept out of ps)")
+    add("--api-keys-file", default="", metavar="PATH",
+        help="named keys, one a line: 'NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N]'; NAME is the "
+             "tenant its requests run as (fair share by weight, limits per key); read again on SIGHUP")
     add("--http-processes", type=int, default=0, metavar="N",
         help="HTTP server processes sharing the --http port (default: one per 8 CPUs this daemon may use, 1 to 4)")
     return parser
 
 
 def _api_key(args) -> str:
+    if args.api_keys_file and (args.api_key or args.api_key_file):
+        raise CbatchError(INVALID_CONFIG, "give --api-keys-file or --api-key (--api-key-file), not both: a single "
+                                          "key is a line of the keys file")
+    if args.api_keys_file:
+        load_keys(args.api_keys_file)  # a bad line stops the start, naming the line
     if not args.api_key_file:
         return args.api_key
     try:
@@ -110,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
                         http_address=parse_http_address(args.http) if args.http else None,
                         http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
+                        api_keys_file=args.api_keys_file,
                         interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
 
 

@@ -23,7 +23,7 @@ import sys
 import time
 
 from cbatch.config import runtime_dir
-from cbatch.http_api.auth import API_KEY_ENV
+from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE
 from cbatch.workers.daemon.stop_signals import children_ignore_sigint
 
@@ -56,9 +56,12 @@ def listen_http(host: str, port: int) -> socket.socket:
 class HttpServers:
     """The daemon's HTTP server processes, all on its one listening socket."""
 
-    def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int, api_key: str = ""):
+    def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int, api_key: str = "",
+                 api_keys_file: str = ""):
         self.sock = sock
         env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
+        if api_keys_file:  # each server reads the file itself, and again on SIGHUP (reload)
+            env = {**os.environ, API_KEYS_FILE_ENV: os.path.abspath(api_keys_file)}
         self.metrics_dir = None
         if num_processes > 1:
             # Several processes count HTTP metrics: each writes its counters to files here
@@ -79,6 +82,11 @@ class HttpServers:
         if all(process.is_given_up for process in self.processes) and self.sock.fileno() != -1:
             log.error("cbatch http: no longer serving HTTP (ZeroMQ clients are still served)")
             self.sock.close()  # HTTP clients get "connection refused" instead of waiting in the backlog
+
+    def reload(self) -> None:
+        """The keys file changed: each server reads it again (its requests in flight run on)."""
+        for process in self.processes:
+            process.send(signal.SIGHUP)
 
     def drain(self) -> None:
         """New requests get 503, in-flight responses finish; each process then exits by
@@ -141,9 +149,12 @@ class HttpProcess:
             self.num_restarts += 1
             self.start()
 
-    def drain(self) -> None:
+    def send(self, signum: int) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signum)
+
+    def drain(self) -> None:
+        self.send(signal.SIGTERM)
 
     def stop(self) -> None:
         self.drain()

@@ -38,6 +38,9 @@ class StopSignals:
         self._notified = None
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
+        # A reload (keys_reload.py) asked for while the daemon starts is no stop: ignored
+        # until the keys are there to read again.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def _on_signal(self, signum, frame) -> None:
         self.is_received = True
