@@ -2,6 +2,7 @@
 fair share of the decode steps by weight, limits per key (429 rate_limited with a
 Retry-After from the key's budget), usage per tenant, and a SIGHUP reload of the keys."""
 
+import json
 import math
 import re
 import signal
@@ -179,3 +180,19 @@ def test_sighup_reloads_the_keys_without_dropping_a_running_request(tiny_model_p
     finally:
         daemon.stop()
         daemon.remove_workdir()
+
+
+@pytest.mark.parametrize("over_http", [True, False])
+def test_a_batch_waits_out_rate_limited_and_writes_no_error_line(daemon, tmp_path, over_http):
+    """capped may run one request at a time; a batch of five sent four at a time is told
+    rate_limited again and again, waits as told, and every line gets its completion."""
+    prompts, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    tenant = {} if over_http else {"tenant": "capped"}  # a native client names its tenant itself
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"batch {i}", "max_tokens": MAX_TOKENS, **tenant}) + "\n"
+                               for i in range(5)))
+    flags = ["--url", f"{daemon.base_url}/v1", "--api-key", "key-capped"] if over_http else []
+    result = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output), "--max-in-flight", "4",
+                             *flags], env=daemon.env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    written = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(line["id"] for line in written) == list(range(5)) and not any("error" in line for line in written)
