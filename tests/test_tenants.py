@@ -196,3 +196,25 @@ def test_a_batch_waits_out_rate_limited_and_writes_no_error_line(daemon, tmp_pat
     assert result.returncode == 0, result.stderr
     written = [json.loads(line) for line in output.read_text().splitlines()]
     assert sorted(line["id"] for line in written) == list(range(5)) and not any("error" in line for line in written)
+
+
+def test_a_sighup_while_the_http_servers_start_ends_none_of_them(tiny_model_path, tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("heavy key-heavy\n")
+    daemon = HttpDaemon(tiny_model_path, "--http-processes", "2", "--api-keys-file", str(keys_file), is_waited=False)
+    try:
+        wait_until(lambda: "cbatch-worker: loading" in daemon.log(), timeout_s=60)  # its handlers are set
+
+        def is_serving_after_a_sighup() -> bool:
+            daemon.process.send_signal(signal.SIGHUP)
+            try:
+                return httpx.get(f"{daemon.base_url}/health", timeout=2.0).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(is_serving_after_a_sighup, timeout_s=120)
+        assert complete(daemon, "heavy").status_code == 200
+        assert daemon.process.poll() is None and "exited" not in daemon.log()
+    finally:
+        daemon.stop()
+        daemon.remove_workdir()

@@ -235,6 +235,7 @@ def main(argv=None) -> None:
     api_keys = ApiKeys(api_key, keys_file) if api_key or keys_file else None
     if api_keys is not None:  # the daemon forwards its SIGHUP: read the keys file again
         signal.signal(signal.SIGHUP, lambda signum, frame: api_keys.reload())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # started blocked: one sent meanwhile comes now
     config = uvicorn.Config(make_app(state, api_keys), http=timed_protocol(), log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)

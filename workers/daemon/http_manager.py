@@ -25,7 +25,7 @@ import time
 from cbatch.config import runtime_dir
 from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE
-from cbatch.workers.daemon.stop_signals import children_ignore_sigint
+from cbatch.workers.daemon.stop_signals import children_ignore_sigint_sighup
 
 log = logging.getLogger("cbatch.daemon.http")
 
@@ -122,7 +122,7 @@ class HttpProcess:
         self._started_s, self._died_s = time.monotonic(), None
         fd = self.sock.fileno()
         names = [arg for name in self.model_names for arg in ("--model-id", name)]
-        with children_ignore_sigint():
+        with children_ignore_sigint_sighup():
             self.process = subprocess.Popen([sys.executable, "-m", "cbatch.http_api.app", "--endpoint", self.endpoint,
                                              "--fd", str(fd), *names], pass_fds=(fd,), env=self.env)
         log.info("cbatch http: serving http://%s:%d (server %d, pid %d)", self.host, self.port, self.number,

@@ -33,7 +33,7 @@ from cbatch.ipc.worker_messages import WorkerStop
 from cbatch.workers.daemon.progress import ProgressLog
 from cbatch.workers.daemon.quarantine import QUARANTINED_MESSAGE
 from cbatch.workers.daemon.keys_reload import KeysReload
-from cbatch.workers.daemon.stop_signals import StopSignals, children_ignore_sigint
+from cbatch.workers.daemon.stop_signals import StopSignals, children_ignore_sigint_sighup
 from cbatch.workers.daemon.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.daemon")
@@ -102,7 +102,7 @@ class Supervisor:
         plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
         self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
         self.worker_link.expect(self._generation)
-        with children_ignore_sigint():
+        with children_ignore_sigint_sighup():
             self.worker.start()
 
     def _recreate_ring(self) -> None:
