@@ -81,6 +81,23 @@ def start_daemon():
 
 
 @pytest.fixture
+def start_http_daemon():
+    """As start_daemon, for daemons with their HTTP server (HttpDaemon)."""
+    from httpkit import HttpDaemon
+
+    started = []
+
+    def start(*args, **options):
+        started.append(HttpDaemon(*args, **options))
+        return started[-1]
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+        daemon.remove_workdir()
+
+
+@pytest.fixture
 def api(daemon):
     """An openai client of the test module's HTTP daemon (its `daemon` fixture)."""
     return daemon.openai()

@@ -34,7 +34,9 @@ class Daemon:
         self.runtime_dir.mkdir(mode=0o700, exist_ok=True)
         self.endpoint = endpoint or f"ipc://{self.workdir / 'cbatch.sock'}"
         self.client_options = client_options or {}
-        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_dir), "CBATCH_ENDPOINT": self.endpoint}
+        # The state directory (--http's files and batches) is the daemon's own, kept with its workdir.
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_dir), "XDG_STATE_HOME": str(self.workdir / "state"),
+                    "CBATCH_ENDPOINT": self.endpoint}
         self.stderr_path = self.workdir / "daemon.log"
         self._stderr = open(self.stderr_path, "a")
         self.process = subprocess.Popen(
@@ -75,8 +77,9 @@ class Daemon:
         return code
 
     def leftovers(self) -> list[str]:
-        """Files the daemon left in its directories (the per-user runtime dir itself may stay)."""
-        found = [p.name for p in self.workdir.iterdir() if p.name not in ("daemon.log", "run")]
+        """Files the daemon left in its directories (the per-user runtime dir itself may stay;
+        the state directory is kept on purpose: its jobs outlive the daemon)."""
+        found = [p.name for p in self.workdir.iterdir() if p.name not in ("daemon.log", "run", "state")]
         found += [q.name for p in self.runtime_dir.iterdir() for q in p.iterdir()]
         return found
 

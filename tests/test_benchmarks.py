@@ -59,15 +59,18 @@ def test_bench_logprobs_prints_each_top_count_and_the_engine_ratio(tiny_model_pa
 
 
 @pytest.mark.slow
-def test_bench_serving_prints_every_path_with_its_ratio_to_bare_decode(tiny_model_path):
+def test_bench_serving_prints_every_path_with_its_cpu_per_token(tiny_model_path):
     out = run_script("bench_serving", "--model", tiny_model_path, "--parallel", "2", "--clients", "2",
-                     "--requests", "2", "--max-tokens", "2")
-    paths = re.findall(rf"^(\S.*?)\s+{NUMBER}\s+-\s+({NUMBER})\s*$", out, re.M)
-    assert [name for name, _ in paths] == [
-        "bare llama_decode", "one Client, generate_batch", "2 threads, a Client each", "AsyncClient, 2 coroutines",
-        "cbatch HTTP whole", "cbatch HTTP streamed"], out
-    assert paths[0][1] == "1.00"
-    assert re.search(rf"^--parallel 2 cbatch HTTP streamed: TTFT p50 {NUMBER} ms.*; ITL ", out, re.M), out
+                     "--requests", "4", "--max-tokens", "2", "--threads", "1")
+    # Without llama-server: no ratio, and six CPU columns (caller, front-end, HTTP processes,
+    # worker main thread, llama_decode wall, worker other threads) but the server's.
+    paths = re.findall(rf"^(\S.*?)\s+({NUMBER})\s+-((?:\s+{NUMBER}){{6}})\s*$", out, re.M)
+    assert [name for name, _, _ in paths] == [
+        "one Client, generate_batch", "2 threads, a Client each", "AsyncClient, 2 coroutines",
+        "cbatch HTTP whole", "cbatch HTTP streamed", "cbatch HTTP whole, new conn"], out
+    assert all(float(tok_s) > 0 for _, tok_s, _ in paths), out
+    assert all(float(cells.split()[0]) > 0 for _, _, cells in paths), out  # every caller spent some CPU
+    assert re.search(rf"note: cbatch HTTP streamed: TTFT p50 {NUMBER} ms", out), out
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from cbatch.workers.daemon.http_manager import MAX_QUICK_DEATHS
+from cbatch.workers.daemon.child_process import MAX_QUICK_DEATHS
 from daemonkit import SCRIPTS_DIR, pid_alive, wait_until
 from httpkit import HttpDaemon, free_port
 

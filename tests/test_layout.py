@@ -3,7 +3,8 @@
     cbatch/ (errors, protocol, params, gbnf, config, model, wording, embeddings)  shared by all
     cbatch/tools  ->  the shared ones and its own modules (tool calling, for the client and HTTP alike)
     cbatch/client  ->  never cbatch.workers
-    cbatch/http_api  ->  the client, cbatch/tools and its own modules only (beside the shared ones)
+    cbatch/http_api  ->  the client, cbatch/tools, the batch jobs' store and its own modules only (beside the shared ones)
+    cbatch/jobs  ->  never cbatch.workers (the job runner is one more client of the daemon)
     cbatch/ipc (ipc/)  ->  never cbatch.workers
     cbatch/workers/engine  ->  never the daemon or the decode process
     cbatch/protocol  ->  nothing of the project
@@ -20,6 +21,8 @@ SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch
           "cbatch.wording", "cbatch.embeddings", "cbatch.partial_markers", "cbatch.gbnf", "cbatch.extras",
           "cbatch.api_keys"}
 MAX_MODULE_LINES = 300
+# What the HTTP app may use of cbatch.jobs: the state directory's files, not the runner.
+JOB_STORE = {"cbatch.jobs", "cbatch.jobs.state_dir", "cbatch.jobs.files", "cbatch.jobs.batches"}
 LONGER_ALLOWED = {"cbatch.ipc.ring"}  # the ring's memory-ordering contract is one piece
 
 
@@ -67,8 +70,9 @@ def outside(*forbidden: str):
     ("cbatch.workers.engine", outside("cbatch.workers.daemon", "cbatch.workers.decode", "cbatch.client",
                                       "cbatch.http_api", "cbatch.cli")),
     ("cbatch.tools", lambda name: name in SHARED or name.startswith("cbatch.tools")),
-    ("cbatch.http_api", lambda name: name in SHARED or name.startswith(("cbatch.client", "cbatch.tools",
-                                                                         "cbatch.http_api"))),
+    ("cbatch.http_api", lambda name: name in SHARED or name in JOB_STORE or name.startswith((
+        "cbatch.client", "cbatch.tools", "cbatch.http_api"))),
+    ("cbatch.jobs", outside("cbatch.workers")),
     ("cbatch.protocol", lambda name: False),
 ])
 def test_imports_point_one_way(package, is_allowed):

@@ -24,8 +24,10 @@ MAX_GROWTH_BYTES = NUM_MEASURED_REQUESTS * 1200 // 3
 
 @pytest.fixture(scope="module")
 def daemon(tiny_model_path):
+    # Without preemption, so that the interactive callers wait in their room behind the
+    # running batch request (with it, they would take its slot at once).
     yield from serve_module(HttpDaemon(tiny_model_path, "--parallel", "1", "--max-queue", str(INTERACTIVE_QUEUE),
-                                       "--max-batch-queue", str(BATCH_QUEUE)))
+                                       "--max-batch-queue", str(BATCH_QUEUE), "--no-preempt-batch"))
 
 
 def test_a_full_batch_queue_never_refuses_an_interactive_caller(daemon, api):

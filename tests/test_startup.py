@@ -217,3 +217,11 @@ def test_ctrl_c_while_starting_ends_in_one_line_and_leaves_nothing(tiny_model_pa
     assert sorted(p.name for p in workdir.iterdir()) == ["daemon.log", "run"]
     assert [p for p in (workdir / "run").rglob("*") if not p.is_dir()] == []
     assert [name for name in os.listdir("/dev/shm") if name.startswith(f"cbatch-{daemon.pid}")] == []
+
+
+def test_a_state_dir_that_cannot_be_written_fails_the_start(tiny_model_path, workdir):
+    (workdir / "a-file").write_text("")
+    daemon = run_worker(workdir, tiny_model_path, "--http", "0", "--state-dir", str(workdir / "a-file" / "state"))
+    assert daemon.returncode == 2 and "Traceback" not in daemon.stderr, daemon.stderr
+    assert f"cannot write the state directory {workdir / 'a-file' / 'state'}" in daemon.stderr
+    assert "pass another --state-dir" in daemon.stderr

@@ -10,7 +10,6 @@ import subprocess
 import pytest
 
 from daemonkit import SCRIPTS_DIR, wait_until
-from httpkit import HttpDaemon
 from cbatch.errors import EXIT_OK
 
 SUBMIT = str(SCRIPTS_DIR / "cbatch-submit")
@@ -55,21 +54,6 @@ def _write_lines(path, make_line, num_lines: int) -> list[str]:
     lines = [make_line(i) for i in range(num_lines)]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return [line.get("custom_id", line.get("id")) for line in lines]
-
-
-@pytest.fixture
-def start_http_daemon():
-    """As start_daemon, for daemons with their HTTP server (HttpDaemon)."""
-    started = []
-
-    def start(*args, **options):
-        started.append(HttpDaemon(*args, **options))
-        return started[-1]
-
-    yield start
-    for daemon in started:
-        daemon.stop()
-        daemon.remove_workdir()
 
 
 @pytest.mark.parametrize("make_line, over_url", [(_native, False), (_openai, False), (_openai, True)],

@@ -1,7 +1,9 @@
 """Runs a batch file through the daemon: every line's requests (one per choice) go out
 with at most `max_in_flight` outstanding, and one result line per input line is written
-in input order, flushed as it is written, so an interrupted run keeps what it finished
-(`--resume` continues from there). The kinds of file differ only in their line class."""
+by the run's writer: cbatch-submit's InOrderWriter writes them in input order, flushed as
+it writes, so an interrupted run keeps what it finished (`--resume` continues from
+there); a batch job's results log (cbatch.jobs.results) writes each as soon as it
+finishes. The kinds of file differ only in their line class."""
 
 import json
 import sys
@@ -78,7 +80,7 @@ class BatchInterrupted(Exception):
         self.summary, self.reason = summary, reason
 
 
-class _InOrderWriter:
+class InOrderWriter:
     """Writes finished lines to `out` in input order, keeping nothing of a written line:
     what it holds is the lines from the first unwritten one on, O(max_in_flight)."""
 
@@ -108,23 +110,23 @@ class _InOrderWriter:
         return self.num_written + sum(1 for line in self.lines.values() if line.result is not None)
 
 
-def run_batch(stream_batch, numbered_items: Iterable, make_line: Callable[[int, object], BatchLine], out,
-              max_in_flight: int, num_lines: int | None = None) -> RunSummary:
-    """`stream_batch(items, max_in_flight)` is the client's, which holds and sends again
+def run_batch(stream_batch, numbered_items: Iterable, make_line: Callable[[int, object], BatchLine], writer,
+              max_in_flight: int, num_lines: int | None = None, is_progress_drawn: bool = True) -> RunSummary:
+    """`writer` keeps the unfinished lines (`append`, `lines`) and writes the finished ones
+    (`write_ready`). `stream_batch(items, max_in_flight)` is the client's, which holds and sends again
     the requests refused for a moment (batch_retry); `numbered_items` yields (line number,
     dict or CbatchError); `num_lines`, when known, is shown in the progress line (drawn
-    only when stderr is a terminal). A KeyboardInterrupt ends the run with
+    only when stderr is a terminal and is_progress_drawn). A KeyboardInterrupt ends the run with
     BatchInterrupted: what was written stays written, and the requests still outstanding
     are cancelled. So does a transient error, which arrives only once the client's
     patience is spent: a transient error is never a result, so its line is not written
     and --resume runs it, and no more lines are read (an endless input would otherwise
     turn into endless errors)."""
-    writer = _InOrderWriter(out)
     owners: dict[int, tuple[int, int]] = {}  # batch position still outstanding -> (line index, choice)
     num_positions = 0
     num_tokens = 0
     started_s = shown_s = time.monotonic()
-    show_progress = sys.stderr.isatty()
+    show_progress = is_progress_drawn and sys.stderr.isatty()
 
     def batch_items():
         """One batch item per line that runs: its request, or its choices, which end

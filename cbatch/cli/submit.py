@@ -6,30 +6,30 @@ import dataclasses
 import functools
 import itertools
 import json
-import os
 import signal
 import sys
 import time
 
-from cbatch.cli.batch_run import BatchInterrupted, EmbeddingTally, RunSummary, run_batch
+from cbatch.cli.batch_run import BatchInterrupted, EmbeddingTally, InOrderWriter, RunSummary, run_batch
 from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
 from cbatch.cli.line_keys import LineSelector, native_id, openai_id
 from cbatch.cli.native_batch import NativeLine
 from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
 from cbatch.cli.resume import prepare_resume
+from cbatch.cli.submit_transport import PROG, check_transport_flags, connect, run_job_command
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
 from cbatch.client.batch_retry import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_FOR_S, Patience, call_held
 from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
 from cbatch.extras import URL, URL_MODULES, check_extra
 from cbatch.wording import counted
 
-PROG = "cbatch-submit"
 READY_POLL_S = 0.2  # while the daemon's model loads, before an OpenAI batch file's lines are read
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Run a JSONL file of prompts through cbatch-worker.")
-    parser.add_argument("prompts", help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line; - reads stdin")
+    parser.add_argument("prompts", nargs="?",
+                        help="JSONL: one {\"id\", \"prompt\" or \"messages\", params...} per line; - reads stdin")
     parser.add_argument("-o", "--output", help="results JSONL (default: stdout)")
     parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
                         help=f"requests outstanding at once (default {DEFAULT_MAX_IN_FLIGHT})")
@@ -52,6 +52,10 @@ def make_parser() -> argparse.ArgumentParser:
     http.add_argument("--request-timeout", type=float, metavar="SECONDS",
                       help="the longest one try of a request may take before it is sent again "
                            f"(default {DEFAULT_REQUEST_TIMEOUT_S:.0f})")
+    jobs = http.add_mutually_exclusive_group()
+    jobs.add_argument("--detach", action="store_true",
+                      help="hand the OpenAI batch file to the daemon at --url as a batch job and print its id")
+    jobs.add_argument("--wait", metavar="BATCH_ID", help="wait for a batch job to end and write its result lines")
     add_version(parser)
     return parser
 
@@ -142,7 +146,7 @@ def run_file(client, numbered_items, done_keys: set[str], num_lines: int | None,
         noun = "OpenAI batch line"
     else:  # over HTTP a line is checked here as the daemon would: a server may ignore what it does not know
         make_line, noun = functools.partial(NativeLine, checks_bodies=is_http), "line"
-    summary = run_batch(stream_batch, items, make_line, out, max_in_flight, num_left)
+    summary = run_batch(stream_batch, items, make_line, InOrderWriter(out), max_in_flight, num_left)
     return dataclasses.replace(summary, num_skipped=selector.num_skipped, num_embedded=embed.num_inputs,
                                num_embedding_tokens=embed.num_prompt_tokens), noun
 
@@ -173,48 +177,6 @@ def interrupted_line(summary: RunSummary, num_kept_lines: int, num_lines: int | 
     return f"interrupted: {num_written}{of_total} lines written{where}"
 
 
-def check_transport_flags(parser: argparse.ArgumentParser, args) -> None:
-    """The ZeroMQ flags and the HTTP ones name two different ways in: one at a time."""
-    zeromq = [flag for flag, value in (("--endpoint", args.endpoint), ("--no-shm", args.no_shm),
-                                       ("--curve-server-key", args.curve_server_key),
-                                       ("--curve-client-key", args.curve_client_key)) if value]
-    http = [flag for flag, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
-                                     ("--model", args.model), ("--request-timeout", args.request_timeout)) if value]
-    if args.url and zeromq:
-        parser.error(f"--url sends over HTTP: {', '.join(zeromq)} cannot be used with it")
-    if http and not args.url:
-        parser.error(f"{', '.join(http)} needs --url")
-    if args.url and not args.url.startswith(("http://", "https://")):
-        parser.error("--url must start with http:// or https://")
-    if args.retry_for < 0:
-        parser.error("--retry-for must be >= 0")
-    if args.request_timeout is not None and args.request_timeout <= 0:
-        parser.error("--request-timeout must be > 0")
-
-
-def api_key(args) -> str | None:
-    if args.api_key_file:
-        try:
-            with open(args.api_key_file, encoding="utf-8") as f:
-                return f.read().strip()
-        except OSError as err:
-            exit_with(PROG, f"cannot read {args.api_key_file}: {err.strerror}", EXIT_USAGE)
-    return args.api_key or os.environ.get("CBATCH_API_KEY") or None
-
-
-def connect(args):
-    """The client the file runs through: a daemon over ZeroMQ, or an HTTP endpoint."""
-    if args.url:
-        from cbatch.client.http_batch import HttpBatchClient
-
-        return HttpBatchClient(args.url, api_key=api_key(args), model=args.model, retry_for_s=args.retry_for,
-                               request_timeout_s=args.request_timeout or DEFAULT_REQUEST_TIMEOUT_S)
-    from cbatch.client import Client
-
-    return Client(args.endpoint, use_ring=not args.no_shm, curve_server_key=args.curve_server_key,
-                  curve_client_key=args.curve_client_key)
-
-
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -234,6 +196,8 @@ def main(argv=None) -> None:
             check_extra(URL, URL_MODULES, f"{PROG} --url")
         except CbatchError as err:
             exit_with(PROG, err.message, EXIT_USAGE)
+    if args.detach or args.wait:
+        sys.exit(run_job_command(args))
     num_lines, lines = open_input(args.prompts)
     try:  # first: the output of an earlier run is not emptied when no daemon answers
         client = connect(args)

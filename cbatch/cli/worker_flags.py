@@ -82,6 +82,9 @@ def make_parser() -> argparse.ArgumentParser:
     add("--api-keys-file", default="", metavar="PATH",
         help="named keys, one a line: 'NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N]'; NAME is the "
              "tenant its requests run as (fair share by weight, limits per key); read again on SIGHUP")
+    add("--state-dir", default="", metavar="DIR",
+        help="with --http: where uploaded files and batch jobs (/v1/files, /v1/batches) are kept, across restarts "
+             "(default $XDG_STATE_HOME/cbatch or ~/.local/state/cbatch)")
     add("--http-processes", type=int, default=0, metavar="N",
         help="HTTP server processes sharing the --http port (default: one per 8 CPUs this daemon may use, 1 to 4)")
     return parser
@@ -102,6 +105,16 @@ def _api_key(args) -> str:
         raise CbatchError(INVALID_CONFIG, f"cannot read --api-key-file {args.api_key_file}: {err.strerror}") from None
 
 
+def _state_dir(args) -> str:
+    """The state directory, checked now when HTTP is served: a daemon that could not keep
+    the batches it accepts fails at its start instead."""
+    if not args.http:
+        return ""
+    from cbatch.jobs.state_dir import check_state_dir, default_state_dir
+
+    return check_state_dir(args.state_dir or default_state_dir())
+
+
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     """Raises CbatchError(INVALID_CONFIG) naming the flag to change."""
     engine = EngineConfig(model_path=args.model, parallel=args.parallel, ctx_size=args.ctx_size,
@@ -119,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
                         http_address=parse_http_address(args.http) if args.http else None,
                         http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
+                        state_dir=_state_dir(args),
                         api_keys_file=args.api_keys_file,
                         interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
 

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.http_api.access_log import AccessLog
 from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV, TENANT_SCOPE_KEY, ApiKeys, RequireApiKey
+from cbatch.http_api.batches_api import batch_routes
 from cbatch.http_api.connection import timed_protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.metrics import kv_cache_usage
@@ -37,6 +38,7 @@ from cbatch.http_api.responses_output import ResponseEvents, echoed_fields
 from cbatch.http_api.responses_request import parse_responses_request
 from cbatch.http_api.responses_stream import collect_response, stream_response
 from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState, json_body, json_response
+from cbatch.jobs.batches import BatchStore
 
 RESPONSES = "responses"  # POST /v1/responses: a chat request answered in the Responses API's shapes
 ENDPOINTS = {CHAT: "chat", COMPLETION: "completions", RESPONSES: "responses"}  # the metrics' endpoint label
@@ -146,7 +148,8 @@ async def _metrics(state: HttpState, request: Request) -> Response:
     return Response(state.metrics.render(await _daemon_stats(state)), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def make_app(state: HttpState, api_keys: ApiKeys | None = None) -> Starlette:
+def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStore | None = None) -> Starlette:
+    """`store`: the daemon's files and batch jobs (/v1/files, /v1/batches); None serves neither."""
     def bind(handler, *args):
         async def endpoint(request: Request) -> Response:
             return await handler(state, request, *args)
@@ -159,7 +162,7 @@ def make_app(state: HttpState, api_keys: ApiKeys | None = None) -> Starlette:
         else:
             err = CbatchError(NOT_FOUND, f"no route {request.method} {request.url.path}; this server serves "
                                          "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, "
-                                         "/v1/loads, /health, /metrics")
+                                         "/v1/files, /v1/batches, /v1/loads, /health, /metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
     middleware = [Middleware(AccessLog)] + ([Middleware(RequireApiKey, api_keys=api_keys)] if api_keys else [])
@@ -172,6 +175,7 @@ def make_app(state: HttpState, api_keys: ApiKeys | None = None) -> Starlette:
         Route("/health", bind(_health), methods=["GET"]),
         Route("/metrics", bind(_metrics), methods=["GET"]),
         Route("/v1/loads", bind(_loads), methods=["GET"]),
+        *(batch_routes(state, store) if store is not None else []),
     ])
 
 
@@ -228,15 +232,17 @@ def main(argv=None) -> None:
     parser.add_argument("--fd", type=int, required=True, help="the listening socket, bound by the daemon")
     parser.add_argument("--model-id", action="append", required=True, dest="model_names",
                         help="a name the model is served under, the first the default (repeatable)")
+    parser.add_argument("--state-dir", help="the daemon's files and batch jobs (cbatch.jobs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = HttpState(args.endpoint, args.model_names)
+    store = BatchStore(args.state_dir) if args.state_dir else None
     api_key, keys_file = os.environ.pop(API_KEY_ENV, ""), os.environ.pop(API_KEYS_FILE_ENV, "")  # not inherited
     api_keys = ApiKeys(api_key, keys_file) if api_key or keys_file else None
     if api_keys is not None:  # the daemon forwards its SIGHUP: read the keys file again
         signal.signal(signal.SIGHUP, lambda signum, frame: api_keys.reload())
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # started blocked: one sent meanwhile comes now
-    config = uvicorn.Config(make_app(state, api_keys), http=timed_protocol(), log_level="warning",
+    config = uvicorn.Config(make_app(state, api_keys, store), http=timed_protocol(), log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM

@@ -37,9 +37,14 @@ class ClientLink:
         self.socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of queueing
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client reconnecting under its id takes it over
-        # Over tcp a peer can vanish without closing: libzmq's own PING/PONG notices it.
-        self.socket.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_MS)
-        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
+        # Over tcp a peer can vanish without closing: libzmq's own PING/PONG notices it. Not
+        # over ipc, where the kernel closes a dead peer's socket at once, and where a PING
+        # waits unread behind the messages of a live client that is slow to read (a busy HTTP
+        # server): the timeout would cut it off, and cancel its requests, long before the
+        # stall rule (MAX_STALL_S) does.
+        if config.endpoint.startswith("tcp://"):
+            self.socket.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_MS)
+            self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
         # A frame bigger than any valid message drops the connection before it is buffered.
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
         # No receive high-water mark. At the mark libzmq stops reading that connection, and

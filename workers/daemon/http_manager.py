@@ -1,6 +1,7 @@
 """The HTTP server processes as the supervisor sees them: started before the model loads
 (they answer 503 until the daemon is ready), each restarted if it dies, drained with
-SIGTERM when the daemon drains, killed if they linger.
+SIGTERM when the daemon drains, killed if they linger (child_process). Beside them, the
+batch job runner, which runs the jobs they take (cbatch.jobs.runner), kept the same way.
 
 A server (cbatch/http_api/app.py) is a separate process so that its event loop and JSON
 work never delay the front-end's poll loop; it reaches the daemon as any local client
@@ -18,21 +19,14 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import time
 
 from cbatch.config import runtime_dir
 from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE
-from cbatch.workers.daemon.stop_signals import children_ignore_sigint_sighup
+from cbatch.workers.daemon.child_process import ChildProcess
 
 log = logging.getLogger("cbatch.daemon.http")
-
-RESTART_BACKOFF_S = 0.5  # before the first restart; doubled after each further quick death
-QUICK_DEATH_S = 30.0  # a server that dies sooner than this after its start did not get going
-MAX_QUICK_DEATHS = 5  # in a row, then the daemon stops restarting it
-STOP_TIMEOUT_S = 10.0  # after the daemon drained, the server's last responses get this long
 
 
 def listen_http(host: str, port: int) -> socket.socket:
@@ -54,10 +48,11 @@ def listen_http(host: str, port: int) -> socket.socket:
 
 
 class HttpServers:
-    """The daemon's HTTP server processes, all on its one listening socket."""
+    """The daemon's HTTP server processes, all on its one listening socket, and the job
+    runner that runs the batches they take (both read and write `state_dir`)."""
 
-    def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int, api_key: str = "",
-                 api_keys_file: str = ""):
+    def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int,
+                 state_dir: str, api_key: str = "", api_keys_file: str = ""):
         self.sock = sock
         env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
         if api_keys_file:  # each server reads the file itself, and again on SIGHUP (reload)
@@ -70,15 +65,18 @@ class HttpServers:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             os.makedirs(self.metrics_dir, mode=0o700)
             env = {**(env or os.environ), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
-        self.processes = [HttpProcess(sock, endpoint, model_names, i, env) for i in range(num_processes)]
+        self.processes = [HttpProcess(sock, endpoint, model_names, i, env, state_dir) for i in range(num_processes)]
+        self.job_runner = JobRunnerProcess(endpoint, state_dir)
 
     def start(self) -> None:
         for process in self.processes:
             process.start()
+        self.job_runner.start()
 
     def poll(self) -> None:
         for process in self.processes:
             process.poll()
+        self.job_runner.poll()
         if all(process.is_given_up for process in self.processes) and self.sock.fileno() != -1:
             log.error("cbatch http: no longer serving HTTP (ZeroMQ clients are still served)")
             self.sock.close()  # HTTP clients get "connection refused" instead of waiting in the backlog
@@ -95,74 +93,47 @@ class HttpServers:
         self.sock.close()
         for process in self.processes:
             process.drain()
+        self.job_runner.drain()  # finished lines are kept; a restarted daemon goes on from them
 
     def stop(self) -> None:
         self.drain()
-        for process in self.processes:
+        for process in [*self.processes, self.job_runner]:
             process.stop()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 
-class HttpProcess:
+class HttpProcess(ChildProcess):
     """One server process on the daemon's listening socket (which it does not own)."""
 
-    def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], number: int, env: dict | None):
+    def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], number: int, env: dict | None,
+                 state_dir: str):
+        super().__init__(log, env)
         self.sock, self.endpoint, self.model_names, self.number = sock, endpoint, model_names, number
-        self.env = env  # None: the daemon's own
+        self.state_dir = state_dir
         self.host, self.port = sock.getsockname()[:2]
-        self.process: subprocess.Popen | None = None
-        self._started_s = 0.0
-        self._died_s: float | None = None
-        self.num_quick_deaths = 0
-        self.num_restarts = 0
-        self.is_given_up = False  # it kept dying at once, and is not restarted again
+        self.title = f"cbatch http: server {number}"
+
+    def argv(self) -> list[str]:
+        self.pass_fds = (self.sock.fileno(),)
+        names = [arg for name in self.model_names for arg in ("--model-id", name)]
+        return [sys.executable, "-m", "cbatch.http_api.app", "--endpoint", self.endpoint,
+                "--fd", str(self.sock.fileno()), "--state-dir", self.state_dir, *names]
 
     def start(self) -> None:
-        self._started_s, self._died_s = time.monotonic(), None
-        fd = self.sock.fileno()
-        names = [arg for name in self.model_names for arg in ("--model-id", name)]
-        with children_ignore_sigint_sighup():
-            self.process = subprocess.Popen([sys.executable, "-m", "cbatch.http_api.app", "--endpoint", self.endpoint,
-                                             "--fd", str(fd), *names], pass_fds=(fd,), env=self.env)
+        super().start()
         log.info("cbatch http: serving http://%s:%d (server %d, pid %d)", self.host, self.port, self.number,
                  self.process.pid)
 
-    def poll(self) -> None:
-        """Restart a server that died (not while the daemon drains: see drain()), after a
-        back-off that grows while it keeps dying at once; give up after MAX_QUICK_DEATHS."""
-        if self.process is None or self.process.poll() is None:
-            return
-        now = time.monotonic()
-        if self._died_s is None:
-            self._died_s = now
-            is_quick = now - self._started_s < QUICK_DEATH_S
-            self.num_quick_deaths = self.num_quick_deaths + 1 if is_quick else 0
-            if self.num_quick_deaths >= MAX_QUICK_DEATHS:
-                log.error("cbatch http: server %d exited (code %s), %d times in a row within %.0f s of its "
-                          "start; it is not restarted again",
-                          self.number, self.process.returncode, self.num_quick_deaths, QUICK_DEATH_S)
-                self.process, self.is_given_up = None, True
-                return
-            log.warning("cbatch http: server %d exited (code %s); restarting", self.number, self.process.returncode)
-        if now - self._died_s >= RESTART_BACKOFF_S * 2 ** max(self.num_quick_deaths - 1, 0):
-            self.num_restarts += 1
-            self.start()
 
-    def send(self, signum: int) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signum)
+class JobRunnerProcess(ChildProcess):
+    """The one process that runs the batch jobs the HTTP servers take (cbatch.jobs.runner)."""
 
-    def drain(self) -> None:
-        self.send(signal.SIGTERM)
+    title = "cbatch jobs: the batch job runner"
 
-    def stop(self) -> None:
-        self.drain()
-        if self.process is None:
-            return
-        try:
-            self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process = None
+    def __init__(self, endpoint: str, state_dir: str):
+        super().__init__(log, None)
+        self.endpoint, self.state_dir = endpoint, state_dir
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "cbatch.jobs.runner", "--endpoint", self.endpoint, "--state-dir", self.state_dir]

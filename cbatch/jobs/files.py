@@ -1,0 +1,122 @@
+"""Files as OpenAI's Files API keeps them: an upload's bytes (`files/<id>.jsonl`) and its
+object (`files/<id>.json`), written in that order, so a file whose object exists has all
+its bytes. A batch's input file is checked as it is copied in: UTF-8, at most
+MAX_FILE_BYTES and MAX_FILE_LINES requests (OpenAI's limits for a batch)."""
+
+import codecs
+import os
+import time
+import uuid
+
+from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND
+from cbatch.jobs.state_dir import STATE_DIR_MODE, read_json, remove_if_present, replace_from, write_json
+
+MAX_FILE_BYTES = 200 * 1024 * 1024
+MAX_FILE_LINES = 50_000
+BATCH = "batch"  # the purpose of a batch's input file
+BATCH_OUTPUT = "batch_output"  # of its output and error files
+PURPOSES = (BATCH,)  # what an upload may be for
+COPY_CHUNK_BYTES = 1 << 20
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+def file_object(file_id: str, num_bytes: int, filename: str, purpose: str) -> dict:
+    return {"id": file_id, "object": "file", "bytes": num_bytes, "created_at": int(time.time()), "filename": filename,
+            "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+
+
+def _too_large(what: str) -> CbatchError:
+    return CbatchError(INVALID_REQUEST, f"the file has more than {what}, the most a batch's input file may hold; "
+                                        "split it into several batches")
+
+
+class _CheckedCopy:
+    """Copies an upload, counting its requests (non-blank lines) and checking it is UTF-8
+    within the limits as it goes: memory stays one chunk whatever the upload's size."""
+
+    def __init__(self, source):
+        self.source = source
+        self.num_bytes = self.num_lines = 0
+
+    def __call__(self, out) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        is_line_blank = True
+        while chunk := self.source.read(COPY_CHUNK_BYTES):
+            self.num_bytes += len(chunk)
+            if self.num_bytes > MAX_FILE_BYTES:
+                raise _too_large(f"{MAX_FILE_BYTES // (1024 * 1024)} MB")
+            try:
+                text = decoder.decode(chunk)
+            except UnicodeDecodeError:
+                raise CbatchError(INVALID_REQUEST, "the file is not UTF-8 text") from None
+            *ended_lines, rest = text.split("\n")
+            for line in ended_lines:
+                self.num_lines += not (is_line_blank and not line.strip())
+                is_line_blank = True
+            is_line_blank = is_line_blank and not rest.strip()
+            if self.num_lines > MAX_FILE_LINES:
+                raise _too_large(f"{MAX_FILE_LINES} requests")
+            out.write(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise CbatchError(INVALID_REQUEST, "the file is not UTF-8 text: it ends inside a character") from None
+        self.num_lines += not is_line_blank
+        if self.num_lines > MAX_FILE_LINES:
+            raise _too_large(f"{MAX_FILE_LINES} requests")
+
+
+class FileStore:
+    def __init__(self, root: str):
+        self.dir = os.path.join(root, "files")
+        os.makedirs(self.dir, mode=STATE_DIR_MODE, exist_ok=True)
+
+    def content_path(self, file_id: str) -> str:
+        return os.path.join(self.dir, f"{file_id}.jsonl")
+
+    def _object_path(self, file_id: str) -> str:
+        return os.path.join(self.dir, f"{file_id}.json")
+
+    def upload(self, source, filename: str, purpose: str) -> dict:
+        """A new batch input file from `source` (a binary stream), checked as it is copied."""
+        if purpose not in PURPOSES:
+            raise CbatchError(INVALID_REQUEST, f"purpose {purpose!r} is not served; this server takes {list(PURPOSES)}")
+        file_id = new_file_id()
+        copy = _CheckedCopy(source)
+        replace_from(copy, self.content_path(file_id))
+        if copy.num_lines == 0:
+            remove_if_present(self.content_path(file_id))
+            raise CbatchError(INVALID_REQUEST, "the file holds no requests")
+        return self.add(file_id, copy.num_bytes, filename, purpose)
+
+    def add(self, file_id: str, num_bytes: int, filename: str, purpose: str) -> dict:
+        """The object of a file whose bytes are in place: from now on the file exists."""
+        obj = file_object(file_id, num_bytes, filename, purpose)
+        write_json(self._object_path(file_id), obj)
+        return obj
+
+    def get(self, file_id: str) -> dict:
+        obj = read_json(self._object_path(file_id)) if _is_file_id(file_id) else None
+        if obj is None:
+            raise CbatchError(NOT_FOUND, f"no file with id {file_id!r}")
+        return obj
+
+    def list(self, purpose: str | None = None) -> list[dict]:
+        """Newest first."""
+        objects = [read_json(os.path.join(self.dir, name)) for name in os.listdir(self.dir) if name.endswith(".json")]
+        return sorted((obj for obj in objects if obj is not None and purpose in (None, obj["purpose"])),
+                      key=lambda obj: (obj["created_at"], obj["id"]), reverse=True)
+
+    def delete(self, file_id: str) -> dict:
+        self.get(file_id)
+        remove_if_present(self._object_path(file_id))  # first: a file without its object does not exist
+        remove_if_present(self.content_path(file_id))
+        return {"id": file_id, "object": "file", "deleted": True}
+
+
+def _is_file_id(file_id: str) -> bool:
+    """An id this store could have made: never a path that leads elsewhere."""
+    return file_id.startswith("file-") and file_id[5:].isalnum()

@@ -1,0 +1,180 @@
+"""One batch job, run by the job runner: validating -> in_progress -> finalizing -> completed,
+or ended by its cancel (cancelled) or its completion window (expired).
+
+The lines run as cbatch-submit runs an OpenAI batch file (cbatch.cli.batch_run with its
+OpenAILine, at batch priority, the same mapping as the HTTP endpoints), with two
+differences: each result is made durable as soon as it finishes (cbatch.jobs.results),
+and a run may stop at any point (a cancel, the window's end, the daemon draining or
+killed) and go on later from its log. Requests refused for a moment (a decode worker
+restarting, a full queue, a drain) are held and sent again (batch_retry), never results.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+import time
+import uuid
+
+from cbatch.cli.batch_run import BatchInterrupted, run_batch
+from cbatch.cli.openai_batch import OpenAILine
+from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
+from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
+from cbatch.jobs.batches import (CANCELLED, COMPLETED, EXPIRED, FAILED, FINALIZING, IN_PROGRESS, VALIDATING,
+                                 BatchStore)
+from cbatch.jobs.files import BATCH_OUTPUT
+from cbatch.jobs.results import ResultsLog, input_lines, write_outputs
+from cbatch.jobs.state_dir import fsync_dir
+
+log = logging.getLogger("cbatch.jobs")
+
+PROGRESS_SAVE_S = 0.5  # how often request_counts are written while a job runs
+EXPIRED_ERROR = {"code": "batch_expired",
+                 "message": "This request could not be executed before the completion window expired."}
+
+
+def output_file_id(batch_id: str, kind: str) -> str:
+    """A job's output or error file id, the same each time it is made: a job finalized
+    again after a crash replaces its files instead of leaving others behind."""
+    return "file-" + hashlib.sha256(f"{batch_id} {kind}".encode()).hexdigest()[:24]
+
+
+class JobRun:
+    """`client` is the runner's (a cbatch Client); `health` the daemon's, once ready (its
+    model names and thinking tags); `interruptible` a context manager within which the
+    runner may stop the run with KeyboardInterrupt."""
+
+    def __init__(self, store: BatchStore, batch_id: str, client, health: dict, interruptible):
+        self.store, self.client, self.health, self.interruptible = store, client, health, interruptible
+        self.batch = store.stored(batch_id)
+        self.input_path = store.input_path(batch_id)
+        self._saved_s = 0.0
+
+    def _save(self, **fields) -> None:
+        self.batch.update(fields)
+        self.store.save(self.batch)
+        self._saved_s = time.monotonic()
+
+    def is_expired(self) -> bool:
+        return time.time() >= self.batch["expires_at"]
+
+    def run(self) -> bool:
+        """Run the job on from where it was; False when it stopped unfinished (the runner
+        stops, or the daemon refused for longer than the patience): it goes on later."""
+        batch_id = self.batch["id"]
+        if self.store.cancel_asked_at(batch_id) is not None:
+            return self._finish(CANCELLED)
+        if self.is_expired():
+            return self._finish(EXPIRED)
+        if self.batch["status"] == FINALIZING:
+            return self._finish(COMPLETED)
+        if self.batch["status"] == VALIDATING:
+            try:
+                if not os.path.exists(self.input_path):
+                    os.link(self.store.files.content_path(self.batch["input_file_id"]), self.input_path)
+                    fsync_dir(os.path.dirname(self.input_path))
+            except FileNotFoundError:
+                return self._fail("missing_file", f"the input file {self.batch['input_file_id']} was deleted")
+            total = sum(1 for _ in input_lines(self.input_path, self.batch["endpoint"]))
+            self._save(status=IN_PROGRESS, in_progress_at=int(time.time()),
+                       request_counts={**self.batch["request_counts"], "total": total})
+            log.info("cbatch jobs: %s started, %d requests", batch_id, total)
+        if not self._run_lines():
+            if self.store.cancel_asked_at(batch_id) is not None:
+                return self._finish(CANCELLED)
+            return self._finish(EXPIRED) if self.is_expired() else False
+        return self._finish(COMPLETED)
+
+    def _run_lines(self) -> bool:
+        results = ResultsLog(self.store.results_path(self.batch["id"]), lambda: self._save_progress(results))
+        patience = Patience(DEFAULT_RETRY_FOR_S)
+        client = self.client
+
+        def embed(inputs, dimensions=None):
+            return call_held(lambda: client.embeddings(inputs, dimensions), patience, client.pause)
+
+        make_line = functools.partial(OpenAILine, model_names=self.health["model_names"], embed=embed,
+                                      chat_template=client.chat_template, reasoning=self.health.get("reasoning"))
+        items = ((number, item) for number, item, _key in
+                 input_lines(self.input_path, self.batch["endpoint"], results.done_keys))
+        try:
+            with self.interruptible():
+                run_batch(functools.partial(client.stream_batch, patience=patience), items, make_line, results,
+                          DEFAULT_MAX_IN_FLIGHT, is_progress_drawn=False)
+        except BatchInterrupted as interrupted:
+            if interrupted.reason is not None:
+                log.warning("cbatch jobs: %s paused: %s", self.batch["id"], interrupted.reason.message)
+            return False
+        finally:
+            results.close()
+            self._save_progress(results, is_due=True)
+        return True
+
+    def _save_progress(self, results: ResultsLog, is_due: bool = False) -> None:
+        if is_due or time.monotonic() - self._saved_s >= PROGRESS_SAVE_S:
+            self._save(request_counts={**self.batch["request_counts"], "completed": results.total_completed,
+                                       "failed": results.total_failed})
+
+    def _fail(self, code: str, message: str) -> bool:
+        self._save(status=FAILED, failed_at=int(time.time()),
+                   errors={"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
+        return True
+
+    def _finish(self, status: str) -> bool:
+        """Write the output and error files from the results log, then the job's end."""
+        batch_id, now = self.batch["id"], int(time.time())
+        if status == COMPLETED and self.batch["status"] != FINALIZING:
+            self._save(status=FINALIZING, finalizing_at=now)
+        results = ResultsLog(self.store.results_path(batch_id))  # its counts, as the log holds them
+        results.close()
+        counts = {"total": self.batch["request_counts"]["total"], "completed": results.total_completed,
+                  "failed": results.total_failed}
+        if os.path.exists(self.input_path):
+            file_ids = self._write_files(functools.partial(self._expired_line, counts) if status == EXPIRED else None)
+        else:
+            file_ids = {"output_file_id": None, "error_file_id": None}
+        ended = {COMPLETED: "completed_at", CANCELLED: "cancelled_at", EXPIRED: "expired_at"}[status]
+        if status == CANCELLED:
+            file_ids["cancelling_at"] = self.store.cancel_asked_at(batch_id)
+        self._save(status=status, request_counts=counts, **file_ids, **{ended: now})
+        log.info("cbatch jobs: %s %s (%d completed, %d failed)", batch_id, status, counts["completed"],
+                 counts["failed"])
+        return True
+
+    @staticmethod
+    def _expired_line(counts: dict, custom_id) -> dict:
+        """The error line of a request the window ended before it was answered (counted failed)."""
+        counts["failed"] += 1
+        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+                "error": EXPIRED_ERROR}
+
+    def _write_files(self, unanswered) -> dict:
+        batch_id, files = self.batch["id"], self.store.files
+        results_path = self.store.results_path(batch_id)
+        kinds = {"output_file_id": "output", "error_file_id": "error"}
+        temporary = {name: tempfile.NamedTemporaryFile(dir=files.dir, prefix=".tmp-", delete=False) for name in kinds}
+        try:
+            write_outputs(results_path, self.input_path, self.batch["endpoint"], temporary["output_file_id"],
+                          temporary["error_file_id"], unanswered)
+            file_ids = {}
+            for name, out in temporary.items():
+                out.flush()
+                os.fsync(out.fileno())
+                num_bytes = out.tell()
+                out.close()
+                file_id = output_file_id(batch_id, kinds[name])
+                if num_bytes == 0:  # OpenAI's: no file for no lines
+                    os.remove(out.name)
+                    file_ids[name] = None
+                    continue
+                os.replace(out.name, files.content_path(file_id))
+                fsync_dir(files.dir)
+                files.add(file_id, num_bytes, f"{batch_id}_{kinds[name]}.jsonl", BATCH_OUTPUT)
+                file_ids[name] = file_id
+            return file_ids
+        finally:
+            for out in temporary.values():
+                out.close()
+                if os.path.exists(out.name):
+                    os.remove(out.name)

@@ -1,0 +1,118 @@
+"""A job's results log and the output and error files made from it.
+
+The log (`batches/<id>.results.jsonl`) holds one OpenAI batch output line per finished
+input line, in the order they finished, each appended and fsynced before the next is
+taken: after a crash it holds every line answered (a last line cut by the crash is
+dropped), so a restarted runner sends only the others and none twice. When the job ends
+the log is read back in input order into the output file (the lines answered 200) and
+the error file (the rest); the input is streamed and the log read by offset, so memory
+holds one key and offset per finished line, not the lines.
+"""
+
+import json
+import os
+
+from cbatch.cli.line_keys import LineSelector, id_key, line_key, openai_id, result_key
+from cbatch.cli.submit import read_items
+from cbatch.errors import CbatchError, INVALID_REQUEST
+
+
+def is_ok(result: dict) -> bool:
+    return result["error"] is None and result["response"]["status_code"] == 200
+
+
+def input_lines(path: str, endpoint: str, done_keys: set[str] = frozenset()):
+    """(line number, item, key) for each input line of a job not in done_keys, as
+    cbatch-submit reads an OpenAI batch file; a line for another endpoint than the job's
+    is refused (and known by its line number, as any line that is not a request)."""
+    def checked():
+        for number, item in read_items(open(path, encoding="utf-8-sig")):
+            if isinstance(item, dict) and item.get("url") != endpoint:
+                item = CbatchError(INVALID_REQUEST, f"line {number}: url {item.get('url')!r} is not the batch's "
+                                                    f"endpoint {endpoint}")
+            yield number, item
+
+    selector = LineSelector(done_keys, openai_id)
+    for number, item in selector.select(checked()):
+        yield number, item, line_key(number) if isinstance(item, CbatchError) else id_key(item["custom_id"])
+
+
+class ResultsLog:
+    """The writer cbatch.cli.batch_run takes, writing each line as soon as it finishes;
+    `on_written()` is called after each round of lines made durable."""
+
+    def __init__(self, path: str, on_written=lambda: None):
+        self.path, self.on_written = path, on_written
+        self.done_keys: set[str] = set()
+        self.total_completed = self.total_failed = 0  # in the log, this run's lines included
+        self._read_back()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.lines: dict = {}  # index -> line, the unfinished lines of this run
+        self.num_lines = self.num_written = self.num_failed = 0  # this run's
+
+    def _read_back(self) -> None:
+        """The log's lines, less a last one cut by a crash (removed, so appending goes on cleanly)."""
+        if not os.path.exists(self.path):
+            return
+        length = 0
+        with open(self.path, "rb") as log:
+            for line in log:
+                if not line.endswith(b"\n"):
+                    break
+                length += len(line)
+                self._count(json.loads(line))
+        if length != os.path.getsize(self.path):
+            os.truncate(self.path, length)
+
+    def _count(self, result: dict) -> None:
+        self.done_keys.add(result_key(result))
+        if is_ok(result):
+            self.total_completed += 1
+        else:
+            self.total_failed += 1
+
+    def append(self, line) -> int:
+        self.lines[self.num_lines] = line
+        self.num_lines += 1
+        return self.num_lines - 1
+
+    def write_ready(self) -> None:
+        finished = [index for index, line in self.lines.items() if line.result is not None]
+        if not finished:
+            return
+        for index in finished:
+            result = self.lines.pop(index).result
+            os.write(self._fd, (json.dumps(result, ensure_ascii=False) + "\n").encode())
+            self._count(result)
+            self.num_written += 1
+            self.num_failed += not is_ok(result)
+        os.fsync(self._fd)
+        self.on_written()
+
+    @property
+    def num_done(self) -> int:
+        return self.num_written
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def write_outputs(log_path: str, input_path: str, endpoint: str, output, errors, unanswered=None) -> None:
+    """Each input line's result, in input order, to `output` (answered 200) or `errors`
+    (binary streams). A line the log does not answer is left out, or, with `unanswered`
+    (a function of the line's custom_id giving its result), written to `errors` as that."""
+    offsets: dict[str, int] = {}
+    with open(log_path, "rb") as log:
+        offset = 0
+        for line in log:
+            offsets[result_key(json.loads(line))] = offset
+            offset += len(line)
+        for number, item, key in input_lines(input_path, endpoint):
+            if key not in offsets:
+                if unanswered is not None:
+                    custom_id = item.get("custom_id") if isinstance(item, dict) else None
+                    errors.write((json.dumps(unanswered(custom_id), ensure_ascii=False) + "\n").encode())
+                continue
+            log.seek(offsets[key])
+            line = log.readline()
+            (output if is_ok(json.loads(line)) else errors).write(line)
