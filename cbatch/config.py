@@ -191,6 +191,7 @@ class DaemonConfig:
     http_address: tuple[str, int] | None = None  # (host, port) of the OpenAI-compatible HTTP server; None = off
     http_processes: int = 0  # HTTP server processes on that port; 0 = default_http_processes()
     api_key: str = ""  # HTTP callers must send `Authorization: Bearer <api_key>`; "" = no key
+    api_keys_file: str = ""  # named keys, their tenants' weights and limits (cbatch/api_keys.py); "" = none
     state_dir: str = ""  # with http_address: the uploaded files and batch jobs (cbatch.jobs), kept across restarts
     # More names the model answers to (HTTP `model`, OpenAI batch files), beside its file's name.
     aliases: tuple[str, ...] = ()
@@ -223,9 +224,9 @@ class DaemonConfig:
             if not _is_loopback(http_host) and not self.allow_remote:
                 raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine; pass "
                                                   "--allow-remote")
-            if not _is_loopback(http_host) and not self.api_key:
+            if not _is_loopback(http_host) and not (self.api_key or self.api_keys_file):
                 raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine, so it "
-                                                  "needs a key: pass --api-key KEY or --api-key-file PATH")
+                                                  "needs a key: pass --api-key KEY, --api-key-file PATH or --api-keys-file PATH")
             if self.curve_secret_key:  # the HTTP server is a client of the daemon and holds no certificate
                 raise CbatchError(INVALID_CONFIG, "--http cannot be combined with --curve-secret-key")
         if not 0 <= self.http_processes <= MAX_HTTP_PROCESSES:

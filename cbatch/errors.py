@@ -19,18 +19,22 @@ ENDPOINT_IN_USE = "endpoint_in_use"
 UNAUTHORIZED = "unauthorized"  # HTTP without the API key
 DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's timeout passed while it was queued
 MODEL_EMBEDS_ONLY = "model_embeds_only"  # a generation request to an embedding-only model (BERT and kin)
+RATE_LIMITED = "rate_limited"  # the API key's tenant is past one of its limits; `retry_after_s` says when to retry
 
 
 class CbatchError(Exception):
     """An error with a stable machine-readable `code` and a human `message`."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None):
         super().__init__(f"[{code}] {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # when the same request may succeed (rate_limited); None = not known
 
     def to_dict(self) -> dict:
-        return {"code": self.code, "message": self.message}
+        if self.retry_after_s is None:
+            return {"code": self.code, "message": self.message}
+        return {"code": self.code, "message": self.message, "retry_after_s": self.retry_after_s}
 
 
 # Exit codes of the console scripts and of the daemon, stable as the error codes are.

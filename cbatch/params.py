@@ -7,6 +7,7 @@ reach a queue, so the decode loop only ever sees well-formed requests.
 import math
 from dataclasses import dataclass, field
 
+from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
 from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.gbnf import grammar_problem
 
@@ -72,6 +73,10 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     priority: str = INTERACTIVE
     timeout_s: float | None = None  # seconds from its arrival at the daemon; None = the daemon's default
+    # Whose request it is (the HTTP server sets it from the API key) and that tenant's
+    # share of the decode steps, which the front-end sets from the keys file.
+    tenant: str = DEFAULT_TENANT
+    tenant_weight: float = 1.0
 
 
 def invalid(message: str) -> CbatchError:
@@ -217,7 +222,9 @@ def parse_request(request_id: int, raw: dict) -> Request:
     prompt, messages = body.pop("prompt", None), body.pop("messages", None)
     if (prompt is None) == (messages is None):
         raise invalid("give exactly one of 'prompt' or 'messages'")
-    scheduling = {"priority": priority(body.pop("priority", INTERACTIVE)), "timeout_s": timeout(body.pop("timeout", None))}
+    scheduling = {"priority": priority(body.pop("priority", INTERACTIVE)), "timeout_s": timeout(body.pop("timeout", None)),
+                  "tenant": tenant(body.pop("tenant", DEFAULT_TENANT)),
+                  "tenant_weight": _float("tenant_weight", body.pop("tenant_weight", 1.0), 0.0, MAX_WEIGHT, lo_open=True)}
     params = parse_params(body)
     if params.grammar is not None and params.ignore_eos:
         raise invalid("grammar and ignore_eos cannot be combined: a completed grammar allows only end-of-generation")
@@ -229,6 +236,12 @@ def parse_request(request_id: int, raw: dict) -> Request:
 def priority(value) -> str:
     if value not in PRIORITIES:
         raise invalid(f"priority must be one of {list(PRIORITIES)}, got {value!r}")
+    return value
+
+
+def tenant(value) -> str:
+    if not is_tenant_name(value):
+        raise invalid(f"tenant must be 1 to 64 letters, digits, '_', '.' or '-', got {value!r}")
     return value
 
 

@@ -18,7 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"cbatch": REPO / "cbatch", "cbatch.workers": REPO / "workers", "cbatch.ipc": REPO / "ipc"}
 SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch.config", "cbatch.model",
-          "cbatch.wording", "cbatch.embeddings", "cbatch.partial_markers", "cbatch.gbnf", "cbatch.extras"}
+          "cbatch.wording", "cbatch.embeddings", "cbatch.partial_markers", "cbatch.gbnf", "cbatch.extras",
+          "cbatch.api_keys"}
 MAX_MODULE_LINES = 300
 # What the HTTP app may use of cbatch.jobs: the state directory's files, not the runner.
 JOB_STORE = {"cbatch.jobs", "cbatch.jobs.state_dir", "cbatch.jobs.files", "cbatch.jobs.batches"}

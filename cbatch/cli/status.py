@@ -37,6 +37,9 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
             f"prefix cache {'on' if stats['prefix_cache'] else 'off'}: hit rate {100 * stats['cache_hit_rate']:.0f}%, "
             f"{counted(stats['prompt_tokens_reused'], 'prompt token')} reused; KV cells {stats['kv_cells_used']} of "
             f"{stats['kv_cells_total']} used, {stats['kv_cells_evictable']} evictable")
+    lines += [f"tenant {tenant}: {usage['num_in_flight']} in flight, {counted(usage['num_requests'], 'request')} "
+              f"finished, {usage['num_prompt_tokens']} prompt + {usage['num_generated_tokens']} generated tokens"
+              for tenant, usage in (stats.get("tenants") or {}).items()]
     slots = stats.get("slots", [])
     if not slots:
         lines.append("no request running")

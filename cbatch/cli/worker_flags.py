@@ -3,6 +3,7 @@
 import argparse
 import logging
 
+from cbatch.api_keys import load_keys
 from cbatch.cli.common import add_version
 from cbatch.config import POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
 from cbatch.errors import INVALID_CONFIG, CbatchError
@@ -78,6 +79,9 @@ def make_parser() -> argparse.ArgumentParser:
     add("--api-key", default="", metavar="KEY",
         help="HTTP callers must send 'Authorization: Bearer KEY' (needed when --http listens beyond loopback)")
     add("--api-key-file", default="", metavar="PATH", help="read the --api-key from this file (kept out of ps)")
+    add("--api-keys-file", default="", metavar="PATH",
+        help="named keys, one a line: 'NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N]'; NAME is the "
+             "tenant its requests run as (fair share by weight, limits per key); read again on SIGHUP")
     add("--state-dir", default="", metavar="DIR",
         help="with --http: where uploaded files and batch jobs (/v1/files, /v1/batches) are kept, across restarts "
              "(default $XDG_STATE_HOME/cbatch or ~/.local/state/cbatch)")
@@ -87,6 +91,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _api_key(args) -> str:
+    if args.api_keys_file and (args.api_key or args.api_key_file):
+        raise CbatchError(INVALID_CONFIG, "give --api-keys-file or --api-key (--api-key-file), not both: a single "
+                                          "key is a line of the keys file")
+    if args.api_keys_file:
+        load_keys(args.api_keys_file)  # a bad line stops the start, naming the line
     if not args.api_key_file:
         return args.api_key
     try:
@@ -124,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         http_address=parse_http_address(args.http) if args.http else None,
                         http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
                         state_dir=_state_dir(args),
+                        api_keys_file=args.api_keys_file,
                         interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
 
 

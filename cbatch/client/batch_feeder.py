@@ -151,7 +151,7 @@ class BatchFeeder:
         """An item failed: held to be sent again when its error is transient and patience
         is left, else ended (with its request's other choices). Returns the arrivals."""
         tries = self._tries.get(position)
-        if tries is None or self._patience.hold(tries, error) is None:
+        if tries is None or self._patience.hold(tries, error, error.retry_after_s) is None:
             return self._ended(position, error)
         stream = self._active.pop(position, None)
         if stream is not None:

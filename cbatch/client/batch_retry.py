@@ -14,12 +14,13 @@ import random
 import time
 from dataclasses import dataclass
 
-from cbatch.errors import QUEUE_FULL, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED, CbatchError
+from cbatch.errors import QUEUE_FULL, RATE_LIMITED, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED, CbatchError
 
 # shutting_down: a draining daemon; worker_restarted: the decode worker died under the
 # request; queue_full: no room now; unavailable: the daemon stopped answering or forgot
-# the request, or (over HTTP) the connection failed, timed out, or was answered 502/503/504.
-TRANSIENT_CODES = frozenset({SHUTTING_DOWN, WORKER_RESTARTED, QUEUE_FULL, UNAVAILABLE})
+# the request, or (over HTTP) the connection failed, timed out, or was answered 502/503/504;
+# rate_limited: the API key's tenant is past a limit until its retry_after_s.
+TRANSIENT_CODES = frozenset({SHUTTING_DOWN, WORKER_RESTARTED, QUEUE_FULL, UNAVAILABLE, RATE_LIMITED})
 INITIAL_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 8.0
 DEFAULT_RETRY_FOR_S = 300.0
@@ -87,7 +88,7 @@ def call_held(call, patience: Patience, pause):
         try:
             result = call()
         except CbatchError as err:
-            wait_s = patience.hold(tries, err)
+            wait_s = patience.hold(tries, err, err.retry_after_s)
             if wait_s is None:
                 raise
             pause(wait_s)

@@ -218,7 +218,7 @@ class Session:
             self.send(MsgType.FETCH, {"request_id": stream.request_id, "from_index": stream.next_index})
 
     def _on_error(self, body: dict) -> None:
-        error = CbatchError(body.get("code", INTERNAL), body.get("message", ""))
+        error = CbatchError(body.get("code", INTERNAL), body.get("message", ""), body.get("retry_after_s"))
         if error.code == SHUTTING_DOWN:
             self._refusing_until_s = self.liveness.heard_s + LIVENESS_S
         stream = self.streams.get(body.get("request_id"))

@@ -1,5 +1,7 @@
-"""One access-log line per HTTP request: method, path, status, the error code of a
-request that failed (also one that failed after its stream had started), and time taken.
+"""One access-log line per HTTP request: the caller's address and tenant (the API key's
+name; "-" without keys, or for a request refused one), method, path, status, the error
+code of a request that failed (also one that failed after its stream had started), and
+time taken.
 
 A plain ASGI middleware around the whole app, so that every answer is logged alike:
 routes, 404/405 for unknown paths, 401 from the API key check. uvicorn's own access log
@@ -9,6 +11,8 @@ is off: it knows no error codes and logs a stream when it starts, not when it en
 import json
 import logging
 import time
+
+from cbatch.http_api.auth import TENANT_SCOPE_KEY
 
 log = logging.getLogger("cbatch.http.access")
 
@@ -53,5 +57,6 @@ class AccessLog:
             raise
         finally:
             client = scope.get("client") or ("-", 0)
-            log.info('cbatch http: %s "%s %s" %s %s %.3fs', client[0], scope["method"], scope["path"],
+            log.info('cbatch http: %s %s "%s %s" %s %s %.3fs', client[0], scope.get(TENANT_SCOPE_KEY, "-"),
+                     scope["method"], scope["path"],
                      answer["status"] or "-", answer["code"] or "-", time.monotonic() - started_s)

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.http_api.access_log import AccessLog
-from cbatch.http_api.auth import API_KEY_ENV, RequireApiKey
+from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV, TENANT_SCOPE_KEY, ApiKeys, RequireApiKey
 from cbatch.http_api.batches_api import batch_routes
 from cbatch.http_api.connection import timed_protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
@@ -75,6 +75,9 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
         api, events = await run_in_threadpool(_parse, state, kind, await request.body())
     except CbatchError as err:
         return state.error(endpoint, err)
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    if tenant is not None:  # the key's tenant, whatever the caller's body said
+        api.bodies = [{**body, "tenant": tenant} for body in api.bodies]
     state.num_in_flight += 1
     gen = Generation(state, api, endpoint, is_cancel_an_error=kind != RESPONSES)
     is_streaming_out = False
@@ -145,7 +148,7 @@ async def _metrics(state: HttpState, request: Request) -> Response:
     return Response(state.metrics.render(await _daemon_stats(state)), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def make_app(state: HttpState, api_key: str = "", store: BatchStore | None = None) -> Starlette:
+def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStore | None = None) -> Starlette:
     """`store`: the daemon's files and batch jobs (/v1/files, /v1/batches); None serves neither."""
     def bind(handler, *args):
         async def endpoint(request: Request) -> Response:
@@ -162,7 +165,7 @@ def make_app(state: HttpState, api_key: str = "", store: BatchStore | None = Non
                                          "/v1/files, /v1/batches, /v1/loads, /health, /metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
-    middleware = [Middleware(AccessLog)] + ([Middleware(RequireApiKey, api_key=api_key)] if api_key else [])
+    middleware = [Middleware(AccessLog)] + ([Middleware(RequireApiKey, api_keys=api_keys)] if api_keys else [])
     return Starlette(middleware=middleware, exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/completions", bind(_generate, COMPLETION), methods=["POST"]),
         Route("/v1/chat/completions", bind(_generate, CHAT), methods=["POST"]),
@@ -234,8 +237,12 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = HttpState(args.endpoint, args.model_names)
     store = BatchStore(args.state_dir) if args.state_dir else None
-    api_key = os.environ.pop(API_KEY_ENV, "")  # nothing this process starts inherits it
-    config = uvicorn.Config(make_app(state, api_key, store), http=timed_protocol(), log_level="warning",
+    api_key, keys_file = os.environ.pop(API_KEY_ENV, ""), os.environ.pop(API_KEYS_FILE_ENV, "")  # not inherited
+    api_keys = ApiKeys(api_key, keys_file) if api_key or keys_file else None
+    if api_keys is not None:  # the daemon forwards its SIGHUP: read the keys file again
+        signal.signal(signal.SIGHUP, lambda signum, frame: api_keys.reload())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # started blocked: one sent meanwhile comes now
+    config = uvicorn.Config(make_app(state, api_keys, store), http=timed_protocol(), log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM

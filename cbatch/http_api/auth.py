@@ -1,34 +1,72 @@
 """The API key check, as llama-server's and vLLM's `--api-key`: every request but
 /health must carry `Authorization: Bearer KEY`. /health stays open: it tells a router or
-a probe only whether the daemon serves, and they check it without credentials."""
+a probe only whether the daemon serves, and they check it without credentials.
 
-import hmac
+With `--api-keys-file` each key names a tenant (cbatch/api_keys.py); the tenant of the
+key a request came with goes in the request's scope (TENANT_SCOPE_KEY), for the bodies it
+submits and the access log. A single `--api-key` is the tenant "default". The file is
+read again on SIGHUP (`reload`): a request already admitted runs on whatever changes.
+"""
+
+import logging
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cbatch.api_keys import DEFAULT_TENANT, TenantKey, load_keys, tenant_of_key
 from cbatch.errors import CbatchError, UNAUTHORIZED
 from cbatch.http_api.openai_mapping import error_body
 from cbatch.http_api.state import json_response
 
 API_KEY_ENV = "CBATCH_API_KEY"  # how the daemon hands the key to its HTTP processes (not argv: ps shows it)
+API_KEYS_FILE_ENV = "CBATCH_API_KEYS_FILE"  # the keys file's path, read by each HTTP process itself
 OPEN_PATHS = ("/health",)
+TENANT_SCOPE_KEY = "cbatch.tenant"
+BEARER = b"Bearer "
+
+log = logging.getLogger("cbatch.http")
+
+
+class ApiKeys:
+    """The keys this server accepts: one `--api-key`, or those of a keys file."""
+
+    def __init__(self, api_key: str = "", keys_file: str = ""):
+        self.keys_file = keys_file
+        self.keys = load_keys(keys_file) if keys_file else {DEFAULT_TENANT: TenantKey(DEFAULT_TENANT, api_key)}
+
+    def reload(self) -> None:
+        """Read the keys file again; a file that cannot be read keeps the keys there were."""
+        if not self.keys_file:
+            return
+        try:
+            self.keys = load_keys(self.keys_file)
+        except CbatchError as err:
+            log.error("cbatch http: keeping the API keys there were: %s", err.message)
+            return
+        log.info("cbatch http: API keys reloaded: %d tenants", len(self.keys))
+
+    def tenant_of(self, authorization: bytes) -> str | None:
+        if not authorization.startswith(BEARER):
+            return None
+        return tenant_of_key(self.keys, authorization[len(BEARER):])
 
 
 class RequireApiKey:
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_keys: ApiKeys):
         self.app = app
-        self._expected = b"Bearer " + api_key.encode()
+        self.api_keys = api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):  # constant time: no key guessing by timing
+            tenant = self.api_keys.tenant_of(dict(scope["headers"]).get(b"authorization", b""))
+            if tenant is None:
                 await _unauthorized()(scope, receive, send)
                 return
+            scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
 
 
 def _unauthorized() -> Response:
+    """Names no tenant: a caller learns nothing of the keys there are."""
     err = CbatchError(UNAUTHORIZED, "a valid API key is needed: send 'Authorization: Bearer <key>'")
     return json_response(error_body(err), 401, {"WWW-Authenticate": "Bearer"})

@@ -35,6 +35,12 @@ _DAEMON_COUNTERS = {
     "num_embedding_decodes": ("cbatch_embedding_decodes", "Embedding decodes (the inputs of several callers share one)"),
     "num_embedding_inputs": ("cbatch_embedding_inputs", "Inputs embedded, all clients"),
 }
+# ... and what each tenant (API key name) was served since the daemon started, all clients
+_TENANT_COUNTERS = {
+    "num_requests": ("cbatch_tenant_requests", "Requests of the tenant that finished"),
+    "num_prompt_tokens": ("cbatch_tenant_prompt_tokens", "Prompt tokens of the tenant's finished requests"),
+    "num_generated_tokens": ("cbatch_tenant_generated_tokens", "Tokens generated for the tenant's finished requests"),
+}
 
 
 def _one_value(family_class, name: str, help_text: str, value: float):
@@ -55,6 +61,12 @@ class _DaemonStats:
                 if self.stats.get(key) is not None:
                     yield _one_value(family_class, name, help_text, self.stats[key])
         yield from router_gauges(self.stats)
+        tenants = self.stats.get("tenants") or {}
+        for key, (name, help_text) in _TENANT_COUNTERS.items():
+            family = CounterMetricFamily(name, help_text, labels=["tenant"])
+            for tenant, usage in tenants.items():
+                family.add_metric([tenant], float(usage[key]))
+            yield family
 
 
 def kv_cache_usage(stats: dict) -> float:

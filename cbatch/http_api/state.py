@@ -3,6 +3,7 @@
 import asyncio
 import json
 import logging
+import math
 import time
 
 from starlette.responses import Response
@@ -101,6 +102,7 @@ class HttpState:
     def error(self, endpoint: str, err: CbatchError, param: str | None = None) -> Response:
         status = error_status(err.code)
         self.metrics.errors.labels(endpoint, str(status), err.code).inc()
-        # A router retries these elsewhere, a client later.
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+        # A router retries these elsewhere, a client later: when the tenant's budget allows, if that is known.
+        retry_after_s = RETRY_AFTER_S if err.retry_after_s is None else math.ceil(err.retry_after_s)
+        headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
         return json_response(error_body(err, param), status, headers)

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from cbatch.workers.daemon.stop_signals import children_ignore_sigint
+from cbatch.workers.daemon.stop_signals import children_ignore_sigint_sighup
 
 RESTART_BACKOFF_S = 0.5  # before the first restart; doubled after each further quick death
 QUICK_DEATH_S = 30.0  # a process that dies sooner than this after its start did not get going
@@ -36,7 +36,7 @@ class ChildProcess:
 
     def start(self) -> None:
         self._started_s, self._died_s = time.monotonic(), None
-        with children_ignore_sigint():  # a Ctrl-C to the process group is the daemon's to handle
+        with children_ignore_sigint_sighup():  # a Ctrl-C to the process group is the daemon's to handle
             self.process = subprocess.Popen(self.argv(), pass_fds=self.pass_fds, env=self.env)
 
     def poll(self) -> None:
@@ -60,9 +60,13 @@ class ChildProcess:
             self.num_restarts += 1
             self.start()
 
-    def drain(self) -> None:
+    def send(self, signum: int) -> None:
+        """To the process while it runs (SIGTERM drains it; SIGHUP has a server read its keys again)."""
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signum)
+
+    def drain(self) -> None:
+        self.send(signal.SIGTERM)
 
     def stop(self) -> None:
         self.drain()

@@ -27,6 +27,7 @@ from cbatch.workers.daemon.handshakes import Handshakes
 from cbatch.workers.daemon.quarantine import Quarantine
 from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
 from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
+from cbatch.workers.daemon.tenant_ledger import TenantLedger
 from cbatch.workers.daemon.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.daemon.front_end")
@@ -44,7 +45,7 @@ class FrontEnd:
         self.clients = ClientLink(zctx, config)
         self.handshakes = Handshakes(self.clients, config, worker, ring_name, tick_endpoint)
         engine = config.engine
-        self.requests = RequestTable(engine.max_in_flight, config.retention_s)
+        self.requests = RequestTable(engine.max_in_flight, config.retention_s, TenantLedger(config.api_keys_file))
         self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue)
         self._is_draining = False
         self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
@@ -82,7 +83,7 @@ class FrontEnd:
             except ProtocolError as err:
                 self._error(identity, INVALID_REQUEST, str(err), body or reply_ids(frames))
             except CbatchError as err:
-                self._error(identity, err.code, err.message, body)
+                self._error(identity, err.code, err.message, body, err.retry_after_s)
             except Exception as err:  # a bug must cost one reply, not the daemon
                 log.exception("front-end failed on a client message")
                 self._error(identity, INTERNAL, f"the front-end failed on this message: {type(err).__name__}", body)
@@ -132,9 +133,9 @@ class FrontEnd:
         self.requests.set_delivered(tracked, is_delivered)
         return is_delivered
 
-    def _error(self, identity: bytes, code: str, message: str, body: dict) -> None:
+    def _error(self, identity: bytes, code: str, message: str, body: dict, retry_after_s: float | None = None) -> None:
         """Every reply to a request names it (and a reply to a nonce its nonce)."""
-        reply = {"code": code, "message": message}
+        reply = {"code": code, "message": message, **({} if retry_after_s is None else {"retry_after_s": retry_after_s})}
         for key in ("request_id", "nonce"):
             if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
                 reply[key] = body[key]
@@ -146,6 +147,8 @@ class FrontEnd:
             raise ProtocolError("request_id must be in [1, 2**63 - 1]")
         request_body = field(body, "body", dict)
         request = parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
+        # The keys file's weight, whatever a client said: the worker shares the steps by it.
+        request_body = {**request_body, "tenant_weight": self.requests.ledger.weight(request.tenant)}
         if len(msgpack.packb(request_body)) > MAX_FRAME_BYTES - 1024:  # floats re-encode wider
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self._is_draining:
@@ -155,8 +158,9 @@ class FrontEnd:
         wants_logprobs = request_body.get("logprobs") is not None
         tracked = TrackedRequest(request_id, identity, is_relayed=wants_logprobs or not self.handshakes.reads_ring(identity),
                   body=request_body, logprobs={} if wants_logprobs else None, is_batch=request.priority == BATCH,
-                  deadline_s=self.config.deadline_s(request.timeout_s, request.priority == BATCH, time.monotonic()), shape=shape)
-        self.requests.add(tracked)
+                  deadline_s=self.config.deadline_s(request.timeout_s, request.priority == BATCH, time.monotonic()), shape=shape,
+                  tenant=request.tenant)
+        self.requests.add(tracked, time.monotonic())
         self._forward(tracked)  # held here while the worker (re)starts, sent when it is ready
 
     def _forward(self, tracked: TrackedRequest) -> None:
@@ -205,7 +209,8 @@ class FrontEnd:
         ended = self.requests.num_ended_by_outcome
         stats = {"num_active": 0, "num_queued": 0, **self.worker.stats, "parallel": self.config.engine.parallel,
                  "num_in_flight": len(self.requests.active), "num_requests_ended": sum(ended.values()),
-                 "num_requests_by_outcome": dict(ended), "num_fetches": self.num_fetches}
+                 "num_requests_by_outcome": dict(ended), "num_fetches": self.num_fetches,
+                 "tenants": self.requests.ledger.stats()}
         self.clients.send(identity, MsgType.STATS_REPLY, {"nonce": body.get("nonce", 0), **stats})
 
     _CLIENT_HANDLERS = {

@@ -17,11 +17,12 @@ to processes whatever their load, and refuse those hashed to one that is restart
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 
 from cbatch.config import runtime_dir
-from cbatch.http_api.auth import API_KEY_ENV
+from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE
 from cbatch.workers.daemon.child_process import ChildProcess
 
@@ -51,9 +52,11 @@ class HttpServers:
     runner that runs the batches they take (both read and write `state_dir`)."""
 
     def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int,
-                 state_dir: str, api_key: str = ""):
+                 state_dir: str, api_key: str = "", api_keys_file: str = ""):
         self.sock = sock
         env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
+        if api_keys_file:  # each server reads the file itself, and again on SIGHUP (reload)
+            env = {**os.environ, API_KEYS_FILE_ENV: os.path.abspath(api_keys_file)}
         self.metrics_dir = None
         if num_processes > 1:
             # Several processes count HTTP metrics: each writes its counters to files here
@@ -77,6 +80,11 @@ class HttpServers:
         if all(process.is_given_up for process in self.processes) and self.sock.fileno() != -1:
             log.error("cbatch http: no longer serving HTTP (ZeroMQ clients are still served)")
             self.sock.close()  # HTTP clients get "connection refused" instead of waiting in the backlog
+
+    def reload(self) -> None:
+        """The keys file changed: each server reads it again (its requests in flight run on)."""
+        for process in self.processes:
+            process.send(signal.SIGHUP)
 
     def drain(self) -> None:
         """New requests get 503, in-flight responses finish; each process then exits by

@@ -6,17 +6,21 @@ fetch its records and a client that missed its finish can have it again. Invaria
 request id is in at most one of `active` and the retained set; `owed` names only
 retained requests whose finish could not be sent to their owner; `num_active_by_priority`
 counts `active` by is_batch. Each priority has its own bound on requests in flight, so
-batch work never makes an interactive request see queue_full.
+batch work never makes an interactive request see queue_full. Each active request counts
+in its tenant's ledger (tenant_ledger.py) from add to its end, and a finished one is
+charged there.
 """
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
 from cbatch.ipc.records import RECORD_SIZE_BYTES
 from cbatch.params import PRIORITIES
 from cbatch.wording import counted
+from cbatch.workers.daemon.tenant_ledger import TenantLedger
 
 
 @dataclass(eq=False)
@@ -34,6 +38,7 @@ class TrackedRequest:
     is_batch: bool = False  # priority "batch": handed to a worker after the interactive requests held with it
     deadline_s: float = 0.0  # monotonic clock; 0 = none
     shape: bytes = b""  # quarantine.request_shape of its body, kept in case it crashes the worker
+    tenant: str = DEFAULT_TENANT
 
     @property
     def is_held(self) -> bool:
@@ -46,8 +51,9 @@ class TrackedRequest:
 
 
 class RequestTable:
-    def __init__(self, max_in_flight: tuple[int, int], retention_s: float):
+    def __init__(self, max_in_flight: tuple[int, int], retention_s: float, ledger: TenantLedger | None = None):
         self.max_in_flight = max_in_flight  # by is_batch: (interactive, batch)
+        self.ledger = ledger or TenantLedger()
         self.retention_s = retention_s
         self.active: dict[int, TrackedRequest] = {}
         self.num_active_by_priority = [0, 0]  # by is_batch
@@ -55,13 +61,15 @@ class RequestTable:
         self._owed: dict[bytes, dict[int, TrackedRequest]] = {}  # owner -> retained tracked_requests whose finish it lacks
         self.num_ended_by_outcome: Counter = Counter()  # finish reason, or the error code it failed with
 
-    def add(self, tracked: TrackedRequest) -> None:
+    def add(self, tracked: TrackedRequest, now_s: float = 0.0) -> None:
+        """Raises (nothing changes) on a used id, a full priority, a tenant past its limits."""
         if tracked.request_id in self.active or tracked.request_id in self._retained:
             raise CbatchError(INVALID_REQUEST, f"request_id {tracked.request_id} is already in use")
         is_batch = tracked.is_batch
         if self.num_active_by_priority[is_batch] >= self.max_in_flight[is_batch]:
             in_flight = counted(self.max_in_flight[is_batch], f"{PRIORITIES[is_batch]} request")
             raise CbatchError(QUEUE_FULL, f"{in_flight} in flight; retry later or raise {QUEUE_FLAGS[is_batch]}")
+        self.ledger.admit(tracked.tenant, now_s)
         self.active[tracked.request_id] = tracked
         self.num_active_by_priority[is_batch] += 1
 
@@ -82,6 +90,7 @@ class RequestTable:
         """The request ended with `finish` (the FINISHED body): retain it, forget the expired."""
         tracked.finish, tracked.finished_at_s = finish, now_s
         self._remove_active(tracked)
+        self.ledger.on_finished(tracked.tenant, finish.get("usage") or {}, now_s)
         self.num_ended_by_outcome[finish["finish_reason"]] += 1
         self._retained[tracked.request_id] = tracked
         self.expire(now_s)
@@ -100,6 +109,7 @@ class RequestTable:
     def _remove_active(self, tracked: TrackedRequest) -> None:
         del self.active[tracked.request_id]
         self.num_active_by_priority[tracked.is_batch] -= 1
+        self.ledger.release(tracked.tenant)
 
     def set_delivered(self, tracked: TrackedRequest, is_delivered: bool) -> None:
         self._set_owed(tracked, not is_delivered)

@@ -7,6 +7,11 @@ children are started with SIGINT ignored and blocked, which they inherit across 
 (Python keeps an ignored SIGINT ignored). The daemon's own handlers are set before it
 creates anything it must remove (the ring, its sockets), so a stop that comes while it
 starts is a stop like any other, and never an exception that skips the clean-up.
+
+SIGHUP asks the daemon to read its API keys file again (keys_reload.py), and the daemon
+passes it on to its HTTP servers. A child is started with SIGHUP ignored and blocked too:
+one sent while the child starts waits, pending, until the HTTP server has set its handler
+and unblocks it, instead of ending it (the default action) before it could.
 """
 
 import contextlib
@@ -15,18 +20,22 @@ import signal
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+CHILD_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGHUP)
+
+
 @contextlib.contextmanager
-def children_ignore_sigint():
-    """Around starting a child process. A SIGINT that comes meanwhile waits, blocked (Linux
-    keeps a blocked signal pending even while it is ignored), and reaches this process's
-    handler when the block ends."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def children_ignore_sigint_sighup():
+    """Around starting a child process. A SIGINT or SIGHUP that comes meanwhile waits,
+    blocked (Linux keeps a blocked signal pending even while it is ignored), and reaches
+    this process's handler when the block ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(CHILD_IGNORED_SIGNALS))
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in CHILD_IGNORED_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(CHILD_IGNORED_SIGNALS))
 
 
 class StopSignals:
@@ -38,6 +47,9 @@ class StopSignals:
         self._notified = None
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
+        # A reload (keys_reload.py) asked for while the daemon starts is no stop: ignored
+        # until the keys are there to read again.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     def _on_signal(self, signum, frame) -> None:
         self.is_received = True

@@ -32,7 +32,8 @@ from cbatch.workers.daemon.leftovers import remove_leftovers
 from cbatch.ipc.worker_messages import WorkerStop
 from cbatch.workers.daemon.progress import ProgressLog
 from cbatch.workers.daemon.quarantine import QUARANTINED_MESSAGE
-from cbatch.workers.daemon.stop_signals import StopSignals, children_ignore_sigint
+from cbatch.workers.daemon.keys_reload import KeysReload
+from cbatch.workers.daemon.stop_signals import StopSignals, children_ignore_sigint_sighup
 from cbatch.workers.daemon.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.daemon")
@@ -63,7 +64,7 @@ class Supervisor:
         if http_socket is not None:
             model_names = served_model_names(config.engine.model_path, config.aliases)
             self.http = HttpServers(http_socket, config.endpoint, model_names, config.http_processes, config.state_dir,
-                                    config.api_key)
+                                    config.api_key, config.api_keys_file)
         self._tag = tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
@@ -75,6 +76,7 @@ class Supervisor:
         try:
             self.worker_link = WorkerLink(self.zctx, self.control_endpoint)
             self.frontend = FrontEnd(self.zctx, config, self.worker_link, self.ring.name, self.tick_endpoint)
+            self.keys_reload = KeysReload(self.frontend.requests.ledger, self.http)
         except (zmq.ZMQError, CbatchError, ValueError, OSError) as err:
             self.zctx.destroy(linger=0)
             self.ring.close()
@@ -100,7 +102,7 @@ class Supervisor:
         plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
         self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
         self.worker_link.expect(self._generation)
-        with children_ignore_sigint():
+        with children_ignore_sigint_sighup():
             self.worker.start()
 
     def _recreate_ring(self) -> None:
@@ -177,6 +179,7 @@ class Supervisor:
         while self.state is not DaemonState.STOPPED:
             progress.update(time.monotonic(), self.frontend.num_in_flight, self.worker_link.stats,
                             self.frontend.num_ended)
+            self.keys_reload.poll()
             if self.http is not None and self.state is DaemonState.SERVING:
                 self.http.poll()
             if self._serve_sockets(LOOP_POLL_MS):

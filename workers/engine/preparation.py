@@ -37,7 +37,8 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
     sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, prompt_ids, on_backend)
     deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
     return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend,
-                    is_batch=request.priority == BATCH, deadline_s=deadline_s, budget=_budget(runner, request, text, model_reasoning))
+                    is_batch=request.priority == BATCH, deadline_s=deadline_s, budget=_budget(runner, request, text, model_reasoning),
+                    tenant=request.tenant, tenant_weight=request.tenant_weight)
 
 
 def _budget(runner, request: Request, prompt_text: str, model_reasoning: dict | None) -> ThinkingBudget | None:

@@ -1,7 +1,8 @@
 """Decides, each step, which sequences run and which tokens go into the batch.
 
 Policy:
-- admission is FIFO within a priority, every interactive request before any batch one,
+- admission is FIFO within a tenant, the tenants of a priority sharing it by weight
+  (fair_share.py), every interactive request before any batch one,
   each priority with its own room in the queue (waiting_queue.py), into at most
   `max_running` running sequences, each given a KV sequence id holding its longest cached prefix by the KV manager, which reserves cells
   for the rest of its tokens (evicting cached prefixes first) or says there is no room;
@@ -104,6 +105,7 @@ class Scheduler:
             i += 1
         decoding = SeqStatus.DECODING
         spans = [BatchSpan(s, s.num_cached, 1) for s in running if s.status is decoding]
+        self.waiting.share.charge_decoded(span.seq for span in spans)
         budget = self.max_batch_tokens - len(spans)
         for seq in running if len(spans) < len(running) else ():
             if budget == 0:
@@ -268,6 +270,7 @@ class Scheduler:
                 self.waiting.push_front(seq)
                 break
             seq.seq_id, seq.num_cached = placed
+            self.waiting.share.on_admitted(seq)
             if parent is None:
                 seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING
                 self.running.append(seq)

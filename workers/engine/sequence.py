@@ -5,6 +5,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.sampling.budget import ThinkingBudget
 from cbatch.workers.engine.text_stream import TextStream
@@ -55,6 +56,9 @@ class Sequence:
     is_batch: bool = False  # admitted only when no interactive request waits
     budget: ThinkingBudget | None = None  # a thinking budget (reasoning_budget), forced in sampling
     deadline_s: float = math.inf  # on the monotonic clock, which every process of the host shares
+    tenant: str = DEFAULT_TENANT  # whose request: admission shares the steps among tenants (fair_share.py)
+    tenant_weight: float = 1.0
+    is_charged: bool = False  # its prompt was charged to its tenant (at its first admission)
 
     def __post_init__(self):
         if self.text is None:

@@ -2,9 +2,10 @@
 room, and the deadlines.
 
 WaitingQueue:
-- one FIFO per priority; `popleft` takes an interactive request while any waits, so every
-  interactive request is admitted before any batch one. A preempted or requeued sequence
-  goes back to the head of its own priority's FIFO;
+- one queue per priority; `popleft` takes an interactive request while any waits, so every
+  interactive request is admitted before any batch one. Within a priority the tenants share
+  admission by weight (fair_share.py), each tenant's requests in FIFO order. A preempted or
+  requeued sequence goes back to the head of its tenant's FIFO in its own priority;
 - each priority has its own room: it may hold `max_running` plus its own queue limit
   (--max-queue for interactive requests, --max-batch-queue for batch ones) in the engine,
   waiting and running together, as the front-end counts its requests in flight. A batch
@@ -18,12 +19,12 @@ No model here: the scheduler drives both.
 
 import heapq
 import math
-from collections import deque
 
 from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.params import PRIORITIES
 from cbatch.wording import counted
+from cbatch.workers.engine.fair_share import FairShare, TenantQueues
 from cbatch.workers.engine.sequence import Sequence
 
 # Entries of ended sequences the deadline heap may hold beyond its live ones before it is
@@ -33,23 +34,24 @@ MIN_STALE_DEADLINES = 1024
 
 class WaitingQueue:
     def __init__(self, max_running: int, max_queue: int, max_batch_queue: int):
-        self._fifos: tuple[deque[Sequence], deque[Sequence]] = (deque(), deque())  # by is_batch
+        self.share = FairShare()
+        self._queues = (TenantQueues(self.share), TenantQueues(self.share))  # by is_batch
         self.max_queues = (max_queue, max_batch_queue)
         self._max_held = (max_running + max_queue, max_running + max_batch_queue)
         # Per priority: the sequences added and not yet ended (waiting, running or forking).
         self._num_held = [0, 0]
 
     def __len__(self) -> int:
-        return len(self._fifos[0]) + len(self._fifos[1])
+        return self._queues[0].num_waiting + self._queues[1].num_waiting
 
     @property
     def num_interactive(self) -> int:
-        return len(self._fifos[0])
+        return self._queues[0].num_waiting
 
     def __iter__(self):
-        """In admission order: the interactive FIFO, then the batch one."""
-        yield from self._fifos[0]
-        yield from self._fifos[1]
+        """The interactive ones, then the batch ones (each tenant's in admission order)."""
+        yield from self._queues[0]
+        yield from self._queues[1]
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the tail of its priority, or refuse it with QUEUE_FULL
@@ -62,7 +64,7 @@ class WaitingQueue:
                 f"waiting beyond the running ones); retry later or raise {QUEUE_FLAGS[is_batch]}",
             )
         self._num_held[is_batch] += 1
-        self._fifos[is_batch].append(seq)
+        self._queues[is_batch].append(seq)
 
     def on_ended(self, seq: Sequence) -> None:
         """`seq`, added once, ended (wherever it was): its place in its room is free.
@@ -70,20 +72,21 @@ class WaitingQueue:
         self._num_held[seq.is_batch] -= 1
 
     def popleft(self) -> Sequence:
-        return (self._fifos[0] or self._fifos[1]).popleft()
+        return (self._queues[0] if self._queues[0].num_waiting else self._queues[1]).popleft()
 
     def push_front(self, seq: Sequence) -> None:
-        """Back to the head of its priority (preempted, requeued, or not admitted now)."""
-        self._fifos[seq.is_batch].appendleft(seq)
+        """Back to the head of its tenant's FIFO (preempted, requeued, or not admitted now)."""
+        self._queues[seq.is_batch].appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """One sequence out of the queue (a search of its FIFO: for one at a time only)."""
-        self._fifos[seq.is_batch].remove(seq)
+        """One sequence out of the queue (a search of its tenant's FIFO: for one at a time only)."""
+        self._queues[seq.is_batch].remove(seq)
 
     def drop(self, seq_ids: set[int]) -> None:
         """Take the sequences whose id() is in seq_ids out of the queue in one pass."""
-        self._fifos = tuple(deque(seq for seq in fifo if id(seq) not in seq_ids) if fifo else fifo
-                            for fifo in self._fifos)
+        for queue in self._queues:
+            if queue.num_waiting:
+                queue.drop(seq_ids)
 
 
 class DeadlineHeap:

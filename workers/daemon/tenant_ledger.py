@@ -1,0 +1,97 @@
+"""The tenants as the front-end sees them: their weights and limits from the keys file
+(cbatch/api_keys.py), the requests each has in flight, its token bucket, and its usage.
+
+The limits hold daemon-wide, however many HTTP processes (and native clients) submit:
+every request passes through the one front-end. A tenant past a limit gets RATE_LIMITED,
+whose message says when to retry (`retry_after_s` travels beside it in the error reply):
+- max_concurrent: requests in flight at once; retry when one ends, RETRY_CONCURRENT_S;
+- tokens_per_min: a token bucket of that size, refilled at tokens_per_min / 60 a second
+  and charged with prompt + generated tokens when a request ends (its cost is known only
+  then, so one request may take the bucket below zero). A request is let in while the
+  bucket holds a token; retry when it will again.
+A tenant the keys file does not name (a native client's, "default") has no limits and
+weight 1. The keys are read again on SIGHUP (`reload`); what a tenant has in flight and
+in its bucket carries over, so a reload drops nothing and resets no budget.
+"""
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from cbatch.api_keys import TenantKey, load_keys
+from cbatch.errors import CbatchError, RATE_LIMITED
+
+RETRY_CONCURRENT_S = 1  # a request ends at any moment: ask again soon
+SECONDS_PER_MINUTE = 60.0
+
+
+@dataclass
+class TenantUsage:
+    """What a tenant was served since the daemon started (the metrics' counters)."""
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class TenantLedger:
+    def __init__(self, keys_file: str = ""):
+        self.keys_file = keys_file
+        self.keys: dict[str, TenantKey] = load_keys(keys_file) if keys_file else {}
+        self.num_in_flight: Counter = Counter()
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, at monotonic s)
+        self.usage: dict[str, TenantUsage] = {}
+
+    def reload(self) -> None:
+        """Read the keys file again; raises CbatchError (nothing changes) if it cannot be used."""
+        if self.keys_file:
+            self.keys = load_keys(self.keys_file)
+
+    def weight(self, tenant: str) -> float:
+        key = self.keys.get(tenant)
+        return key.weight if key is not None else 1.0
+
+    def admit(self, tenant: str, now_s: float) -> None:
+        """Count a new request of `tenant` in flight, or refuse it with RATE_LIMITED."""
+        key = self.keys.get(tenant)
+        if key is not None and key.max_concurrent and self.num_in_flight[tenant] >= key.max_concurrent:
+            raise rate_limited(f"tenant {tenant} has {key.max_concurrent} requests in flight, its max_concurrent",
+                               RETRY_CONCURRENT_S)
+        if key is not None and key.tokens_per_min:
+            tokens = self._bucket(key, now_s)
+            if tokens < 1.0:
+                wait_s = math.ceil((1.0 - tokens) * SECONDS_PER_MINUTE / key.tokens_per_min)
+                raise rate_limited(f"tenant {tenant} used its {key.tokens_per_min} tokens_per_min", wait_s)
+        self.num_in_flight[tenant] += 1
+
+    def release(self, tenant: str) -> None:
+        """A request of `tenant` ended, however."""
+        self.num_in_flight[tenant] -= 1
+        if not self.num_in_flight[tenant]:
+            del self.num_in_flight[tenant]
+
+    def on_finished(self, tenant: str, usage: dict, now_s: float) -> None:
+        """Charge a finished request's tokens to the tenant's usage and bucket."""
+        prompt, generated = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+        served = self.usage.setdefault(tenant, TenantUsage())
+        served.num_requests += 1
+        served.num_prompt_tokens += prompt
+        served.num_generated_tokens += generated
+        key = self.keys.get(tenant)
+        if key is not None and key.tokens_per_min:
+            self._buckets[tenant] = (self._bucket(key, now_s) - prompt - generated, now_s)
+
+    def _bucket(self, key: TenantKey, now_s: float) -> float:
+        """The tokens in the tenant's bucket now (a new or refilled one is full)."""
+        tokens, at_s = self._buckets.get(key.name, (key.tokens_per_min, now_s))
+        return min(float(key.tokens_per_min), tokens + (now_s - at_s) * key.tokens_per_min / SECONDS_PER_MINUTE)
+
+    def stats(self) -> dict:
+        """Per tenant: usage and requests in flight, for STATS (metrics, cbatch-status)."""
+        tenants = set(self.usage) | set(self.num_in_flight)
+        return {tenant: {**vars(self.usage.get(tenant, TenantUsage())), "num_in_flight": self.num_in_flight[tenant]}
+                for tenant in sorted(tenants)}
+
+
+def rate_limited(why: str, retry_after_s: int) -> CbatchError:
+    return CbatchError(RATE_LIMITED, f"{why}; retry in {retry_after_s} s", retry_after_s)
