@@ -58,8 +58,11 @@ class BatchLoad:
 
 
 def wait_saturated(client: Client, parallel: int) -> None:
+    """Every batch stream has a request in flight. (The front-end counts those exactly; the
+    worker's num_active is a snapshot, often taken while a fast model idles between two of a
+    stream's requests.)"""
     deadline = time.monotonic() + LOAD_WAIT_S
-    while client.stats()["num_active"] < parallel:
+    while client.stats()["num_in_flight"] < parallel:
         if time.monotonic() > deadline:
             raise RuntimeError("the batch streams did not fill every slot")
         time.sleep(0.1)

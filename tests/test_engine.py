@@ -3,6 +3,7 @@
 import pytest
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, PROMPT_TOO_LONG, QUEUE_FULL
+from cbatch.params import parse_request
 from enginekit import collect, generate, run_to_completion, submit
 from common import GREEDY
 
@@ -169,3 +170,27 @@ def test_preparing_a_megabyte_prompt_leaves_the_loop_free(make_engine):
     preparer.join()
     assert outcome[0] >= 200_000  # it was tokenized in full
     assert num_steps >= 10, f"only {num_steps} steps while the prompt was tokenized"
+
+
+def test_a_dead_end_and_a_cancel_in_the_same_step_end_the_request_once(make_engine):
+    """A cancel (or a deadline) that lands while a step decodes is applied after that step's
+    sampling: a request whose grammar came to a dead end in the same step was then ended
+    twice, and the second end killed the decode worker (KeyError)."""
+    engine = make_engine()
+    engine.add_request(parse_request(1, {"prompt": "say nothing", "max_tokens": 4, "grammar": 'root ::= "\\x00"'}))
+    engine.add_request(parse_request(2, {"prompt": "bystander", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
+    sample = engine._sample
+
+    def sample_then_cancel(spans):
+        sampled = sample(spans)
+        engine.cancel(1)  # as a cancel the loop applied while this batch decoded
+        return sampled
+
+    engine._sample = sample_then_cancel
+    events = []
+    for _ in range(20):
+        events += engine.step()
+        if not engine.has_work:
+            break
+    ends = [(event.request_id, event.finish_reason) for event in events if event.finish_reason]
+    assert sorted(ends) == [(1, "cancelled"), (2, "length")]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from cbatch.errors import CbatchError
 from cbatch.ipc.records import TokenEvent
 from cbatch.workers.engine.sampling.logprobs import attach_logprobs
-from cbatch.workers.engine.sequence import FinishReason, Sequence
+from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 
 
 class OutputProcessor:
@@ -28,6 +28,8 @@ class OutputProcessor:
         appended and are returned for their text."""
         finish = self._finish
         for seq, error in dead_ends:
+            if seq.status is SeqStatus.FINISHED:
+                continue  # cancelled, or past its deadline, after it was sampled in this step: ended already
             events.append(finish(seq, FinishReason.STOP) if error is None else
                           finish(seq, FinishReason.ERROR, error.message, error_code=error.code))
         to_text = []
