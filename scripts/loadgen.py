@@ -39,6 +39,7 @@ class Response:
         self.status = 0
         self.body_at = -1  # where the body starts in buffer, once the head is read
         self.content_length = -1  # -1: chunked
+        self.is_closing = False  # the server closes the connection after this response
         self.chunk_at = 0  # chunked: where the next chunk's size line starts
 
     def feed(self, data: bytes) -> bool:
@@ -51,6 +52,7 @@ class Response:
             self.status = int(head[0].split()[1])
             headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
             self.content_length = int(headers.get("content-length", -1))
+            self.is_closing = headers.get("connection", "").lower() == "close"
             self.body_at = self.chunk_at = end + 4
         if self.content_length >= 0:
             return len(self.buffer) - self.body_at >= self.content_length
@@ -75,6 +77,7 @@ class Caller:
     def __init__(self, address, requests: list[bytes], is_kept_alive: bool):
         self.address, self.requests, self.is_kept_alive = address, requests, is_kept_alive
         self.sock: socket.socket | None = None
+        self.request = b""  # the one in flight
         self.response = Response()
         self.sent_s = 0.0
         self.ttft_s: float | None = None
@@ -89,7 +92,8 @@ class Caller:
         self.response, self.ttft_s = Response(), None
         self.sent_s = time.perf_counter()
         self.sock.setblocking(True)  # a request is a few hundred bytes: it fits the socket's buffer
-        self.sock.sendall(self.requests.pop())
+        self.request = self.requests.pop()
+        self.sock.sendall(self.request)
         self.sock.setblocking(False)
 
 
@@ -113,6 +117,15 @@ def run(args) -> dict:
             caller: Caller = key.data
             data = caller.sock.recv(1 << 16)
             now_s = time.perf_counter()
+            if not data and not caller.response.buffer and caller.is_kept_alive:
+                # The server closed the kept-alive connection before this request (llama-server
+                # closes one after a few requests): the request goes again on a new one.
+                selector.unregister(caller.sock)
+                caller.sock.close()
+                selector.register(caller.connect(), selectors.EVENT_READ, caller)
+                caller.requests.append(caller.request)
+                caller.send_next()
+                continue
             is_complete = caller.response.feed(data) if data else True
             if caller.ttft_s is None and caller.response.has_body_bytes:
                 caller.ttft_s = now_s - caller.sent_s
@@ -123,7 +136,7 @@ def run(args) -> dict:
             else:
                 num_done += 1
                 ttfts.append(caller.ttft_s)
-            if not caller.is_kept_alive or not data:
+            if not caller.is_kept_alive or not data or caller.response.is_closing:
                 selector.unregister(caller.sock)
                 caller.sock.close()
                 if caller.requests:
@@ -131,7 +144,7 @@ def run(args) -> dict:
             if caller.requests:
                 caller.send_next()
             else:
-                if caller.is_kept_alive and data:
+                if caller.is_kept_alive and data and not caller.response.is_closing:
                     selector.unregister(caller.sock)
                     caller.sock.close()
                 callers.remove(caller)
