@@ -101,3 +101,16 @@ def start_http_daemon():
 def api(daemon):
     """An openai client of the test module's HTTP daemon (its `daemon` fixture)."""
     return daemon.openai()
+
+
+@pytest.fixture
+def ring():
+    """A 64-record token ring in shared memory, owned by the test; unlinked at teardown."""
+    import os
+
+    from cbatch.ipc.ring import create_ring
+
+    owner = create_ring(f"cbatch-test-ring-{os.getpid()}", 64)
+    yield owner
+    owner.close()
+    owner.unlink()

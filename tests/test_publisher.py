@@ -1,14 +1,11 @@
 """The decode worker's publisher numbers each step's records per request, into a real ring."""
 
-import os
 from types import SimpleNamespace
-
-import pytest
 
 import zmq
 
 from cbatch.ipc.records import FINISH_LENGTH, FINISH_TIMEOUT, FLAG_LAST, TokenEvent, relay_rows
-from cbatch.ipc.ring import RingReader, create_ring
+from cbatch.ipc.ring import RingReader
 from cbatch.workers.decode.publisher import EventPublisher
 
 
@@ -20,14 +17,6 @@ class SentEvents:
 
     def send(self, message) -> None:
         self.messages.append(message)
-
-
-@pytest.fixture
-def ring():
-    created = create_ring(f"cbpub_test_{os.getpid()}", 64)
-    yield created
-    created.close()
-    created.unlink()
 
 
 def test_two_events_of_one_request_in_a_step_are_numbered_as_one_stream(ring):

@@ -1,23 +1,13 @@
 """The client's session against a real ring segment, without a daemon: assembly and corruption."""
 
-import os
-
 import pytest
 
 from cbatch.errors import CbatchError
 from cbatch.ipc.records import FINISH_LENGTH
-from cbatch.ipc.ring import RingWriter, create_ring
+from cbatch.ipc.ring import RingWriter
 from ringkit import publish
 from cbatch.protocol import MsgType, pack
 from cbatch.client.session import Session
-
-
-@pytest.fixture
-def ring():
-    owner = create_ring(f"cbatch-test-session-{os.getpid()}", 64)
-    yield owner
-    owner.close()
-    owner.unlink()
 
 
 def make_session(ring) -> tuple[Session, list]:
