@@ -156,3 +156,25 @@ def test_async_client_under_a_worker_kill(tiny_model_path, start_daemon):
     assert failed_s < 2.0
     assert health["worker_pid"] not in (0, old_pid)
     assert again.finish_reason == "length" and len(again.token_ids) == 20
+
+
+def test_a_request_wanted_whole_wakes_its_reader_for_its_first_chunk_and_its_end_only(daemon):
+    """generate() (and an HTTP response that does not stream) takes a request whole: its
+    reader is woken for the first chunk and at the end, not once a step, and still gets every
+    token; a streamed read of the same request is woken step by step."""
+    body = {"prompt": "whole or streamed", "max_tokens": 64, **GREEDY}
+
+    async def scenario(client):
+        wake_ups = []
+        on_arrival = client._session._on_arrival
+        client._session._on_arrival = lambda key: (wake_ups.append(key), on_arrival(key))
+        whole = await client.generate(**body)
+        num_whole_wake_ups = len(wake_ups)
+        wake_ups.clear()
+        streamed = [chunk async for chunk in client.read(client.submit(**body))]
+        return whole, num_whole_wake_ups, streamed, len(wake_ups)
+
+    whole, num_whole_wake_ups, streamed, num_streamed_wake_ups = in_async_client(daemon, scenario)
+    assert len(whole.token_ids) == 64 and whole.token_ids == [t for chunk in streamed for t in chunk.token_ids]
+    assert num_whole_wake_ups <= 3  # first records, the finish (records and finish may come apart)
+    assert num_streamed_wake_ups >= 10, num_streamed_wake_ups

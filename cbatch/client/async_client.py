@@ -149,6 +149,7 @@ class AsyncClient(ClientBase):
         if "n" in params:
             return raise_any(await self.generate_batch([choice_items(prompt, messages, params)]))
         stream = self.submit(prompt, messages, **params)
+        stream.is_whole = True
         async for _ in self.read(stream):
             pass
         return stream.completion()
@@ -161,10 +162,12 @@ class AsyncClient(ClientBase):
                 for arrival in arrivals:
                     yield arrival
 
-    async def stream_batch_rounds(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> AsyncIterator[list[tuple[int, Chunk | CbatchError]]]:
+    async def stream_batch_rounds(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                                  is_whole: bool = False) -> AsyncIterator[list[tuple[int, Chunk | CbatchError]]]:
         """stream_batch's arrivals a round at a time: everything that arrived by one wake-up,
-        for a server that writes each round to its callers at once."""
-        feeder = BatchFeeder(self._session, items, max_in_flight)
+        for a server that writes each round to its callers at once. With is_whole (the caller
+        wants each item whole) an item's rounds are its first chunk and the rest at its end."""
+        feeder = BatchFeeder(self._session, items, max_in_flight, is_whole=is_whole)
         try:
             while True:
                 errors = feeder.fill()
@@ -181,8 +184,10 @@ class AsyncClient(ClientBase):
         """Results in input order: a Completion, or the CbatchError that item got."""
         items = list(items)
         batch = BatchResults(num_positions(items))
-        async for position, item in self.stream_batch(items, max_in_flight):
-            batch.add(position, item)
+        async with contextlib.aclosing(self.stream_batch_rounds(items, max_in_flight, is_whole=True)) as rounds:
+            async for arrivals in rounds:
+                for position, item in arrivals:
+                    batch.add(position, item)
         return batch.results
 
     async def _ask(self, msg_type: MsgType, fields_list: list[dict] = ({},)) -> list[dict]:

@@ -32,8 +32,10 @@ class BatchFeeder:
     its error arrive. An item's chunks then arrive together with its last one: a request
     sent again starts over, and nothing of the attempt that failed may have been handed on."""
 
-    def __init__(self, session: Session, items, max_in_flight: int, patience: Patience | None = None):
+    def __init__(self, session: Session, items, max_in_flight: int, patience: Patience | None = None,
+                 is_whole: bool = False):
         self._session = session
+        self._is_whole = is_whole  # the caller wants each item whole: its streams wake it less (RequestStream)
         self._items = iter(items)
         self._max_in_flight = max_in_flight
         self._patience = patience
@@ -113,7 +115,8 @@ class BatchFeeder:
             self._tries.setdefault(position, Tries(item))
         try:
             label, body = split_item(item)
-            self._active[position] = self._session.submit(body, position if label is None else label)
+            stream = self._active[position] = self._session.submit(body, position if label is None else label)
+            stream.is_whole = self._is_whole  # nothing arrived yet: the caller's thread reads what arrives
         except CbatchError as err:
             return self._failed(position, err)
         return []

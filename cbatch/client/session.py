@@ -202,7 +202,7 @@ class Session:
         if stream is None:
             return
         stream.add_records(body["records"], self.liveness.heard_s)
-        self._on_arrival(stream)
+        self._wake(stream)
         if self._ring is not None and not stream.wants_logprobs:
             self._ring.recovered(stream.request_id, stream.next_index)
             self.read_ring()
@@ -270,7 +270,17 @@ class Session:
             stream = self.streams.get(request_id)
             if stream is not None:
                 stream.add_records(rows, now_s)
-                self._on_arrival(stream)
+                self._wake(stream)
+
+    def _wake(self, stream: RequestStream) -> None:
+        """Records arrived for stream: wake its reader, unless it wants the stream whole and
+        was woken for its first chunk already (a whole 64-token response is then two
+        wake-ups of its reader, not 64: most of what such a response cost a server's loop)."""
+        if stream.is_whole and not stream.is_done:
+            if stream.has_woken:
+                return
+            stream.has_woken = True
+        self._on_arrival(stream)
 
     @property
     def is_waiting(self) -> bool:

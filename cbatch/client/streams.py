@@ -66,6 +66,10 @@ class RequestStream:
     heard_s: float = field(default_factory=time.monotonic)  # when anything of this request last arrived
     tool_plan: ToolPlan | None = None  # the request's tools, whose calls are read from the text
     tool_calls: list[dict] | None = None  # the calls it read, once the stream is done
+    # Wanted whole (generate(), a response that does not stream): the session wakes its
+    # reader for the first chunk (its time to first token) and at its end, not every step.
+    is_whole: bool = False
+    has_woken: bool = False
 
     def __post_init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

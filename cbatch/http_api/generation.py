@@ -34,7 +34,7 @@ class Generation:
         self.is_cancel_an_error = is_cancel_an_error
         self.builder = ResponseBuilder(api, state.fingerprint)
         self.rounds = state.client.stream_batch_rounds([{**b, "id": i} for i, b in enumerate(api.bodies)],
-                                                       max_in_flight=len(api.bodies))
+                                                       max_in_flight=len(api.bodies), is_whole=not api.is_stream)
         arrived_s = time.monotonic()
         self.timers = [TokenTimer(state.metrics, arrived_s) for _ in api.bodies]
         self.usages: list[dict | None] = [None] * len(api.bodies)
