@@ -37,7 +37,7 @@ class TrackedRequest:
     logprobs: dict[int, list] | None = None  # token record index -> logprobs entry, when the request asked
     is_batch: bool = False  # priority "batch": handed to a worker after the interactive requests held with it
     deadline_s: float = 0.0  # monotonic clock; 0 = none
-    shape: bytes = b""  # quarantine.request_shape of its body, kept in case it crashes the worker
+    shape: dict | None = None  # quarantine.shape_fields of its body, kept in case it crashes the worker
     tenant: str = DEFAULT_TENANT
 
     @property
