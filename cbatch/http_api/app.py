@@ -32,10 +32,10 @@ from cbatch.http_api.batches_api import batch_routes
 from cbatch.http_api.connection import timed_protocol
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.metrics import kv_cache_usage
-from cbatch.http_api.openai_mapping import CHAT, COMPLETION, ApiRequest, error_body, parse_api_request
+from cbatch.openai.mapping import CHAT, COMPLETION, ApiRequest, error_body, parse_api_request
 from cbatch.http_api.embeddings import embeddings_endpoint
-from cbatch.http_api.responses_output import ResponseEvents, echoed_fields
-from cbatch.http_api.responses_request import parse_responses_request
+from cbatch.openai.responses_output import ResponseEvents, echoed_fields
+from cbatch.openai.responses_request import parse_responses_request
 from cbatch.http_api.responses_stream import collect_response, stream_response
 from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState, json_body, json_response
 from cbatch.jobs.batches import BatchStore

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cbatch.errors import CbatchError
-from cbatch.http_api.openai_mapping import embedding_response, parse_embedding_request
+from cbatch.openai.mapping import embedding_response, parse_embedding_request
 from cbatch.http_api.state import HttpState, json_body
 
 ENDPOINT = "embeddings"

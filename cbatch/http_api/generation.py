@@ -16,8 +16,8 @@ import time
 from cbatch.client.streams import merge_chunks
 from cbatch.errors import SHUTTING_DOWN, UNAVAILABLE, CbatchError
 from cbatch.http_api.metrics import TokenTimer
-from cbatch.http_api.openai_mapping import CHAT, ApiRequest, error_body, error_status
-from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse
+from cbatch.openai.mapping import CHAT, ApiRequest, error_body, error_status
+from cbatch.openai.completions_output import ResponseBuilder, WholeResponse
 from cbatch.http_api.state import HttpState
 
 

@@ -11,8 +11,8 @@ from starlette.responses import Response
 from cbatch.client.async_client import AsyncClient
 from cbatch.errors import CbatchError, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.http_api.metrics import HttpMetrics
-from cbatch.http_api.openai_mapping import RETRY_AFTER_S, error_body, error_status
-from cbatch.http_api.openai_responses import system_fingerprint
+from cbatch.openai.mapping import RETRY_AFTER_S, error_body, error_status
+from cbatch.openai.completions_output import system_fingerprint
 
 log = logging.getLogger("cbatch.http")
 

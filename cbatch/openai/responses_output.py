@@ -15,8 +15,8 @@ import json
 import time
 import uuid
 
-from cbatch.http_api.openai_mapping import ApiRequest
-from cbatch.http_api.reasoning import ReasoningSplitter
+from cbatch.openai.mapping import ApiRequest
+from cbatch.openai.reasoning import ReasoningSplitter
 from cbatch.tools import ToolCallStream
 
 # output item type -> (content part type, its delta event, its done event)
