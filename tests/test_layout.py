@@ -24,7 +24,7 @@ SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch
 MAX_MODULE_LINES = 300
 # What the HTTP app may use of cbatch.jobs: the state directory's files, not the runner.
 JOB_STORE = {"cbatch.jobs", "cbatch.jobs.state_dir", "cbatch.jobs.files", "cbatch.jobs.batches"}
-HTTP_STACK = {"starlette", "uvicorn", "httptools", "prometheus_client", "httpx"}
+HTTP_STACK = {"starlette", "uvicorn", "httptools", "prometheus_client", "httpx", "orjson"}
 LONGER_ALLOWED = {"cbatch.ipc.ring"}  # the ring's memory-ordering contract is one piece
 
 

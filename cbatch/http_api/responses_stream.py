@@ -3,8 +3,9 @@
 
 from cbatch.errors import CbatchError
 from cbatch.http_api.generation import Generation, streaming_out
+from cbatch.http_api.json_io import sse_event
 from cbatch.openai.mapping import error_body
-from cbatch.openai.responses_output import ResponseEvents, sse_event
+from cbatch.openai.responses_output import ResponseEvents
 
 
 def _events_of_round(events: ResponseEvents, arrivals: list) -> list[dict]:

@@ -11,7 +11,6 @@ cancelled), each with its `sequence_number`. Thinking is a
 not stream is the same events' last response.
 """
 
-import json
 import time
 import uuid
 
@@ -149,9 +148,3 @@ class ResponseEvents:
                 self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                             name=function["name"], arguments=function["arguments"]),
                 self.event("response.output_item.done", output_index=index, item=done)]
-
-
-def sse_event(event: dict) -> bytes:
-    """A Responses stream event: its type as the SSE event name, as OpenAI sends it."""
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
