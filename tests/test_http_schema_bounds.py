@@ -158,8 +158,8 @@ def test_a_responses_request_its_timeout_ends_is_incomplete(daemon):
 
 def test_a_cancelled_answer_is_a_cancelled_response():
     """(Cancelled answers reach a caller only when a drain's grace period runs out.)"""
-    from cbatch.http_api.responses_output import ResponseEvents
-    from cbatch.http_api.responses_request import parse_responses_request
+    from cbatch.openai.responses_output import ResponseEvents
+    from cbatch.openai.responses_request import parse_responses_request
 
     events = ResponseEvents(parse_responses_request({"input": "x"}, [MODEL_ID], None), {})
     last = events.push("some text", 2, "cancelled", {"prompt_tokens": 3, "completion_tokens": 2})[-1]

@@ -3,7 +3,8 @@
     cbatch/ (errors, protocol, params, gbnf, config, model, wording, embeddings)  shared by all
     cbatch/tools  ->  the shared ones and its own modules (tool calling, for the client and HTTP alike)
     cbatch/client  ->  never cbatch.workers
-    cbatch/http_api  ->  the client, cbatch/tools, the batch jobs' store and its own modules only (beside the shared ones)
+    cbatch/openai  ->  the shared ones, cbatch/tools and its own modules (OpenAI's shapes, never HTTP or Starlette)
+    cbatch/http_api  ->  the client, cbatch/tools, cbatch/openai, the batch jobs' store and its own modules only
     cbatch/jobs  ->  never cbatch.workers (the job runner is one more client of the daemon)
     cbatch/ipc (ipc/)  ->  never cbatch.workers
     cbatch/workers/engine  ->  never the daemon or the decode process
@@ -23,6 +24,7 @@ SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch
 MAX_MODULE_LINES = 300
 # What the HTTP app may use of cbatch.jobs: the state directory's files, not the runner.
 JOB_STORE = {"cbatch.jobs", "cbatch.jobs.state_dir", "cbatch.jobs.files", "cbatch.jobs.batches"}
+HTTP_STACK = {"starlette", "uvicorn", "httptools", "prometheus_client", "httpx", "orjson"}
 LONGER_ALLOWED = {"cbatch.ipc.ring"}  # the ring's memory-ordering contract is one piece
 
 
@@ -70,14 +72,32 @@ def outside(*forbidden: str):
     ("cbatch.workers.engine", outside("cbatch.workers.daemon", "cbatch.workers.decode", "cbatch.client",
                                       "cbatch.http_api", "cbatch.cli")),
     ("cbatch.tools", lambda name: name in SHARED or name.startswith("cbatch.tools")),
+    ("cbatch.openai", lambda name: name in SHARED or name.startswith(("cbatch.tools", "cbatch.openai"))),
     ("cbatch.http_api", lambda name: name in SHARED or name in JOB_STORE or name.startswith((
-        "cbatch.client", "cbatch.tools", "cbatch.http_api"))),
+        "cbatch.client", "cbatch.tools", "cbatch.openai", "cbatch.http_api"))),
     ("cbatch.jobs", outside("cbatch.workers")),
     ("cbatch.protocol", lambda name: False),
 ])
 def test_imports_point_one_way(package, is_allowed):
     assert imports_under(package), f"no modules found under {package}"
     assert offenders(package, is_allowed) == []
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names of every module a file imports, the project's and others'."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_openai_shapes_know_nothing_of_http():
+    """cbatch/openai serves cbatch-submit on a client-only install too: no web framework in it."""
+    shapes = {name: top_level_imports(path) for name, path in modules().items() if name.startswith("cbatch.openai")}
+    assert shapes and {name: imported & HTTP_STACK for name, imported in shapes.items() if imported & HTTP_STACK} == {}
 
 
 def test_the_rules_see_a_wrong_import(tmp_path):

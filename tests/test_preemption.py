@@ -68,21 +68,14 @@ def test_a_long_preempted_sequence_resumes_from_the_prefix_cache():
     assert preempted.seq_id is not None and sched.kv.num_tokens_reused - reused == 32  # two full blocks kept
 
 
-def test_interactive_work_never_preempts_interactive_work():
-    sched = two_slot_scheduler()
+@pytest.mark.parametrize("are_running_batch, preempt_batch", [
+    (False, True),  # interactive work never preempts interactive work
+    (True, False),  # batch work is not preempted when preemption is off
+])
+def test_an_interactive_arrival_waits_when_no_running_sequence_may_be_preempted(are_running_batch, preempt_batch):
+    sched = two_slot_scheduler(preempt_batch)
     for i in range(2):
-        sched.add(make_seq(i, 6, False))
-    run_steps(sched, 2)
-    late = make_seq(5, 6, False)
-    sched.add(late)
-    run_steps(sched, 3)
-    assert late.status is SeqStatus.WAITING and sched.num_preemptions == 0
-
-
-def test_batch_work_is_not_preempted_when_preemption_is_off():
-    sched = two_slot_scheduler(preempt_batch=False)
-    for i in range(2):
-        sched.add(make_seq(i, 6, True))
+        sched.add(make_seq(i, 6, are_running_batch))
     run_steps(sched, 2)
     interactive = make_seq(5, 6, False)
     sched.add(interactive)

@@ -159,8 +159,8 @@ def test_an_answer_another_server_split_is_not_split_again(server_reasoning, exp
     """--url to a server whose model opens the block in its prompt: an answer the server
     already split must not be read as all thinking."""
     from cbatch.client.openai_wire import CHAT_PATH, chunk_from_response
-    from cbatch.http_api.openai_mapping import CHAT, parse_api_request
-    from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse
+    from cbatch.openai.mapping import CHAT, parse_api_request
+    from cbatch.openai.completions_output import ResponseBuilder, WholeResponse
 
     opened = {"tags": ["<think>", "</think>"], "opened_by_prompt": True}
     request = parse_api_request(CHAT, {"messages": ASK}, ["m"], opened)
@@ -194,7 +194,7 @@ def test_the_tags_come_from_the_template_or_the_flags_and_a_prompt_may_open_the_
     (["cut o", "ff </thi"], True, ("cut off </thi", "")),
 ])
 def test_the_split_holds_back_a_tag_cut_across_chunks(pieces, opened, expected):
-    from cbatch.http_api.reasoning import ReasoningSplitter, split_reasoning
+    from cbatch.openai.reasoning import ReasoningSplitter, split_reasoning
 
     splitter = ReasoningSplitter({"tags": ["<think>", "</think>"], "opened_by_prompt": opened})
     parts = [splitter.push(piece, is_last=i == len(pieces) - 1) for i, piece in enumerate(pieces)]

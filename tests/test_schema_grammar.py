@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cbatch.errors import CbatchError
-from cbatch.http_api.openai_mapping import CHAT, parse_api_request
+from cbatch.openai.mapping import CHAT, parse_api_request
 from cbatch.tools import tool_plan
 from cbatch.tools.chat import prepare_request
 from cbatch.tools.formats import BareJson, Tagged

@@ -15,10 +15,10 @@ import uuid
 from cbatch.cli.line_keys import LINE_FIELD
 from cbatch.client.batch_retry import is_transient
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.params import BATCH
-from cbatch.http_api.openai_mapping import (CHAT, COMPLETION, embedding_response, error_body, error_status,
+from cbatch.openai.completions_output import ResponseBuilder, WholeResponse, system_fingerprint
+from cbatch.openai.mapping import (CHAT, COMPLETION, embedding_response, error_body, error_status,
                                            parse_api_request, parse_embedding_request)
-from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse, system_fingerprint
+from cbatch.params import BATCH
 
 EMBEDDINGS = "embeddings"
 URL_KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDINGS}

@@ -16,6 +16,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbatch-worker", description="Serve one GGUF model to many clients.")
     add_version(parser)
     add = parser.add_argument
+
+    def switch(flag: str, help_text: str) -> None:
+        """An engine setting that is on or off (--NAME / --no-NAME), its default the engine's."""
+        add(flag, action=argparse.BooleanOptionalAction, default=getattr(ENGINE, flag[2:].replace("-", "_")),
+            help=help_text)
+
     add("-m", "--model", help="GGUF file (default: the embedded gemma-3-270m)")
     add("-np", "--parallel", type=int, default=ENGINE.parallel,
         help=f"sequences decoded together (default {ENGINE.parallel})")
@@ -36,22 +42,17 @@ def make_parser() -> argparse.ArgumentParser:
     add("--max-batch-queue", type=int, default=None, metavar="N",
         help="batch-priority requests waiting beyond --parallel, a room of their own: a batch load never fills "
              "--max-queue (default: as --max-queue)")
-    add("--kv-unified", action=argparse.BooleanOptionalAction, default=ENGINE.kv_unified,
-        help="one KV pool shared by all sequences, or one stream per sequence (default)")
-    add("--prefix-cache", action=argparse.BooleanOptionalAction, default=ENGINE.prefix_cache,
-        help="reuse the KV of cached prompt prefixes (default on)")
-    add("--preempt-batch", action=argparse.BooleanOptionalAction, default=ENGINE.preempt_batch,
-        help="an interactive request that finds every slot taken preempts a running batch-priority one, which "
-             "resumes later with the same output (default on)")
+    switch("--kv-unified", "one KV pool shared by all sequences, or one stream per sequence (default)")
+    switch("--prefix-cache", "reuse the KV of cached prompt prefixes (default on)")
+    switch("--preempt-batch", "an interactive request that finds every slot taken preempts a running "
+                              "batch-priority one, which resumes later with the same output (default on)")
     add("--pooling", choices=POOLING_NAMES, default=ENGINE.pooling,
         help=f"embedding pooling for a model whose GGUF declares none, a causal LM (default {ENGINE.pooling})")
     add("--cache-tokens", type=int, default=ENGINE.cache_tokens,
         help="unified pool: KV cells kept for finished requests' prefixes (default: one sequence's context)")
-    add("--backend-sampling", action=argparse.BooleanOptionalAction, default=ENGINE.backend_sampling,
-        help="sample inside llama.cpp's graph when a request allows (default: on a GPU build only)")
-    add("--overlap", action=argparse.BooleanOptionalAction, default=ENGINE.overlap,
-        help="decode step N+1 while step N's text is made and published (default: on when layers are "
-             "offloaded to a GPU, off on a CPU)")
+    switch("--backend-sampling", "sample inside llama.cpp's graph when a request allows (default: on a GPU build only)")
+    switch("--overlap", "decode step N+1 while step N's text is made and published (default: on when layers "
+                        "are offloaded to a GPU, off on a CPU)")
     add("--reasoning", choices=("auto", "off"), default=ENGINE.reasoning,
         help="split a thinking model's <think>...</think> into reasoning_content over HTTP: auto (default: when the "
              "chat template mentions <think>, or --reasoning-tags is given) or off")

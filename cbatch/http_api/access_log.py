@@ -8,9 +8,10 @@ routes, 404/405 for unknown paths, 401 from the API key check. uvicorn's own acc
 is off: it knows no error codes and logs a stream when it starts, not when it ends.
 """
 
-import json
 import logging
 import time
+
+import orjson
 
 from cbatch.http_api.auth import TENANT_SCOPE_KEY
 
@@ -24,7 +25,7 @@ def error_code(body: bytes) -> str | None:
     if body.startswith(STREAM_ERROR_PREFIX):
         body = body[len(b"data: "):].split(b"\n", 1)[0]
     try:
-        error = json.loads(body).get("error")
+        error = orjson.loads(body).get("error")
     except (ValueError, AttributeError):  # not JSON, or not an object: no code to tell
         return None
     return error.get("code") if isinstance(error, dict) else None

@@ -30,15 +30,16 @@ from cbatch.http_api.access_log import AccessLog
 from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV, TENANT_SCOPE_KEY, ApiKeys, RequireApiKey
 from cbatch.http_api.batches_api import batch_routes
 from cbatch.http_api.connection import timed_protocol
-from cbatch.http_api.generation import Generation, collect, stream_events
-from cbatch.http_api.metrics import kv_cache_usage
-from cbatch.http_api.openai_mapping import CHAT, COMPLETION, ApiRequest, error_body, parse_api_request
 from cbatch.http_api.embeddings import embeddings_endpoint
-from cbatch.http_api.responses_output import ResponseEvents, echoed_fields
-from cbatch.http_api.responses_request import parse_responses_request
+from cbatch.http_api.generation import Generation, collect, stream_events
+from cbatch.http_api.json_io import json_body, json_response
+from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.responses_stream import collect_response, stream_response
-from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState, json_body, json_response
+from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState
 from cbatch.jobs.batches import BatchStore
+from cbatch.openai.mapping import CHAT, COMPLETION, ApiRequest, error_body, parse_api_request
+from cbatch.openai.responses_output import ResponseEvents, echoed_fields
+from cbatch.openai.responses_request import parse_responses_request
 
 RESPONSES = "responses"  # POST /v1/responses: a chat request answered in the Responses API's shapes
 ENDPOINTS = {CHAT: "chat", COMPLETION: "completions", RESPONSES: "responses"}  # the metrics' endpoint label

@@ -15,8 +15,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cbatch.api_keys import DEFAULT_TENANT, TenantKey, load_keys, tenant_of_key
 from cbatch.errors import CbatchError, UNAUTHORIZED
-from cbatch.http_api.openai_mapping import error_body
-from cbatch.http_api.state import json_response
+from cbatch.http_api.json_io import json_response
+from cbatch.openai.mapping import error_body
 
 API_KEY_ENV = "CBATCH_API_KEY"  # how the daemon hands the key to its HTTP processes (not argv: ps shows it)
 API_KEYS_FILE_ENV = "CBATCH_API_KEYS_FILE"  # the keys file's path, read by each HTTP process itself

@@ -11,7 +11,8 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.http_api.state import HttpState, json_body, json_response
+from cbatch.http_api.json_io import json_body, json_response
+from cbatch.http_api.state import HttpState
 from cbatch.jobs.batches import BatchStore
 from cbatch.jobs.files import MAX_FILE_BYTES
 

@@ -6,15 +6,14 @@ embedded together (several decodes when they exceed one batch), and requests fro
 several callers that wait together share a decode.
 """
 
-import json
-
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
 from cbatch.errors import CbatchError
-from cbatch.http_api.openai_mapping import embedding_response, parse_embedding_request
-from cbatch.http_api.state import HttpState, json_body
+from cbatch.http_api.json_io import json_body, json_bytes
+from cbatch.http_api.state import HttpState
+from cbatch.openai.mapping import embedding_response, parse_embedding_request
 
 ENDPOINT = "embeddings"
 
@@ -35,14 +34,9 @@ async def embeddings_endpoint(state: HttpState, request: Request) -> Response:
         state.num_in_flight -= 1  # after the body is made: a drain waits for it
 
 
-def _json(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def _response_body(api, result) -> bytes:
     """The response's JSON, encoded a vector at a time in a worker thread: between two the
-    event loop gets the interpreter, which one json.dumps of them all would hold throughout
-    (2048 vectors of 4096 floats take seconds)."""
+    event loop gets the interpreter, which one encoding of them all would hold throughout."""
     response = embedding_response(api, result.data, result.prompt_tokens)
-    vectors = b",".join(_json(item) for item in response.pop("data"))
-    return b'{"data":[' + vectors + b"]," + _json(response)[1:]
+    vectors = b",".join(json_bytes(item) for item in response.pop("data"))
+    return b'{"data":[' + vectors + b"]," + json_bytes(response)[1:]

@@ -10,19 +10,15 @@ chunk, and llama-server and vLLM send them so too).
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
 
 from cbatch.client.streams import merge_chunks
 from cbatch.errors import SHUTTING_DOWN, UNAVAILABLE, CbatchError
+from cbatch.http_api.json_io import sse
 from cbatch.http_api.metrics import TokenTimer
-from cbatch.http_api.openai_mapping import CHAT, ApiRequest, error_body, error_status
-from cbatch.http_api.openai_responses import ResponseBuilder, WholeResponse
 from cbatch.http_api.state import HttpState
-
-
-def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+from cbatch.openai.completions_output import ResponseBuilder, WholeResponse
+from cbatch.openai.mapping import CHAT, ApiRequest, error_body, error_status
 
 
 class Generation:

@@ -16,24 +16,25 @@ disable_created_metrics()  # no *_created series: they double the text and no da
 # Latency buckets in seconds: tokens come every few ms on a GPU, every 10-100 ms on a CPU.
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-# STATS key -> (metric name, help), the figures that go up and down
-_DAEMON_GAUGES = {
-    "num_queued": ("cbatch_queue_depth", "Requests waiting for a sequence slot"),
-    "num_active": ("cbatch_active_sequences", "Sequences being decoded"),
-    "parallel": ("cbatch_parallel", "Sequence slots"),
-    "kv_cells_used": ("cbatch_kv_cells_used", "KV cells in use (a shared cell once)"),
-    "kv_cells_total": ("cbatch_kv_cells_total", "KV cells in the context"),
-    "decode_tokens_per_s": ("cbatch_decode_tokens_per_second", "Generated tokens per second of decode steps"),
-}
-# ... and the counts since the worker started
-_DAEMON_COUNTERS = {
-    "num_steps": ("cbatch_decode_steps", "Decode steps (one llama_decode each) since the worker started"),
-    "num_requests_ended": ("cbatch_daemon_requests_ended", "Requests the daemon ended (any outcome), all clients"),
-    "prompt_tokens_computed": ("cbatch_prompt_tokens_computed", "Prompt tokens computed (not served by the prefix cache)"),
-    "prompt_tokens_reused": ("cbatch_prompt_tokens_reused", "Prompt tokens reused from the prefix cache"),
-    "num_preemptions": ("cbatch_preemptions", "Running sequences sent back to the queue (for an interactive request, or for KV room)"),
-    "num_embedding_decodes": ("cbatch_embedding_decodes", "Embedding decodes (the inputs of several callers share one)"),
-    "num_embedding_inputs": ("cbatch_embedding_inputs", "Inputs embedded, all clients"),
+GAUGE, COUNTER = GaugeMetricFamily, CounterMetricFamily
+# STATS key -> (metric kind, name, help): gauges go up and down, counters count since the worker started
+_DAEMON_FIGURES = {
+    "num_queued": (GAUGE, "cbatch_queue_depth", "Requests waiting for a sequence slot"),
+    "num_active": (GAUGE, "cbatch_active_sequences", "Sequences being decoded"),
+    "parallel": (GAUGE, "cbatch_parallel", "Sequence slots"),
+    "kv_cells_used": (GAUGE, "cbatch_kv_cells_used", "KV cells in use (a shared cell once)"),
+    "kv_cells_total": (GAUGE, "cbatch_kv_cells_total", "KV cells in the context"),
+    "decode_tokens_per_s": (GAUGE, "cbatch_decode_tokens_per_second", "Generated tokens per second of decode steps"),
+    "num_steps": (COUNTER, "cbatch_decode_steps", "Decode steps (one llama_decode each) since the worker started"),
+    "num_requests_ended": (COUNTER, "cbatch_daemon_requests_ended", "Requests the daemon ended (any outcome), all clients"),
+    "prompt_tokens_computed": (COUNTER, "cbatch_prompt_tokens_computed",
+                               "Prompt tokens computed (not served by the prefix cache)"),
+    "prompt_tokens_reused": (COUNTER, "cbatch_prompt_tokens_reused", "Prompt tokens reused from the prefix cache"),
+    "num_preemptions": (COUNTER, "cbatch_preemptions",
+                        "Running sequences sent back to the queue (for an interactive request, or for KV room)"),
+    "num_embedding_decodes": (COUNTER, "cbatch_embedding_decodes",
+                              "Embedding decodes (the inputs of several callers share one)"),
+    "num_embedding_inputs": (COUNTER, "cbatch_embedding_inputs", "Inputs embedded, all clients"),
 }
 # ... and what each tenant (API key name) was served since the daemon started, all clients
 _TENANT_COUNTERS = {
@@ -56,10 +57,9 @@ class _DaemonStats:
         self.stats: dict = {}
 
     def collect(self):
-        for family_class, table in ((GaugeMetricFamily, _DAEMON_GAUGES), (CounterMetricFamily, _DAEMON_COUNTERS)):
-            for key, (name, help_text) in table.items():
-                if self.stats.get(key) is not None:
-                    yield _one_value(family_class, name, help_text, self.stats[key])
+        for key, (family_class, name, help_text) in _DAEMON_FIGURES.items():
+            if self.stats.get(key) is not None:
+                yield _one_value(family_class, name, help_text, self.stats[key])
         yield from router_gauges(self.stats)
         tenants = self.stats.get("tenants") or {}
         for key, (name, help_text) in _TENANT_COUNTERS.items():

@@ -1,10 +1,11 @@
 """A `/v1/responses` request's answer on its way to the caller: whole, or as its events
-(responses_output.py), on the chat path's Generation (generation.py)."""
+(cbatch/openai/responses_output.py), on the chat path's Generation (generation.py)."""
 
 from cbatch.errors import CbatchError
 from cbatch.http_api.generation import Generation, streaming_out
-from cbatch.http_api.openai_mapping import error_body
-from cbatch.http_api.responses_output import ResponseEvents, sse_event
+from cbatch.http_api.json_io import sse_event
+from cbatch.openai.mapping import error_body
+from cbatch.openai.responses_output import ResponseEvents
 
 
 def _events_of_round(events: ResponseEvents, arrivals: list) -> list[dict]:

@@ -1,7 +1,6 @@
 """What the HTTP app shares across requests: the daemon client, the model, drain state."""
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -9,33 +8,16 @@ import time
 from starlette.responses import Response
 
 from cbatch.client.async_client import AsyncClient
-from cbatch.errors import CbatchError, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.errors import CbatchError, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.http_api.json_io import json_response
 from cbatch.http_api.metrics import HttpMetrics
-from cbatch.http_api.openai_mapping import RETRY_AFTER_S, error_body, error_status
-from cbatch.http_api.openai_responses import system_fingerprint
+from cbatch.openai.completions_output import system_fingerprint
+from cbatch.openai.mapping import RETRY_AFTER_S, error_body, error_status
 
 log = logging.getLogger("cbatch.http")
 
 CONNECT_RETRY_S = 0.5  # between attempts to reach the daemon at start-up
 HEALTH_TIMEOUT_S = 2.0
-
-
-def json_response(obj, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(json.dumps(obj, separators=(",", ":"), ensure_ascii=False), status, headers,
-                    media_type="application/json")
-
-
-def json_body(body: bytes):
-    """The request's JSON; a body that is not (bad syntax, not UTF-8, nested too deep for
-    the parser) is the caller's error, a 400, never a traceback."""
-    try:
-        return json.loads(body)
-    except json.JSONDecodeError as err:
-        raise CbatchError(INVALID_REQUEST, f"the body is not JSON: {err.msg}") from None
-    except UnicodeDecodeError:
-        raise CbatchError(INVALID_REQUEST, "the body is not UTF-8 text") from None
-    except RecursionError:
-        raise CbatchError(INVALID_REQUEST, "the body's JSON is nested too deep") from None
 
 
 class HttpState:

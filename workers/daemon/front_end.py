@@ -3,7 +3,7 @@
 It validates every client message, keeps the bounded table of in-flight requests
 (request_table), forwards submits and cancels to the decode worker (worker_link), and
 relays the worker's events: the finish (with usage and the record count) to every owner,
-and the records themselves to clients that do not read the ring (client_link). The
+and the records themselves to clients that do not read the ring (record_relay). The
 supervisor owns the worker link (it starts and stops workers); the front-end only sends
 requests over it and reads what it knows of the live worker.
 """
@@ -16,36 +16,39 @@ import zmq
 
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN
-from cbatch.ipc.records import RECORD_SIZE_BYTES, TokenEvent, frame_events, record_request_ids, relay_rows
+from cbatch.ipc.records import TokenEvent, frame_events
+from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject,
+                                        WorkerSubmit)
 from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
-from cbatch.workers.daemon.backlog import split_to_fit
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.embed_relay import EmbedRelay
 from cbatch.workers.daemon.handshakes import Handshakes
 from cbatch.workers.daemon.quarantine import Quarantine
-from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject, WorkerSubmit
-from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
+from cbatch.workers.daemon.record_relay import MAX_RECORDS_PER_MESSAGE, RecordRelay
+from cbatch.workers.daemon.request_table import RequestTable, TrackedRequest
 from cbatch.workers.daemon.tenant_ledger import TenantLedger
 from cbatch.workers.daemon.worker_link import WorkerLink
 
 log = logging.getLogger("cbatch.daemon.front_end")
 
 MAX_REQUEST_ID = (1 << 63) - 1
-MAX_RECORDS_PER_MESSAGE = 4096  # RECORDS replies are split to stay far inside the unpack limits
 
 
 class FrontEnd:
     def __init__(self, zctx: zmq.Context, config: DaemonConfig, worker: WorkerLink, ring_name: str,
                  tick_endpoint: str):
         self.config = config
-        self.model_names = served_model_names(config.engine.model_path, config.aliases)  # what `model` may name
+        # what a request's `model` may name
+        self.model_names = served_model_names(config.engine.model_path, config.aliases)
         self.worker = worker
         self.clients = ClientLink(zctx, config)
         self.handshakes = Handshakes(self.clients, config, worker, ring_name, tick_endpoint)
+        self.relay = RecordRelay(self.clients)
         engine = config.engine
-        self.requests = RequestTable(engine.max_in_flight, config.retention_s, TenantLedger(config.api_keys_file))
+        ledger = TenantLedger(config.api_keys_file)
+        self.requests = RequestTable(engine.max_in_flight, config.retention_s, ledger)
         self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue)
         self._is_draining = False
         self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
@@ -86,7 +89,8 @@ class FrontEnd:
                 self._error(identity, err.code, err.message, body, err.retry_after_s)
             except Exception as err:  # a bug must cost one reply, not the daemon
                 log.exception("front-end failed on a client message")
-                self._error(identity, INTERNAL, f"the front-end failed on this message: {type(err).__name__}", body)
+                message = f"the front-end failed on this message: {type(err).__name__}"
+                self._error(identity, INTERNAL, message, body)
         self._cancel_stalled()
 
     def on_disconnects(self) -> None:
@@ -121,7 +125,8 @@ class FrontEnd:
                 self._cancel_tracked(tracked)
 
     def _resend_owed(self, identity: bytes) -> None:
-        """The stalled client speaks again: resend the finishes it may have lost (it then fetches the records it lacks)."""
+        """The stalled client speaks again: resend the finishes it may have lost (it then
+        fetches the records it lacks)."""
         for tracked in self.requests.owed_to(identity):
             if not self._deliver_finish(tracked):
                 break  # its queue is full again: the rest waits for its next message
@@ -133,9 +138,12 @@ class FrontEnd:
         self.requests.set_delivered(tracked, is_delivered)
         return is_delivered
 
-    def _error(self, identity: bytes, code: str, message: str, body: dict, retry_after_s: float | None = None) -> None:
+    def _error(self, identity: bytes, code: str, message: str, body: dict,
+               retry_after_s: float | None = None) -> None:
         """Every reply to a request names it (and a reply to a nonce its nonce)."""
-        reply = {"code": code, "message": message, **({} if retry_after_s is None else {"retry_after_s": retry_after_s})}
+        reply = {"code": code, "message": message}
+        if retry_after_s is not None:
+            reply["retry_after_s"] = retry_after_s
         for key in ("request_id", "nonce"):
             if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
                 reply[key] = body[key]
@@ -146,7 +154,8 @@ class FrontEnd:
         if not 1 <= request_id <= MAX_REQUEST_ID:
             raise ProtocolError("request_id must be in [1, 2**63 - 1]")
         request_body = field(body, "body", dict)
-        request = parse_request(request_id, request_body)  # reject bad input here, before it costs the worker anything
+        # Bad input is refused here, before it costs the worker anything.
+        request = parse_request(request_id, request_body)
         # The keys file's weight, whatever a client said: the worker shares the steps by it.
         request_body = {**request_body, "tenant_weight": self.requests.ledger.weight(request.tenant)}
         if len(msgpack.packb(request_body)) > MAX_FRAME_BYTES - 1024:  # floats re-encode wider
@@ -156,11 +165,13 @@ class FrontEnd:
         shape = self.quarantine.admit(request_body)
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request_body.get("logprobs") is not None
-        tracked = TrackedRequest(request_id, identity, is_relayed=wants_logprobs or not self.handshakes.reads_ring(identity),
-                  body=request_body, logprobs={} if wants_logprobs else None, is_batch=request.priority == BATCH,
-                  deadline_s=self.config.deadline_s(request.timeout_s, request.priority == BATCH, time.monotonic()), shape=shape,
-                  tenant=request.tenant)
-        self.requests.add(tracked, time.monotonic())
+        is_batch, now_s = request.priority == BATCH, time.monotonic()
+        tracked = TrackedRequest(
+            request_id, identity, is_relayed=wants_logprobs or not self.handshakes.reads_ring(identity),
+            body=request_body, logprobs={} if wants_logprobs else None, is_batch=is_batch,
+            deadline_s=self.config.deadline_s(request.timeout_s, is_batch, now_s), shape=shape,
+            tenant=request.tenant)
+        self.requests.add(tracked, now_s)
         self._forward(tracked)  # held here while the worker (re)starts, sent when it is ready
 
     def _forward(self, tracked: TrackedRequest) -> None:
@@ -184,7 +195,7 @@ class FrontEnd:
     def _fetch(self, identity: bytes, body: dict) -> None:
         tracked = self.requests.owned(identity, field(body, "request_id", int))
         self.num_fetches += 1
-        self._send_records(tracked, max(field(body, "from_index", int), 0), even_if_empty=True)
+        self.relay.send(tracked, max(field(body, "from_index", int), 0), even_if_empty=True)
 
     def _health(self, identity: bytes, body: dict) -> None:
         """Also the liveness ping of a waiting client, listing the requests it waits for:
@@ -207,31 +218,21 @@ class FrontEnd:
 
     def _stats(self, identity: bytes, body: dict) -> None:
         ended = self.requests.num_ended_by_outcome
-        stats = {"num_active": 0, "num_queued": 0, **self.worker.stats, "parallel": self.config.engine.parallel,
-                 "num_in_flight": len(self.requests.active), "num_requests_ended": sum(ended.values()),
-                 "num_requests_by_outcome": dict(ended), "num_fetches": self.num_fetches,
-                 "tenants": self.requests.ledger.stats()}
+        stats = {"num_active": 0, "num_queued": 0, **self.worker.stats,
+                 "parallel": self.config.engine.parallel, "num_in_flight": len(self.requests.active),
+                 "num_requests_ended": sum(ended.values()), "num_requests_by_outcome": dict(ended),
+                 "num_fetches": self.num_fetches, "tenants": self.requests.ledger.stats()}
         self.clients.send(identity, MsgType.STATS_REPLY, {"nonce": body.get("nonce", 0), **stats})
 
     _CLIENT_HANDLERS = {
-        MsgType.HELLO: lambda self, identity, body: self.handshakes.hello(identity, body), MsgType.SUBMIT: _submit, MsgType.CANCEL: _cancel, MsgType.FETCH: _fetch,
-        MsgType.HEALTH: _health, MsgType.STATS: _stats,
+        MsgType.HELLO: lambda self, identity, body: self.handshakes.hello(identity, body),
+        MsgType.SUBMIT: _submit,
+        MsgType.CANCEL: _cancel,
+        MsgType.FETCH: _fetch,
+        MsgType.HEALTH: _health,
+        MsgType.STATS: _stats,
         MsgType.EMBED: lambda self, identity, body: self.embeds.on_embed(identity, body, self._is_draining),
     }
-
-    def _send_records(self, tracked: TrackedRequest, first_index: int, *, even_if_empty: bool = False) -> None:
-        """Its records from first_index on. Even an empty answer matters to a FETCH: it lets
-        the reader resume the ring."""
-        num_records = tracked.num_records
-        if first_index >= num_records and even_if_empty:
-            self.clients.send(tracked.owner, MsgType.RECORDS, {"request_id": tracked.request_id, "records": []})
-        for at in range(first_index, num_records, MAX_RECORDS_PER_MESSAGE):
-            end = min(at + MAX_RECORDS_PER_MESSAGE, num_records)
-            rows = relay_rows(tracked.records[at * RECORD_SIZE_BYTES:end * RECORD_SIZE_BYTES])
-            if tracked.logprobs is not None:  # a seventh column: the token's logprobs entry
-                rows = [[*row, tracked.logprobs.get(row[0])] for row in rows]
-            for part in split_to_fit(rows):  # within the client's frame bound, however long the pieces
-                self.clients.send(tracked.owner, MsgType.RECORDS, {"request_id": tracked.request_id, "records": part})
 
     # ---- decode worker ------------------------------------------------------------
     def on_worker_messages(self) -> None:
@@ -252,31 +253,18 @@ class FrontEnd:
             self._cancel_stalled()
 
     def _on_step(self, step: WorkerEvents, *, is_front_end_finish: bool = False) -> None:
-        """A step's records are kept as the bytes they came in (one slice per record, no
-        per-token object), relayed to the owners that do not read the ring, then its ends
-        are delivered. is_front_end_finish: a finish the front-end made itself; the worker
+        """A step's records are kept and relayed (record_relay), then its ends are
+        delivered. is_front_end_finish: a finish the front-end made itself; the worker
         never wrote it to the ring, so even a ring reader gets its records sent."""
-        active, data, relayed = self.requests.active, step.records, {}
-        for position, request_id in enumerate(record_request_ids(data)):
-            tracked = active.get(request_id)
-            if tracked is None:
-                continue  # already failed (worker restart) or rejected
-            if (tracked.is_relayed or is_front_end_finish) and request_id not in relayed:
-                relayed[request_id] = (tracked, tracked.num_records)
-            tracked.records += data[position * RECORD_SIZE_BYTES:(position + 1) * RECORD_SIZE_BYTES]
-        for request_id, first_index, entries in step.logprobs:
-            tracked = active.get(request_id)
-            if tracked is not None and tracked.logprobs is not None:
-                tracked.logprobs.update(zip(range(first_index, first_index + len(entries)), entries))
-        for tracked, first_index in relayed.values():
-            self._send_records(tracked, first_index)
+        active = self.requests.active
+        self.relay.keep_step(active, step, relay_all=is_front_end_finish)
         for request_id, finish_reason, usage, error, error_code in step.ends:
             tracked = active.get(request_id)
             if tracked is None:
-                continue
-            self.requests.finish(tracked, {"request_id": request_id, "finish_reason": finish_reason, "usage": usage,
-                                           "num_records": tracked.num_records, "error": error, "error_code": error_code},
-                                 time.monotonic())
+                continue  # already failed (worker restart) or rejected
+            finish = {"request_id": request_id, "finish_reason": finish_reason, "usage": usage,
+                      "num_records": tracked.num_records, "error": error, "error_code": error_code}
+            self.requests.finish(tracked, finish, time.monotonic())
             self._deliver_finish(tracked)
 
     def fail(self, tracked: TrackedRequest, code: str, message: str) -> None:

@@ -16,12 +16,13 @@ prompt tokens (a fork) copies the parent's KV instead of computing it:
 The row is shared only by sequences whose first sample reads it the same way: both
 sampled on the host (a row sampled in llama.cpp's graph is not kept on the host), and
 the same end-of-generation masking, which writes into the row.
-`num_shared_tokens` measures how much of a prompt another sequence's tokens begin with,
-for the scheduler's wait while a running sequence computes a prefix it would reuse.
+`is_prefilled_elsewhere` is the scheduler's wait while a running sequence computes a
+prefix another would reuse (`num_shared_tokens`: how much of a prompt another sequence's
+tokens begin with): the prefix is then computed once, not by both at the same time.
 No model here; the scheduler decides, the KV managers copy (`KVManager.fork`).
 """
 
-from cbatch.workers.engine.kv.base import BLOCK_TOKENS
+from cbatch.workers.engine.kv.base import BLOCK_TOKENS, KVManager
 from cbatch.workers.engine.sequence import Sequence
 
 
@@ -97,3 +98,16 @@ def num_shared_tokens(seq: Sequence, other: Sequence) -> int:
             == other.token_slice(num_shared * BLOCK_TOKENS, (num_shared + 1) * BLOCK_TOKENS):
         num_shared += 1
     return num_shared * BLOCK_TOKENS
+
+
+def is_prefilled_elsewhere(seq: Sequence, running: list[Sequence], kv: KVManager) -> bool:
+    """Is a running sequence computing the next block `seq` could reuse right now (one the
+    KV manager will really reuse: a stream is copied only for a long enough prefix)?"""
+    if not kv.enable_prefix_cache:
+        return False
+    end = kv.num_reusable(seq.token_slice, seq.num_tokens) + BLOCK_TOKENS
+    if end >= seq.num_tokens:
+        return False  # that block holds the last token, which seq computes itself
+    prefix = seq.token_slice(0, end)
+    return any(other.num_cached < end <= other.num_tokens and other.token_slice(0, end) == prefix
+               and num_shared_tokens(seq, other) >= kv.min_reuse_tokens for other in running)

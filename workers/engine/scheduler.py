@@ -4,16 +4,17 @@ Policy:
 - admission is FIFO within a tenant, the tenants of a priority sharing it by weight
   (fair_share.py), every interactive request before any batch one,
   each priority with its own room in the queue (waiting_queue.py), into at most
-  `max_running` running sequences, each given a KV sequence id holding its longest cached prefix by the KV manager, which reserves cells
-  for the rest of its tokens (evicting cached prefixes first) or says there is no room;
+  `max_running` running sequences, each given a KV sequence id holding its longest
+  cached prefix by the KV manager, which reserves cells for the rest of its tokens
+  (evicting cached prefixes first) or says there is no room;
 - a sequence whose exact prompt a running one computes or has computed forks it instead
   (forks.py): it copies that KV, so a request's `n` choices compute their prompt once;
 - fairness: a waiting request is passed over (keeping its place at the head, and a slot
   kept free for it) only while a running sequence is computing the very block of its
   prompt that it would reuse next, and only when the KV manager will really reuse that
   prefix (a stream is copied only for a long enough one), so two requests never prefill
-  the same uncached prefix at the same time; that block is done within a step or two,
-  and the request is then admitted before anything behind it;
+  the same uncached prefix at the same time (forks.is_prefilled_elsewhere); that block is
+  done within a step or two, and the request is then admitted before anything behind it;
 - every generating sequence gets its one decode token first, then prefilling sequences
   share the rest of the step's token budget in admission order (chunked prefill: a long
   prompt costs the others at most one span of latency per step, never a stall);
@@ -31,8 +32,8 @@ No model here: it is tested on its own.
 from operator import attrgetter
 
 from cbatch.workers.engine.forks import (PendingForks, can_share_last_row, can_share_row, find_parent,
-                                         num_shared_tokens)
-from cbatch.workers.engine.kv.base import BLOCK_TOKENS, KVManager
+                                         is_prefilled_elsewhere)
+from cbatch.workers.engine.kv.base import KVManager
 from cbatch.workers.engine.preemption import choose_batch_victims, num_slots_wanted
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 from cbatch.workers.engine.waiting_queue import DeadlineHeap, WaitingQueue
@@ -58,8 +59,8 @@ _SPAN_SEQ_ID = attrgetter("seq.seq_id")
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int, max_batch_queue: int,
-                 preempt_batch: bool = True):
+    def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int,
+                 max_batch_queue: int, preempt_batch: bool = True):
         if max_batch_tokens < max_running:
             raise ValueError("max_batch_tokens must cover one token per running sequence")
         self.kv = kv
@@ -257,12 +258,16 @@ class Scheduler:
         num_forks = len(self.forks)
         if self.preempt_batch and self.waiting.num_interactive:
             num_free = self.max_running - len(self.running) - num_forks - len(self.row_forks)
-            for seq in choose_batch_victims(self.running, num_slots_wanted(self.waiting.num_interactive, num_free)):
+            num_wanted = num_slots_wanted(self.waiting.num_interactive, num_free)
+            for seq in choose_batch_victims(self.running, num_wanted):
                 self.preempt(seq, keep_cached=True)
-        while self.waiting and len(self.running) + num_forks + len(self.row_forks) + len(passed_over) < self.max_running:
+        while self.waiting:
+            num_taken = len(self.running) + num_forks + len(self.row_forks) + len(passed_over)
+            if num_taken >= self.max_running:
+                break
             seq = self.waiting.popleft()
             parent = find_parent(seq, self.running) if self.kv.enable_prefix_cache else None
-            if parent is None and self._is_prefilled_elsewhere(seq):
+            if parent is None and is_prefilled_elsewhere(seq, self.running, self.kv):
                 passed_over.append(seq)
                 continue
             placed = self.kv.admit(seq.token_slice, seq.num_tokens, reuse=parent is None)
@@ -285,14 +290,3 @@ class Scheduler:
                 self._fork(parent, seq, seq.num_prompt_tokens - 1)
         for seq in reversed(passed_over):
             self.waiting.push_front(seq)
-
-    def _is_prefilled_elsewhere(self, seq: Sequence) -> bool:
-        """Is a running sequence computing the next block `seq` could reuse right now?"""
-        if not self.kv.enable_prefix_cache:
-            return False
-        end = self.kv.num_reusable(seq.token_slice, seq.num_tokens) + BLOCK_TOKENS
-        if end >= seq.num_tokens:
-            return False  # that block holds the last token, which seq computes itself
-        prefix = seq.token_slice(0, end)
-        return any(other.num_cached < end <= other.num_tokens and other.token_slice(0, end) == prefix
-                   and num_shared_tokens(seq, other) >= self.kv.min_reuse_tokens for other in self.running)

@@ -10,7 +10,7 @@ onto a thinking budget (reasoning.py).
 
 import json
 
-from cbatch.http_api.openai_mapping import CHAT, ApiRequest, parse_api_request
+from cbatch.openai.mapping import CHAT, ApiRequest, parse_api_request
 from cbatch.params import invalid
 
 # Responses fields passed to the chat request as they are.

@@ -1,5 +1,5 @@
 """OpenAI request bodies mapped onto cbatch's, and cbatch's errors into OpenAI's shape
-(the responses are built in openai_responses.py).
+(the responses are built in completions_output.py and responses_output.py).
 
 Used by the HTTP server and by cbatch-submit's OpenAI batch files, so both accept the
 same fields. Fields cbatch knows are passed to the daemon, which validates them (a bad
@@ -15,7 +15,7 @@ from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERN
                            WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
 from cbatch.extras import SERVER, check_extra
-from cbatch.http_api.reasoning import reasoning_fields
+from cbatch.openai.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
 from cbatch.tools.schema_grammar import SchemaFields

@@ -6,8 +6,8 @@ import time
 import uuid
 
 import cbatch
-from cbatch.http_api.openai_mapping import CHAT, ApiRequest
-from cbatch.http_api.reasoning import ReasoningSplitter, split_reasoning
+from cbatch.openai.mapping import CHAT, ApiRequest
+from cbatch.openai.reasoning import ReasoningSplitter, split_reasoning
 from cbatch.tools import ToolCallStream
 
 

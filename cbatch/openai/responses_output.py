@@ -11,12 +11,11 @@ cancelled), each with its `sequence_number`. Thinking is a
 not stream is the same events' last response.
 """
 
-import json
 import time
 import uuid
 
-from cbatch.http_api.openai_mapping import ApiRequest
-from cbatch.http_api.reasoning import ReasoningSplitter
+from cbatch.openai.mapping import ApiRequest
+from cbatch.openai.reasoning import ReasoningSplitter
 from cbatch.tools import ToolCallStream
 
 # output item type -> (content part type, its delta event, its done event)
@@ -149,9 +148,3 @@ class ResponseEvents:
                 self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                             name=function["name"], arguments=function["arguments"]),
                 self.event("response.output_item.done", output_index=index, item=done)]
-
-
-def sse_event(event: dict) -> bytes:
-    """A Responses stream event: its type as the SSE event name, as OpenAI sends it."""
-    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
