@@ -43,6 +43,9 @@ def make_parser() -> argparse.ArgumentParser:
     add("--preempt-batch", action=argparse.BooleanOptionalAction, default=ENGINE.preempt_batch,
         help="an interactive request that finds every slot taken preempts a running batch-priority one, which "
              "resumes later with the same output (default on)")
+    add("--fair-share", action=argparse.BooleanOptionalAction, default=ENGINE.fair_share,
+        help="share the decode steps among tenants (API key names) by weight, within a priority; off, requests are "
+             "admitted in arrival order, however many a tenant sends (default on)")
     add("--pooling", choices=POOLING_NAMES, default=ENGINE.pooling,
         help=f"embedding pooling for a model whose GGUF declares none, a causal LM (default {ENGINE.pooling})")
     add("--cache-tokens", type=int, default=ENGINE.cache_tokens,
@@ -122,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
                           max_queue=args.max_queue, max_batch_queue=args.max_batch_queue,
                           kv_unified=args.kv_unified, prefix_cache=args.prefix_cache, preempt_batch=args.preempt_batch,
+                          fair_share=args.fair_share,
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
                           overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
                           reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None)
