@@ -150,6 +150,35 @@ def test_the_key_sets_the_tenant_whatever_the_body_says_and_counters_add_up(daem
                      status, re.MULTILINE)
 
 
+def test_embeddings_count_in_the_tenants_usage_and_limits(daemon):
+    def embed(key_of: str, inputs) -> httpx.Response:
+        return httpx.post(f"{daemon.base_url}/v1/embeddings", json={"input": inputs}, headers=auth(key_of),
+                          timeout=TIMEOUT_S)
+
+    before = metrics(daemon)
+    long_list = [f"item {i}" for i in range(40)]  # two messages to the daemon: still one request of the tenant
+    replies = [embed("light", "one input"), embed("light", long_list), embed("capped", long_list)]
+    assert [reply.status_code for reply in replies] == [200, 200, 200]
+    after = metrics(daemon)
+
+    def grew(name: str, tenant: str) -> float:
+        key = (name, (("tenant", tenant),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("cbatch_tenant_requests_total", "light") == 2 and grew("cbatch_tenant_requests_total", "capped") == 1
+    assert grew("cbatch_tenant_prompt_tokens_total", "light") == sum(r.json()["usage"]["prompt_tokens"] for r in replies[:2])
+    assert grew("cbatch_tenant_prompt_tokens_total", "capped") == replies[2].json()["usage"]["prompt_tokens"] > 0
+    body = {"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, headers=auth("capped"),
+                      timeout=TIMEOUT_S) as running:
+        lines = running.iter_lines()  # kept: closing it would hang up, which cancels the completion
+        assert next(line for line in lines if line.startswith("data: {")).startswith('data: {"id"')
+        refused = embed("capped", "over the limit")  # its one request in flight is the running completion
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+        assert refused.headers["Retry-After"] == "1"
+    wait_until(lambda: embed("capped", "again").status_code == 200, timeout_s=60)
+
+
 def test_a_bad_keys_file_line_stops_the_start_naming_the_line(tmp_path):
     keys_file = tmp_path / "keys"
     keys_file.write_text("alice key-a weight=2\nbob key-b weight=-1\n")

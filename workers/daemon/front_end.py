@@ -46,7 +46,7 @@ class FrontEnd:
         self.handshakes = Handshakes(self.clients, config, worker, ring_name, tick_endpoint)
         engine = config.engine
         self.requests = RequestTable(engine.max_in_flight, config.retention_s, TenantLedger(config.api_keys_file))
-        self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue)
+        self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue, self.requests.ledger)
         self._is_draining = False
         self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
         self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)

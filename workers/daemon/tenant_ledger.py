@@ -61,9 +61,10 @@ class TenantLedger:
         key = self.keys.get(tenant)
         return key.weight if key is not None else 1.0
 
-    def admit(self, tenant: str, now_s: float) -> None:
-        """Count a new request of `tenant` in flight, or refuse it with RATE_LIMITED."""
-        key = self.keys.get(tenant)
+    def admit(self, tenant: str, now_s: float, is_limited: bool = True) -> None:
+        """Count a new request of `tenant` in flight, or refuse it with RATE_LIMITED
+        (unless not `is_limited`: a later part of a request already let in)."""
+        key = self.keys.get(tenant) if is_limited else None
         if key is not None and key.max_concurrent and self.num_in_flight[tenant] >= key.max_concurrent:
             raise rate_limited(f"tenant {tenant} has {key.max_concurrent} requests in flight, its max_concurrent",
                                RETRY_CONCURRENT_S)
@@ -80,12 +81,13 @@ class TenantLedger:
         if not self.num_in_flight[tenant]:
             del self.num_in_flight[tenant]
 
-    def on_finished(self, tenant: str, usage: dict, now_s: float) -> None:
-        """Charge a finished request's tokens to the tenant's usage and bucket."""
+    def on_finished(self, tenant: str, usage: dict, now_s: float, num_requests: int = 1) -> None:
+        """Charge a finished request's tokens to the tenant's usage and bucket (and count
+        num_requests: 0 for a later part of a request counted already)."""
         prompt, generated = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
         served = self.usage.setdefault(tenant, TenantUsage())
         self.usage.move_to_end(tenant)
-        served.num_requests += 1
+        served.num_requests += num_requests
         served.num_prompt_tokens += prompt
         served.num_generated_tokens += generated
         key = self.keys.get(tenant)
