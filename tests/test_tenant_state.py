@@ -1,6 +1,6 @@
-"""What the scheduler and the front-end keep per tenant, without a model: fair share off
-(`--no-fair-share`) admits in arrival order, and tenants that come and go leave bounded
-state (fair-share counters, usage counters, token buckets)."""
+"""What the scheduler and the front-end keep per tenant: fair share off (`--no-fair-share`)
+admits in arrival order (in the scheduler, and through a real daemon), and tenants that
+come and go leave bounded state (fair-share counters, usage counters, token buckets)."""
 
 import itertools
 
@@ -57,6 +57,26 @@ def admission_order(fair_share: bool) -> list[str]:
 def test_without_fair_share_a_backlogged_tenants_earlier_requests_go_first():
     assert admission_order(fair_share=True)[:4] == ["heavy", "light", "heavy", "light"]
     assert admission_order(fair_share=False) == ["heavy"] * 8 + ["light"] * 2
+
+
+@pytest.mark.parametrize("fair_share", [True, False])
+def test_a_daemon_without_fair_share_serves_the_backlog_first(start_daemon, tiny_model_path, fair_share):
+    """One slot; heavy queues six requests, then light two. The slot serves them one at a
+    time, so the order they finish in is the order they were admitted in."""
+    daemon = start_daemon(tiny_model_path, "--parallel", "1", *([] if fair_share else ["--no-fair-share"]))
+    tenants = ["heavy"] * 6 + ["light"] * 2
+    items = [{"prompt": f"order {i}", "max_tokens": 16, "ignore_eos": True, "tenant": tenant}
+             for i, tenant in enumerate(tenants)]
+    finished = []
+    with daemon.client() as client:
+        for position, chunk in client.stream_batch(items, max_in_flight=len(items)):
+            assert not isinstance(chunk, Exception), chunk
+            if chunk.finish_reason:
+                finished.append(tenants[position])
+    if fair_share:
+        assert "light" in finished[:3], finished  # it takes turns with heavy's backlog
+    else:
+        assert finished == tenants  # behind all of heavy's
 
 
 @pytest.mark.parametrize("flags, fair_share", [([], True), (["--no-fair-share"], False), (["--fair-share"], True)])
