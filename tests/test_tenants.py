@@ -178,14 +178,21 @@ def test_embeddings_count_in_the_tenants_usage_and_limits(daemon):
     assert grew("cbatch_tenant_requests_total", "light") == 2 and grew("cbatch_tenant_requests_total", "capped") == 1
     assert grew("cbatch_tenant_prompt_tokens_total", "light") == sum(r.json()["usage"]["prompt_tokens"] for r in replies[:2])
     assert grew("cbatch_tenant_prompt_tokens_total", "capped") == replies[2].json()["usage"]["prompt_tokens"] > 0
-    body = {"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    body = {"prompt": "long", "max_tokens": 3500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, headers=auth("capped"),
                       timeout=TIMEOUT_S) as running:
         lines = running.iter_lines()  # kept: closing it would hang up, which cancels the completion
         assert next(line for line in lines if line.startswith("data: {")).startswith('data: {"id"')
+        before = metrics(daemon)
         refused = embed("capped", "over the limit")  # its one request in flight is the running completion
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
         assert refused.headers["Retry-After"] == "1"
+        assert embed("capped", long_list).status_code == 429  # and neither of its two parts runs:
+        assert embed("light", "behind them").status_code == 200  # (the worker embeds in the order they came)
+        after = metrics(daemon)
+        assert grew("cbatch_tenant_prompt_tokens_total", "capped") == 0
+        with daemon.client() as client:
+            assert client.stats()["tenants"]["capped"]["num_in_flight"] == 1  # the completion only
     wait_until(lambda: embed("capped", "again").status_code == 200, timeout_s=60)
 
 
