@@ -83,8 +83,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="HTTP callers must send 'Authorization: Bearer KEY' (needed when --http listens beyond loopback)")
     add("--api-key-file", default="", metavar="PATH", help="read the --api-key from this file (kept out of ps)")
     add("--api-keys-file", default="", metavar="PATH",
-        help="named keys, one a line: 'NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N]'; NAME is the "
-             "tenant its requests run as (fair share by weight, limits per key); read again on SIGHUP")
+        help="named keys, one a line: 'NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N] [metrics=1]'; NAME "
+             "is the tenant its requests run as (fair share by weight, limits per key); only a key with metrics=1 "
+             "reads /metrics; read again on SIGHUP")
     add("--state-dir", default="", metavar="DIR",
         help="with --http: where uploaded files and batch jobs (/v1/files, /v1/batches) are kept, across restarts "
              "(default $XDG_STATE_HOME/cbatch or ~/.local/state/cbatch)")
