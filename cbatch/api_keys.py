@@ -1,9 +1,11 @@
 """The API keys file (`cbatch-worker --api-keys-file PATH`): one key a line,
 
-    NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N]
+    NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N] [metrics=1]
 
 NAME is the tenant the key's requests run as: the scheduler shares decode steps among
 tenants by weight, and the front-end holds each to its limits (0 or absent: no limit).
+`metrics=1` lets the key read /metrics, which shows every tenant's usage: an operator's
+(or a Prometheus scraper's) key, where a tenant's key gets 403 forbidden there.
 `#` starts a comment; blank lines are skipped. A line that cannot be read is an
 INVALID_CONFIG error naming the file and line, and nothing of the file is used then: the
 daemon refuses to start, and a reload (SIGHUP) keeps the keys it had.
@@ -31,17 +33,22 @@ class TenantKey:
     weight: float = 1.0
     max_concurrent: int = 0  # requests in flight at once; 0 = no limit
     tokens_per_min: int = 0  # prompt + generated tokens a minute, refilled continuously; 0 = no limit
+    metrics: bool = False  # may read /metrics (every tenant's names and usage)
 
 
 def is_tenant_name(value) -> bool:
     return isinstance(value, str) and TENANT_NAME.match(value) is not None
 
 
-def _option(where: str, word: str) -> tuple[str, float | int]:
+def _option(where: str, word: str) -> tuple[str, float | int | bool]:
     name, is_pair, value = word.partition("=")
-    if not is_pair or name not in ("weight", "max_concurrent", "tokens_per_min"):
-        raise CbatchError(INVALID_CONFIG, f"{where}: unknown option {word!r}; expected weight=W, max_concurrent=N "
-                                          "or tokens_per_min=N")
+    if not is_pair or name not in ("weight", "max_concurrent", "tokens_per_min", "metrics"):
+        raise CbatchError(INVALID_CONFIG, f"{where}: unknown option {word!r}; expected weight=W, max_concurrent=N, "
+                                          "tokens_per_min=N or metrics=1")
+    if name == "metrics":
+        if value not in ("0", "1"):
+            raise CbatchError(INVALID_CONFIG, f"{where}: metrics must be 0 or 1, got {value!r}")
+        return name, value == "1"
     try:
         number = float(value) if name == "weight" else int(value)
     except ValueError:
@@ -64,7 +71,7 @@ def parse_keys(text: str, source: str) -> dict[str, TenantKey]:
         where = f"{source} line {number}"
         if len(words) < 2:
             raise CbatchError(INVALID_CONFIG, f"{where}: expected 'NAME KEY [weight=W] [max_concurrent=N] "
-                                              "[tokens_per_min=N]'")
+                                              "[tokens_per_min=N] [metrics=1]'")
         name, key = words[0], words[1]
         if not is_tenant_name(name):
             raise CbatchError(INVALID_CONFIG, f"{where}: the name {name!r} must be 1 to 64 letters, digits, '_', '.' "

@@ -37,6 +37,9 @@ class EngineConfig:
     # An interactive request that finds every slot taken preempts a running batch sequence
     # (workers/engine/preemption.py) rather than wait for one to end.
     preempt_batch: bool = True
+    # Admission within a priority shares the steps among tenants by weight
+    # (workers/engine/fair_share.py); off, it is in arrival order, whoever sends more.
+    fair_share: bool = True
     # Unified pool only: cells kept for finished requests' prefixes beyond what running
     # ones hold; 0 = one sequence's context. Every token attends over the pool's used
     # range, so idle cached cells are not free: this bounds what they add.

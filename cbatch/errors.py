@@ -17,6 +17,7 @@ INVALID_CONFIG = "invalid_config"
 VERSION_MISMATCH = "version_mismatch"
 ENDPOINT_IN_USE = "endpoint_in_use"
 UNAUTHORIZED = "unauthorized"  # HTTP without the API key
+FORBIDDEN = "forbidden"  # HTTP: a valid API key that may not use this path (/metrics without metrics=1)
 DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's timeout passed while it was queued
 MODEL_EMBEDS_ONLY = "model_embeds_only"  # a generation request to an embedding-only model (BERT and kin)
 RATE_LIMITED = "rate_limited"  # the API key's tenant is past one of its limits; `retry_after_s` says when to retry

@@ -24,9 +24,10 @@ from urllib.parse import urlsplit
 MAX_ERRORS = 10  # more failed requests than this and the run stops: its figures would mean nothing
 
 
-def request_bytes(host: str, path: str, body: dict, is_kept_alive: bool) -> bytes:
+def request_bytes(host: str, path: str, body: dict, is_kept_alive: bool, api_key: str = "") -> bytes:
     payload = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    authorization = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{authorization}"
             f"Content-Length: {len(payload)}\r\nConnection: {'keep-alive' if is_kept_alive else 'close'}\r\n\r\n")
     return head.encode() + payload
 
@@ -102,7 +103,7 @@ def run(args) -> dict:
     address = (url.hostname, url.port or 80)
     body = {**json.loads(args.body), "stream": args.stream}
     prompts = json.load(open(args.prompts))
-    requests = [request_bytes(url.netloc, args.path, {**body, "prompt": prompt}, not args.new_connections)
+    requests = [request_bytes(url.netloc, args.path, {**body, "prompt": prompt}, not args.new_connections, args.api_key)
                 for prompt in prompts]
     shares = [requests[i::args.clients][::-1] for i in range(args.clients)]  # popped from the end
     selector = selectors.DefaultSelector()
@@ -163,6 +164,7 @@ def main(argv=None) -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--new-connections", action="store_true", help="a new connection per request")
+    parser.add_argument("--api-key", default="", help="sent as 'Authorization: Bearer KEY'")
     print(json.dumps(run(parser.parse_args(argv))))
 
 

@@ -115,3 +115,14 @@ def test_bench_http_cpu_prints_both_parsers_and_their_ratio(tiny_model_path):
     for parser in ("httptools", "h11"):
         assert re.search(rf"round 1\s+{parser}: +{NUMBER} req/s, HTTP process {NUMBER} ms CPU/request", out), out
     assert re.search(rf"h11 / httptools = {NUMBER}x", out), out
+
+
+@pytest.mark.slow
+def test_bench_fair_share_prints_both_settings(tiny_model_path):
+    """A light tenant beside a heavy one's backlog, fair share on and then off."""
+    out = run_script("bench_fair_share", "--model", tiny_model_path, "--parallel", "2", "--light-clients", "1",
+                     "--heavy-factor", "3", "--light-requests", "4", "--max-tokens", "8")
+    rows = re.findall(rf"^fair share (on |off): generated tokens heavy ({NUMBER})%, light ({NUMBER})% .+ light TTFT "
+                      rf"p50 {NUMBER} ms, p99 {NUMBER} ms; load generators {NUMBER} CPU s", out, re.M)
+    assert [row[0] for row in rows] == ["on ", "off"], out
+    assert all(abs(float(heavy) + float(light) - 100) < 0.2 for _, heavy, light in rows), out

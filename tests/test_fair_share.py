@@ -67,6 +67,7 @@ def test_an_idle_tenant_banks_no_credit():
     ("al!ce k", "line 2: the name 'al!ce'"), ("bob k2", "line 2: the name 'bob' is given twice"),
     ("carol k1", "line 2: 'carol' has another tenant's key"), ("carol k weight=0", "line 2: weight must be"),
     ("carol k max_concurrent=-1", "line 2: max_concurrent must be"), ("carol k color=red", "line 2: unknown option"),
+    ("carol k metrics=yes", "line 2: metrics must be 0 or 1"),
 ])
 def test_a_bad_line_is_invalid_config_naming_it(line, message):
     with pytest.raises(CbatchError) as caught:
@@ -75,6 +76,7 @@ def test_a_bad_line_is_invalid_config_naming_it(line, message):
 
 
 def test_keys_name_their_tenants():
-    keys = parse_keys("# teams\n\nbob k1 weight=2.5 max_concurrent=3\ncarol k2 tokens_per_min=600\n", "keys.txt")
+    keys = parse_keys("# teams\n\nbob k1 weight=2.5 max_concurrent=3\ncarol k2 tokens_per_min=600 metrics=1\n", "keys.txt")
     assert (keys["bob"].weight, keys["bob"].max_concurrent, keys["carol"].tokens_per_min) == (2.5, 3, 600)
+    assert (keys["bob"].metrics, keys["carol"].metrics) == (False, True)
     assert [tenant_of_key(keys, key) for key in (b"k1", b"k2", b"k3", b"")] == ["bob", "carol", None, None]

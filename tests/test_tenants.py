@@ -21,6 +21,7 @@ heavy key-heavy weight=1
 light key-light weight=2   # twice heavy's share
 capped key-capped max_concurrent=1
 metered key-metered tokens_per_min=120
+scraper key-scraper metrics=1  # the operator's: may read /metrics
 """
 PARALLEL = 2  # small, so that both tenants keep requests waiting
 MAX_TOKENS = 12
@@ -111,10 +112,10 @@ def test_a_wrong_key_is_a_401_that_names_no_tenant(daemon):
 
 
 def metrics(daemon: HttpDaemon) -> dict:
-    """/metrics as {(sample name, sorted label pairs): value}; any key may read it."""
+    """/metrics as {(sample name, sorted label pairs): value}, read with the operator's key."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{daemon.base_url}/metrics", headers=auth("heavy"), timeout=60).text
+    text = httpx.get(f"{daemon.base_url}/metrics", headers=auth("scraper"), timeout=60).text
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
@@ -148,6 +149,51 @@ def test_the_key_sets_the_tenant_whatever_the_body_says_and_counters_add_up(daem
     assert re.search(rf"^tenant light: 0 in flight, {light['num_requests']} requests? finished, "
                      rf"{light['num_prompt_tokens']} prompt \+ {light['num_generated_tokens']} generated tokens$",
                      status, re.MULTILINE)
+
+
+def test_only_a_key_with_metrics_1_reads_every_tenants_usage(daemon):
+    assert complete(daemon, "light", max_tokens=1).status_code == 200
+    refused = httpx.get(f"{daemon.base_url}/metrics", headers=auth("light"), timeout=60)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+    assert "metrics=1" in refused.json()["error"]["message"] and "cbatch_tenant" not in refused.text
+    assert httpx.get(f"{daemon.base_url}/v1/loads", headers=auth("light"), timeout=60).status_code == 200
+    assert metrics(daemon)[("cbatch_tenant_requests_total", (("tenant", "light"),))] >= 1
+
+
+def test_embeddings_count_in_the_tenants_usage_and_limits(daemon):
+    def embed(key_of: str, inputs) -> httpx.Response:
+        return httpx.post(f"{daemon.base_url}/v1/embeddings", json={"input": inputs}, headers=auth(key_of),
+                          timeout=TIMEOUT_S)
+
+    before = metrics(daemon)
+    long_list = [f"item {i}" for i in range(40)]  # two messages to the daemon: still one request of the tenant
+    replies = [embed("light", "one input"), embed("light", long_list), embed("capped", long_list)]
+    assert [reply.status_code for reply in replies] == [200, 200, 200]
+    after = metrics(daemon)
+
+    def grew(name: str, tenant: str) -> float:
+        key = (name, (("tenant", tenant),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("cbatch_tenant_requests_total", "light") == 2 and grew("cbatch_tenant_requests_total", "capped") == 1
+    assert grew("cbatch_tenant_prompt_tokens_total", "light") == sum(r.json()["usage"]["prompt_tokens"] for r in replies[:2])
+    assert grew("cbatch_tenant_prompt_tokens_total", "capped") == replies[2].json()["usage"]["prompt_tokens"] > 0
+    body = {"prompt": "long", "max_tokens": 3500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, headers=auth("capped"),
+                      timeout=TIMEOUT_S) as running:
+        lines = running.iter_lines()  # kept: closing it would hang up, which cancels the completion
+        assert next(line for line in lines if line.startswith("data: {")).startswith('data: {"id"')
+        before = metrics(daemon)
+        refused = embed("capped", "over the limit")  # its one request in flight is the running completion
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+        assert refused.headers["Retry-After"] == "1"
+        assert embed("capped", long_list).status_code == 429  # and neither of its two parts runs:
+        assert embed("light", "behind them").status_code == 200  # (the worker embeds in the order they came)
+        after = metrics(daemon)
+        assert grew("cbatch_tenant_prompt_tokens_total", "capped") == 0
+        with daemon.client() as client:
+            assert client.stats()["tenants"]["capped"]["num_in_flight"] == 1  # the completion only
+    wait_until(lambda: embed("capped", "again").status_code == 200, timeout_s=60)
 
 
 def test_a_bad_keys_file_line_stops_the_start_naming_the_line(tmp_path):

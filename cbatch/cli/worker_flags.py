@@ -46,6 +46,8 @@ def make_parser() -> argparse.ArgumentParser:
     switch("--prefix-cache", "reuse the KV of cached prompt prefixes (default on)")
     switch("--preempt-batch", "an interactive request that finds every slot taken preempts a running "
                               "batch-priority one, which resumes later with the same output (default on)")
+    switch("--fair-share", "share the decode steps among tenants (API key names) by weight, within a priority; "
+                           "off, requests are admitted in arrival order, however many a tenant sends (default on)")
     add("--pooling", choices=POOLING_NAMES, default=ENGINE.pooling,
         help=f"embedding pooling for a model whose GGUF declares none, a causal LM (default {ENGINE.pooling})")
     add("--cache-tokens", type=int, default=ENGINE.cache_tokens,
@@ -81,8 +83,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="HTTP callers must send 'Authorization: Bearer KEY' (needed when --http listens beyond loopback)")
     add("--api-key-file", default="", metavar="PATH", help="read the --api-key from this file (kept out of ps)")
     add("--api-keys-file", default="", metavar="PATH",
-        help="named keys, one a line: 'NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N]'; NAME is the "
-             "tenant its requests run as (fair share by weight, limits per key); read again on SIGHUP")
+        help="named keys, one a line: 'NAME KEY [weight=W] [max_concurrent=N] [tokens_per_min=N] [metrics=1]'; NAME "
+             "is the tenant its requests run as (fair share by weight, limits per key); only a key with metrics=1 "
+             "reads /metrics; read again on SIGHUP")
     add("--state-dir", default="", metavar="DIR",
         help="with --http: where uploaded files and batch jobs (/v1/files, /v1/batches) are kept, across restarts "
              "(default $XDG_STATE_HOME/cbatch or ~/.local/state/cbatch)")
@@ -123,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
                           max_queue=args.max_queue, max_batch_queue=args.max_batch_queue,
                           kv_unified=args.kv_unified, prefix_cache=args.prefix_cache, preempt_batch=args.preempt_batch,
+                          fair_share=args.fair_share,
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
                           overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
                           reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None)

@@ -12,7 +12,7 @@ from cbatch.client.session import Session
 from cbatch.client.streams import Completion, RequestStream
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs, vector_list
 from cbatch.errors import CbatchError, UNAVAILABLE
-from cbatch.params import expand_choices
+from cbatch.params import expand_choices, tenant as params_tenant
 from cbatch.tools import ChatTemplate, template_of
 
 CONNECT_TIMEOUT_S = 10.0
@@ -106,13 +106,16 @@ class Embeddings:
         return [vector_list(vector) for vector in self.data]
 
 
-def embed_messages(inputs, dimensions: int | None) -> list[dict]:
+def embed_messages(inputs, dimensions: int | None, tenant: str | None = None) -> list[dict]:
     """The EMBED messages' fields for these inputs (checked here, so a bad input fails
-    before anything is sent), MAX_INPUTS_PER_MESSAGE inputs a message."""
+    before anything is sent), MAX_INPUTS_PER_MESSAGE inputs a message. Each names its
+    `part` of the call: the daemon counts the call as one request of its tenant (part 0)."""
     inputs = parse_inputs(inputs)
     extra = {} if parse_dimensions(dimensions) is None else {"dimensions": dimensions}
-    return [{"input": inputs[at:at + MAX_INPUTS_PER_MESSAGE], **extra}
-            for at in range(0, len(inputs), MAX_INPUTS_PER_MESSAGE)]
+    if tenant is not None:
+        extra["tenant"] = params_tenant(tenant)
+    return [{"input": inputs[at:at + MAX_INPUTS_PER_MESSAGE], "part": part, **extra}
+            for part, at in enumerate(range(0, len(inputs), MAX_INPUTS_PER_MESSAGE))]
 
 
 def joined_embeddings(replies: list[dict]) -> Embeddings:

@@ -133,9 +133,10 @@ class Client(ClientBase):
     def stats(self) -> dict:
         return self._ask(MsgType.STATS)[0]
 
-    def embeddings(self, inputs, dimensions: int | None = None) -> Embeddings:
-        """Embeddings of the inputs (strings or token-id lists) with the tokens they took."""
-        return joined_embeddings(self._ask(MsgType.EMBED, embed_messages(inputs, dimensions)))
+    def embeddings(self, inputs, dimensions: int | None = None, tenant: str | None = None) -> Embeddings:
+        """Embeddings of the inputs (strings or token-id lists) with the tokens they took,
+        counted in `tenant`'s usage and limits (default: "default")."""
+        return joined_embeddings(self._ask(MsgType.EMBED, embed_messages(inputs, dimensions, tenant)))
 
     def embed(self, inputs, dimensions: int | None = None) -> list[list[float]]:
         """One L2-normalized vector per input (a string or a list of token ids), in order."""

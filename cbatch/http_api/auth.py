@@ -6,6 +6,10 @@ With `--api-keys-file` each key names a tenant (cbatch/api_keys.py); the tenant 
 key a request came with goes in the request's scope (TENANT_SCOPE_KEY), for the bodies it
 submits and the access log. A single `--api-key` is the tenant "default". The file is
 read again on SIGHUP (`reload`): a request already admitted runs on whatever changes.
+
+/metrics is the operator's: it names every tenant and what each was served. With a keys
+file only a key marked `metrics=1` may read it (others get 403 forbidden, which tells
+nothing but that); the one `--api-key` may, being the operator's own.
 """
 
 import logging
@@ -14,13 +18,14 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cbatch.api_keys import DEFAULT_TENANT, TenantKey, load_keys, tenant_of_key
-from cbatch.errors import CbatchError, UNAUTHORIZED
+from cbatch.errors import CbatchError, FORBIDDEN, UNAUTHORIZED
 from cbatch.http_api.json_io import json_response
 from cbatch.openai.mapping import error_body
 
 API_KEY_ENV = "CBATCH_API_KEY"  # how the daemon hands the key to its HTTP processes (not argv: ps shows it)
 API_KEYS_FILE_ENV = "CBATCH_API_KEYS_FILE"  # the keys file's path, read by each HTTP process itself
 OPEN_PATHS = ("/health",)
+OPERATOR_PATHS = ("/metrics",)  # for keys with metrics=1 only
 TENANT_SCOPE_KEY = "cbatch.tenant"
 BEARER = b"Bearer "
 
@@ -32,7 +37,7 @@ class ApiKeys:
 
     def __init__(self, api_key: str = "", keys_file: str = ""):
         self.keys_file = keys_file
-        self.keys = load_keys(keys_file) if keys_file else {DEFAULT_TENANT: TenantKey(DEFAULT_TENANT, api_key)}
+        self.keys = load_keys(keys_file) if keys_file else {DEFAULT_TENANT: TenantKey(DEFAULT_TENANT, api_key, metrics=True)}
 
     def reload(self) -> None:
         """Read the keys file again; a file that cannot be read keeps the keys there were."""
@@ -62,6 +67,9 @@ class RequireApiKey:
             if tenant is None:
                 await _unauthorized()(scope, receive, send)
                 return
+            if scope["path"] in OPERATOR_PATHS and not self.api_keys.keys[tenant].metrics:
+                await _forbidden(scope["path"])(scope, receive, send)
+                return
             scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
 
@@ -70,3 +78,8 @@ def _unauthorized() -> Response:
     """Names no tenant: a caller learns nothing of the keys there are."""
     err = CbatchError(UNAUTHORIZED, "a valid API key is needed: send 'Authorization: Bearer <key>'")
     return json_response(error_body(err), 401, {"WWW-Authenticate": "Bearer"})
+
+
+def _forbidden(path: str) -> Response:
+    err = CbatchError(FORBIDDEN, f"this API key may not read {path}: only a key with metrics=1 in the keys file may")
+    return json_response(error_body(err), 403)

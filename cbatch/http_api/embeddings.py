@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cbatch.errors import CbatchError
+from cbatch.http_api.auth import TENANT_SCOPE_KEY
 from cbatch.http_api.json_io import json_body, json_bytes
 from cbatch.http_api.state import HttpState
 from cbatch.openai.mapping import embedding_response, parse_embedding_request
@@ -25,7 +26,7 @@ async def embeddings_endpoint(state: HttpState, request: Request) -> Response:
     state.num_in_flight += 1
     try:
         api = parse_embedding_request(json_body(await request.body()), state.model_names)
-        result = await state.client.embeddings(api.inputs, api.dimensions)
+        result = await state.client.embeddings(api.inputs, api.dimensions, request.scope.get(TENANT_SCOPE_KEY))
         state.metrics.on_embedded(result.prompt_tokens)
         return Response(await run_in_threadpool(_response_body, api, result), media_type="application/json")
     except CbatchError as err:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERNAL, INVALID_REQUEST, MODEL_EMBEDS_ONLY,
-                           NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, RATE_LIMITED, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
+                           FORBIDDEN, NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, RATE_LIMITED, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
                            WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
 from cbatch.extras import SERVER, check_extra
@@ -34,6 +34,7 @@ _STATUS = {code: status for codes, status in (
     ((NOT_FOUND,), (404, "invalid_request_error")),
     ((DEADLINE_EXCEEDED,), (408, "timeout_error")),
     ((UNAUTHORIZED,), (401, "authentication_error")),
+    ((FORBIDDEN,), (403, "permission_error")),
     ((QUEUE_FULL, RATE_LIMITED), (429, "rate_limit_error")),
     ((SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED), (503, "service_unavailable")),
     ((DECODE_FAILED, INTERNAL), (500, "server_error")),

@@ -3,21 +3,41 @@
 An EMBED is a question with a nonce, as HEALTH is: one reply (EMBED_REPLY, or ERROR with
 the nonce) carries all its vectors. Nothing streams, so nothing goes through the ring.
 Requests that arrive while the worker (re)starts wait here and go to it when it is ready.
+
+Each is its tenant's, as a generation is (tenant_ledger.py): in flight from here to its
+reply, its tokens charged to the tenant's usage and bucket. A client call of more inputs
+than one message carries comes as several messages, `part` 0, 1, ...: part 0 is held to
+the tenant's limits and counts the request; the others only add their tokens, so that a
+tenant with max_concurrent=1 can still embed a long list. The parts of one call are sent
+together with consecutive nonces, so a later part whose part 0 was refused is known by its
+nonce and refused the same way: none of a refused call runs.
 """
 
+import time
+from collections import OrderedDict
+
+from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs
 from cbatch.errors import CbatchError, QUEUE_FULL, SHUTTING_DOWN
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded
+from cbatch.params import tenant as parse_tenant
 from cbatch.protocol import MsgType, field
 from cbatch.workers.daemon.client_link import ClientLink
+from cbatch.workers.daemon.tenant_ledger import TenantLedger
 from cbatch.workers.daemon.worker_link import WorkerLink
+
+# Clients whose last call was refused by its tenant's limits, remembered for its later
+# parts; past this many the oldest is forgotten (its later parts would run, to no use).
+MAX_REFUSED_CALLS = 1024
 
 
 class EmbedRelay:
-    def __init__(self, clients: ClientLink, worker: WorkerLink, max_pending: int):
-        self._clients, self._worker, self._max_pending = clients, worker, max_pending
-        self._owners: dict[int, tuple[bytes, int]] = {}  # embed id -> (client identity, its nonce)
+    def __init__(self, clients: ClientLink, worker: WorkerLink, max_pending: int, ledger: TenantLedger):
+        self._clients, self._worker, self._max_pending, self._ledger = clients, worker, max_pending, ledger
+        # embed id -> (client identity, its nonce, its tenant, whether it is part 0 of its call)
+        self._owners: dict[int, tuple[bytes, int, str, bool]] = {}
         self._held: dict[int, WorkerEmbed] = {}  # not yet sent: no worker is ready
+        self._refused: OrderedDict[bytes, tuple[int, CbatchError]] = OrderedDict()  # identity -> (part 0's nonce, why)
         self._next_id = 0
 
     @property
@@ -29,12 +49,28 @@ class EmbedRelay:
         nonce = field(body, "nonce", int)
         inputs = parse_inputs(field(body, "input", (str, list)), MAX_INPUTS_PER_MESSAGE)
         dimensions = parse_dimensions(body.get("dimensions"))
+        tenant = parse_tenant(body.get("tenant", DEFAULT_TENANT))
+        part = field(body, "part", int, optional=True) or 0
+        is_first = part == 0
         if is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
         if len(self._owners) >= self._max_pending:
             raise CbatchError(QUEUE_FULL, f"{self._max_pending} embedding requests are waiting; retry later")
+        refused = self._refused.get(identity)
+        if not is_first and refused is not None and refused[0] == nonce - part:
+            raise refused[1]
+        try:
+            self._ledger.admit(tenant, time.monotonic(), is_limited=is_first)  # RATE_LIMITED: nothing changes
+        except CbatchError as err:
+            self._refused[identity] = (nonce, err)
+            self._refused.move_to_end(identity)
+            if len(self._refused) > MAX_REFUSED_CALLS:
+                self._refused.popitem(last=False)
+            raise
+        if is_first:
+            self._refused.pop(identity, None)
         self._next_id += 1
-        self._owners[self._next_id] = (identity, nonce)
+        self._owners[self._next_id] = (identity, nonce, tenant, is_first)
         self._held[self._next_id] = WorkerEmbed(self._next_id, inputs, dimensions or 0)
         self.forward_held()
 
@@ -48,7 +84,10 @@ class EmbedRelay:
         owner = self._owners.pop(message.embed_id, None)
         if owner is None:
             return  # failed already (a worker restart)
-        identity, nonce = owner
+        identity, nonce, tenant, is_first = owner
+        self._ledger.release(tenant)
+        if not message.code:
+            self._ledger.on_finished(tenant, {"prompt_tokens": message.num_tokens}, time.monotonic(), int(is_first))
         if message.code:
             self._clients.send(identity, MsgType.ERROR, {"code": message.code, "message": message.message,
                                                          "nonce": nonce})

@@ -49,7 +49,7 @@ class FrontEnd:
         engine = config.engine
         ledger = TenantLedger(config.api_keys_file)
         self.requests = RequestTable(engine.max_in_flight, config.retention_s, ledger)
-        self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue)
+        self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue, ledger)
         self._is_draining = False
         self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
         self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)

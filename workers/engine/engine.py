@@ -44,7 +44,8 @@ class Engine:
                                 config.max_cached_cells, pin_indexed_cells=self.runner.has_swa)
         else:
             kv = StreamCacheManager(self.runner.num_seq_ids, self.runner.ctx_per_seq, self.runner.has_prefix_cache)
-        self.scheduler = Scheduler(kv, config.parallel, config.batch_size, *config.max_queues, config.preempt_batch)
+        self.scheduler = Scheduler(kv, config.parallel, config.batch_size, *config.max_queues, config.preempt_batch,
+                                   config.fair_share)
         self.stats = EngineStats()
         self.reasoning = model_reasoning(config, self.runner)  # the tags it thinks in, or None
         self._seqs: dict[int, Sequence] = {}

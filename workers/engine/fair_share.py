@@ -10,7 +10,14 @@ A tenant that becomes active (its first waiting request while it had none) start
 less than `virtual_time`, the counter of the tenant admitted last: that tenant had the
 lowest counter of those waiting then (start-time fair queuing), so an idle tenant banks
 no credit and cannot then hold the steps for as long as it was away. It costs O(1), where
-the lowest counter of all tenants with work would cost a pass over them.
+the lowest counter of all tenants with work would cost a pass over them. When nobody waits
+any more, nobody is owed anything (the end of a busy period): the virtual time rises to the
+highest counter, so every tenant, back or new, starts from the same place.
+
+State per tenant is kept only while it matters: a tenant with nothing queued or running
+whose counter is at or below the virtual time would start at the virtual time anyway, so
+its counter is dropped then (at once, or as soon as the virtual time passes it). A daemon
+that sees many tenants come and go holds counters for those with work, and a few more.
 
 Cost: a tenant's heap entry is its counter when pushed; counters only grow, so an entry
 is at most its tenant's counter, and one found stale at the top is pushed again with the
@@ -20,7 +27,8 @@ tenants, and charging a step is one addition per generating sequence.
 
 import heapq
 import itertools
-from collections import deque
+import math
+from collections import Counter, deque
 
 from cbatch.workers.engine.sequence import Sequence
 
@@ -32,6 +40,53 @@ class FairShare:
     def __init__(self):
         self.counters: dict[str, float] = {}
         self.virtual_time = 0.0
+        self.num_held: Counter = Counter()  # sequences added and not ended, by tenant (only tenants with any)
+        # (counter, tenant) of tenants that went idle above the virtual time, lowest first;
+        # an entry is acted on only if its tenant is still idle when the virtual time passes it.
+        self._idle: list[tuple[float, str]] = []
+
+    @property
+    def num_entries(self) -> int:
+        """Tenant entries held (counters and idle ones): what this state costs."""
+        return len(self.counters) + len(self._idle)
+
+    def hold(self, tenant: str) -> None:
+        """A sequence of `tenant` was added (it is waiting, then running, until `release`)."""
+        self.num_held[tenant] += 1
+
+    def release(self, tenant: str) -> None:
+        """A sequence of `tenant` ended; with its last one, the tenant is idle."""
+        self.num_held[tenant] -= 1
+        if self.num_held[tenant]:
+            return
+        del self.num_held[tenant]
+        if not self.num_held:  # nothing queued or running at all: every tenant starts from the virtual time
+            self.counters.clear()
+            self._idle.clear()
+            return
+        counter = self.counters.get(tenant)
+        if counter is not None and counter <= self.virtual_time:
+            del self.counters[tenant]
+        elif counter is not None:
+            heapq.heappush(self._idle, (counter, tenant))
+
+    def advance(self, counter: float) -> None:
+        """A tenant was admitted at `counter`: the virtual time moves up to it, and the idle
+        tenants it passes are forgotten."""
+        if counter <= self.virtual_time:
+            return
+        self.virtual_time = counter
+        idle = self._idle
+        while idle and idle[0][0] <= counter:
+            tenant = heapq.heappop(idle)[1]
+            if tenant not in self.num_held and self.counters.get(tenant, math.inf) <= counter:
+                del self.counters[tenant]
+
+    def on_queue_empty(self) -> None:
+        """Nobody waits: the virtual time rises to the highest counter (O(tenants held),
+        paid only when the queue runs dry)."""
+        if self.counters:
+            self.advance(max(self.counters.values()))
 
     def activate(self, tenant: str) -> float:
         """`tenant` has work again: its counter, raised to the virtual time."""
@@ -104,7 +159,7 @@ class TenantQueues:
             break
         seq = fifo.popleft()
         self.num_waiting -= 1
-        self.share.virtual_time = max(self.share.virtual_time, counter)
+        self.share.advance(counter)
         if not fifo:
             heapq.heappop(heap)
             del self._fifos[tenant]

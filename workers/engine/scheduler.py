@@ -2,7 +2,7 @@
 
 Policy:
 - admission is FIFO within a tenant, the tenants of a priority sharing it by weight
-  (fair_share.py), every interactive request before any batch one,
+  (fair_share.py; with `fair_share` off, FIFO), every interactive request before any batch one,
   each priority with its own room in the queue (waiting_queue.py), into at most
   `max_running` running sequences, each given a KV sequence id holding its longest
   cached prefix by the KV manager, which reserves cells for the rest of its tokens
@@ -60,13 +60,13 @@ _SPAN_SEQ_ID = attrgetter("seq.seq_id")
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int,
-                 max_batch_queue: int, preempt_batch: bool = True):
+                 max_batch_queue: int, preempt_batch: bool = True, fair_share: bool = True):
         if max_batch_tokens < max_running:
             raise ValueError("max_batch_tokens must cover one token per running sequence")
         self.kv = kv
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
-        self.waiting = WaitingQueue(max_running, max_queue, max_batch_queue)
+        self.waiting = WaitingQueue(max_running, max_queue, max_batch_queue, fair_share)
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.forks = PendingForks()  # admitted, waiting for a running sequence's prompt
         self.row_forks: list[tuple[Sequence, Sequence]] = []  # (parent, fork): see take_row_forks

@@ -4,8 +4,9 @@ room, and the deadlines.
 WaitingQueue:
 - one queue per priority; `popleft` takes an interactive request while any waits, so every
   interactive request is admitted before any batch one. Within a priority the tenants share
-  admission by weight (fair_share.py), each tenant's requests in FIFO order. A preempted or
-  requeued sequence goes back to the head of its tenant's FIFO in its own priority;
+  admission by weight (fair_share.py), each tenant's requests in FIFO order, or with fair
+  share off all in arrival order (arrival_order.py). A preempted or requeued sequence goes
+  back to the head of its tenant's FIFO in its own priority;
 - each priority has its own room: it may hold `max_running` plus its own queue limit
   (--max-queue for interactive requests, --max-batch-queue for batch ones) in the engine,
   waiting and running together, as the front-end counts its requests in flight. A batch
@@ -24,6 +25,7 @@ from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, QUEUE_FULL
 from cbatch.params import PRIORITIES
 from cbatch.wording import counted
+from cbatch.workers.engine.arrival_order import ArrivalQueue, NoShare
 from cbatch.workers.engine.fair_share import FairShare, TenantQueues
 from cbatch.workers.engine.sequence import Sequence
 
@@ -33,9 +35,10 @@ MIN_STALE_DEADLINES = 1024
 
 
 class WaitingQueue:
-    def __init__(self, max_running: int, max_queue: int, max_batch_queue: int):
-        self.share = FairShare()
-        self._queues = (TenantQueues(self.share), TenantQueues(self.share))  # by is_batch
+    def __init__(self, max_running: int, max_queue: int, max_batch_queue: int, fair_share: bool = True):
+        self.share = FairShare() if fair_share else NoShare()
+        make_queue = (lambda: TenantQueues(self.share)) if fair_share else ArrivalQueue
+        self._queues = (make_queue(), make_queue())  # by is_batch
         self.max_queues = (max_queue, max_batch_queue)
         self._max_held = (max_running + max_queue, max_running + max_batch_queue)
         # Per priority: the sequences added and not yet ended (waiting, running or forking).
@@ -64,15 +67,20 @@ class WaitingQueue:
                 f"waiting beyond the running ones); retry later or raise {QUEUE_FLAGS[is_batch]}",
             )
         self._num_held[is_batch] += 1
+        self.share.hold(seq.tenant)
         self._queues[is_batch].append(seq)
 
     def on_ended(self, seq: Sequence) -> None:
         """`seq`, added once, ended (wherever it was): its place in its room is free.
         Called exactly once per added sequence."""
         self._num_held[seq.is_batch] -= 1
+        self.share.release(seq.tenant)
 
     def popleft(self) -> Sequence:
-        return (self._queues[0] if self._queues[0].num_waiting else self._queues[1]).popleft()
+        seq = (self._queues[0] if self._queues[0].num_waiting else self._queues[1]).popleft()
+        if not (self._queues[0].num_waiting or self._queues[1].num_waiting):
+            self.share.on_queue_empty()
+        return seq
 
     def push_front(self, seq: Sequence) -> None:
         """Back to the head of its tenant's FIFO (preempted, requeued, or not admitted now)."""
