@@ -12,10 +12,11 @@ import zmq
 
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.ipc.ring import RingError
-from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
+from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
 from cbatch.client.liveness import LIVENESS_S, Liveness
 from cbatch.client.shared_ring import RingTap
 from cbatch.client.streams import RequestStream
+from cbatch.client.submit_frames import submit_frames
 from cbatch.tools.chat import prepare_request
 
 SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
@@ -87,16 +88,7 @@ class Session:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
         body, tool_plan = prepare_request(body, self.welcome)  # tools: a prompt (and grammar) made here
         request_id = secrets.randbits(63) or 1  # unguessable by other clients
-        try:
-            frames = pack(MsgType.SUBMIT, {"request_id": request_id, "body": body})
-        except (TypeError, ValueError, OverflowError) as err:
-            raise CbatchError(INVALID_REQUEST, f"the request cannot be encoded: {err}") from None
-        if len(frames[1]) > MAX_FRAME_BYTES:
-            raise CbatchError(INVALID_REQUEST, f"the request is {len(frames[1])} bytes; the limit is {MAX_FRAME_BYTES}")
-        try:
-            unpack(frames)  # what the front-end would refuse (non-string keys, nesting) fails here, named
-        except ProtocolError as err:
-            raise CbatchError(INVALID_REQUEST, f"the request cannot be sent: {err}") from None
+        frames = submit_frames(request_id, body)
         # Log-probabilities come relayed with their records, never from the ring.
         wants_logprobs = body.get("logprobs") is not None
         stream = RequestStream(request_id, request_id if label is None else label, heard_s=self._clock(),
@@ -202,7 +194,8 @@ class Session:
         if stream is None:
             return
         stream.add_records(body["records"], self.liveness.heard_s)
-        self._wake(stream)
+        if stream.is_wake_due():
+            self._on_arrival(stream)
         if self._ring is not None and not stream.wants_logprobs:
             self._ring.recovered(stream.request_id, stream.next_index)
             self.read_ring()
@@ -270,17 +263,8 @@ class Session:
             stream = self.streams.get(request_id)
             if stream is not None:
                 stream.add_records(rows, now_s)
-                self._wake(stream)
-
-    def _wake(self, stream: RequestStream) -> None:
-        """Records arrived for stream: wake its reader, unless it wants the stream whole and
-        was woken for its first chunk already (a whole 64-token response is then two
-        wake-ups of its reader, not 64: most of what such a response cost a server's loop)."""
-        if stream.is_whole and not stream.is_done:
-            if stream.has_woken:
-                return
-            stream.has_woken = True
-        self._on_arrival(stream)
+                if stream.is_wake_due():
+                    self._on_arrival(stream)
 
     @property
     def is_waiting(self) -> bool:

@@ -94,6 +94,15 @@ class RequestStream:
             self._emit(token_ids, self._decoder.decode(b"".join(data)), logprobs=logprobs if self.wants_logprobs else None)
         self._complete_if_ready()
 
+    def is_wake_due(self) -> bool:
+        """Records arrived: whether to wake the reader. One that wants the stream whole is
+        woken for its first chunk and at its end only (a whole 64-token response is then two
+        wake-ups of its reader, not 64: most of what such a response cost a server's loop)."""
+        if not self.is_whole or self.is_done:
+            return True
+        is_first, self.has_woken = not self.has_woken, True
+        return is_first
+
     def on_finished(self, body: dict, now_s: float) -> None:
         self.heard_s = now_s
         self.finished = body
