@@ -112,3 +112,12 @@ def test_modules_stay_readable():
     too_long = {name: n for name, path in modules().items()
                 if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES and name not in LONGER_ALLOWED}
     assert too_long == {}
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists the packages (the package-dir mapping needs that): one left out
+    installs nowhere but an editable checkout, where its imports still work."""
+    import tomllib
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert packages == listed, {"not listed": packages - listed, "listed, no such package": listed - packages}
