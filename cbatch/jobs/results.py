@@ -15,6 +15,7 @@ import os
 from cbatch.cli.line_keys import LineSelector, id_key, line_key, openai_id, result_key
 from cbatch.cli.submit import read_items
 from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.jobs.progress import usage_tokens
 
 
 def is_ok(result: dict) -> bool:
@@ -45,6 +46,7 @@ class ResultsLog:
         self.path, self.on_written = path, on_written
         self.done_keys: set[str] = set()
         self.total_completed = self.total_failed = 0  # in the log, this run's lines included
+        self.total_prompt_tokens = self.total_generated_tokens = 0  # ... and their usage's
         self._read_back()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self.lines: dict = {}  # index -> line, the unfinished lines of this run
@@ -66,6 +68,9 @@ class ResultsLog:
 
     def _count(self, result: dict) -> None:
         self.done_keys.add(result_key(result))
+        prompt_tokens, generated_tokens = usage_tokens(result)
+        self.total_prompt_tokens += prompt_tokens
+        self.total_generated_tokens += generated_tokens
         if is_ok(result):
             self.total_completed += 1
         else:
