@@ -2,7 +2,9 @@
 
     throughput      a job's generated tok/s (from its creation to `completed`, as a caller
                     polling it sees) beside cbatch-submit's on the same file and daemon
-                    (greedy, ignore_eos), each run twice in turn, and their ratio
+                    (greedy, ignore_eos), each run twice in turn, and their ratio; and the
+                    CPU each caller took per line (the job runner's, cbatch-submit's), a
+                    figure a machine shared with other work disturbs less than the rates
     TTFT            streamed /v1/completions from scripts/loadgen.py (one caller), idle and
                     while a job runs: p50 and p99
     memory          the peak RSS of the daemon's processes (the sum over its process tree,
@@ -33,11 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import percentiles, prompts  # noqa: E402
 from bench_long_prompts import BIN_DIR, START_TIMEOUT_S  # noqa: E402
 from bench_serving import free_port  # noqa: E402
+from proc_cpu import process_cpu_s  # noqa: E402
 
 from cbatch.jobs.files import MAX_FILE_LINES  # noqa: E402
 
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
-POLL_S = 0.05  # how often a job is polled: light beside the daemon's work
+POLL_S = 0.1  # how often a job is polled: light beside the daemon's work
 RSS_SAMPLE_S = 0.2
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -101,6 +104,16 @@ class Daemon:
         batch.raise_for_status()
         return batch.json()["id"]
 
+    def runner_pid(self) -> int:
+        for pid in tree_pids(self.process.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    if b"cbatch.jobs.runner" in cmdline.read():
+                        return pid
+            except FileNotFoundError:
+                continue
+        raise RuntimeError("the daemon runs no job runner")
+
     def batch(self, batch_id: str) -> dict:
         return self.http.get(f"/v1/batches/{batch_id}").json()
 
@@ -139,20 +152,24 @@ def batch_lines(num_lines: int, max_tokens: int, prefix: str = "") -> list[str]:
                         "body": {**body, "prompt": prompt}}) + "\n" for i, prompt in enumerate(prompts(num_lines))]
 
 
-def submit_tok_s(daemon: Daemon, path: str, out_dir: str) -> float:
-    """cbatch-submit's own figure: its tokens over its run, start-up not counted."""
+def submit_tok_s(daemon: Daemon, path: str, out_dir: str) -> tuple[float, float]:
+    """cbatch-submit's own figure (its tokens over its run, start-up not counted) and its CPU seconds."""
+    before = os.times()
     done = subprocess.run([str(BIN_DIR / "cbatch-submit"), path, "-o", os.path.join(out_dir, "out.jsonl")],
                           env=daemon.env, capture_output=True, text=True, check=True)
-    return float(done.stderr.rsplit("(", 1)[1].split(" tok/s")[0])
+    after = os.times()
+    cpu_s = after.children_user + after.children_system - before.children_user - before.children_system
+    return float(done.stderr.rsplit("(", 1)[1].split(" tok/s")[0]), cpu_s
 
 
-def job_tok_s(daemon: Daemon, lines: list[str]) -> float:
-    """From the POST that creates the job to the poll that sees it completed."""
-    started = time.perf_counter()
+def job_tok_s(daemon: Daemon, lines: list[str]) -> tuple[float, float]:
+    """From the POST that creates the job to the poll that sees it completed; and the job runner's CPU seconds."""
+    runner_pid = daemon.runner_pid()
+    cpu_before, started = process_cpu_s(runner_pid), time.perf_counter()
     batch = daemon.wait([daemon.create_job(lines)])[0]
     elapsed_s = time.perf_counter() - started
     assert batch["status"] == "completed" and batch["request_counts"]["failed"] == 0, batch
-    return batch["progress"]["generated_tokens"] / elapsed_s
+    return batch["progress"]["generated_tokens"] / elapsed_s, process_cpu_s(runner_pid) - cpu_before
 
 
 def throughput(daemon: Daemon, args) -> None:
@@ -166,10 +183,13 @@ def throughput(daemon: Daemon, args) -> None:
         submits.append(submit_tok_s(daemon, path, out_dir))
         jobs.append(job_tok_s(daemon, lines))
     shutil.rmtree(out_dir)
-    ratio = sum(jobs) / sum(submits)
-    print(f"throughput, {args.lines} lines x {args.max_tokens} tokens: cbatch-submit "
-          f"{' / '.join(f'{t:.0f}' for t in submits)} tok/s, batch job {' / '.join(f'{t:.0f}' for t in jobs)} tok/s; "
-          f"job / submit {ratio:.2f}x")
+    ratio = sum(tok_s for tok_s, _ in jobs) / sum(tok_s for tok_s, _ in submits)
+    rates = {name: " / ".join(f"{tok_s:.0f}" for tok_s, _ in runs) for name, runs in (("submit", submits), ("job", jobs))}
+    cpu_ms = {name: 1000 * sum(cpu_s for _, cpu_s in runs) / (len(runs) * args.lines)
+              for name, runs in (("submit", submits), ("job", jobs))}
+    print(f"throughput, {args.lines} lines x {args.max_tokens} tokens: cbatch-submit {rates['submit']} tok/s, "
+          f"batch job {rates['job']} tok/s; job / submit {ratio:.2f}x; caller CPU per line: cbatch-submit "
+          f"{cpu_ms['submit']:.2f} ms, job runner {cpu_ms['job']:.2f} ms")
 
 
 def ttfts(daemon: Daemon, args) -> list[float]:
