@@ -18,6 +18,7 @@
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -106,12 +107,9 @@ class Daemon:
 
     def runner_pid(self) -> int:
         for pid in tree_pids(self.process.pid):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                    if b"cbatch.jobs.runner" in cmdline.read():
-                        return pid
-            except FileNotFoundError:
-                continue
+            with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"cbatch.jobs.runner" in cmdline.read():
+                    return pid
         raise RuntimeError("the daemon runs no job runner")
 
     def batch(self, batch_id: str) -> dict:
