@@ -2,9 +2,8 @@
 
     throughput      a job's generated tok/s (from its creation to `completed`, as a caller
                     polling it sees) beside cbatch-submit's on the same file and daemon
-                    (greedy, ignore_eos), each run twice in turn, and their ratio; and the
-                    CPU each caller took per line (the job runner's, cbatch-submit's), a
-                    figure a machine shared with other work disturbs less than the rates
+                    (greedy, ignore_eos), each run twice in turn, their ratio, and each
+                    caller's CPU per line (which a shared machine disturbs less)
     TTFT            streamed /v1/completions from scripts/loadgen.py (one caller), idle and
                     while a job runs: p50 and p99
     memory          the peak RSS of the daemon's processes (the sum over its process tree,
@@ -43,6 +42,7 @@ from cbatch.jobs.files import MAX_FILE_LINES  # noqa: E402
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 POLL_S = 0.1  # how often a job is polled: light beside the daemon's work
 RSS_SAMPLE_S = 0.2
+KILL_AFTER_LINES = 2  # the daemon is killed once its job has finished this many lines
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
@@ -205,7 +205,7 @@ def ttfts(daemon: Daemon, args) -> list[float]:
 
 def ttft(daemon: Daemon, args) -> None:
     idle = ttfts(daemon, args)
-    batch_id = daemon.create_job(batch_lines(MAX_FILE_LINES, args.max_tokens))
+    batch_id = daemon.create_job(batch_lines(min(20 * args.lines, MAX_FILE_LINES), args.max_tokens))  # outlasts the probes
     daemon.wait([batch_id], lambda batch: batch["status"] != "validating")
     loaded = ttfts(daemon, args)
     running = daemon.batch(batch_id)
@@ -243,10 +243,12 @@ def memory(daemon: Daemon, args) -> None:
 def restart(model: str, args, state_dir: str) -> None:
     daemon = Daemon(model, args, state_dir)
     batch_id = daemon.create_job(batch_lines(args.kill_lines, args.max_tokens, "k"))
-    daemon.wait([batch_id], lambda batch: batch["request_counts"]["completed"] >= args.kill_lines // 4)
+    daemon.wait([batch_id], lambda batch: batch["request_counts"]["completed"] >= KILL_AFTER_LINES)
     daemon.stop(signal.SIGKILL)
     log_path = Path(state_dir) / "batches" / f"{batch_id}.results.jsonl"
     num_before = log_path.read_bytes().count(b"\n")
+    if num_before >= args.kill_lines:
+        raise RuntimeError(f"the job had ended before the kill: give it more than {args.kill_lines} --kill-lines")
     started, ready = time.perf_counter(), {}
 
     def start() -> None:  # timed from the start of the process, not from its /health
