@@ -62,12 +62,9 @@ def tree_pids(pid: int) -> list[int]:
 def tree_rss_mb(pid: int) -> float:
     """The resident memory of the process tree (shared pages counted in each process)."""
     total_kb = 0
-    for each in tree_pids(pid):
-        try:
-            with open(f"/proc/{each}/status") as status:
-                total_kb += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-        except (FileNotFoundError, StopIteration):
-            continue
+    for each in tree_pids(pid):  # a process gone meanwhile, or a zombie (no VmRSS), counts nothing
+        with contextlib.suppress(FileNotFoundError, StopIteration), open(f"/proc/{each}/status") as status:
+            total_kb += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return total_kb / 1024
 
 
