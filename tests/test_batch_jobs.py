@@ -60,6 +60,8 @@ def test_a_running_job_shows_progress_in_the_batch_status_and_metrics(daemon, ap
     batch = _wait_final(api, batch.id)
     assert batch.status == "completed" and batch.request_counts.completed == num_lines, daemon.log()
     assert seen, "the job was never seen midway"
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # it only grows
+    assert [p["generated_tokens"] for _, p in seen] == sorted(p["generated_tokens"] for _, p in seen)
     done, progress = seen[-1]
     assert progress["generated_tokens"] == done * max_tokens and progress["prompt_tokens"] > 0
     assert progress["lines_per_s"] > 0 and progress["tokens_per_s"] > 0 and progress["eta_s"] > 0

@@ -3,7 +3,7 @@ or ended by its cancel (cancelled) or its completion window (expired).
 
 The lines run as cbatch-submit runs an OpenAI batch file (cbatch.cli.batch_run with its
 OpenAILine, at batch priority, the same mapping as the HTTP endpoints), with two
-differences: each result is made durable as soon as it finishes (cbatch.jobs.results),
+differences: each result is made durable as it finishes (group commit: cbatch.jobs.results),
 and a run may stop at any point (a cancel, the window's end, the daemon draining or
 killed) and go on later from its log. Requests refused for a moment (a decode worker
 restarting, a full queue, a drain) are held and sent again (batch_retry), never results.
