@@ -41,7 +41,7 @@ def daemon(tiny_tools_model_path):
 
 
 def test_a_running_job_shows_progress_in_the_batch_status_and_metrics(daemon, api):
-    num_lines, max_tokens = 24, 40
+    num_lines, max_tokens = 80, 64  # long enough to be seen midway: progress is written every half second
     body = {"model": "m", "prompt": "count", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     batch = _create(api, [_line(f"r{i}", body) for i in range(num_lines)])
     seen = []  # (lines done, progress) while the job ran
