@@ -1,7 +1,7 @@
 """OpenAI batch files for cbatch-submit.
 
 Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions",
-"/v1/completions" or "/v1/embeddings", "body"}. Output lines, in input order: {"id", "custom_id",
+"/v1/completions", "/v1/responses" or "/v1/embeddings", "body"}. Output lines, in input order: {"id", "custom_id",
 "response": {"status_code", "request_id", "body"}, "error"}. A request that fails has
 the OpenAI error object as its response body and its HTTP status; a line that is not a
 request at all has `response: null` and `error: {"code", "message"}` (and `line`, its line
@@ -17,11 +17,14 @@ from cbatch.client.batch_retry import is_transient
 from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.openai.completions_output import ResponseBuilder, WholeResponse, system_fingerprint
 from cbatch.openai.mapping import (CHAT, COMPLETION, embedding_response, error_body, error_status,
-                                           parse_api_request, parse_embedding_request)
+                                 parse_api_request, parse_embedding_request)
+from cbatch.openai.responses_output import ResponseEvents, WholeResponseEvents, echoed_fields
+from cbatch.openai.responses_request import parse_responses_request
 from cbatch.params import BATCH
 
-EMBEDDINGS = "embeddings"
-URL_KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDINGS}
+EMBEDDINGS, RESPONSES = "embeddings", "responses"
+URL_KINDS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDINGS,
+             "/v1/responses": RESPONSES}
 
 
 def is_openai_batch(numbered_items) -> bool:
@@ -57,7 +60,7 @@ class OpenAILine:
                  forwards_tools: bool = False):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
-        self.whole: WholeResponse | None = None
+        self.whole: WholeResponse | WholeResponseEvents | None = None
         self.result: dict | None = None
         if isinstance(item, CbatchError):  # not JSON, no custom_id of its own (line_keys)
             self.result = _line_failure(None, item, number)
@@ -78,8 +81,14 @@ class OpenAILine:
                 self._succeed(uuid.uuid4().hex, embedding_response(embedding_request, result.data, result.prompt_tokens))
                 return
             # A batch file's lines yield to interactive requests unless a body says otherwise.
-            request = parse_api_request(kind, {"priority": BATCH, **item["body"], "stream": False}, model_names,
-                                        reasoning, chat_template=chat_template, forwards_tools=forwards_tools)
+            body = {"priority": BATCH, **item["body"], "stream": False}
+            if kind == RESPONSES:  # a chat request, answered in the Responses API's shapes
+                request = parse_responses_request(body, model_names, reasoning, chat_template=chat_template)
+                self.bodies = request.bodies
+                self.whole = WholeResponseEvents(ResponseEvents(request, echoed_fields(item["body"])))
+                return
+            request = parse_api_request(kind, body, model_names, reasoning, chat_template=chat_template,
+                                        forwards_tools=forwards_tools)
         except CbatchError as err:
             if is_transient(err):  # the embeddings were refused past the run's patience: the run stops
                 raise

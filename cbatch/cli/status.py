@@ -13,6 +13,24 @@ SLOT_COLUMNS = ("slot", "request", "state", "prompt", "tokens", "age")
 STARVED_CPU_SHARE = 0.6  # below this share of their cores the compute threads wait for the CPU more than they compute
 
 
+def job_lines(jobs: dict) -> list[str]:
+    """One line per batch job not ended (the daemon's state directory), oldest first."""
+    lines = []
+    for job in jobs["active"]:
+        if job["status"] == "validating":  # its lines are not counted yet
+            lines.append(f"batch {job['id']} validating: waiting for the job runner")
+            continue
+        done = job["completed"] + job["failed"]
+        eta = "" if job["eta_s"] is None else f", ETA {job['eta_s']:.0f} s"
+        lines.append(f"batch {job['id']} {job['status']}: {done}/{job['total']} lines done ({job['failed']} failed), "
+                     f"{job['lines_per_s']:.1f} lines/s, {job['tokens_per_s']:.1f} tok/s, "
+                     f"{job['prompt_tokens']} prompt + {job['generated_tokens']} generated tokens{eta}")
+    num_not_shown = jobs["num_active"] - len(jobs["active"])
+    if num_not_shown > 0:
+        lines.append(f"and {counted(num_not_shown, 'batch job')} more waiting")
+    return lines
+
+
 def format_status(endpoint: str, health: dict, stats: dict) -> str:
     if health["status"] == "starting":  # the model, the worker and the context are not known yet
         about = (f"starting: the decode worker is loading the model; parallel {stats['parallel']}; "
@@ -40,6 +58,8 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
     lines += [f"tenant {tenant}: {usage['num_in_flight']} in flight, {counted(usage['num_requests'], 'request')} "
               f"finished, {usage['num_prompt_tokens']} prompt + {usage['num_generated_tokens']} generated tokens"
               for tenant, usage in (stats.get("tenants") or {}).items()]
+    if stats.get("jobs"):
+        lines += job_lines(stats["jobs"])
     slots = stats.get("slots", [])
     if not slots:
         lines.append("no request running")

@@ -3,6 +3,8 @@
 These endpoints only read and write the daemon's state directory (cbatch.jobs); the jobs
 run in the daemon's job runner, one place however many HTTP processes serve, and survive
 a restart of the daemon. File system work runs in a worker thread, beside the event loop.
+With API keys each key's tenant sees only its own files and batches (OpenAI scopes them
+to a project): another tenant's id is answered 404, as an unknown one.
 """
 
 from starlette.concurrency import run_in_threadpool
@@ -11,6 +13,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.http_api.auth import TENANT_SCOPE_KEY
 from cbatch.http_api.json_io import json_body, json_response
 from cbatch.http_api.state import HttpState
 from cbatch.jobs.batches import BatchStore
@@ -19,6 +22,11 @@ from cbatch.jobs.files import MAX_FILE_BYTES
 ENDPOINT = "batches"  # the metrics' endpoint label
 MAX_FORM_OVERHEAD_BYTES = 1 << 20  # a multipart form's headers and boundaries, beside the file
 DEFAULT_LIST_LIMIT = {"files": 10_000, "batches": 20}
+
+
+def _tenant(request: Request) -> str | None:
+    """The caller's tenant, the key's; None when the daemon checks no keys."""
+    return request.scope.get(TENANT_SCOPE_KEY)
 
 
 def _page(objects: list[dict], request: Request, kind: str) -> dict:
@@ -52,7 +60,7 @@ async def _upload(store: BatchStore, request: Request) -> Response:
         if upload is None or isinstance(upload, str) or not isinstance(purpose, str):
             raise CbatchError(INVALID_REQUEST, "the form needs a `file` and a `purpose`")
         return json_response(await run_in_threadpool(store.files.upload, upload.file, upload.filename or "upload.jsonl",
-                                                     purpose))
+                                                     purpose, _tenant(request)))
     finally:
         await form.close()  # the upload's spooled copy
 
@@ -60,36 +68,36 @@ async def _upload(store: BatchStore, request: Request) -> Response:
 async def _files(store: BatchStore, request: Request) -> Response:
     if request.method == "POST":
         return await _upload(store, request)
-    objects = await run_in_threadpool(store.files.list, request.query_params.get("purpose"))
+    objects = await run_in_threadpool(store.files.list, request.query_params.get("purpose"), _tenant(request))
     return json_response(_page(objects, request, "files"))
 
 
 async def _file(store: BatchStore, request: Request) -> Response:
     file_id = request.path_params["file_id"]
     if request.method == "DELETE":
-        return json_response(await run_in_threadpool(store.files.delete, file_id))
-    return json_response(await run_in_threadpool(store.files.get, file_id))
+        return json_response(await run_in_threadpool(store.files.delete, file_id, _tenant(request)))
+    return json_response(await run_in_threadpool(store.files.get, file_id, _tenant(request)))
 
 
 async def _file_content(store: BatchStore, request: Request) -> Response:
     file_id = request.path_params["file_id"]
-    await run_in_threadpool(store.files.get, file_id)  # a file without its object does not exist
+    await run_in_threadpool(store.files.get, file_id, _tenant(request))  # a file without its object does not exist
     return FileResponse(store.files.content_path(file_id), media_type="application/jsonl")
 
 
 async def _batches(store: BatchStore, request: Request) -> Response:
     if request.method == "POST":
         body = json_body(await request.body())
-        return json_response(await run_in_threadpool(store.create, body))
-    return json_response(_page(await run_in_threadpool(store.list), request, "batches"))
+        return json_response(await run_in_threadpool(store.create, body, _tenant(request)))
+    return json_response(_page(await run_in_threadpool(store.list, _tenant(request)), request, "batches"))
 
 
 async def _batch(store: BatchStore, request: Request) -> Response:
-    return json_response(await run_in_threadpool(store.get, request.path_params["batch_id"]))
+    return json_response(await run_in_threadpool(store.get, request.path_params["batch_id"], _tenant(request)))
 
 
 async def _cancel(store: BatchStore, request: Request) -> Response:
-    return json_response(await run_in_threadpool(store.cancel, request.path_params["batch_id"]))
+    return json_response(await run_in_threadpool(store.cancel, request.path_params["batch_id"], _tenant(request)))
 
 
 def batch_routes(state: HttpState, store: BatchStore) -> list[Route]:

@@ -44,6 +44,17 @@ _TENANT_COUNTERS = {
 }
 
 
+# a batch job's figure (cbatch.jobs.overview) -> (metric name, help), for each job not ended
+_JOB_GAUGES = {
+    "total": ("cbatch_batch_job_lines_total", "Lines of the batch job's input file"),
+    "done": ("cbatch_batch_job_lines_done", "Lines of the batch job answered (completed or failed)"),
+    "failed": ("cbatch_batch_job_lines_failed", "Lines of the batch job that failed"),
+    "prompt_tokens": ("cbatch_batch_job_prompt_tokens", "Prompt tokens of the batch job's answered lines"),
+    "generated_tokens": ("cbatch_batch_job_generated_tokens", "Tokens generated for the batch job's answered lines"),
+    "lines_per_s": ("cbatch_batch_job_lines_per_second", "Lines of the batch job answered per second, this run"),
+}
+
+
 def _one_value(family_class, name: str, help_text: str, value: float):
     family = family_class(name, help_text)
     family.add_metric([], float(value))
@@ -61,12 +72,30 @@ class _DaemonStats:
             if self.stats.get(key) is not None:
                 yield _one_value(family_class, name, help_text, self.stats[key])
         yield from router_gauges(self.stats)
+        yield from job_gauges(self.stats.get("jobs"))
         tenants = self.stats.get("tenants") or {}
         for key, (name, help_text) in _TENANT_COUNTERS.items():
             family = CounterMetricFamily(name, help_text, labels=["tenant"])
             for tenant, usage in tenants.items():
                 family.add_metric([tenant], float(usage[key]))
             yield family
+
+
+def job_gauges(jobs: dict | None):
+    """Batch jobs by status, and the lines and tokens of each job not ended (by batch_id and
+    status; a job's series go when it ends). None: the daemon serves no batch jobs."""
+    if jobs is None:
+        return
+    family = GaugeMetricFamily("cbatch_batch_jobs", "Batch jobs in the state directory by status", labels=["status"])
+    for status, count in jobs["num_by_status"].items():
+        family.add_metric([status], float(count))
+    yield family
+    for key, (name, help_text) in _JOB_GAUGES.items():
+        family = GaugeMetricFamily(name, help_text, labels=["batch_id", "status"])
+        for job in jobs["active"]:
+            value = job["completed"] + job["failed"] if key == "done" else job[key]
+            family.add_metric([job["id"], job["status"]], float(value))
+        yield family
 
 
 def kv_cache_usage(stats: dict) -> float:

@@ -4,6 +4,10 @@ One writer per job object, so no two processes race on it: the HTTP server write
 once, when the job is created (status validating); from then on only the job runner
 (cbatch.jobs.runner) does. A cancel is a marker file of its own (`<id>.cancel`) that
 the runner honours; until the runner has, the job shows as cancelling.
+
+Beside OpenAI's fields a job has cbatch's `progress` (cbatch.jobs.progress), written by
+the runner as it runs, and, stored but never shown, the tenant of the API key that
+created it: its lines run as that tenant, and only that tenant's keys see it.
 """
 
 import os
@@ -11,10 +15,11 @@ import time
 import uuid
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND
-from cbatch.jobs.files import BATCH, FileStore
+from cbatch.jobs.files import BATCH, OWNER, FileStore, is_visible, public
+from cbatch.jobs.progress import initial_progress
 from cbatch.jobs.state_dir import STATE_DIR_MODE, fsync_dir, read_json, write_json
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 VALIDATING, IN_PROGRESS, FINALIZING = "validating", "in_progress", "finalizing"
 COMPLETED, FAILED, EXPIRED, CANCELLING, CANCELLED = "completed", "failed", "expired", "cancelling", "cancelled"
@@ -28,10 +33,11 @@ def batch_object(batch_id: str, input_file_id: str, endpoint: str, completion_wi
             "error_file_id": None, "created_at": now, "in_progress_at": None,
             "expires_at": now + COMPLETION_WINDOWS[completion_window], "finalizing_at": None, "completed_at": None,
             "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+            "progress": initial_progress()}
 
 
-def _check_create(body, files: FileStore) -> None:
+def _check_create(body, files: FileStore, viewer: str | None) -> None:
     if not isinstance(body, dict):
         raise CbatchError(INVALID_REQUEST, "the body must be a JSON object")
     for name in ("input_file_id", "endpoint", "completion_window"):
@@ -46,7 +52,7 @@ def _check_create(body, files: FileStore) -> None:
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(value, str) for value in metadata.values())):
         raise CbatchError(INVALID_REQUEST, "metadata must be an object of strings")
-    if files.get(body["input_file_id"])["purpose"] != BATCH:
+    if files.get(body["input_file_id"], viewer)["purpose"] != BATCH:
         raise CbatchError(INVALID_REQUEST, f"input_file_id {body['input_file_id']!r} was not uploaded with "
                                            f"purpose {BATCH!r}")
 
@@ -67,11 +73,12 @@ class BatchStore:
         """The job's own link to its input file's bytes, which deleting the file leaves in place."""
         return self._path(batch_id, ".input.jsonl")
 
-    def create(self, body) -> dict:
-        _check_create(body, self.files)
+    def create(self, body, tenant: str | None = None) -> dict:
+        """A new job of `tenant` (None: the daemon checks no keys), from one of its files."""
+        _check_create(body, self.files, tenant)
         batch = batch_object(f"batch_{uuid.uuid4().hex}", body["input_file_id"], body["endpoint"],
                              body["completion_window"], body.get("metadata"))
-        self.save(batch)
+        self.save({**batch, OWNER: tenant})
         return batch
 
     def save(self, batch: dict) -> None:
@@ -88,36 +95,37 @@ class BatchStore:
         except FileNotFoundError:
             return None
 
-    def get(self, batch_id: str) -> dict:
-        """The job as a caller sees it: cancelling from the cancel on, until the runner ends it."""
+    def get(self, batch_id: str, viewer: str | None = None) -> dict:
+        """The job as a caller of tenant `viewer` sees it: cancelling from the cancel on,
+        until the runner ends it; another tenant's job is as unknown as a missing one."""
         batch = self.stored(batch_id)
-        if batch is None:
+        if batch is None or not is_visible(batch, viewer):
             raise CbatchError(NOT_FOUND, f"no batch with id {batch_id!r}")
         cancelled_at = self.cancel_asked_at(batch_id)
         if cancelled_at is not None and batch["status"] not in FINAL_STATUSES:
             batch = {**batch, "status": CANCELLING, "cancelling_at": cancelled_at}
-        return batch
+        return public(batch)
 
     def ids(self) -> list[str]:
         return [name[:-5] for name in os.listdir(self.dir) if name.endswith(".json")]
 
-    def list(self) -> list[dict]:
+    def list(self, viewer: str | None = None) -> list[dict]:
         """Newest first."""
         batches = []
         for batch_id in self.ids():
             try:
-                batches.append(self.get(batch_id))
+                batches.append(self.get(batch_id, viewer))
             except CbatchError:
                 continue  # deleted meanwhile
         return sorted(batches, key=lambda batch: (batch["created_at"], batch["id"]), reverse=True)
 
-    def cancel(self, batch_id: str) -> dict:
+    def cancel(self, batch_id: str, viewer: str | None = None) -> dict:
         """Ask the runner to stop the job; a finished job is left as it is (OpenAI's answer)."""
-        batch = self.get(batch_id)
+        batch = self.get(batch_id, viewer)
         if batch["status"] in FINAL_STATUSES:
             raise CbatchError(INVALID_REQUEST, f"batch {batch_id} is {batch['status']}: it cannot be cancelled")
         if batch["status"] != CANCELLING:
             with open(self._path(batch_id, ".cancel"), "a"):
                 pass
             fsync_dir(self.dir)  # a cancel answered survives a crash
-        return self.get(batch_id)
+        return self.get(batch_id, viewer)

@@ -8,6 +8,7 @@ import os
 import time
 import uuid
 
+from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND
 from cbatch.jobs.state_dir import STATE_DIR_MODE, read_json, remove_if_present, replace_from, write_json
 
@@ -23,9 +24,24 @@ def new_file_id() -> str:
     return f"file-{uuid.uuid4().hex[:24]}"
 
 
+OWNER = "tenant"  # the stored object's field naming the tenant it belongs to; callers never see it
+
+
 def file_object(file_id: str, num_bytes: int, filename: str, purpose: str) -> dict:
     return {"id": file_id, "object": "file", "bytes": num_bytes, "created_at": int(time.time()), "filename": filename,
             "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+
+
+def is_visible(obj: dict, viewer: str | None) -> bool:
+    """Whether a caller of tenant `viewer` may see a stored file or batch: every caller
+    when the daemon checks no keys (viewer None), else only the tenant that made it (one
+    made without keys belongs to the default tenant), as OpenAI scopes them to a project."""
+    return viewer is None or (obj.get(OWNER) or DEFAULT_TENANT) == viewer
+
+
+def public(obj: dict) -> dict:
+    """A stored object as callers see it: OpenAI's fields (and cbatch's own), not its owner."""
+    return {name: value for name, value in obj.items() if name != OWNER}
 
 
 def _too_large(what: str) -> CbatchError:
@@ -80,8 +96,9 @@ class FileStore:
     def _object_path(self, file_id: str) -> str:
         return os.path.join(self.dir, f"{file_id}.json")
 
-    def upload(self, source, filename: str, purpose: str) -> dict:
-        """A new batch input file from `source` (a binary stream), checked as it is copied."""
+    def upload(self, source, filename: str, purpose: str, tenant: str | None = None) -> dict:
+        """A new batch input file of `tenant` (None: no keys are checked) from `source` (a
+        binary stream), checked as it is copied."""
         if purpose not in PURPOSES:
             raise CbatchError(INVALID_REQUEST, f"purpose {purpose!r} is not served; this server takes {list(PURPOSES)}")
         file_id = new_file_id()
@@ -90,28 +107,29 @@ class FileStore:
         if copy.num_lines == 0:
             remove_if_present(self.content_path(file_id))
             raise CbatchError(INVALID_REQUEST, "the file holds no requests")
-        return self.add(file_id, copy.num_bytes, filename, purpose)
+        return self.add(file_id, copy.num_bytes, filename, purpose, tenant)
 
-    def add(self, file_id: str, num_bytes: int, filename: str, purpose: str) -> dict:
+    def add(self, file_id: str, num_bytes: int, filename: str, purpose: str, tenant: str | None = None) -> dict:
         """The object of a file whose bytes are in place: from now on the file exists."""
         obj = file_object(file_id, num_bytes, filename, purpose)
-        write_json(self._object_path(file_id), obj)
+        write_json(self._object_path(file_id), {**obj, OWNER: tenant})
         return obj
 
-    def get(self, file_id: str) -> dict:
+    def get(self, file_id: str, viewer: str | None = None) -> dict:
+        """The file as `viewer` sees it; another tenant's file is as unknown as a missing one."""
         obj = read_json(self._object_path(file_id)) if _is_file_id(file_id) else None
-        if obj is None:
+        if obj is None or not is_visible(obj, viewer):
             raise CbatchError(NOT_FOUND, f"no file with id {file_id!r}")
-        return obj
+        return public(obj)
 
-    def list(self, purpose: str | None = None) -> list[dict]:
+    def list(self, purpose: str | None = None, viewer: str | None = None) -> list[dict]:
         """Newest first."""
         objects = [read_json(os.path.join(self.dir, name)) for name in os.listdir(self.dir) if name.endswith(".json")]
-        return sorted((obj for obj in objects if obj is not None and purpose in (None, obj["purpose"])),
-                      key=lambda obj: (obj["created_at"], obj["id"]), reverse=True)
+        return sorted((public(obj) for obj in objects if obj is not None and purpose in (None, obj["purpose"])
+                       and is_visible(obj, viewer)), key=lambda obj: (obj["created_at"], obj["id"]), reverse=True)
 
-    def delete(self, file_id: str) -> dict:
-        self.get(file_id)
+    def delete(self, file_id: str, viewer: str | None = None) -> dict:
+        self.get(file_id, viewer)
         remove_if_present(self._object_path(file_id))  # first: a file without its object does not exist
         remove_if_present(self.content_path(file_id))
         return {"id": file_id, "object": "file", "deleted": True}

@@ -3,10 +3,12 @@ or ended by its cancel (cancelled) or its completion window (expired).
 
 The lines run as cbatch-submit runs an OpenAI batch file (cbatch.cli.batch_run with its
 OpenAILine, at batch priority, the same mapping as the HTTP endpoints), with two
-differences: each result is made durable as soon as it finishes (cbatch.jobs.results),
+differences: each result is made durable as it finishes (group commit: cbatch.jobs.results),
 and a run may stop at any point (a cancel, the window's end, the daemon draining or
 killed) and go on later from its log. Requests refused for a moment (a decode worker
 restarting, a full queue, a drain) are held and sent again (batch_retry), never results.
+The lines run as the tenant of the API key that created the job, whatever their bodies
+say, as the live endpoints run a key's requests.
 """
 
 import functools
@@ -23,13 +25,14 @@ from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
 from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
 from cbatch.jobs.batches import (CANCELLED, COMPLETED, EXPIRED, FAILED, FINALIZING, IN_PROGRESS, VALIDATING,
                                  BatchStore)
-from cbatch.jobs.files import BATCH_OUTPUT
+from cbatch.jobs.files import BATCH_OUTPUT, OWNER
+from cbatch.jobs.progress import RunProgress
 from cbatch.jobs.results import ResultsLog, input_lines, write_outputs
 from cbatch.jobs.state_dir import fsync_dir
 
 log = logging.getLogger("cbatch.jobs")
 
-PROGRESS_SAVE_S = 0.5  # how often request_counts are written while a job runs
+PROGRESS_SAVE_S = 0.5  # how often request_counts and progress are written while a job runs
 EXPIRED_ERROR = {"code": "batch_expired",
                  "message": "This request could not be executed before the completion window expired."}
 
@@ -50,6 +53,7 @@ class JobRun:
         self.batch = store.stored(batch_id)
         self.input_path = store.input_path(batch_id)
         self._saved_s = 0.0
+        self._run_progress: RunProgress | None = None  # set as the lines' run starts
 
     def _save(self, **fields) -> None:
         self.batch.update(fields)
@@ -88,14 +92,21 @@ class JobRun:
 
     def _run_lines(self) -> bool:
         results = ResultsLog(self.store.results_path(self.batch["id"]), lambda: self._save_progress(results))
+        self._run_progress = RunProgress(results.total_completed + results.total_failed, results.total_generated_tokens)
         patience = Patience(DEFAULT_RETRY_FOR_S)
         client = self.client
+        tenant = self.batch.get(OWNER)
 
         def embed(inputs, dimensions=None):
             return call_held(lambda: client.embeddings(inputs, dimensions), patience, client.pause)
 
-        make_line = functools.partial(OpenAILine, model_names=self.health["model_names"], embed=embed,
-                                      chat_template=client.chat_template, reasoning=self.health.get("reasoning"))
+        def make_line(number, item) -> OpenAILine:
+            line = OpenAILine(number, item, self.health["model_names"], embed=embed, chat_template=client.chat_template,
+                              reasoning=self.health.get("reasoning"))
+            if tenant is not None:
+                line.bodies = [{**body, "tenant": tenant} for body in line.bodies]
+            return line
+
         items = ((number, item) for number, item, _key in
                  input_lines(self.input_path, self.batch["endpoint"], results.done_keys))
         try:
@@ -113,8 +124,11 @@ class JobRun:
 
     def _save_progress(self, results: ResultsLog, is_due: bool = False) -> None:
         if is_due or time.monotonic() - self._saved_s >= PROGRESS_SAVE_S:
-            self._save(request_counts={**self.batch["request_counts"], "completed": results.total_completed,
-                                       "failed": results.total_failed})
+            total = self.batch["request_counts"]["total"]
+            progress = self._run_progress.of(total, results.total_completed + results.total_failed,
+                                             results.total_prompt_tokens, results.total_generated_tokens)
+            self._save(request_counts={"total": total, "completed": results.total_completed,
+                                       "failed": results.total_failed}, progress=progress)
 
     def _fail(self, code: str, message: str) -> bool:
         self._save(status=FAILED, failed_at=int(time.time()),
@@ -170,7 +184,7 @@ class JobRun:
                     continue
                 os.replace(out.name, files.content_path(file_id))
                 fsync_dir(files.dir)
-                files.add(file_id, num_bytes, f"{batch_id}_{kinds[name]}.jsonl", BATCH_OUTPUT)
+                files.add(file_id, num_bytes, f"{batch_id}_{kinds[name]}.jsonl", BATCH_OUTPUT, self.batch.get(OWNER))
                 file_ids[name] = file_id
             return file_ids
         finally:

@@ -1,9 +1,13 @@
 """A job's results log and the output and error files made from it.
 
 The log (`batches/<id>.results.jsonl`) holds one OpenAI batch output line per finished
-input line, in the order they finished, each appended and fsynced before the next is
-taken: after a crash it holds every line answered (a last line cut by the crash is
-dropped), so a restarted runner sends only the others and none twice. When the job ends
+input line, in the order they finished, each appended as it finishes. Lines are made
+durable by group commit: one fsync for the lines that finished within GROUP_COMMIT_S of
+each other (an fsync per line held the run to a few hundred lines a second), and a line
+counts as done (request_counts, progress) only once its fsync returned. After a crash the
+log holds every line counted (a last line cut by the crash is dropped; lines written but
+not yet synced may be there or not, and are not counted twice either way), so a
+restarted runner sends only the others and none twice. When the job ends
 the log is read back in input order into the output file (the lines answered 200) and
 the error file (the rest); the input is streamed and the log read by offset, so memory
 holds one key and offset per finished line, not the lines.
@@ -11,10 +15,15 @@ holds one key and offset per finished line, not the lines.
 
 import json
 import os
+import time
 
 from cbatch.cli.line_keys import LineSelector, id_key, line_key, openai_id, result_key
 from cbatch.cli.submit import read_items
 from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.jobs.progress import usage_tokens
+
+
+GROUP_COMMIT_S = 0.05  # the longest a finished line waits for its fsync while more lines run
 
 
 def is_ok(result: dict) -> bool:
@@ -39,16 +48,19 @@ def input_lines(path: str, endpoint: str, done_keys: set[str] = frozenset()):
 
 class ResultsLog:
     """The writer cbatch.cli.batch_run takes, writing each line as soon as it finishes;
-    `on_written()` is called after each round of lines made durable."""
+    `on_written()` is called after each group of lines made durable (and counted)."""
 
     def __init__(self, path: str, on_written=lambda: None):
         self.path, self.on_written = path, on_written
         self.done_keys: set[str] = set()
         self.total_completed = self.total_failed = 0  # in the log, this run's lines included
+        self.total_prompt_tokens = self.total_generated_tokens = 0  # ... and their usage's
         self._read_back()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self.lines: dict = {}  # index -> line, the unfinished lines of this run
-        self.num_lines = self.num_written = self.num_failed = 0  # this run's
+        self.num_lines = self.num_written = self.num_failed = 0  # this run's, durable
+        self._unsynced: list[dict] = []  # written, waiting for the group's fsync
+        self._synced_s = 0.0
 
     def _read_back(self) -> None:
         """The log's lines, less a last one cut by a crash (removed, so appending goes on cleanly)."""
@@ -66,6 +78,9 @@ class ResultsLog:
 
     def _count(self, result: dict) -> None:
         self.done_keys.add(result_key(result))
+        prompt_tokens, generated_tokens = usage_tokens(result)
+        self.total_prompt_tokens += prompt_tokens
+        self.total_generated_tokens += generated_tokens
         if is_ok(result):
             self.total_completed += 1
         else:
@@ -77,16 +92,26 @@ class ResultsLog:
         return self.num_lines - 1
 
     def write_ready(self) -> None:
-        finished = [index for index, line in self.lines.items() if line.result is not None]
-        if not finished:
-            return
-        for index in finished:
+        """Write the finished lines; sync them once the group's time is up, or at once when
+        no line runs any more (no later finish would sync them)."""
+        for index in [index for index, line in self.lines.items() if line.result is not None]:
             result = self.lines.pop(index).result
             os.write(self._fd, (json.dumps(result, ensure_ascii=False) + "\n").encode())
+            self._unsynced.append(result)
+        if self._unsynced and (not self.lines or time.monotonic() - self._synced_s >= GROUP_COMMIT_S):
+            self.sync()
+
+    def sync(self) -> None:
+        """Make the written lines durable, then count them done."""
+        if not self._unsynced:
+            return
+        os.fsync(self._fd)
+        self._synced_s = time.monotonic()
+        for result in self._unsynced:
             self._count(result)
             self.num_written += 1
             self.num_failed += not is_ok(result)
-        os.fsync(self._fd)
+        self._unsynced.clear()
         self.on_written()
 
     @property
@@ -94,6 +119,7 @@ class ResultsLog:
         return self.num_written
 
     def close(self) -> None:
+        self.sync()
         os.close(self._fd)
 
 

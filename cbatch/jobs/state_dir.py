@@ -4,7 +4,7 @@ kept across restarts of the daemon, kill -9 included.
 Every file is written whole under a temporary name, fsynced and renamed into place (and
 the directory fsynced), so a reader, or a daemon started after a crash, sees the old file
 or the new one, never a part. The one file that grows in place, a job's results log, is
-appended a line at a time and fsynced (cbatch.jobs.results).
+appended a line at a time and fsynced by group commit (cbatch.jobs.results).
 """
 
 import json

@@ -148,3 +148,23 @@ class ResponseEvents:
                 self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                             name=function["name"], arguments=function["arguments"]),
                 self.event("response.output_item.done", output_index=index, item=done)]
+
+
+class WholeResponseEvents:
+    """A response that does not stream, gathered chunk by chunk as a batch line's answer is
+    (cbatch.cli.openai_batch: the interface of completions_output.WholeResponse): the last
+    event's response, as the live endpoint answers it."""
+
+    def __init__(self, events: ResponseEvents):
+        self.events = events
+        self.num_left = 1  # a response has one output
+        self._response: dict | None = None
+
+    def add(self, choice: int, chunk) -> None:
+        made = self.events.push(chunk.text, len(getattr(chunk, "token_ids", None) or ()), chunk.finish_reason,
+                                chunk.usage)
+        if made and made[-1]["type"] in ("response.completed", "response.incomplete"):
+            self._response, self.num_left = made[-1]["response"], 0
+
+    def response(self) -> dict:
+        return self._response

@@ -28,6 +28,7 @@ from cbatch.workers.daemon.handshakes import Handshakes
 from cbatch.workers.daemon.quarantine import Quarantine
 from cbatch.workers.daemon.record_relay import MAX_RECORDS_PER_MESSAGE, RecordRelay
 from cbatch.workers.daemon.request_table import RequestTable, TrackedRequest
+from cbatch.workers.daemon.stats_reply import StatsReply
 from cbatch.workers.daemon.tenant_ledger import TenantLedger
 from cbatch.workers.daemon.worker_link import WorkerLink
 
@@ -53,6 +54,7 @@ class FrontEnd:
         self._is_draining = False
         self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
         self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)
+        self.stats_reply = StatsReply(config)
 
     @property
     def client_sockets(self) -> list:
@@ -217,12 +219,7 @@ class FrontEnd:
         })
 
     def _stats(self, identity: bytes, body: dict) -> None:
-        ended = self.requests.num_ended_by_outcome
-        stats = {"num_active": 0, "num_queued": 0, **self.worker.stats,
-                 "parallel": self.config.engine.parallel, "num_in_flight": len(self.requests.active),
-                 "num_requests_ended": sum(ended.values()), "num_requests_by_outcome": dict(ended),
-                 "num_fetches": self.num_fetches, "tenants": self.requests.ledger.stats()}
-        self.clients.send(identity, MsgType.STATS_REPLY, {"nonce": body.get("nonce", 0), **stats})
+        self.clients.send(identity, MsgType.STATS_REPLY, {"nonce": body.get("nonce", 0), **self.stats_reply.of(self)})
 
     _CLIENT_HANDLERS = {
         MsgType.HELLO: lambda self, identity, body: self.handshakes.hello(identity, body),
