@@ -46,12 +46,15 @@ def write_prompts(path: Path, tenant: str, num_prompts: int) -> Path:
     return path
 
 
-def wait_backlog(daemon: CbatchDaemon, num_queued: int) -> None:
+def wait_backlog(daemon: CbatchDaemon, num_heavy_clients: int) -> None:
+    """Until every heavy caller has a request in flight (the front-end's exact count: with
+    more callers than slots, the rest of them wait in the queue). The worker's queue depth
+    lags by a stats interval, and with few callers a sample can miss the moment it is full."""
     deadline = time.monotonic() + BACKLOG_TIMEOUT_S
-    while daemon.stats().get("num_queued", 0) < num_queued:
+    while daemon.stats()["tenants"].get("heavy", {}).get("num_in_flight", 0) < num_heavy_clients:
         if time.monotonic() > deadline:
-            raise RuntimeError("the heavy tenant's load never filled the queue")
-        time.sleep(0.2)
+            raise RuntimeError("the heavy tenant's callers never all had a request in flight")
+        time.sleep(0.05)
 
 
 def measure(args, workdir: Path, fair_share: bool) -> dict:
@@ -68,7 +71,7 @@ def measure(args, workdir: Path, fair_share: bool) -> dict:
         light_prompts = write_prompts(workdir / "light.json", "light", args.light_requests)
         heavy = subprocess.Popen(loadgen_command(url, heavy_prompts, "key-heavy", num_heavy_clients, args.max_tokens),
                                  stdout=subprocess.DEVNULL)
-        wait_backlog(daemon, num_heavy_clients - args.parallel)
+        wait_backlog(daemon, num_heavy_clients)
         before = daemon.stats()["tenants"]
         heavy_cpu_before_s, started = proc_cpu.process_cpu_s(heavy.pid), time.perf_counter()
         light = subprocess.run([*loadgen_command(url, light_prompts, "key-light", args.light_clients, args.max_tokens),

