@@ -154,10 +154,12 @@ class AsyncClient(ClientBase):
             pass
         return stream.completion()
 
-    async def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> AsyncIterator[tuple[int, Chunk | CbatchError]]:
+    async def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                           is_whole: bool = False) -> AsyncIterator[tuple[int, Chunk | CbatchError]]:
         """Yield (item position, chunk or error) as they arrive, at most max_in_flight
-        requests outstanding. Each item's last chunk has finish_reason, or is an error."""
-        async with contextlib.aclosing(self.stream_batch_rounds(items, max_in_flight)) as rounds:
+        requests outstanding. Each item's last chunk has finish_reason, or is an error.
+        is_whole: as stream_batch_rounds'."""
+        async with contextlib.aclosing(self.stream_batch_rounds(items, max_in_flight, is_whole)) as rounds:
             async for arrivals in rounds:
                 for arrival in arrivals:
                     yield arrival
@@ -184,10 +186,8 @@ class AsyncClient(ClientBase):
         """Results in input order: a Completion, or the CbatchError that item got."""
         items = list(items)
         batch = BatchResults(num_positions(items))
-        async with contextlib.aclosing(self.stream_batch_rounds(items, max_in_flight, is_whole=True)) as rounds:
-            async for arrivals in rounds:
-                for position, item in arrivals:
-                    batch.add(position, item)
+        async for position, item in self.stream_batch(items, max_in_flight, is_whole=True):
+            batch.add(position, item)
         return batch.results
 
     async def _ask(self, msg_type: MsgType, fields_list: list[dict] = ({},)) -> list[dict]:
