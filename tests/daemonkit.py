@@ -18,6 +18,7 @@ from cbatch.protocol import PROTOCOL_VERSION, MsgType, pack, unpack
 
 SCRIPTS_DIR = Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 5.0  # per try while waiting for a start: a busy machine answers late
 REPLY_TIMEOUT_S = 5.0
 
 
@@ -46,20 +47,24 @@ class Daemon:
         self.health = self._wait_ready()
 
     def _wait_ready(self) -> dict:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        last_answer = "none yet"  # what the last try got: the failure message says it
+        while time.monotonic() < started + START_TIMEOUT_S:
             if self.process.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.process.returncode}: {self.log()}")
             if not self.endpoint.startswith("ipc://") or (self.workdir / "cbatch.sock").exists():
                 try:
-                    with self.client(connect_timeout_s=1.0) as client:
+                    with self.client(connect_timeout_s=CONNECT_TIMEOUT_S) as client:
                         health = client.health()
-                except CbatchError:
+                except CbatchError as err:
+                    last_answer = str(err)
                     continue  # not listening yet
                 if health["status"] == "ok":
                     return health
+                last_answer = f"status {health['status']}"
             time.sleep(0.1)
-        raise RuntimeError(f"daemon not ready: {self.log()}")
+        raise RuntimeError(f"daemon not ready after {time.monotonic() - started:.0f} s (last answer: {last_answer}): "
+                           f"{self.log()}")
 
     def client(self, **kwargs) -> Client:
         return Client(self.endpoint, **{**self.client_options, **kwargs})
