@@ -29,7 +29,7 @@ from cbatch.workers.engine.sampling.step import StepSampler
 from cbatch.workers.engine.scheduler import BatchSpan, Scheduler
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 from cbatch.workers.engine.kv.streams import StreamCacheManager
-from cbatch.workers.engine.stats import EngineStats, engine_snapshot
+from cbatch.workers.engine.stats import CPU_TIMED_EVERY_STEPS, EngineStats, engine_snapshot
 
 LLAMA_DECODE_NO_KV_ROOM = 1
 NO_KV_ROOM_MESSAGE = "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
@@ -116,7 +116,10 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One step's events; with overlap the next batch decodes while they are published."""
-        started, cpu_started = time.perf_counter(), time.process_time()
+        # Without overlap, every CPU_TIMED_EVERY_STEPS-th step also reads the process's CPU
+        # time (a syscall that sums every thread's: tens of µs beside the compute threads).
+        is_cpu_timed = not self.is_overlapped and self.stats.num_steps % CPU_TIMED_EVERY_STEPS == 0
+        started, cpu_started = time.perf_counter(), time.process_time() if is_cpu_timed else 0.0
         events = []
         if self._in_flight is None:
             events += self._apply_cancels()
@@ -136,7 +139,7 @@ class Engine:
         events += self._output.postprocess(to_text, logprobs)
         step_s = time.perf_counter() - started
         self.stats.record_step(step_s, llama_decode_s, *self._step_counts)
-        if not self.is_overlapped:  # with overlap the decode runs beside the loop thread's work
+        if is_cpu_timed:  # with overlap the decode runs beside the loop thread's work: never timed
             self.stats.record_cpu(time.process_time() - cpu_started, step_s, llama_decode_s, self.config.num_threads)
         return events
 
