@@ -7,9 +7,9 @@ numbered from 0; its last record has FLAG_LAST, the finish reason and the reques
 total record count, so a reader can prove it saw everything.
 
 `TokenEvent.records()` is the one definition of that framing; `frame_events` builds the
-records of a whole step at once as a numpy array, column by column, and gives each event
-exactly what its records() gives (the common event, one token with at most
-MAX_TEXT_BYTES of text, never becomes a Python record object).
+records of a whole step at once as one numpy array and gives each event exactly what its
+records() gives (the common event, one token with at most MAX_TEXT_BYTES of text, never
+becomes a Python record object).
 """
 
 import struct
@@ -40,17 +40,12 @@ _RECORD_FIELDS = {
     "itemsize": RECORD_SIZE_BYTES,
 }
 RECORD_DTYPE = np.dtype(_RECORD_FIELDS)
-# The same layout with the text as one fixed-size bytes field, which numpy fills from a
-# list of bytes (padding each with zeros) in one C loop; frame_events views it as RECORD_DTYPE.
-_FRAMING_DTYPE = np.dtype({**_RECORD_FIELDS, "formats": _RECORD_FIELDS["formats"][:-1] + [f"S{MAX_TEXT_BYTES}"]})
 # Same layout as RECORD_DTYPE, for packing/unpacking whole records in one C call each.
 RECORD_STRUCT = struct.Struct("<QQIiHBBI32s")
 assert RECORD_STRUCT.size == RECORD_DTYPE.itemsize == RECORD_SIZE_BYTES
 
 
-_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _TOKEN_IDS = attrgetter("token_ids")
-_UINT32_MAX = (1 << 32) - 1
 
 
 class RingRecord(NamedTuple):
@@ -117,33 +112,24 @@ def frame_events(events: list[TokenEvent]) -> tuple[np.ndarray, list[int]]:
     """(records, counts): the records of every event in event order as one RECORD_DTYPE
     array (seq left 0 for the writer), and each event's number of records. A step whose
     events are each one token with at most MAX_TEXT_BYTES of text (a decode step's usual
-    events) is framed by whole columns, with no per-record Python object; any other step
-    through each event's records(). Raises KeyError, TypeError, ValueError, AttributeError,
-    OverflowError or struct.error for an event that cannot be framed."""
-    num_events = len(events)
+    events) packs each event straight into its record, one struct call each (faster than
+    filling numpy columns from lists below a few hundred events), with no Python record
+    object; any other step goes through each event's records(). Raises KeyError, TypeError,
+    ValueError, AttributeError, OverflowError or struct.error (a field out of the record's
+    range) for an event that cannot be framed."""
     texts = [event.text.encode() for event in events]
-    if not num_events or max(map(len, texts)) > MAX_TEXT_BYTES \
-            or set(map(len, map(_TOKEN_IDS, events))) != {1}:  # C-level loops only
+    if not events or max(map(len, texts)) > MAX_TEXT_BYTES or set(map(len, map(_TOKEN_IDS, events))) != {1}:
         return _frame_each(events)
-    request_ids = [event.request_id for event in events]
-    indices = [event.index for event in events]
-    token_ids = [event.token_ids[0] for event in events]
-    # Checked here because numpy before 2.0 wraps an out-of-range Python int silently.
-    if min(request_ids) < 0 or max(request_ids) >> 64 or min(indices) < 0 or max(indices) >= _UINT32_MAX \
-            or min(token_ids) < _INT32_MIN or max(token_ids) > _INT32_MAX:
-        raise ValueError("a request id, index or token id is out of the record's range")
-    out = np.zeros(num_events, _FRAMING_DTYPE)
-    out["request_id"] = request_ids
-    out["index"] = indices
-    out["token_id"] = token_ids
-    finishes = [FINISH_CODES[event.finish_reason] for event in events]
-    if any(finishes):
-        out["finish"] = finishes
-        out["flags"] = [FLAG_LAST if finish else 0 for finish in finishes]
-        out["count"] = [index + 1 if finish else 0 for index, finish in zip(indices, finishes)]
-    out["text_len"] = [len(text) for text in texts]
-    out["text"] = texts
-    return out.view(RECORD_DTYPE), [1] * num_events
+    pack = RECORD_STRUCT.pack
+    packed = []
+    for event, text in zip(events, texts):
+        finish, index = FINISH_CODES[event.finish_reason], event.index
+        if finish:
+            packed.append(pack(0, event.request_id, index, event.token_ids[0], FLAG_LAST, finish, len(text),
+                               index + 1, text))
+        else:
+            packed.append(pack(0, event.request_id, index, event.token_ids[0], 0, 0, len(text), 0, text))
+    return np.frombuffer(b"".join(packed), RECORD_DTYPE), [1] * len(events)
 
 
 def _frame_each(events: list[TokenEvent]) -> tuple[np.ndarray, list[int]]:

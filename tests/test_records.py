@@ -1,5 +1,5 @@
 """The writer's whole-step framing (frame_events) gives exactly the records that each
-event's records() defines, byte for byte, on the column path and the per-record one."""
+event's records() defines, byte for byte, on the packed path and the per-record one."""
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
@@ -29,7 +29,7 @@ def test_a_step_is_framed_as_its_events_records(events):
     assert counts == [len(e.records()) for e in events]
 
 
-def test_a_decode_step_takes_the_column_path_and_short_text_is_zero_padded():
+def test_a_decode_step_takes_the_packed_path_and_short_text_is_zero_padded():
     events = [TokenEvent(7, [11], "é"), TokenEvent(8, [12], "x" * 32, "length", index=4)]
     framed, counts = frame_events(events)
     assert counts == [1, 1]
