@@ -44,7 +44,7 @@ def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(
         for client in accepted:
             client.close()
     # The refused connections are closed too: the daemon holds what it held before the flood.
-    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=5.0)
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=60.0)
     with d.client() as client:
         assert len(client.generate(prompt="y", max_tokens=3, **GREEDY).token_ids) == 3
     first.close()
@@ -104,7 +104,7 @@ def test_a_burst_of_connects_under_a_low_hard_limit_is_refused_and_the_daemon_se
         assert "no room for another client" in refusals[0]["message"] and f"limit of {LIMIT}" in refusals[0]["message"]
     finally:
         zctx.destroy(linger=0)
-    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=10.0)
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=60.0)
     with d.client() as client:
         assert len(client.generate(prompt="after the burst", max_tokens=3, **GREEDY).token_ids) == 3
     assert d.stop() == 0, d.log()

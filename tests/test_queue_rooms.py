@@ -43,7 +43,7 @@ def test_a_full_batch_queue_never_refuses_an_interactive_caller(daemon, api):
             calls = [pool.submit(api.completions.create, model=MODEL_ID, prompt=f"ask {i}", max_tokens=4,
                                  temperature=0, extra_body={"ignore_eos": True}) for i in range(num_interactive)]
             # Both rooms full at once: the batch one and every interactive caller waiting.
-            wait_until(lambda: submitter.stats()["num_queued"] == BATCH_QUEUE + num_interactive, timeout_s=30.0)
+            wait_until(lambda: submitter.stats()["num_queued"] == BATCH_QUEUE + num_interactive, timeout_s=120.0)
             for stream in batch[:1 + BATCH_QUEUE]:
                 submitter.cancel(stream.request_id)  # frees the slot: the interactive callers go first
             answers = [call.result(timeout=60) for call in calls]  # a 429 would raise here

@@ -130,7 +130,7 @@ def test_busy_daemon_logs_progress_lines_and_an_idle_one_none(tiny_model_path, s
         client.generate_batch([{"prompt": f"busy {i}", "max_tokens": 200, **GREEDY} for i in range(4)] * 3)
         if not quiet:  # the interval that saw the last requests finish ends with a line of its own
             wait_until(lambda: any(line.endswith(" 0 requests in flight") for line in progress.findall(d.log())),
-                       timeout_s=30.0)
+                       timeout_s=120.0)
         busy_lines = progress.findall(d.log())
         time.sleep(1.5)  # idle for three intervals: no line may appear
         assert progress.findall(d.log()) == busy_lines
