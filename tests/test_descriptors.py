@@ -14,7 +14,7 @@ from common import GREEDY
 
 LIMIT = 64  # about 24 are the daemon's own: libzmq aborted it at the 41st client
 NUM_CLIENTS = 24  # about 10 fit under LIMIT; the old code refused none
-REFUSE_TIMEOUT_S = 1.5
+REFUSE_TIMEOUT_S = 5.0  # a busy machine welcomes late; a refusal comes at once
 NUM_BURST = 200  # connects at once, five times what libzmq aborted the daemon at
 BURST_TIMEOUT_S = 60.0  # for every one of them to be welcomed or refused
 
@@ -33,7 +33,7 @@ def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(
                 accepted.append(d.client(connect_timeout_s=REFUSE_TIMEOUT_S))
             except CbatchError as err:
                 assert err.code == "unavailable"
-                assert time.monotonic() - started < REFUSE_TIMEOUT_S + 1.0
+                assert time.monotonic() - started < 2 * REFUSE_TIMEOUT_S
                 refused += 1
             assert pid_alive(pid), d.log()
         assert accepted and refused >= NUM_CLIENTS // 4

@@ -32,9 +32,9 @@ def test_killed_client_has_its_requests_cancelled_and_slots_freed(tiny_model_pat
             victim.kill()
             victim.wait()
             # Only the survivor's sequence is left (the stats are at most 0.25 s stale).
-            freed_s = wait_until(lambda: client.stats()["num_active"] <= 1, timeout_s=5.0)
+            freed_s = wait_until(lambda: client.stats()["num_active"] <= 1, timeout_s=60.0)
             chunks = list(survivor)
-        assert freed_s < 2.0
+        assert freed_s < 10.0  # left running, its 16000-token requests would hold their slots far longer
         # The survivor ran to the end, every token delivered (exact outputs are not compared:
         # llama.cpp's kernels are not batch invariant, so a changed batch may flip a near-tie).
         assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 1500
