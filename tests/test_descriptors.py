@@ -54,10 +54,19 @@ def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(
 
 
 
-def _under_hard_limit(limit: int) -> list[str]:
-    """cbatch-worker's main, in a process whose open-file hard limit is `limit`."""
-    return [sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+def _under_hard_limit(limit: int, soft_limit: int | None = None) -> list[str]:
+    """cbatch-worker's main, in a process whose open-file hard limit is `limit` (and soft
+    limit `soft_limit`, else the same)."""
+    soft = limit if soft_limit is None else soft_limit
+    return [sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {limit})); "
                                   "from cbatch.cli.worker import main; main()"]
+
+
+def test_the_daemon_takes_every_descriptor_its_hard_limit_allows(tiny_model_path, start_daemon):
+    own_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = 4096 if own_hard == resource.RLIM_INFINITY else min(4096, own_hard)  # within what this process may set
+    d = start_daemon(tiny_model_path, "--parallel", "1", launcher=_under_hard_limit(hard, soft_limit=LIMIT))
+    assert resource.prlimit(d.process.pid, resource.RLIMIT_NOFILE) == (hard, hard)
 
 
 def test_a_hard_limit_too_low_for_the_queue_is_named_at_start(tiny_model_path, start_daemon):
