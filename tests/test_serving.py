@@ -252,7 +252,7 @@ def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, sta
         client.generate(prompt="x", max_tokens=3)
     assert os.path.exists(f"/dev/shm/{ring_name}")
     assert d.stop() == 0
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while pid_alive(worker_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(worker_pid)
@@ -268,7 +268,7 @@ def test_n_choices_share_the_prompt_and_come_back_in_order(daemon, reference):
         reused_before = client.stats()["prompt_tokens_reused"]
         greedy = client.generate(**body, **GREEDY, n=3)
         expected_reused = 2 * ((want.usage["prompt_tokens"] - 1) // 16) * 16
-        deadline = time.monotonic() + 2.0  # the worker's stats reach the front-end every 0.25 s
+        deadline = time.monotonic() + 60.0  # the worker's stats reach the front-end every 0.25 s
         while (reused := client.stats()["prompt_tokens_reused"] - reused_before) < expected_reused:
             if time.monotonic() > deadline:
                 break
@@ -367,7 +367,7 @@ def test_requests_submitted_just_before_close_do_not_run_on(daemon):
         client.submit(prompt="abandoned", max_tokens=2000, **GREEDY)
     client.close()
     with daemon.client() as other:
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 10.0  # well before 50 requests of 2000 tokens could end
         while other.stats()["num_in_flight"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert other.stats()["num_in_flight"] == 0, "a closed client's requests are still running"

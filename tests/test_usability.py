@@ -76,7 +76,7 @@ def test_async_batches_take_plain_strings(daemon):
     assert (first.id, second.id) == (0, 1) and first.finish_reason and second.finish_reason
 
 
-def wait_for(condition, timeout_s: float = 10.0, what: str = "condition"):
+def wait_for(condition, timeout_s: float = 60.0, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
