@@ -247,3 +247,32 @@ def test_cbatch_submit_through_the_router_resumes_after_an_interrupt(cluster, tm
     assert all(line["usage"]["completion_tokens"] == 60 for line in lines)
     with cluster.daemons[0].client() as client:  # the same text as the daemon gives directly
         assert client.generate(prompt="item 7", max_tokens=60, **GREEDY).text == lines[7]["text"]
+
+
+def test_cbatch_submit_through_the_router_loses_no_line_to_a_rolling_restart(cluster, tmp_path):
+    """Each daemon in turn drains and is restarted while a file runs through the router: the
+    lines a draining daemon refuses are sent again (to the other daemon), none written as
+    an error, and the run needs no --resume."""
+    num_lines = 600  # still running when the second daemon drains, on a quiet machine too
+    prompts, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"item {i}", "max_tokens": 60, **GREEDY}) + "\n"
+                               for i in range(num_lines)))
+    (tmp_path / "key").write_text(API_KEY + "\n")
+    process = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output),
+                                "--max-in-flight", "4", "--url", f"{cluster.router.base_url}/v1",
+                                "--api-key-file", str(tmp_path / "key")], stderr=subprocess.PIPE, text=True)
+    try:
+        for index, daemon in enumerate(cluster.daemons):
+            num_before = output.read_text().count("\n") if output.exists() else 0
+            wait_until(lambda: output.exists() and output.read_text().count("\n") >= num_before + 5, timeout_s=120)
+            assert process.poll() is None  # else the restarts below would test nothing
+            assert daemon.stop() == 0, daemon.log()
+            cluster.restart(index)
+        _, stderr = process.communicate(timeout=600)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, stderr
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [line["id"] for line in lines] == [f"r{i}" for i in range(num_lines)]
+    assert [line for line in lines if "error" in line] == []
