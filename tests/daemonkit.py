@@ -19,7 +19,7 @@ from cbatch.protocol import PROTOCOL_VERSION, MsgType, pack, unpack
 SCRIPTS_DIR = Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 5.0  # per try while waiting for a start: a busy machine answers late
-REPLY_TIMEOUT_S = 5.0
+REPLY_TIMEOUT_S = 60.0
 
 
 class Daemon:

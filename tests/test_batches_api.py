@@ -197,7 +197,7 @@ def test_a_killed_decode_worker_or_a_deleted_input_leaves_no_error_line(start_ht
     assert batch.status == "completed" and batch.error_file_id is None
     assert [o["custom_id"] for o in _lines(api, batch.output_file_id)] == ids
     with daemon.client() as client:  # the lines after the kill ran on a new decode worker
-        wait_until(lambda: client.health()["worker_pid"] not in (0, worker_pid), 30)
+        wait_until(lambda: client.health()["worker_pid"] not in (0, worker_pid), 120)
 
 
 DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_batches_api.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)

@@ -21,7 +21,7 @@ ONE_SLOT_ARGS = ("--parallel", "1", "--max-queue", "2", "--ctx-size", "8192")
 
 def assert_siblings_were_cancelled(daemon, before: dict) -> None:
     with daemon.client(use_ring=False) as watcher:
-        wait_until(lambda: watcher.stats()["num_in_flight"] == 0, timeout_s=10.0)
+        wait_until(lambda: watcher.stats()["num_in_flight"] == 0, timeout_s=60.0)
         after = watcher.stats()
     assert after["generated_tokens"] - before["generated_tokens"] < MAX_TOKENS
     assert after["num_requests_by_outcome"].get("cancelled", 0) - before["num_requests_by_outcome"].get("cancelled", 0) >= 1

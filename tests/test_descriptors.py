@@ -14,7 +14,7 @@ from common import GREEDY
 
 LIMIT = 64  # about 24 are the daemon's own: libzmq aborted it at the 41st client
 NUM_CLIENTS = 24  # about 10 fit under LIMIT; the old code refused none
-REFUSE_TIMEOUT_S = 1.5
+REFUSE_TIMEOUT_S = 5.0  # a busy machine welcomes late; a refusal comes at once
 NUM_BURST = 200  # connects at once, five times what libzmq aborted the daemon at
 BURST_TIMEOUT_S = 60.0  # for every one of them to be welcomed or refused
 
@@ -33,7 +33,7 @@ def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(
                 accepted.append(d.client(connect_timeout_s=REFUSE_TIMEOUT_S))
             except CbatchError as err:
                 assert err.code == "unavailable"
-                assert time.monotonic() - started < REFUSE_TIMEOUT_S + 1.0
+                assert time.monotonic() - started < 2 * REFUSE_TIMEOUT_S
                 refused += 1
             assert pid_alive(pid), d.log()
         assert accepted and refused >= NUM_CLIENTS // 4
@@ -44,7 +44,7 @@ def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(
         for client in accepted:
             client.close()
     # The refused connections are closed too: the daemon holds what it held before the flood.
-    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=5.0)
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=60.0)
     with d.client() as client:
         assert len(client.generate(prompt="y", max_tokens=3, **GREEDY).token_ids) == 3
     first.close()
@@ -54,10 +54,19 @@ def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(
 
 
 
-def _under_hard_limit(limit: int) -> list[str]:
-    """cbatch-worker's main, in a process whose open-file hard limit is `limit`."""
-    return [sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+def _under_hard_limit(limit: int, soft_limit: int | None = None) -> list[str]:
+    """cbatch-worker's main, in a process whose open-file hard limit is `limit` (and soft
+    limit `soft_limit`, else the same)."""
+    soft = limit if soft_limit is None else soft_limit
+    return [sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {limit})); "
                                   "from cbatch.cli.worker import main; main()"]
+
+
+def test_the_daemon_takes_every_descriptor_its_hard_limit_allows(tiny_model_path, start_daemon):
+    own_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = 4096 if own_hard == resource.RLIM_INFINITY else min(4096, own_hard)  # within what this process may set
+    d = start_daemon(tiny_model_path, "--parallel", "1", launcher=_under_hard_limit(hard, soft_limit=LIMIT))
+    assert resource.prlimit(d.process.pid, resource.RLIMIT_NOFILE) == (hard, hard)
 
 
 def test_a_hard_limit_too_low_for_the_queue_is_named_at_start(tiny_model_path, start_daemon):
@@ -104,7 +113,7 @@ def test_a_burst_of_connects_under_a_low_hard_limit_is_refused_and_the_daemon_se
         assert "no room for another client" in refusals[0]["message"] and f"limit of {LIMIT}" in refusals[0]["message"]
     finally:
         zctx.destroy(linger=0)
-    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=10.0)
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= held, timeout_s=60.0)
     with d.client() as client:
         assert len(client.generate(prompt="after the burst", max_tokens=3, **GREEDY).token_ids) == 3
     assert d.stop() == 0, d.log()

@@ -180,7 +180,7 @@ def test_choices_through_the_daemon_compute_the_prompt_once(tiny_model_path, sta
         before = client.stats()
         completions = client.generate(prompt="abcdefghij" * 3, n=4, max_tokens=64, **GREEDY)
         # the worker reports its stats between steps: wait for the report of the last one
-        wait_until(lambda: client.stats()["requests_ended"] == before["requests_ended"] + 4, timeout_s=10.0)
+        wait_until(lambda: client.stats()["requests_ended"] == before["requests_ended"] + 4, timeout_s=60.0)
         after = client.stats()
     num_prompt = completions[0].usage["prompt_tokens"]
     assert len({tuple(c.token_ids) for c in completions}) == 1

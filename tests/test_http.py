@@ -143,7 +143,7 @@ def test_streamed_client_disconnect_frees_the_slot(daemon):
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
     assert daemon.wait_idle(2.0) < 2.0
-    wait_until(lambda: _num_disconnects(daemon) >= num_before + 1, 5)  # an earlier stream may be counted late too
+    wait_until(lambda: _num_disconnects(daemon) >= num_before + 1, 60)  # an earlier stream may be counted late too
 
 
 def test_waiting_client_disconnect_frees_the_slot(daemon):
@@ -152,7 +152,7 @@ def test_waiting_client_disconnect_frees_the_slot(daemon):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.5))
     assert daemon.wait_idle(2.0) < 2.0
-    wait_until(lambda: _num_disconnects(daemon) >= num_before + 1, 5)  # an earlier stream may be counted late too
+    wait_until(lambda: _num_disconnects(daemon) >= num_before + 1, 60)  # an earlier stream may be counted late too
 
 
 def test_concurrent_clients(daemon):
@@ -226,7 +226,7 @@ def test_full_queue_is_429_with_retry_after(tiny_model_path):
     try:
         running.start()
         with daemon.client() as client:
-            wait_until(lambda: client.stats()["num_in_flight"] == 1, 30)  # it took the one slot: no queue left
+            wait_until(lambda: client.stats()["num_in_flight"] == 1, 120)  # it took the one slot: no queue left
         with pytest.raises(openai.RateLimitError) as caught:
             daemon.openai().completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
         assert caught.value.body["code"] == "queue_full"
@@ -247,7 +247,7 @@ def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
             lines = running.iter_lines()
             next(lines)
             daemon.process.send_signal(signal.SIGTERM)
-            daemon.wait_http_status(503, timeout_s=5.0)
+            daemon.wait_http_status(503, timeout_s=60.0)
             with pytest.raises(openai.APIStatusError) as caught:
                 daemon.openai().completions.create(model=MODEL_ID, prompt="x", max_tokens=2)
             assert caught.value.status_code == 503 and caught.value.body["code"] == "shutting_down"
@@ -263,7 +263,7 @@ def test_drain_answers_503_while_in_flight_streams_finish(tiny_model_path):
 def test_killed_http_server_is_restarted(daemon, api):
     num_started = len(daemon.http_pids())
     os.kill(daemon.http_pids()[-1], signal.SIGKILL)
-    wait_until(lambda: len(daemon.http_pids()) > num_started, 30)
+    wait_until(lambda: len(daemon.http_pids()) > num_started, 120)
     daemon.wait_http_status(200)
     assert api.completions.create(model=MODEL_ID, prompt="again", max_tokens=3).usage.completion_tokens == 3
 
@@ -401,7 +401,7 @@ def test_a_router_finds_the_load_it_asks_for(daemon):
     with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
-        wait_until(lambda: httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] >= 1, 5)
+        wait_until(lambda: httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] >= 1, 60)
         (load,) = httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"]
         metrics = {name: value for (name, _), value in daemon.metrics().items() if name.startswith("vllm:")}
         for _ in lines:

@@ -70,7 +70,7 @@ def test_killed_worker_fails_the_request_in_flight_and_health_is_503_until_a_new
         with concurrent.futures.ThreadPoolExecutor(1) as pool, daemon.client() as client:
             running = pool.submit(api.completions.create, model=MODEL_ID, prompt="go", max_tokens=100000,
                                   extra_body={"ignore_eos": True})
-            wait_until(lambda: client.stats()["num_active"] == 1, 30)
+            wait_until(lambda: client.stats()["num_active"] == 1, 120)
             old_pid = client.health()["worker_pid"]
             os.kill(old_pid, signal.SIGKILL)
             new_pid = daemon.new_decode_worker_pid(old_pid)
@@ -105,7 +105,7 @@ def test_a_killed_daemons_http_server_exits_and_frees_the_port(tiny_model_path):
             events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"  # the stream ends with an error event, it does not hang
         assert json.loads(events[-2][len("data: "):])["error"]["code"] == "unavailable"
-        wait_until(lambda: not any(pid_alive(pid) for pid in server_pids), timeout_s=30)
+        wait_until(lambda: not any(pid_alive(pid) for pid in server_pids), timeout_s=120)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", daemon.port))
     finally:
@@ -117,9 +117,9 @@ def test_http_server_that_keeps_dying_is_given_up_while_zeromq_is_still_served(t
     daemon = HttpDaemon(tiny_model_path)
     try:
         for num_killed in range(MAX_QUICK_DEATHS):
-            wait_until(lambda: len(daemon.http_pids()) > num_killed, 30)
+            wait_until(lambda: len(daemon.http_pids()) > num_killed, 120)
             os.kill(daemon.http_pids()[-1], signal.SIGKILL)
-        wait_until(lambda: "no longer serving HTTP" in daemon.log(), 30)
+        wait_until(lambda: "no longer serving HTTP" in daemon.log(), 120)
         assert len(daemon.http_pids()) == MAX_QUICK_DEATHS
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{daemon.base_url}/health", timeout=10)

@@ -34,7 +34,7 @@ def served_requests(base_url: str) -> float:
 def test_several_http_processes_serve_one_port_and_a_killed_one_is_replaced(tiny_model_path):
     daemon = HttpDaemon(tiny_model_path, "--parallel", "4", "--http-processes", "2")
     try:
-        wait_until(lambda: len(daemon.http_pids()) == 2, timeout_s=30)
+        wait_until(lambda: len(daemon.http_pids()) == 2, timeout_s=120)
         first_pids = daemon.http_pids()
         assert all(r["usage"]["completion_tokens"] == 8 for r in run_concurrently(daemon.base_url, 0))
         assert served_requests(daemon.base_url) == NUM_REQUESTS  # whichever process answers the scrape
@@ -42,7 +42,7 @@ def test_several_http_processes_serve_one_port_and_a_killed_one_is_replaced(tiny
         os.kill(first_pids[0], signal.SIGKILL)
         # The other process keeps the port served while the killed one restarts.
         assert all(r["usage"]["completion_tokens"] == 8 for r in run_concurrently(daemon.base_url, NUM_REQUESTS))
-        wait_until(lambda: len(daemon.http_pids()) == 3, timeout_s=30)
+        wait_until(lambda: len(daemon.http_pids()) == 3, timeout_s=120)
         assert daemon.http_pids()[2] not in first_pids
         daemon.wait_http_status(200)
         assert served_requests(daemon.base_url) == 2 * NUM_REQUESTS  # the dead process's counts are kept

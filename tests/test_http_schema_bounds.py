@@ -20,10 +20,12 @@ MODEL_ID = "tiny-tools.gguf"
 ASK = [{"role": "user", "content": "hi"}]
 ENDLESS = {"max_tokens": 100_000, "ignore_eos": True}
 HUGE = 100_000_000
-ANSWERED_WITHIN_S = 5.0  # before the bound, the converter took 16 s on maxLength 1e8
+# Before the bound, the converter took 16 s on maxLength 1e8, and the stream stopped as long;
+# half of that leaves a busy machine room and still tells the two apart.
+ANSWERED_WITHIN_S = 8.0
 MAX_RSS_GROWTH_BYTES = 100 << 20  # it grew by about 500 MB
 MAX_STREAM_GAP_S = ANSWERED_WITHIN_S / 2
-STREAM_START_TIMEOUT_S = 30.0
+STREAM_START_TIMEOUT_S = 120.0
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city"],
     "properties": {"city": {"type": "string", "maxLength": 8}}}}}

@@ -1,13 +1,17 @@
 """Each priority's room in the queue, through a real daemon: a batch submitter that fills
-its room never gets an interactive HTTP caller a 429, and requests with a week-long timeout
-leave nothing behind in the decode worker once they finished."""
+its room never gets an interactive HTTP caller a 429 (nor writes a refused line as a
+result), and requests with a week-long timeout leave nothing behind in the decode worker
+once they finished."""
 
 import concurrent.futures
+import json
+import subprocess
 
+import httpx
 import pytest
 
 from cbatch.errors import CbatchError, QUEUE_FULL
-from daemonkit import serve_module, wait_until
+from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
 
 MODEL_ID = "tiny-llama.gguf"
@@ -17,6 +21,10 @@ ENDLESS = {"max_tokens": 100_000, "ignore_eos": True}
 WEEK_S = 604800
 NUM_WARMUP_REQUESTS = 1000
 NUM_MEASURED_REQUESTS = 5000
+SUBMIT_IN_FLIGHT = 2000  # far past the batch room: most of its requests are refused, held and sent again
+NUM_BATCH_LINES = SUBMIT_IN_FLIGHT  # all of them in flight at once
+NUM_ASKS = 10
+WAIT_S = 300.0
 # Before, each finished request stayed in the deadline heap until its deadline passed: the
 # worker grew 5.9 MB over these 5000 (about 1.2 kB each); now 0.2-0.5 MB. A third of before:
 MAX_GROWTH_BYTES = NUM_MEASURED_REQUESTS * 1200 // 3
@@ -43,11 +51,46 @@ def test_a_full_batch_queue_never_refuses_an_interactive_caller(daemon, api):
             calls = [pool.submit(api.completions.create, model=MODEL_ID, prompt=f"ask {i}", max_tokens=4,
                                  temperature=0, extra_body={"ignore_eos": True}) for i in range(num_interactive)]
             # Both rooms full at once: the batch one and every interactive caller waiting.
-            wait_until(lambda: submitter.stats()["num_queued"] == BATCH_QUEUE + num_interactive, timeout_s=30.0)
+            wait_until(lambda: submitter.stats()["num_queued"] == BATCH_QUEUE + num_interactive, timeout_s=120.0)
             for stream in batch[:1 + BATCH_QUEUE]:
                 submitter.cancel(stream.request_id)  # frees the slot: the interactive callers go first
             answers = [call.result(timeout=60) for call in calls]  # a 429 would raise here
     assert [answer.choices[0].finish_reason for answer in answers] == ["length"] * num_interactive
+
+
+def test_a_submitter_at_2000_in_flight_beside_interactive_callers_refuses_none_of_them(daemon, tmp_path):
+    prompts, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = [f"b{i}" for i in range(NUM_BATCH_LINES)]
+    prompts.write_text("".join(json.dumps({"id": line_id, "prompt": line_id, "max_tokens": 2, "temperature": 0}) + "\n"
+                               for line_id in ids))
+    submitter = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output),
+                                  "--max-in-flight", str(SUBMIT_IN_FLIGHT)], env=daemon.env, stderr=subprocess.PIPE,
+                                 text=True)
+
+    def ask(caller: int) -> list[int]:
+        """A caller's statuses: it asks again as each answer comes (interactive requests go
+        first, so the file's lines run between and after them)."""
+        body = {"model": MODEL_ID, "prompt": f"ask {caller}", "max_tokens": 4, "temperature": 0}
+        return [httpx.post(f"{daemon.base_url}/v1/completions", json=body, timeout=WAIT_S).status_code
+                for _ in range(NUM_ASKS)]
+
+    try:
+        with daemon.client() as watcher:  # the batch room full: the submitter's refused requests are held
+            wait_until(lambda: watcher.stats()["num_queued"] >= BATCH_QUEUE, timeout_s=WAIT_S)
+        # --parallel + --max-queue callers: as many as the interactive room holds at once.
+        with concurrent.futures.ThreadPoolExecutor(1 + INTERACTIVE_QUEUE) as pool:
+            statuses = sum(pool.map(ask, range(1 + INTERACTIVE_QUEUE)), [])
+        is_still_submitting = submitter.poll() is None
+        _, stderr = submitter.communicate(timeout=WAIT_S)
+    finally:
+        submitter.kill()
+        submitter.wait()
+    assert set(statuses) == {200}, sorted(set(statuses))  # a 429 would be a refusal
+    assert is_still_submitting  # the callers asked while the file ran
+    assert submitter.returncode == 0, stderr
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [result["id"] for result in results] == ids
+    assert [result["error"] for result in results if "error" in result] == []
 
 
 def _rss_bytes(pid: int) -> int:

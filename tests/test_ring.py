@@ -429,7 +429,7 @@ def test_segment_survives_a_child_that_attached_and_exited(rings):
         tracker_pid = int(run_child(ATTACH_CHILD, ring.name, how).stdout)
         # The child's resource tracker unlinks what the child registered once the child
         # has exited, and then exits itself: after that, the segment is still there.
-        wait_until(lambda: not os.path.exists(f"/proc/{tracker_pid}"), timeout_s=10.0)
+        wait_until(lambda: not os.path.exists(f"/proc/{tracker_pid}"), timeout_s=60.0)
         assert os.path.exists(shm_path(ring.name))
     assert ring.write_cursor == 2
     assert rings.attach(ring.name).write_cursor == 2
@@ -444,7 +444,7 @@ def test_plain_shared_memory_attach_would_lose_the_segment():
             from multiprocessing import shared_memory
             shared_memory.SharedMemory(sys.argv[1]).close()
         """, ring.name)
-        wait_until(lambda: not os.path.exists(shm_path(ring.name)), timeout_s=10.0)
+        wait_until(lambda: not os.path.exists(shm_path(ring.name)), timeout_s=60.0)
     finally:
         ring.close()
         ring.unlink()  # tolerates the segment being gone already

@@ -105,7 +105,7 @@ def fetch(peer: RawPeer, request_id: int) -> tuple[MsgType, dict]:
     return peer.recv()
 
 
-RETENTION_S = 1.0
+RETENTION_S = 3.0  # long enough that a busy machine fetches before it ends
 BODY = {"prompt": "kept a while", "max_tokens": 12, **GREEDY}
 
 

@@ -37,7 +37,7 @@ class Cluster:
         """A new daemon on host `index` (the old one has exited), taken back by the router."""
         old = self.daemons[index]
         # a killed daemon's HTTP server leaves once its streams have ended, freeing the port
-        wait_until(lambda: not any(pid_alive(pid) for pid in old.http_pids()), timeout_s=30)
+        wait_until(lambda: not any(pid_alive(pid) for pid in old.http_pids()), timeout_s=120)
         old.remove_workdir()
         self.daemons[index] = self.hosts[index].start_daemon(self.model_path, *DAEMON_FLAGS)
         started = time.monotonic()
@@ -104,7 +104,7 @@ def test_requests_through_the_router_streamed_and_not(cluster):
     assert all(reply.usage.completion_tokens == 4 for reply in replies)
     with pytest.raises(openai.BadRequestError):  # cbatch's own 400 passes through unchanged
         api.completions.create(model=cluster.model, prompt="x", max_tokens=4, extra_body={"top_k": -5})
-    wait_until(lambda: _requests_ended(cluster) >= ended_before + 8, timeout_s=10)  # stats come every 0.25 s
+    wait_until(lambda: _requests_ended(cluster) >= ended_before + 8, timeout_s=60)  # stats come every 0.25 s
 
 
 def _stat(daemon, name: str):
@@ -147,7 +147,7 @@ def test_a_full_daemons_429_is_retried_on_the_other(cluster, tmp_path):
     try:
         for thread in fillers:
             thread.start()
-        wait_until(lambda: _stat(full, "num_in_flight") == 8, timeout_s=30)
+        wait_until(lambda: _stat(full, "num_in_flight") == 8, timeout_s=120)
         refused_before = _queue_full_count(full)
         api = router.openai()
         replies = [api.completions.create(model=cluster.model, prompt=f"q {i}", max_tokens=4, extra_body=GREEDY)
@@ -247,3 +247,32 @@ def test_cbatch_submit_through_the_router_resumes_after_an_interrupt(cluster, tm
     assert all(line["usage"]["completion_tokens"] == 60 for line in lines)
     with cluster.daemons[0].client() as client:  # the same text as the daemon gives directly
         assert client.generate(prompt="item 7", max_tokens=60, **GREEDY).text == lines[7]["text"]
+
+
+def test_cbatch_submit_through_the_router_loses_no_line_to_a_rolling_restart(cluster, tmp_path):
+    """Each daemon in turn drains and is restarted while a file runs through the router: the
+    lines a draining daemon refuses are sent again (to the other daemon), none written as
+    an error, and the run needs no --resume."""
+    num_lines = 600  # still running when the second daemon drains, on a quiet machine too
+    prompts, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"item {i}", "max_tokens": 60, **GREEDY}) + "\n"
+                               for i in range(num_lines)))
+    (tmp_path / "key").write_text(API_KEY + "\n")
+    process = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output),
+                                "--max-in-flight", "4", "--url", f"{cluster.router.base_url}/v1",
+                                "--api-key-file", str(tmp_path / "key")], stderr=subprocess.PIPE, text=True)
+    try:
+        for index, daemon in enumerate(cluster.daemons):
+            num_before = output.read_text().count("\n") if output.exists() else 0
+            wait_until(lambda: output.exists() and output.read_text().count("\n") >= num_before + 5, timeout_s=120)
+            assert process.poll() is None  # else the restarts below would test nothing
+            assert daemon.stop() == 0, daemon.log()
+            cluster.restart(index)
+        _, stderr = process.communicate(timeout=600)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, stderr
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [line["id"] for line in lines] == [f"r{i}" for i in range(num_lines)]
+    assert [line for line in lines if "error" in line] == []

@@ -48,7 +48,7 @@ def tagged(bodies: list[dict], tag: str) -> list[dict]:
 
 def generate_alone(client, bodies: list[dict]) -> list:
     """Each request decoded alone (the daemon idle before each), so its batch is controlled."""
-    wait_until(lambda: client.stats()["num_in_flight"] == 0, timeout_s=10.0)
+    wait_until(lambda: client.stats()["num_in_flight"] == 0, timeout_s=60.0)
     return [client.generate(**body) for body in bodies]
 
 
@@ -69,7 +69,7 @@ def test_streamed_chunks_add_up_and_end_with_the_finish(daemon, reference):
     body = tagged([BODIES[3]], "stream")[0]
     want = reference([body])[0]
     with daemon.client() as client:
-        wait_until(lambda: client.stats()["num_in_flight"] == 0, timeout_s=10.0)  # decoded alone
+        wait_until(lambda: client.stats()["num_in_flight"] == 0, timeout_s=60.0)  # decoded alone
         chunks = list(client.stream(**body))
     assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage == want.usage
@@ -162,11 +162,11 @@ def test_health_and_stats(daemon):
         health = client.health()
         assert health["status"] == "ok" and health["parallel"] == 4
         assert health["worker_pid"] != daemon.process.pid and pid_alive(health["worker_pid"])
-        wait_until(lambda: client.stats()["num_in_flight"] == 0, timeout_s=10.0)
+        wait_until(lambda: client.stats()["num_in_flight"] == 0, timeout_s=60.0)
         before = client.stats()["num_requests_by_outcome"].get("length", 0)
         client.generate_batch([{"prompt": "s", "max_tokens": 30, **GREEDY}] * 4)
         # The front-end counts finishes itself; the worker's figures reach it every 0.25 s.
-        wait_until(lambda: client.stats()["num_active"] == 0, timeout_s=5.0)
+        wait_until(lambda: client.stats()["num_active"] == 0, timeout_s=60.0)
         stats = client.stats()
     assert stats["num_requests_by_outcome"]["length"] == before + 4
     assert stats["num_requests_ended"] >= 4 and stats["num_in_flight"] == 0
@@ -252,7 +252,7 @@ def test_stopped_daemon_leaves_no_process_segment_or_socket(tiny_model_path, sta
         client.generate(prompt="x", max_tokens=3)
     assert os.path.exists(f"/dev/shm/{ring_name}")
     assert d.stop() == 0
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while pid_alive(worker_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(worker_pid)
@@ -268,7 +268,7 @@ def test_n_choices_share_the_prompt_and_come_back_in_order(daemon, reference):
         reused_before = client.stats()["prompt_tokens_reused"]
         greedy = client.generate(**body, **GREEDY, n=3)
         expected_reused = 2 * ((want.usage["prompt_tokens"] - 1) // 16) * 16
-        deadline = time.monotonic() + 2.0  # the worker's stats reach the front-end every 0.25 s
+        deadline = time.monotonic() + 60.0  # the worker's stats reach the front-end every 0.25 s
         while (reused := client.stats()["prompt_tokens_reused"] - reused_before) < expected_reused:
             if time.monotonic() > deadline:
                 break
@@ -367,7 +367,7 @@ def test_requests_submitted_just_before_close_do_not_run_on(daemon):
         client.submit(prompt="abandoned", max_tokens=2000, **GREEDY)
     client.close()
     with daemon.client() as other:
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 10.0  # well before 50 requests of 2000 tokens could end
         while other.stats()["num_in_flight"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert other.stats()["num_in_flight"] == 0, "a closed client's requests are still running"

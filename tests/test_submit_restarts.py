@@ -10,13 +10,14 @@ import subprocess
 import pytest
 
 from daemonkit import SCRIPTS_DIR, wait_until
-from cbatch.errors import EXIT_OK
+from cbatch.errors import EXIT_OK, EXIT_UNREACHABLE
 
 SUBMIT = str(SCRIPTS_DIR / "cbatch-submit")
 NUM_LINES = 1500  # thousands of lines went as errors through the drain's refusal window before
 TRANSIENT_CODES = {"shutting_down", "worker_restarted", "queue_full", "unavailable"}
 DAEMON_ARGS = ("--parallel", "4", "--threads", "1")
 WAIT_S = 120.0
+GIVE_UP_S = 2  # --retry-for of a run whose daemon is gone for good
 
 
 def _native(i: int) -> dict:
@@ -102,6 +103,29 @@ def test_a_full_queue_writes_no_queue_full_line(start_daemon, tiny_model_path, t
     result = subprocess.run([SUBMIT, str(prompts), "-o", str(output), "--max-in-flight", "150"], env=daemon.env,
                             capture_output=True, text=True, timeout=WAIT_S)
     assert result.returncode == EXIT_OK, result.stderr
+    _check_every_id_once(output, ids)
+
+
+@pytest.mark.parametrize("make_line", [_native, _openai], ids=["native", "openai"])
+def test_a_run_whose_daemon_stays_gone_writes_no_refusal_and_resume_finishes_it(start_daemon, tiny_model_path,
+                                                                                  tmp_path, make_line):
+    """No daemon comes back within --retry-for: the run stops, writes none of the refused
+    lines and says how to go on; --resume against the restarted daemon answers the rest."""
+    daemon = start_daemon(tiny_model_path, *DAEMON_ARGS)
+    prompts, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = _write_lines(prompts, make_line, NUM_LINES // 2)
+    stopped = _run_while(daemon, [str(prompts), "-o", str(output), "--retry-for", str(GIVE_UP_S)], output,
+                         lambda: daemon.process.send_signal(signal.SIGTERM))
+    assert stopped.returncode == EXIT_UNREACHABLE, stopped.stderr
+    assert "rerun with --resume" in stopped.stderr
+    assert daemon.process.wait(WAIT_S) == 0
+    written = _results(output)
+    assert 50 <= len(written) < len(ids) and [code for code in map(_error_code, written) if code] == []
+    again = start_daemon(tiny_model_path, *DAEMON_ARGS, workdir=daemon.workdir, endpoint=daemon.endpoint)
+    resumed = subprocess.run([SUBMIT, str(prompts), "-o", str(output), "--resume"], env=again.env,
+                             capture_output=True, text=True, timeout=WAIT_S)
+    assert resumed.returncode == EXIT_OK, resumed.stderr
+    assert f"{len(ids) - len(written)} ok, 0 failed, {len(written)} skipped" in resumed.stderr
     _check_every_id_once(output, ids)
 
 

@@ -124,7 +124,7 @@ def test_the_key_sets_the_tenant_whatever_the_body_says_and_counters_add_up(daem
     before = metrics(daemon)
     assert complete(daemon, "light", tenant="heavy").status_code == 200  # not a field the HTTP API forwards
     assert complete(daemon, "heavy", max_tokens=5).status_code == 200
-    wait_until(lambda: re.search(r'127\.0\.0\.1 light "POST /v1/completions" 200', daemon.log()), timeout_s=10)
+    wait_until(lambda: re.search(r'127\.0\.0\.1 light "POST /v1/completions" 200', daemon.log()), timeout_s=60)
     after = metrics(daemon)
 
     def grew(name: str, tenant: str) -> float:
