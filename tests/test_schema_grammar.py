@@ -5,6 +5,7 @@ invalid_request naming the field, on every way in: response_format, tools over H
 in batch files (parse_api_request), native clients' tools (prepare_request). The HTTP
 server's event loop is tested in test_http_schema_bounds.py."""
 
+import re
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from cbatch.openai.mapping import CHAT, parse_api_request
 from cbatch.tools import tool_plan
 from cbatch.tools.chat import prepare_request
 from cbatch.tools.formats import BareJson, Tagged
+from cbatch.tools.integer_ranges import integer_range
 from cbatch.tools.schema_grammar import MAX_GRAMMAR_REPETITIONS, MAX_REPETITION_BOUND, SchemaFields
 
 CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
@@ -128,7 +130,7 @@ def test_what_is_past_a_limit_is_refused_at_once_naming_the_field(raw, named):
 def test_a_property_named_like_a_bound_is_a_property():
     grammar = schema_grammar({"type": "object", "properties": {"maxLength": {"type": "integer", "minimum": 1,
                                                                              "maximum": 3}}})
-    assert 'maxLength ::= "1" | "2" | "3"' in grammar
+    assert "maxLength ::= ([1-3]) space" in grammar
 
 
 def test_a_native_clients_tools_are_bounded_too():
@@ -138,3 +140,37 @@ def test_a_native_clients_tools_are_bounded_too():
     with pytest.raises(CbatchError, match=r"tools\[2\]\.function\.parameters\.properties\.t\.maxLength is 100000000"):
         prepare_request(body, None)
     assert time.monotonic() - started < REFUSED_AT_ONCE_S
+
+
+BOUNDS = [None, -1001, -120, -10, -1, 0, 1, 9, 10, 17, 99, 100, 342, 5003]
+RANGES = [(low, high) for low in BOUNDS for high in BOUNDS if low is None or high is None or low <= high]
+
+
+def test_an_integer_range_allows_exactly_its_json_integers():
+    """Every integer range, one-sided ones too, checked value by value around its bounds:
+    GBNF's literals, classes, groups and repetitions read as a regular expression."""
+    for low, high in RANGES:
+        allows = re.compile(integer_range(low, high).replace('"', "").replace(" ", "")).fullmatch
+        for number in range(-6000, 6000):
+            is_in_range = (low is None or number >= low) and (high is None or number <= high)
+            assert bool(allows(str(number))) == is_in_range, (low, high, number)
+        assert not any(allows(text) for text in ("-0", "01", "-", "", "1" * 17)), (low, high)
+
+
+def test_integer_bounds_become_a_grammar_llama_cpp_takes(parses):
+    """Of any width, on one side only, exclusive: the converter ignores them all."""
+    grammar = schema_grammar({"type": "object", "properties": {
+        "age": {"type": "integer", "maximum": 120}, "id": {"type": "integer", "minimum": 0, "maximum": 10 ** 6},
+        "odd": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 3},
+        "low": {"type": "integer", "minimum": -5}, "ratio": {"type": "number", "maximum": 1}}})
+    assert parses(grammar)
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
+    assert rules["age"] == f"({integer_range(None, 120)}) space" and rules["odd"] == "([1-2]) space"
+    assert rules["id"] == f"({integer_range(0, 10 ** 6)}) space"
+    assert rules["low"] == f"({integer_range(-5, None)}) space"
+    assert rules["ratio-kv"].endswith(" number")  # a number's bounds are the converter's (it ignores them)
+
+
+def test_an_empty_integer_range_is_refused():
+    assert "properties.n's minimum is more than its maximum" in refusal(answer_format({
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "exclusiveMaximum": 5}}}))

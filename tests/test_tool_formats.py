@@ -87,14 +87,3 @@ def test_only_a_template_that_knows_tools_is_used_for_them():
     assert template_of({}) is None
     assert template_of({"chat_template": LLAMA31_LIKE, "bos_token": "<s>", "adds_bos": True}).adds_bos
 
-
-def test_a_small_integer_range_is_enforced_a_wide_one_left_to_the_converter():
-    from cbatch.tools.schema_grammar import SchemaFields
-
-    schema = {"type": "object", "properties": {
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}, "odd": {"type": "integer", "exclusiveMinimum": 0,
-                                                                        "exclusiveMaximum": 3},
-        "id": {"type": "integer", "minimum": 0, "maximum": 10 ** 6}, "ratio": {"type": "number", "maximum": 1}}}
-    properties = SchemaFields().checked(schema, "parameters")["properties"]
-    assert properties["days"] == {"enum": [1, 2, 3, 4, 5, 6, 7]} and properties["odd"] == {"enum": [1, 2]}
-    assert properties["id"] == schema["properties"]["id"] and properties["ratio"] == schema["properties"]["ratio"]

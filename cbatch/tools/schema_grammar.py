@@ -13,7 +13,8 @@ group nested in the next, so its work and its grammar grow with the bound: `maxL
 - the conversion stops as soon as the grammar passes the daemon's limits on size and
   nesting (cbatch/params.py).
 Each refusal is an invalid_request naming the schema field to change. The converter
-ignores integer ranges: one of at most MAX_ENUMERATED_INTEGERS values is made an enum.
+ignores integer bounds: an integer with integer bounds, of any width or on one side only,
+is written here digit by digit (cbatch/tools/integer_ranges.py).
 """
 
 import functools
@@ -24,7 +25,8 @@ from cbatch.errors import CbatchError
 from cbatch.extras import SERVER, check_extra
 from cbatch.gbnf import MAX_GRAMMAR_NESTING, MAX_GRAMMAR_REPETITIONS, MAX_REPETITION_BOUND, grammar_nesting
 from cbatch.params import MAX_GRAMMAR_CHARS, invalid
-MAX_ENUMERATED_INTEGERS = 256  # an integer range up to this wide is made an enum
+from cbatch.tools.integer_ranges import integer_range
+
 BOUNDS = {"string": ("minLength", "maxLength"), "array": ("minItems", "maxItems")}
 DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: taken as they are
 # Keys that send a string or array schema down another of the converter's ways.
@@ -36,15 +38,17 @@ JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
 _QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
 
 
-def _integer_values(schema: dict) -> range | None:
-    """The values a schema allows when it is an integer between integer bounds."""
+def _integer_bounds(schema: dict) -> tuple[int | None, int | None] | None:
+    """(lowest, highest) value a schema allows when it is an integer with integer bounds
+    (None on a side without one); None for any other schema."""
     bounds = {name: schema[name] for name in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
               if name in schema}
-    if schema.get("type") != "integer" or not all(type(value) is int for value in bounds.values()):
+    if schema.get("type") != "integer" or not bounds or not all(type(value) is int for value in bounds.values()) \
+            or any(key in schema for key in _NOT_PLAIN):
         return None
     lows = [bounds[name] + (name != "minimum") for name in ("minimum", "exclusiveMinimum") if name in bounds]
     highs = [bounds[name] - (name != "maximum") for name in ("maximum", "exclusiveMaximum") if name in bounds]
-    return range(max(lows), min(highs) + 1) if lows and highs else None
+    return max(lows, default=None), min(highs, default=None)
 
 
 def _count(field: str, value) -> int:
@@ -68,7 +72,7 @@ class SchemaFields:
         self._num_repetitions = 0
 
     def checked(self, schema, field: str):
-        """A copy of `schema` whose bounds passed, with small integer ranges as enums."""
+        """A copy of `schema` whose bounds passed."""
         if isinstance(schema, list):
             return [self.checked(item, f"{field}[{i}]") for i, item in enumerate(schema)]
         if not isinstance(schema, dict):
@@ -76,9 +80,9 @@ class SchemaFields:
         node = {key: value if key in DATA_KEYS else self.checked(value, f"{field}.{key}")
                 for key, value in schema.items()}
         self._count_bounds(node, field)
-        values = _integer_values(node)
-        if values is not None and 0 < len(values) <= MAX_ENUMERATED_INTEGERS:
-            node = {"enum": list(values)}
+        low, high = _integer_bounds(node) or (None, None)
+        if low is not None and high is not None and low > high:
+            raise invalid(f"{field}'s minimum is more than its maximum: no integer can match")
         self._field_of[id(node)] = field
         self._nodes.append(node)
         return node
@@ -133,6 +137,9 @@ def _converter_class():
     check_extra(SERVER, ("llama_cpp",), "a JSON schema's grammar (a forced tool call, a json_schema response format)")
     from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, BuiltinRule, SchemaConverter
 
+    def _rule_name(name: str) -> str:
+        return name + "-" if name in RESERVED_NAMES else name or "root"  # as the converter names it
+
     class BoundedConverter(SchemaConverter):
         """llama-cpp-python's converter, writing string and array bounds as repetitions,
         strings without raw control characters, and stopping as soon as the grammar passes
@@ -151,10 +158,18 @@ def _converter_class():
             if field is not None:
                 self._fields.append(field)
             try:
-                return self._visit_plain(schema, name) or super().visit(schema, name)
+                return self._visit_integer(schema, name) or self._visit_plain(schema, name) \
+                    or super().visit(schema, name)
             finally:
                 if field is not None:
                     self._fields.pop()
+
+        def _visit_integer(self, schema: dict, name: str) -> str | None:
+            """An integer with bounds; None for any other schema."""
+            bounds = _integer_bounds(schema)
+            if bounds is None:
+                return None
+            return self._add_rule(_rule_name(name), f"({integer_range(*bounds)}) space")
 
         def _visit_plain(self, schema: dict, name: str) -> str | None:
             """A string with a length bound, an array of one item schema with an item count
@@ -166,7 +181,7 @@ def _converter_class():
             low, high = schema.get(low_key, 0), schema.get(high_key)
             if not isinstance(low, int) or not isinstance(high, (int, type(None))):  # a property named so
                 return None
-            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"  # as the converter names it
+            rule_name = _rule_name(name)
             if kind == "string":
                 char = self._add_primitive("char", PRIMITIVE_RULES["char"])
                 return self._add_rule(rule_name, rf'"\"" {_repeated(char, low, high)} "\"" space')
