@@ -106,7 +106,7 @@ def run_level(model_path: str, parallel: int, params: dict, backend_sampling: bo
         engine._output.settle = timers.wrap("text", engine._output.settle)  # ids: end of generation, max_tokens
         engine._output.postprocess = timers.wrap("text", engine._output.postprocess)
         engine.runner.logits = timers.wrap("logits", engine.runner.logits)
-        engine.runner.sampled_token = timers.wrap("logits", engine.runner.sampled_token)
+        engine.runner.sampled_tokens = timers.wrap("logits", engine.runner.sampled_tokens)
         publish = timers.wrap("publish", publisher.publish)
         for i in range(parallel):
             body = {"prompt": f"{i}: {PROMPT}", "max_tokens": num_steps + 8, "ignore_eos": True, **params}

@@ -251,9 +251,9 @@ class LlamaRunner:
         ptr = lc.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(ptr, shape=(num_outputs, self.n_vocab))
 
-    def sampled_token(self, batch_index: int) -> int:
-        """The token the last decode sampled in its graph for that batch row."""
-        return self.backend_samplers.sampled_token(batch_index)
+    def sampled_tokens(self, batch_indices: list[int]) -> list[int]:
+        """The tokens the last decode sampled in its graph for those batch rows."""
+        return self.backend_samplers.sampled_tokens(batch_indices)
 
     def release_sampler(self, chain) -> None:
         """Detach a backend-sampled request's chain from the context before it is freed."""

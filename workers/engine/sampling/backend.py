@@ -72,8 +72,10 @@ class BackendSamplers:
                     lc.llama_sampler_free(old)
                 self._attach(seq.seq_id, seq.sampler)
 
-    def sampled_token(self, batch_index: int) -> int:
-        return lc.llama_get_sampled_token_ith(self._ctx, batch_index)
+    def sampled_tokens(self, batch_indices: list[int]) -> list[int]:
+        """One C call per row (llama.cpp returns one at a time), none of Python between them."""
+        get, ctx = lc.llama_get_sampled_token_ith, self._ctx
+        return [get(ctx, batch_index) for batch_index in batch_indices]
 
     def release(self, chain) -> None:
         """Detach a request's own chain (before it is freed); a no-op if not attached."""

@@ -40,7 +40,9 @@ class StepSampler:
         if forced:  # their logit rows are read for logprobs only
             logit_rows = [entry for entry in logit_rows if entry[0] not in forced]
         raw_rows = self._rows_before_masking(logit_rows, num_outputs)
-        sampled = [(seq, runner.sampled_token(index)) for seq, _, index in logit_rows if seq.is_backend_sampled]
+        backend_seqs = [seq for seq, _, _ in logit_rows if seq.is_backend_sampled]
+        backend_indices = [index for seq, _, index in logit_rows if seq.is_backend_sampled]
+        sampled = list(zip(backend_seqs, runner.sampled_tokens(backend_indices))) if backend_seqs else []
         greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
         if greedy:
             logits = runner.logits(num_outputs)
