@@ -32,7 +32,7 @@ def test_clients_past_the_descriptor_limit_are_refused_and_the_daemon_serves_on(
             try:
                 accepted.append(d.client(connect_timeout_s=REFUSE_TIMEOUT_S))
             except CbatchError as err:
-                assert err.code == "unavailable"
+                assert err.code == "unavailable" and "no room for another client" in err.message, err.message
                 assert time.monotonic() - started < 2 * REFUSE_TIMEOUT_S
                 refused += 1
             assert pid_alive(pid), d.log()

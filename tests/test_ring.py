@@ -400,6 +400,9 @@ def test_corrupt_record_raises_ring_error(rings, field, value):
     TokenEvent(1, [1], b"bytes, not text"),
     TokenEvent(1, [1 << 40], ""),
     TokenEvent(-1, [1], ""),
+    TokenEvent(1 << 64, [1], ""),
+    TokenEvent(1, [1], "", index=1 << 32),
+    TokenEvent(1, [1], "", "stop", index=(1 << 32) - 1),  # its count, index + 1, is out of range
 ])
 def test_invalid_event_publishes_nothing(rings, bad_event):
     ring = rings.create(capacity=8)

@@ -171,6 +171,26 @@ def test_integer_bounds_become_a_grammar_llama_cpp_takes(parses):
     assert rules["ratio-kv"].endswith(" number")  # a number's bounds are the converter's (it ignores them)
 
 
+def test_bounds_that_are_not_whole_round_inward_and_draft_4_flags_make_them_exclusive():
+    grammar = schema_grammar({"type": "object", "properties": {
+        "half": {"type": "integer", "minimum": 1.5, "maximum": 100.0},
+        "flagged": {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 9, "exclusiveMaximum": True},
+        "unflagged": {"type": "integer", "minimum": 0, "exclusiveMinimum": False},
+        "huge": {"type": "integer", "maximum": 10 ** 30}}})
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
+    assert rules["half"] == f"({integer_range(2, 100)}) space"
+    assert rules["flagged"] == f"({integer_range(1, 8)}) space"
+    assert rules["unflagged"] == f"({integer_range(0, None)}) space"
+    assert rules["huge"] == f"({integer_range(None, 10 ** 16 - 1)}) space"  # the longest integer written
+
+
+@pytest.mark.parametrize("bounds", [{"minimum": 1.5, "maximum": 1.7}, {"minimum": 10 ** 20},
+                                    {"exclusiveMinimum": 5, "exclusiveMaximum": 6}])
+def test_bounds_with_no_integer_between_them_are_refused(bounds):
+    assert "properties.n's bounds leave no integer" in refusal(answer_format({
+        "type": "object", "properties": {"n": {"type": "integer", **bounds}}}))
+
+
 def test_an_empty_integer_range_is_refused():
-    assert "properties.n's minimum is more than its maximum" in refusal(answer_format({
+    assert "properties.n's bounds leave no integer" in refusal(answer_format({
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "exclusiveMaximum": 5}}}))

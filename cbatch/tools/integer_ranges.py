@@ -55,7 +55,8 @@ def _naturals(low: int, high: int | None) -> list[str]:
 
 def integer_range(low: int | None, high: int | None) -> str:
     """A GBNF expression for the integers in [low, high] (None: unbounded on that side);
-    low <= high where both are given."""
+    low <= high where both are given, and neither longer than MAX_DIGITS digits (the
+    schema's bounds are held to that before they come here)."""
     alternatives = []
     if low is None or low < 0:  # negative numbers: "-" and their magnitudes
         magnitudes = _naturals(1 if high is None or high >= 0 else -high, None if low is None else -low)

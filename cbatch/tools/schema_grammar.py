@@ -25,7 +25,7 @@ from cbatch.errors import CbatchError
 from cbatch.extras import SERVER, check_extra
 from cbatch.gbnf import MAX_GRAMMAR_NESTING, MAX_GRAMMAR_REPETITIONS, MAX_REPETITION_BOUND, grammar_nesting
 from cbatch.params import MAX_GRAMMAR_CHARS, invalid
-from cbatch.tools.integer_ranges import integer_range
+from cbatch.tools.integer_ranges import MAX_DIGITS, integer_range
 
 BOUNDS = {"string": ("minLength", "maxLength"), "array": ("minItems", "maxItems")}
 DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: taken as they are
@@ -38,17 +38,35 @@ JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
 _QUANTIFIER = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
 
 
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _integer_bounds(schema: dict) -> tuple[int | None, int | None] | None:
-    """(lowest, highest) value a schema allows when it is an integer with integer bounds
-    (None on a side without one); None for any other schema."""
-    bounds = {name: schema[name] for name in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
-              if name in schema}
-    if schema.get("type") != "integer" or not bounds or not all(type(value) is int for value in bounds.values()) \
-            or any(key in schema for key in _NOT_PLAIN):
+    """(lowest, highest) integer a schema allows when it is an integer with numeric bounds
+    (None on a side without one); None for any other schema. A bound that is not whole
+    rounds inward (`minimum: 1.5` allows 2 on); draft 4's boolean `exclusiveMinimum` and
+    `exclusiveMaximum` make `minimum` and `maximum` exclusive. Both ends are held to the
+    integers of at most MAX_DIGITS digits, as the grammar writes any integer."""
+    if schema.get("type") != "integer" or any(key in schema for key in _NOT_PLAIN):
         return None
-    lows = [bounds[name] + (name != "minimum") for name in ("minimum", "exclusiveMinimum") if name in bounds]
-    highs = [bounds[name] - (name != "maximum") for name in ("maximum", "exclusiveMaximum") if name in bounds]
-    return max(lows, default=None), min(highs, default=None)
+    lows, highs = [], []
+    minimum, maximum = schema.get("minimum"), schema.get("maximum")
+    is_min_exclusive, is_max_exclusive = schema.get("exclusiveMinimum") is True, schema.get("exclusiveMaximum") is True
+    if _is_number(minimum):
+        lows.append(math.floor(minimum) + 1 if is_min_exclusive else math.ceil(minimum))
+    if _is_number(schema.get("exclusiveMinimum")):
+        lows.append(math.floor(schema["exclusiveMinimum"]) + 1)
+    if _is_number(maximum):
+        highs.append(math.ceil(maximum) - 1 if is_max_exclusive else math.floor(maximum))
+    if _is_number(schema.get("exclusiveMaximum")):
+        highs.append(math.ceil(schema["exclusiveMaximum"]) - 1)
+    if not lows and not highs:
+        return None
+    largest = 10 ** MAX_DIGITS - 1
+    low = min(max(max(lows), -largest), largest + 1) if lows else None
+    high = max(min(min(highs), largest), -largest - 1) if highs else None
+    return low, high
 
 
 def _count(field: str, value) -> int:
@@ -81,8 +99,9 @@ class SchemaFields:
                 for key, value in schema.items()}
         self._count_bounds(node, field)
         low, high = _integer_bounds(node) or (None, None)
-        if low is not None and high is not None and low > high:
-            raise invalid(f"{field}'s minimum is more than its maximum: no integer can match")
+        largest = 10 ** MAX_DIGITS - 1
+        if (low if low is not None else -largest) > (high if high is not None else largest):
+            raise invalid(f"{field}'s bounds leave no integer of at most {MAX_DIGITS} digits to match")
         self._field_of[id(node)] = field
         self._nodes.append(node)
         return node

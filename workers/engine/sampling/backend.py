@@ -73,7 +73,7 @@ class BackendSamplers:
                 self._attach(seq.seq_id, seq.sampler)
 
     def sampled_tokens(self, batch_indices: list[int]) -> list[int]:
-        """One C call per row (llama.cpp returns one at a time), none of Python between them."""
+        """One C call per row (llama.cpp returns one id at a time), in one comprehension."""
         get, ctx = lc.llama_get_sampled_token_ith, self._ctx
         return [get(ctx, batch_index) for batch_index in batch_indices]
 
