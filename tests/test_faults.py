@@ -213,7 +213,7 @@ def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemo
             waiting_since = time.monotonic()
             with pytest.raises(CbatchError) as err:
                 list(streams[0])
-            assert err.value.code == "unavailable" and time.monotonic() - waiting_since < 5.5
+            assert err.value.code == "unavailable" and time.monotonic() - waiting_since < 15.0  # about 5 s by the liveness rule; a busy machine adds
     wait_until(lambda: not os.path.exists(f"/dev/shm/{ring_name}"), timeout_s=60.0)
     # A daemon started where the killed one ran removes its socket files.
     assert d.leftovers()
