@@ -340,6 +340,11 @@ class RingReader:
         self._finished.discard(request_id)
         self._regapped.discard(request_id)
 
+    def rewind(self, num_records: int) -> None:
+        """Read again from up to num_records back (never before the ring's first record):
+        a watched request's records below its next index are dropped as duplicates."""
+        self._cursor = max(self._cursor - num_records, 0)
+
     def next_index(self, request_id: int) -> int:
         return self._next_index[request_id]
 

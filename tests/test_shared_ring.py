@@ -4,11 +4,15 @@ waiting on a quiet request is not woken by other requests' steps."""
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import threading
 
-from cbatch.client.shared_ring import SharedRingReader
+from cbatch.client.shared_ring import RingTap, SharedRingReader
+from cbatch.client.streams import RequestStream
+from cbatch.ipc.ring import RingWriter, create_ring
+from ringkit import publish
 from daemonkit import wait_until
 from common import GREEDY
 
@@ -153,3 +157,26 @@ def test_a_client_collected_on_the_reader_thread_while_it_reads_gives_the_reader
     # The reader thread applied the collected client's give-back; the last close stopped it.
     assert outcome["num_users"] == 1 and not outcome["is_dropped_watched"]
     assert outcome["readers_left"] == 0 and not outcome["reader_alive"]
+
+
+def test_a_request_carried_over_from_the_relay_reads_what_the_ring_got_before_it_was_watched(tmp_path):
+    """A daemon restarted on the endpoint relays a session's requests until its HELLO, then
+    stops relaying: the ring tap made then must read the records published in between,
+    not start at the ring's present and fetch them again over ZeroMQ."""
+    ring = create_ring(f"cbatch-test-carried-{os.getpid()}", 64)
+    try:
+        writer = RingWriter(ring)
+        publish(writer, 9, 0, [5, 6, 7])  # another request's records: read past, not delivered
+        for index in range(6):  # 0-2 were relayed; 3-5 reached only the ring
+            publish(writer, 7, index, [100 + index])
+        carried = RequestStream(request_id=7, label=0, next_index=3)
+        tap = RingTap(ring.name, f"ipc://{tmp_path / 'tick.sock'}", [carried])
+        try:
+            rows, gapped_ids, error = tap.take(is_pumped=True)
+        finally:
+            tap.close()
+    finally:
+        ring.close()
+        ring.unlink()
+    assert error is None and not gapped_ids
+    assert [(index, token_id) for index, token_id, *_ in rows[7]] == [(3, 103), (4, 104), (5, 105)]

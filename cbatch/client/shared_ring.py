@@ -138,6 +138,14 @@ class SharedRingReader:
             self._reader.unwatch(request_id)
             self._inbox_of.pop(request_id, None)
 
+    def rewind(self) -> None:
+        """Read again from half a ring back: requests that come over from the front-end's
+        relay have records in the ring from before they were watched here (the front-end
+        stopped relaying them when the session said HELLO). What was read already is
+        dropped by index; half a ring leaves the writer room to go on meanwhile."""
+        with self._lock:
+            self._reader.rewind(self._ring.capacity // 2)
+
     def resume(self, request_id: int, next_index: int) -> None:
         """The session recovered this request's records up to next_index - 1 over ZeroMQ."""
         with self._lock:
@@ -201,9 +209,11 @@ class RingTap:
         self._reader = SharedRingReader.acquire(ring_name, tick_endpoint)  # raises RingError
         self._inbox = RingInbox()
         self._watched_ids: set[int] = set()
-        for stream in carried_streams:
-            if not stream.is_done and not stream.wants_logprobs:
-                self.watch(stream.request_id, stream.next_index)
+        carried = [stream for stream in carried_streams if not stream.is_done and not stream.wants_logprobs]
+        for stream in carried:
+            self.watch(stream.request_id, stream.next_index)
+        if carried:
+            self._reader.rewind()
         # A client dropped without close() still gives the reader back (and the last user's
         # going stops its thread) once it is collected, through the reader thread.
         self._finalizer = weakref.finalize(self, _give_back_later, self._reader, self._inbox, self._watched_ids)
