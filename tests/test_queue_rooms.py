@@ -22,7 +22,11 @@ WEEK_S = 604800
 NUM_WARMUP_REQUESTS = 1000
 NUM_MEASURED_REQUESTS = 5000
 SUBMIT_IN_FLIGHT = 2000  # far past the batch room: most of its requests are refused, held and sent again
-NUM_BATCH_LINES = SUBMIT_IN_FLIGHT  # all of them in flight at once
+# Every line in flight at once, each long enough (BATCH_LINE_TOKENS steps) that the batch room
+# stays full between the submitter's resends long enough for the stats to show it, and the
+# file outlasts the interactive callers' asks (counted in steps, whatever the machine's speed).
+NUM_BATCH_LINES = 200
+BATCH_LINE_TOKENS = 50
 NUM_ASKS = 10
 WAIT_S = 300.0
 # Before, each finished request stayed in the deadline heap until its deadline passed: the
@@ -61,7 +65,8 @@ def test_a_full_batch_queue_never_refuses_an_interactive_caller(daemon, api):
 def test_a_submitter_at_2000_in_flight_beside_interactive_callers_refuses_none_of_them(daemon, tmp_path):
     prompts, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     ids = [f"b{i}" for i in range(NUM_BATCH_LINES)]
-    prompts.write_text("".join(json.dumps({"id": line_id, "prompt": line_id, "max_tokens": 2, "temperature": 0}) + "\n"
+    prompts.write_text("".join(json.dumps({"id": line_id, "prompt": line_id, "max_tokens": BATCH_LINE_TOKENS,
+                                           "ignore_eos": True, "temperature": 0}) + "\n"
                                for line_id in ids))
     submitter = subprocess.Popen([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output),
                                   "--max-in-flight", str(SUBMIT_IN_FLIGHT)], env=daemon.env, stderr=subprocess.PIPE,
