@@ -7,7 +7,7 @@ from cbatch.errors import CbatchError, INVALID_CONFIG
 from cbatch.params import MAX_TIMEOUT_S
 from cbatch.wording import counted
 
-MAX_PARALLEL = 64
+MAX_PARALLEL = 256  # llama.cpp's LLAMA_MAX_SEQ: each running sequence holds a KV sequence id
 DEFAULT_CTX_PER_SEQ = 4096
 MAX_SEQ_IDS = 256  # llama.cpp's LLAMA_MAX_SEQ: KV sequence ids for running and cached prefixes
 SEQ_IDS_PER_RUNNING = 4  # ids beyond `parallel` hold cached prefixes; each costs a logits row

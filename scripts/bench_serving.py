@@ -70,6 +70,20 @@ def llama_decode_s(stats: dict) -> float:
     return stats["decode_fraction"] * stats["avg_step_ms"] / 1000 * stats["num_steps"]
 
 
+def steps_note(before: dict, after: dict) -> str:
+    """The decode worker's steps between two stats: tokens a step, and the wall time of a
+    step split into llama_decode and the host work outside it (where a GPU's decode is a
+    few ms, the host part is what the loop adds to every token)."""
+    num_steps = after["num_steps"] - before["num_steps"]
+    if num_steps <= 0:
+        return "no steps"
+    step_ms = (after["avg_step_ms"] * after["num_steps"] - before["avg_step_ms"] * before["num_steps"]) / num_steps
+    decode_ms = 1000 * (llama_decode_s(after) - llama_decode_s(before)) / num_steps
+    tokens = (after["generated_tokens"] - before["generated_tokens"]) / num_steps
+    return (f"{num_steps} steps, {tokens:.1f} tokens a step, {step_ms:.2f} ms a step: "
+            f"{decode_ms:.2f} in llama_decode, {step_ms - decode_ms:.2f} host")
+
+
 def async_callers(endpoint: str, work: list[str], max_tokens: int, num_clients: int) -> float:
     """tok/s of num_clients coroutines, each sending its share in turn through one AsyncClient."""
     async def run() -> float:
@@ -135,9 +149,11 @@ def measure_cbatch(model_path: str, parallel: int, threads: int, args, work: lis
             tok_s, caller_cpu_s, ttfts = run()
             elapsed_s = time.perf_counter() - started
             parts = proc_cpu.difference(proc_cpu.cbatch_cpu_s(daemon.process.pid), parts_before)
-            parts["llama_decode wall"] = llama_decode_s(daemon.stats()) - llama_decode_s(stats_before)
+            stats_after = daemon.stats()
+            parts["llama_decode wall"] = llama_decode_s(stats_after) - llama_decode_s(stats_before)
             caller = caller_cpu_s if caller_cpu_s is not None else own_cpu_s() - own_before
             measured.add(name, tok_s, elapsed_s, num_tokens, {"caller": caller, **parts}, ttfts)
+            measured.notes.append(f"{name}: worker {steps_note(stats_before, stats_after)}")
 
         timed("one Client, generate_batch",
               lambda: (one_client_batch(endpoint, work, args.max_tokens, args.clients), None, []))

@@ -225,3 +225,23 @@ def test_a_state_dir_that_cannot_be_written_fails_the_start(tiny_model_path, wor
     assert daemon.returncode == 2 and "Traceback" not in daemon.stderr, daemon.stderr
     assert f"cannot write the state directory {workdir / 'a-file' / 'state'}" in daemon.stderr
     assert "pass another --state-dir" in daemon.stderr
+
+
+def test_parallel_past_llama_cpps_sequence_ids_is_refused_in_one_line(tiny_model_path, workdir):
+    daemon = run_worker(workdir, tiny_model_path, "--parallel", "257")
+    assert daemon.returncode == 2 and "Traceback" not in daemon.stderr, daemon.stderr
+    assert "--parallel must be in [1, 256], got 257" in daemon.stderr
+
+
+def test_a_daemon_decodes_256_sequences_in_one_batch(tiny_model_path, start_daemon):
+    """llama.cpp's limit on KV sequence ids, reached: 256 requests at once all run together
+    (a cap of 64 held the rest in the queue) and each gets its own tokens."""
+    d = start_daemon(tiny_model_path, "--parallel", "256", "--ctx-size", str(256 * 256), "--threads", "1")
+    bodies = [{"prompt": f"item {i} of the wide batch", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+              for i in range(256)]
+    with d.client() as client:
+        results = list(client.generate_batch(bodies, max_in_flight=256))
+        stats = client.stats()
+    assert [r.usage["completion_tokens"] for r in results] == [48] * 256
+    assert stats["parallel"] == 256
+    assert stats["avg_concurrent_seqs"] > 64, stats["avg_concurrent_seqs"]

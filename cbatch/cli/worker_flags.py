@@ -5,7 +5,7 @@ import logging
 
 from cbatch.api_keys import load_keys
 from cbatch.cli.common import add_version
-from cbatch.config import POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
+from cbatch.config import MAX_PARALLEL, POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
 from cbatch.errors import INVALID_CONFIG, CbatchError
 
 ENGINE = EngineConfig()  # the defaults the flags show
@@ -24,7 +24,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     add("-m", "--model", help="GGUF file (default: the embedded gemma-3-270m)")
     add("-np", "--parallel", type=int, default=ENGINE.parallel,
-        help=f"sequences decoded together (default {ENGINE.parallel})")
+        help=f"sequences decoded together, 1 to {MAX_PARALLEL} (default {ENGINE.parallel})")
     add("-c", "--ctx-size", type=int, default=ENGINE.ctx_size, help="total context for all sequences (default 4096 each)")
     add("-b", "--batch-size", type=int, default=ENGINE.batch_size,
         help=f"tokens per decode step (default {ENGINE.batch_size})")
