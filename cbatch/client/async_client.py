@@ -3,15 +3,22 @@
 One pump task reads the socket and the ring for every coroutine sharing the client and
 wakes only the waiters of the streams and replies that got something; waiting coroutines
 never spin.
+
+The socket is a plain pyzmq one, not zmq.asyncio's: the event loop watches its descriptor
+and the ring's wake pipe with standing add_reader registrations, where an asyncio Poller
+registered and removed both on every wake-up (a large share of an HTTP process's CPU
+at many requests a second). libzmq's descriptor is edge-triggered: it says only that the
+socket's state may have changed, and a send can consume the signal, so the pump reads
+ZMQ_EVENTS after every wake-up and every send wakes it.
 """
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import zmq
-import zmq.asyncio
 
 from cbatch.client.base import (CONNECT_TIMEOUT_S, ClientBase, Embeddings, check_endpoint, choice_items,
                                 embed_messages, joined_embeddings, num_positions, raise_any, unreachable)
@@ -19,6 +26,7 @@ from cbatch.config import default_endpoint
 from cbatch.errors import CbatchError, UNAVAILABLE
 from cbatch.protocol import MsgType
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
+from cbatch.client import session as session_module  # SEND_TIMEOUT_S read at each send: tests shorten it
 from cbatch.client.session import CONNECTION, LIVENESS_S, SAFETY_POLL_S, Session
 from cbatch.client.sockets import close_dealer, make_dealer
 from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
@@ -31,8 +39,13 @@ class AsyncClient(ClientBase):
                  curve_server_key: str | None = None, curve_client_key: str | None = None):
         self.endpoint = endpoint or default_endpoint()
         check_endpoint(self.endpoint)
-        self._zctx = zmq.asyncio.Context.instance()  # never terminated by us: see Client
+        self._zctx = zmq.Context.instance()  # never terminated by us: see Client
         self._dealer = make_dealer(self._zctx, self.endpoint, curve_server_key, curve_client_key)
+        # Messages the daemon did not take yet (its queue for this client is full), oldest
+        # first, each with the monotonic time it fails at; the pump resends them in order.
+        self._unsent: collections.deque[tuple[float, list[bytes]]] = collections.deque()
+        self._is_kicked = True  # something may be ready: the pump looks before it sleeps
+        self._wakeup: asyncio.Future | None = None  # what the sleeping pump awaits
         self._session = Session(self._send, use_ring and self.endpoint.startswith("ipc://"),
                                 on_arrival=self._on_arrival)
         # What each waiting coroutine waits on (a stream, a reply's nonce, CONNECTION) -> its
@@ -72,22 +85,24 @@ class AsyncClient(ClientBase):
         return client
 
     async def _pump(self) -> None:
-        session, wake_fd = self._session, None
-        poller = zmq.asyncio.Poller()
-        poller.register(self._dealer, zmq.POLLIN)
+        loop, session = asyncio.get_running_loop(), self._session
+        dealer_fd, wake_fd, wake_source = self._dealer.getsockopt(zmq.FD), None, None
+        loop.add_reader(dealer_fd, self._kick)
         try:
             while True:
-                if wake_fd != session.wake_fd:  # attached to a ring, or to a restarted daemon's
+                if wake_source is not session.wake_source:  # attached to a ring, or a restarted daemon's
                     if wake_fd is not None:
-                        poller.unregister(wake_fd)
-                    wake_fd = session.wake_fd
+                        loop.remove_reader(wake_fd)
+                    wake_fd, wake_source = session.wake_fd, session.wake_source
                     if wake_fd is not None:
-                        poller.register(wake_fd, zmq.POLLIN)
-                timeout_s = SAFETY_POLL_S if session.is_waiting else LIVENESS_S
-                ready = dict(await poller.poll(int(timeout_s * 1000)))
-                if self._dealer in ready:
-                    while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        session.on_frames(await self._dealer.recv_multipart())
+                        loop.add_reader(wake_fd, self._kick)
+                if not self._is_kicked:
+                    await self._sleep(loop, SAFETY_POLL_S if session.is_waiting else LIVENESS_S)
+                self._is_kicked = False
+                while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    session.on_frames(self._dealer.recv_multipart(zmq.NOBLOCK))
+                if self._unsent:
+                    self._send_unsent(time.monotonic())
                 session.read_ring()
                 session.check_liveness(time.monotonic())
         except BaseException as exc:  # including CancelledError at close()
@@ -95,21 +110,55 @@ class AsyncClient(ClientBase):
             for key in list(self._waiters):
                 self._on_arrival(key)
             raise
+        finally:
+            loop.remove_reader(dealer_fd)
+            if wake_fd is not None:
+                loop.remove_reader(wake_fd)
+
+    async def _sleep(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        """Until a registered descriptor is readable, a send was made, or timeout_s passed
+        (sooner when an unsent message's time is up)."""
+        if self._unsent:
+            timeout_s = max(0.0, min(timeout_s, self._unsent[0][0] - time.monotonic()))
+        self._wakeup = loop.create_future()
+        timer = loop.call_later(timeout_s, self._kick)
+        try:
+            await self._wakeup
+        finally:
+            timer.cancel()
+            self._wakeup = None
+
+    def _kick(self) -> None:
+        self._is_kicked = True
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     def _send(self, frames: list[bytes]) -> None:
-        """The session's send. pyzmq's asyncio socket sends at once when the daemon takes the
-        message; otherwise it queues it and returns a future that fails with zmq.Again after
-        SEND_TIMEOUT_S. Nobody awaits that future, so its failure is handed to the session
-        here, which fails what waits on the daemon, as the blocking client's send does."""
-        sending = self._dealer.send_multipart(frames)
-        if sending.done():
-            sending.result()  # raises what the immediate send raised
+        """The session's send, never blocking: a message the daemon does not take now waits,
+        in order, for the pump to resend it; one it has not taken within SEND_TIMEOUT_S
+        fails the session, as the blocking client's send does. libzmq takes the rest of a
+        multipart message once it took the first part."""
+        if not self._unsent:
+            try:
+                self._dealer.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                self._unsent.append((time.monotonic() + session_module.SEND_TIMEOUT_S, frames))
         else:
-            sending.add_done_callback(self._on_late_send)
+            self._unsent.append((time.monotonic() + session_module.SEND_TIMEOUT_S, frames))
+        self._kick()  # the send may have consumed the descriptor's signal of an arrival
 
-    def _on_late_send(self, sending: asyncio.Future) -> None:
-        if not sending.cancelled() and sending.exception() is not None and not self._session.is_closed:
-            self._session.on_send_failed(sending.exception())
+    def _send_unsent(self, now_s: float) -> None:
+        while self._unsent:
+            fails_at_s, frames = self._unsent[0]
+            try:
+                self._dealer.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again as exc:
+                if now_s >= fails_at_s:
+                    self._unsent.clear()  # the session fails what waits on the daemon
+                    if not self._session.is_closed:
+                        self._session.on_send_failed(exc)
+                return
+            self._unsent.popleft()
 
     def _on_arrival(self, key) -> None:
         for waiter in self._waiters.get(key, ()):
