@@ -135,7 +135,7 @@ def measure_cbatch(model_path: str, parallel: int, threads: int, args, work: lis
                    measured: Measured) -> int:
     port = free_port()
     daemon = CbatchDaemon(model_path, parallel, ["--http", str(port), "-c", str(CTX_PER_SEQ * parallel),
-                                                 "-t", str(threads)])
+                                                 "-t", str(threads)], dict(args.daemon_env))
     endpoint, url, num_tokens = daemon.endpoint, f"http://127.0.0.1:{port}", len(work) * args.max_tokens
     try:
         wait_http(url)
@@ -213,6 +213,8 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=768, help="requests per path (default 64 callers x 12)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--llama-server", default="", help="a llama-server binary to compare with")
+    parser.add_argument("--daemon-env", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
+                        metavar="NAME=VALUE", help="an environment variable for cbatch's daemon only (repeatable)")
     args = parser.parse_args(argv)
     if args.llama_server:
         bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)
