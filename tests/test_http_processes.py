@@ -51,3 +51,15 @@ def test_several_http_processes_serve_one_port_and_a_killed_one_is_replaced(tiny
     finally:
         daemon.stop()
         daemon.remove_workdir()
+
+
+def test_a_folder_named_cbatch_where_the_daemon_starts_is_not_imported(tiny_model_path, tmp_path, start_http_daemon):
+    """The HTTP servers and the job runner start as `python -m`: beside a source checkout,
+    or any folder named cbatch, they must import the package the daemon runs, not it."""
+    decoy = tmp_path / "cbatch"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text('raise ImportError("the cbatch folder in the working directory was imported")\n')
+    d = start_http_daemon(tiny_model_path, "--parallel", "2", prefix=("env", "-C", str(tmp_path)))
+    reply = httpx.post(f"{d.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert "was imported" not in d.log()

@@ -5,6 +5,7 @@ once, given up after MAX_QUICK_DEATHS; drained with SIGTERM, killed if it linger
 import logging
 import signal
 import subprocess
+import sys
 import time
 
 from cbatch.workers.daemon.stop_signals import children_ignore_sigint_sighup
@@ -13,6 +14,14 @@ RESTART_BACKOFF_S = 0.5  # before the first restart; doubled after each further 
 QUICK_DEATH_S = 30.0  # a process that dies sooner than this after its start did not get going
 MAX_QUICK_DEATHS = 5  # in a row, then the daemon stops restarting it
 STOP_TIMEOUT_S = 10.0  # after the daemon drained, the process's last work gets this long
+
+
+def module_argv(module: str, *args: str) -> list[str]:
+    """`python -m module args` without the current directory on the module path (`-P`,
+    Python 3.11 and later): started where a folder named `cbatch` lies (a source checkout
+    beside a regular install), `-m` would import that folder instead of the installed
+    package the daemon runs."""
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", module, *args]
 
 
 class ChildProcess:

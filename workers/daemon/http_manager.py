@@ -19,12 +19,11 @@ import os
 import shutil
 import signal
 import socket
-import sys
 
 from cbatch.config import runtime_dir
 from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV
 from cbatch.errors import CbatchError, ENDPOINT_IN_USE
-from cbatch.workers.daemon.child_process import ChildProcess
+from cbatch.workers.daemon.child_process import ChildProcess, module_argv
 
 log = logging.getLogger("cbatch.daemon.http")
 
@@ -117,8 +116,8 @@ class HttpProcess(ChildProcess):
     def argv(self) -> list[str]:
         self.pass_fds = (self.sock.fileno(),)
         names = [arg for name in self.model_names for arg in ("--model-id", name)]
-        return [sys.executable, "-m", "cbatch.http_api.app", "--endpoint", self.endpoint,
-                "--fd", str(self.sock.fileno()), "--state-dir", self.state_dir, *names]
+        return module_argv("cbatch.http_api.app", "--endpoint", self.endpoint, "--fd", str(self.sock.fileno()),
+                           "--state-dir", self.state_dir, *names)
 
     def start(self) -> None:
         super().start()
@@ -136,4 +135,4 @@ class JobRunnerProcess(ChildProcess):
         self.endpoint, self.state_dir = endpoint, state_dir
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", "cbatch.jobs.runner", "--endpoint", self.endpoint, "--state-dir", self.state_dir]
+        return module_argv("cbatch.jobs.runner", "--endpoint", self.endpoint, "--state-dir", self.state_dir)
