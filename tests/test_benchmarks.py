@@ -71,6 +71,20 @@ def test_bench_serving_prints_every_path_with_its_cpu_per_token(tiny_model_path)
     assert all(float(tok_s) > 0 for _, tok_s, _ in paths), out
     assert all(float(cells.split()[0]) > 0 for _, _, cells in paths), out  # every caller spent some CPU
     assert re.search(rf"note: cbatch HTTP streamed: TTFT p50 {NUMBER} ms", out), out
+    steps = re.findall(rf"note: (.+?): worker (\d+) steps, {NUMBER} tokens a step, ({NUMBER}) ms a step: "
+                       rf"({NUMBER}) in llama_decode, (-?{NUMBER}) host$", out, re.M)
+    assert [name for name, *_ in steps] == [name for name, _, _ in paths], out
+    assert all(int(num_steps) > 0 and float(step_ms) >= float(decode_ms) for _, num_steps, step_ms, decode_ms, _
+               in steps), out
+
+
+@pytest.mark.slow
+def test_bench_async_client_prints_its_cpu_per_request(tiny_model_path):
+    out = run_script("bench_async_client", "--model", tiny_model_path, "--requests", "64", "--max-tokens", "1", "2")
+    rows = re.findall(rf"^max_tokens +(\d+): +({NUMBER}) us CPU a request, +({NUMBER}) a token, +(\d+) requests/s$",
+                      out, re.M)
+    assert [int(max_tokens) for max_tokens, *_ in rows] == [1, 2], out
+    assert all(float(per_request) > 0 and int(per_s) > 0 for _, per_request, _, per_s in rows), out
 
 
 @pytest.mark.slow

@@ -1,0 +1,67 @@
+"""The AsyncClient's own CPU per request: the cost of its pump (socket, ring, waking the
+waiting coroutines), which an HTTP server process pays for every request it relays.
+
+    .venv/bin/python scripts/bench_async_client.py [--model /tmp/tiny.gguf] [--requests 1024]
+
+One daemon (tiny model, --parallel 64, one compute thread); 64 coroutines share one
+AsyncClient and send their share of --requests in turn, once to warm up and once timed,
+for each --max-tokens. Prints the CPU seconds of this process (the client alone) per
+request and per token, and the requests a second.
+"""
+
+import argparse
+import asyncio
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_long_prompts import CbatchDaemon  # noqa: E402
+from make_tiny_model import make_tiny_model  # noqa: E402
+
+from cbatch.client import AsyncClient  # noqa: E402
+
+NUM_COROUTINES = 64
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def timed_round(endpoint: str, num_requests: int, max_tokens: int) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of the timed round, after one round to warm up."""
+    async with await AsyncClient.connect(endpoint) as client:
+        async def caller(i: int) -> None:
+            for _ in range(num_requests // NUM_COROUTINES):
+                await client.generate(prompt=f"caller {i}", max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+        await asyncio.gather(*(caller(i) for i in range(NUM_COROUTINES)))
+        cpu_started, started = own_cpu_s(), time.perf_counter()
+        await asyncio.gather(*(caller(i) for i in range(NUM_COROUTINES)))
+        return own_cpu_s() - cpu_started, time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="/tmp/tiny.gguf", help="GGUF (written as the tiny test model if missing)")
+    parser.add_argument("--requests", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args()
+    if not Path(args.model).exists():
+        make_tiny_model(args.model)
+    num_requests = args.requests // NUM_COROUTINES * NUM_COROUTINES
+    daemon = CbatchDaemon(args.model, NUM_COROUTINES, ["-c", str(NUM_COROUTINES * 256), "-t", "1"])
+    try:
+        for max_tokens in args.max_tokens:
+            cpu_s, wall_s = asyncio.run(timed_round(daemon.endpoint, num_requests, max_tokens))
+            print(f"max_tokens {max_tokens:3d}: {1e6 * cpu_s / num_requests:7.1f} us CPU a request, "
+                  f"{1e6 * cpu_s / num_requests / max_tokens:6.1f} a token, {num_requests / wall_s:6.0f} requests/s",
+                  flush=True)
+    finally:
+        daemon.stop()
+
+
+if __name__ == "__main__":
+    main()
