@@ -2,6 +2,7 @@
 llama.cpp decode on the tiny model: the same requests give the same events, step by step,
 with it on and off."""
 
+import llama_cpp
 import pytest
 
 from cbatch.config import EngineConfig
@@ -42,11 +43,12 @@ def run_steps(engine, bodies: list[dict], cancel_at: dict[int, int] | None = Non
     return [(r.chunks, r.token_ids, r.finish_reason, r.usage) for r in (results[i] for i in ids)]
 
 
-def test_the_default_is_off_on_a_cpu_build(tiny_model_path):
+def test_the_default_is_on_where_layers_are_offloaded_and_off_on_a_cpu_build(tiny_model_path):
     engine = Engine(EngineConfig(model_path=tiny_model_path, parallel=1, ctx_size=256))
     try:
-        assert engine.runner.num_gpu_layers == 0 and not engine.is_overlapped
-        assert engine.description.endswith("overlap off")
+        is_gpu_build = bool(llama_cpp.llama_supports_gpu_offload())
+        assert (engine.runner.num_gpu_layers > 0) == is_gpu_build and engine.is_overlapped == is_gpu_build
+        assert engine.description.endswith("overlap on" if is_gpu_build else "overlap off")
     finally:
         engine.close()
 
