@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
+    if args.requests < NUM_COROUTINES:
+        parser.error(f"--requests must be at least {NUM_COROUTINES}, one for each coroutine")
     if not Path(args.model).exists():
         make_tiny_model(args.model)
     num_requests = args.requests // NUM_COROUTINES * NUM_COROUTINES

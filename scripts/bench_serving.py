@@ -202,6 +202,13 @@ def print_table(title: str, measured: Measured) -> None:
         print(f"  note: {note}")
 
 
+def name_value(text: str) -> tuple[str, str]:
+    name, is_set, value = text.partition("=")
+    if not name or not is_set:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
@@ -213,8 +220,8 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=768, help="requests per path (default 64 callers x 12)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--llama-server", default="", help="a llama-server binary to compare with")
-    parser.add_argument("--daemon-env", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
-                        metavar="NAME=VALUE", help="an environment variable for cbatch's daemon only (repeatable)")
+    parser.add_argument("--daemon-env", action="append", default=[], type=name_value, metavar="NAME=VALUE",
+                        help="an environment variable for cbatch's daemon only (repeatable)")
     args = parser.parse_args(argv)
     if args.llama_server:
         bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)

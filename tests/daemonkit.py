@@ -44,7 +44,16 @@ class Daemon:
             [*prefix, *(launcher or [str(SCRIPTS_DIR / "cbatch-worker")]), "--model", model_path, *args],
             env=self.env, stdout=self._stderr, stderr=subprocess.STDOUT, start_new_session=start_new_session,
         )
-        self.health = self._wait_ready()
+        self.health = self.stopped_unless(self._wait_ready)
+
+    def stopped_unless(self, wait_ready):
+        """wait_ready()'s answer; a daemon that never gets ready is stopped before the error
+        goes up (no fixture knows of a daemon whose constructor failed, so none would stop it)."""
+        try:
+            return wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
     def _wait_ready(self) -> dict:
         started = time.monotonic()

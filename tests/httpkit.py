@@ -21,7 +21,7 @@ class HttpDaemon(Daemon):
         self.base_url = f"http://{host}:{self.port}"
         super().__init__(model_path, "--http", f"{host}:{self.port}", *args, **options)
         if is_waited:
-            self.wait_http_status(200)
+            self.stopped_unless(lambda: self.wait_http_status(200))
 
     def _wait_ready(self) -> dict:
         return super()._wait_ready() if self.is_waited else {}

@@ -135,3 +135,17 @@ def test_a_key_sees_and_runs_only_its_tenants_files_and_batches(start_http_daemo
     assert tenants["alice"]["num_generated_tokens"] == num_lines * max_tokens
     with pytest.raises(openai.AuthenticationError):
         daemon.openai(api_key="key-carol").batches.list()
+
+
+def test_a_job_fills_every_slot_of_a_daemon_wider_than_64(start_http_daemon, tiny_tools_model_path):
+    """A job keeps as many requests outstanding as the daemon decodes at once (at least 64):
+    on --parallel 128 its lines run more than 64 at a time."""
+    d = start_http_daemon(tiny_tools_model_path, "--parallel", "128", "--ctx-size", str(128 * 256),
+                          "--threads", "1", "--alias", "m")
+    api = d.openai()
+    body = {"model": "m", "prompt": "count", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    batch = _wait_final(api, _create(api, [_line(f"r{i}", body) for i in range(256)]).id)
+    assert batch.status == "completed" and batch.request_counts.completed == 256, d.log()
+    with d.client() as client:
+        stats = client.stats()
+    assert stats["avg_concurrent_seqs"] > 64, stats["avg_concurrent_seqs"]

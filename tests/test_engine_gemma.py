@@ -4,6 +4,7 @@ import llama_cpp.llama_cpp as lc
 import pytest
 
 from cbatch.config import EngineConfig
+from cbatch.errors import INVALID_CONFIG, CbatchError
 from cbatch.workers.engine.engine import Engine
 from enginekit import collect, generate, run_to_completion, submit
 
@@ -84,3 +85,15 @@ def test_a_prefix_longer_than_the_sliding_window_is_reused_exactly(gemma_model_p
     finally:
         on.close()
         off.close()
+
+
+def test_the_pool_refuses_more_sequences_than_its_ids_can_hold_on_a_sliding_window_model(gemma_model_path):
+    """With --kv-unified a sliding-window model's running sequence holds two KV sequence ids
+    (its own and a pin), so 256 ids run at most 128 sequences: more is refused at the start,
+    not left waiting in the queue."""
+    config = {"model_path": gemma_model_path, "ctx_size": 129 * 256, "kv_unified": True}
+    with pytest.raises(CbatchError) as refused:
+        Engine(EngineConfig(**config, parallel=129))
+    assert refused.value.code == INVALID_CONFIG
+    assert "at most 128 run at once; lower --parallel or leave out --kv-unified" in refused.value.message
+    Engine(EngineConfig(**config, parallel=128)).close()

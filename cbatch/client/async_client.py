@@ -46,8 +46,11 @@ class AsyncClient(ClientBase):
         self._unsent: collections.deque[tuple[float, list[bytes]]] = collections.deque()
         self._is_kicked = True  # something may be ready: the pump looks before it sleeps
         self._wakeup: asyncio.Future | None = None  # what the sleeping pump awaits
+        # The ring's wake pipe as registered with the pump's event loop (None: not registered)
+        self._wake_fd: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the pump's
         self._session = Session(self._send, use_ring and self.endpoint.startswith("ipc://"),
-                                on_arrival=self._on_arrival)
+                                on_arrival=self._on_arrival, before_ring_closes=self._unwatch_wake_fd)
         # What each waiting coroutine waits on (a stream, a reply's nonce, CONNECTION) -> its
         # futures: an arrival wakes those, and the hundreds of requests an HTTP server
         # waits on at once do not all wake whenever one of them gets a token.
@@ -86,16 +89,16 @@ class AsyncClient(ClientBase):
 
     async def _pump(self) -> None:
         loop, session = asyncio.get_running_loop(), self._session
-        dealer_fd, wake_fd, wake_source = self._dealer.getsockopt(zmq.FD), None, None
+        self._loop, dealer_fd, wake_source = loop, self._dealer.getsockopt(zmq.FD), None
         loop.add_reader(dealer_fd, self._kick)
         try:
             while True:
                 if wake_source is not session.wake_source:  # attached to a ring, or a restarted daemon's
-                    if wake_fd is not None:
-                        loop.remove_reader(wake_fd)
-                    wake_fd, wake_source = session.wake_fd, session.wake_source
-                    if wake_fd is not None:
-                        loop.add_reader(wake_fd, self._kick)
+                    self._unwatch_wake_fd(self._wake_fd)
+                    wake_source = session.wake_source
+                    if session.wake_fd is not None:
+                        self._wake_fd = session.wake_fd
+                        loop.add_reader(self._wake_fd, self._kick)
                 if not self._is_kicked:
                     await self._sleep(loop, SAFETY_POLL_S if session.is_waiting else LIVENESS_S)
                 self._is_kicked = False
@@ -112,8 +115,14 @@ class AsyncClient(ClientBase):
             raise
         finally:
             loop.remove_reader(dealer_fd)
-            if wake_fd is not None:
-                loop.remove_reader(wake_fd)
+            self._unwatch_wake_fd(self._wake_fd)
+
+    def _unwatch_wake_fd(self, wake_fd: int | None) -> None:
+        """The ring's wake pipe out of the event loop: before the session closes it (the
+        session calls this), and when the pump moves to another ring or stops."""
+        if wake_fd is not None and wake_fd == self._wake_fd:
+            self._loop.remove_reader(wake_fd)
+            self._wake_fd = None
 
     async def _sleep(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         """Until a registered descriptor is readable, a send was made, or timeout_s passed
@@ -154,7 +163,9 @@ class AsyncClient(ClientBase):
                 self._dealer.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again as exc:
                 if now_s >= fails_at_s:
-                    self._unsent.clear()  # the session fails what waits on the daemon
+                    # The messages behind it go too: the session fails every request and
+                    # reply waiting on the daemon, which they were for.
+                    self._unsent.clear()
                     if not self._session.is_closed:
                         self._session.on_send_failed(exc)
                 return

@@ -30,10 +30,14 @@ class RingInbox:
             if self._is_woken:
                 return
             self._is_woken = True
-        try:
-            os.write(self._wake_write_fd, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # a full pipe already wakes the reader; a closed one has no reader left
+            # Written and read under the lock, so that the pipe holds a byte exactly while
+            # _is_woken is set: a byte left behind by a drain that ran between the flag and
+            # the write would keep the pipe readable for good, and a driver that keeps it
+            # registered with its event loop would spin.
+            try:
+                os.write(self._wake_write_fd, b"\0")
+            except (BlockingIOError, OSError):
+                pass  # a closed pipe has no reader left
 
     def drain(self) -> tuple[dict[int, list], set[int], RingError | None]:
         """Everything put since the last drain; clears the wake-up."""
@@ -43,10 +47,10 @@ class RingInbox:
             taken = self._rows, self._gapped_ids, self._error
             self._rows, self._gapped_ids, self._error = {}, set(), None
             self._is_woken = False
-        try:
-            os.read(self.wake_fd, 4096)
-        except (BlockingIOError, OSError):
-            pass
+            try:
+                os.read(self.wake_fd, 4096)
+            except (BlockingIOError, OSError):
+                pass
         return taken
 
     def close(self) -> None:

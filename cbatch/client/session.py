@@ -27,12 +27,15 @@ CONNECTION = "connection"
 
 
 class Session:
-    def __init__(self, send, use_ring: bool, clock=time.monotonic, on_arrival=None):
+    def __init__(self, send, use_ring: bool, clock=time.monotonic, on_arrival=None, before_ring_closes=None):
         self._send_frames = send  # callable(list[bytes]); the driver's socket send
         self._clock = clock  # seconds; the drivers' time.monotonic, a test's own
         # callable(key): something arrived for a RequestStream, a reply's nonce, or
         # CONNECTION; a driver that wakes waiters one by one wakes that key's.
         self._on_arrival = on_arrival or (lambda key: None)
+        # callable(wake_fd): the ring's wake pipe is about to be closed; a driver that keeps
+        # it registered with an event loop takes it out first.
+        self._before_ring_closes = before_ring_closes or (lambda wake_fd: None)
         self.use_ring = use_ring
         self._wants_ring = use_ring  # as asked, whatever a daemon offered since
         self.welcome: dict | None = None
@@ -173,8 +176,7 @@ class Session:
         client until it says HELLO again) or recreated its ring; the old ring is given up."""
         is_another_ring = self.welcome is not None and body.get("ring_name") != self.welcome.get("ring_name")
         if is_another_ring and self._ring is not None:
-            self._ring.close()
-            self._ring = None
+            self._close_ring()
             self.use_ring = self._wants_ring
         if body.get("use_ring") and self._ring is None:
             try:
@@ -296,5 +298,9 @@ class Session:
     def close(self) -> None:
         self.is_closed = True
         if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+            self._close_ring()
+
+    def _close_ring(self) -> None:
+        self._before_ring_closes(self._ring.wake_fd)
+        self._ring.close()
+        self._ring = None

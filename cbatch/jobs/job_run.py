@@ -112,7 +112,7 @@ class JobRun:
         try:
             with self.interruptible():
                 run_batch(functools.partial(client.stream_batch, patience=patience), items, make_line, results,
-                          DEFAULT_MAX_IN_FLIGHT, is_progress_drawn=False)
+                          max(DEFAULT_MAX_IN_FLIGHT, self.health["parallel"]), is_progress_drawn=False)
         except BatchInterrupted as interrupted:
             if interrupted.reason is not None:
                 log.warning("cbatch jobs: %s paused: %s", self.batch["id"], interrupted.reason.message)

@@ -3,8 +3,8 @@ drained by the daemon's supervisor), and the only one that runs jobs, however ma
 processes take them: they only write the state directory, which this process scans.
 
 It is one more client of the daemon. Jobs run one at a time, oldest first, each with up to
-DEFAULT_MAX_IN_FLIGHT requests outstanding at batch priority, so interactive requests go
-first. A watcher thread stops the running job (KeyboardInterrupt in the main thread, as
+DEFAULT_MAX_IN_FLIGHT requests outstanding (or the daemon's --parallel, where that is
+more) at batch priority, so interactive requests go first. A watcher thread stops the running job (KeyboardInterrupt in the main thread, as
 Ctrl-C stops cbatch-submit: outstanding requests are cancelled, finished lines are kept)
 when it is cancelled or its window ends, and the whole process when it is told to drain
 (SIGTERM) or the daemon that started it is gone. One runner per state directory: a

@@ -15,7 +15,7 @@ worker drives it (workers/decode/worker.py), tests and benchmarks drive it in-pr
 import time
 
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError
+from cbatch.errors import CbatchError, INVALID_CONFIG
 from cbatch.model import resolve_model_path
 from cbatch.ipc.records import TokenEvent
 from cbatch.params import Request
@@ -42,6 +42,13 @@ class Engine:
         if config.kv_unified:
             kv = KVCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
                                 config.max_cached_cells, pin_indexed_cells=self.runner.has_swa)
+            if kv.pin_indexed_cells and config.parallel > self.runner.num_seq_ids // 2:
+                self.runner.close()
+                raise CbatchError(INVALID_CONFIG, f"--parallel {config.parallel} with --kv-unified on a model with "
+                                  f"sliding-window layers: each running sequence holds two of llama.cpp's "
+                                  f"{self.runner.num_seq_ids} KV sequence ids there, so at most "
+                                  f"{self.runner.num_seq_ids // 2} run at once; lower --parallel or leave out "
+                                  f"--kv-unified")
         else:
             kv = StreamCacheManager(self.runner.num_seq_ids, self.runner.ctx_per_seq, self.runner.has_prefix_cache)
         self.scheduler = Scheduler(kv, config.parallel, config.batch_size, *config.max_queues, config.preempt_batch,
