@@ -89,13 +89,15 @@ class AsyncClient(ClientBase):
 
     async def _pump(self) -> None:
         loop, session = asyncio.get_running_loop(), self._session
-        self._loop, dealer_fd, wake_source = loop, self._dealer.getsockopt(zmq.FD), None
+        self._loop, dealer_fd = loop, self._dealer.getsockopt(zmq.FD)
         loop.add_reader(dealer_fd, self._kick)
         try:
             while True:
-                if wake_source is not session.wake_source:  # attached to a ring, or a restarted daemon's
+                # Attached to a ring, or to a restarted daemon's. A closed ring's pipe was
+                # taken out already (before_ring_closes), so a new pipe that reuses its
+                # number is registered too.
+                if self._wake_fd != session.wake_fd:
                     self._unwatch_wake_fd(self._wake_fd)
-                    wake_source = session.wake_source
                     if session.wake_fd is not None:
                         self._wake_fd = session.wake_fd
                         loop.add_reader(self._wake_fd, self._kick)

@@ -275,12 +275,6 @@ class Session:
         return bool(self.streams) or any(reply is None for reply in self.replies.values())
 
     @property
-    def wake_source(self) -> object | None:
-        """What wake_fd belongs to: a driver that keeps wake_fd registered registers it again
-        when this changes (a new ring's pipe may reuse a closed one's number)."""
-        return self._ring
-
-    @property
     def wake_fd(self) -> int | None:
         """Readable when the ring reader has records for this session: what a driver polls
         beside its socket. None while tokens come relayed."""
