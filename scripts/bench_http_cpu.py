@@ -128,8 +128,15 @@ def main() -> None:
             print(f"round {round_number} {row['parser']:>9}: {row['requests_per_s']:7.1f} req/s, HTTP process "
                   f"{row['http_cpu_ms']:.2f} ms CPU/request, whole daemon {row['daemon_cpu_ms']:.2f} ms; "
                   f"load generator {row['caller_cores']:.2f} cores{flag}")
-        ratio = rows["h11"]["http_cpu_ms"] / rows["httptools"]["http_cpu_ms"]
-        print(f"round {round_number}: HTTP CPU per request h11 / httptools = {ratio:.2f}x")
+        print(f"round {round_number}: HTTP CPU per request h11 / httptools = {cpu_ratio(rows, args.requests)}")
+
+
+def cpu_ratio(rows: dict, num_requests: int) -> str:
+    """The kernel counts CPU time in clock ticks (10 ms): a short run can show none for the faster parser."""
+    h11_ms, httptools_ms = rows["h11"]["http_cpu_ms"], rows["httptools"]["http_cpu_ms"]
+    if httptools_ms == 0:
+        return f"not measured (httptools used under one clock tick for {num_requests} requests: raise --requests)"
+    return f"{h11_ms / httptools_ms:.2f}x"
 
 
 if __name__ == "__main__":

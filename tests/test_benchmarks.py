@@ -128,7 +128,8 @@ def test_bench_http_cpu_prints_both_parsers_and_their_ratio(tiny_model_path):
     out = run_script("bench_http_cpu", "--model", tiny_model_path, "--requests", "8", "--callers", "2", "--rounds", "1")
     for parser in ("httptools", "h11"):
         assert re.search(rf"round 1\s+{parser}: +{NUMBER} req/s, HTTP process {NUMBER} ms CPU/request", out), out
-    assert re.search(rf"h11 / httptools = {NUMBER}x", out), out
+    # Eight requests can take under one clock tick of the faster parser's CPU: then the ratio says so.
+    assert re.search(rf"h11 / httptools = ({NUMBER}x|not measured \(httptools used under one clock tick)", out), out
 
 
 @pytest.mark.slow
