@@ -5,7 +5,7 @@ reach a queue, so the decode loop only ever sees well-formed requests.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
 from cbatch.errors import CbatchError, INVALID_REQUEST
@@ -187,6 +187,7 @@ _PARAM_CHECKS = {
     "reasoning_tags": lambda v: None if v is None else _reasoning_tags(v),
 }
 PARAM_NAMES = frozenset(_PARAM_CHECKS)
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 def parse_params(raw: dict) -> SamplingParams:
@@ -231,6 +232,28 @@ def parse_request(request_id: int, raw: dict) -> Request:
     if prompt is not None:
         return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params, **scheduling)
     return Request(request_id, messages=_messages(messages), params=params, **scheduling)
+
+
+def request_fields(request: Request, tenant_weight: float) -> list:
+    """A parsed request as plain values in field order, its tenant's weight set: how the
+    front-end hands it to the decode worker, which rebuilds it (request_from_fields)
+    instead of parsing the caller's body a second time."""
+    params = request.params
+    return [request.prompt, request.messages, [getattr(params, name) for name in _SAMPLING_FIELDS],
+            request.priority, request.timeout_s, request.tenant, tenant_weight]
+
+
+def request_from_fields(request_id: int, values: list) -> Request:
+    """request_fields' values back as the Request, unchecked: they were checked by
+    parse_request. msgpack carried its tuples as lists; the tuples come back."""
+    prompt, messages, param_values, priority_name, timeout_s, tenant_name, tenant_weight = values
+    params = dict(zip(_SAMPLING_FIELDS, param_values))
+    params["stop"] = tuple(params["stop"])
+    params["logit_bias"] = tuple(map(tuple, params["logit_bias"]))
+    if params["reasoning_tags"] is not None:
+        params["reasoning_tags"] = tuple(params["reasoning_tags"])
+    return Request(request_id, prompt, None if messages is None else tuple(map(tuple, messages)),
+                   SamplingParams(**params), priority_name, timeout_s, tenant_name, tenant_weight)
 
 
 def priority(value) -> str:

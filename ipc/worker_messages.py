@@ -36,7 +36,7 @@ class WorkerFailed:
 @dataclass
 class WorkerSubmit:
     request_id: int
-    body: dict
+    request: list  # cbatch.params.request_fields: the front-end parsed and checked it
     deadline_s: float = 0.0  # when it must end, on the host's monotonic clock (the front-end's daemon default
     #                          applied); 0 = never
 

@@ -49,6 +49,20 @@ def nested(depth: int) -> bytes:
     return b"\x91" * depth + b"\xc0"  # [[[...[nil]...]]]
 
 
+def grows_when_forwarded() -> list[bytes]:
+    """A submit just under the frame limit whose floats are single precision, as another
+    msgpack client may send them: forwarded to the worker they take 8 bytes each, and the
+    worker's frame would pass the limit."""
+    biases = {str(token): 1.5 for token in range(1024)}
+    body = {"messages": [], "logit_bias": biases}
+    frame_bytes = len(msgpack.packb({"request_id": 42, "body": body}, use_single_float=True))
+    while frame_bytes < MAX_FRAME_BYTES - 1024:
+        content = "a" * min(1_000_000, MAX_FRAME_BYTES - 1024 - frame_bytes - 32)
+        body["messages"].append({"role": "user", "content": content})
+        frame_bytes = len(msgpack.packb({"request_id": 42, "body": body}, use_single_float=True))
+    return [bytes((MsgType.SUBMIT,)), msgpack.packb({"request_id": 42, "body": body}, use_single_float=True)]
+
+
 BAD_FRAMES = {
     "garbage bytes": [b"\x00\xff\x13garbage"],
     "truncated": [bytes((MsgType.SUBMIT,)), msgpack.packb({"request_id": 1, "body": {"prompt": "x"}})[:-3]],
@@ -75,6 +89,7 @@ BAD_FRAMES = {
     "grammar nested to crash a parser": submit_frames({"prompt": "x", "grammar": "root ::= " + "(" * 30000 + '"a"' + ")" * 30000}),
     "non-string keys": submit_frames({"prompt": "x", b"raw": 1, "max_tokens": 2}),
     "prompt too long": submit_frames({"prompt": "long " * 1200}),
+    "too large once forwarded": grows_when_forwarded(),
     "cancel of unknown id": pack(MsgType.CANCEL, {"request_id": 99}),
     "fetch of unknown id": pack(MsgType.FETCH, {"request_id": 99, "from_index": 0}),
 }
@@ -83,7 +98,8 @@ EXPECTED_CODES = {
     "cancel of unknown id": "not_found", "fetch of unknown id": "not_found",
 }
 # Submits of request 42 whose body is wrong: the error names the request all the same.
-NAMES_THE_REQUEST = {"non-string keys", "unknown field", "bad grammar", "negative max_tokens", "prompt too long"}
+NAMES_THE_REQUEST = {"non-string keys", "unknown field", "bad grammar", "negative max_tokens", "prompt too long",
+                     "too large once forwarded"}
 
 
 @pytest.mark.parametrize("name", list(BAD_FRAMES))

@@ -77,7 +77,7 @@ def test_owed_finishes_are_per_owner_and_forgotten_at_expiry():
 
 def test_failed_requests_are_counted_by_code_and_not_kept():
     table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
-    table.add(TrackedRequest(1, b"a", is_relayed=False, body={"prompt": "x"}))
+    table.add(TrackedRequest(1, b"a", is_relayed=False, submit=[b"\x01", b"held"]))
     assert table.active[1].is_held
     table.fail(table.active[1], "worker_restarted")
     assert table.get(1) is None and table.num_ended_by_outcome == {"worker_restarted": 1}
@@ -86,7 +86,8 @@ def test_failed_requests_are_counted_by_code_and_not_kept():
 def test_worker_messages_round_trip_as_their_structs():
     step = [TokenEvent(7, [1, 2], "hi", logprobs=[{"a": 1}, {"b": 2}]), TokenEvent(8, [], "", "stop", {"prompt_tokens": 1}, index=3)]
     events = WorkerEvents.of_step(step, frame_events(step)[0], stats={"num_active": 1})
-    for message in (events, WorkerSubmit(5, {"prompt": "x"}), WorkerReject(5, "invalid_request", "bad")):
+    submit = WorkerSubmit(5, ["x", None, [], "interactive", None, "default", 1.0])
+    for message in (events, submit, WorkerReject(5, "invalid_request", "bad")):
         assert decode(encode(message)) == message
     assert record_request_ids(events.records) == [7, 7, 8]
     assert [row[:5] for row in relay_rows(events.records)] == [[0, 1, 0, 0, 0], [1, 2, 0, 0, 0], [3, -1, 1, 1, 4]]

@@ -11,16 +11,15 @@ requests over it and reads what it knows of the live worker.
 import logging
 import time
 
-import msgpack
 import zmq
 
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN
 from cbatch.ipc.records import TokenEvent, frame_events
 from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject,
-                                        WorkerSubmit)
+                                        WorkerSubmit, encode)
 from cbatch.model import served_model_names
-from cbatch.params import BATCH, parse_request
+from cbatch.params import BATCH, parse_request, request_fields
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.embed_relay import EmbedRelay
@@ -156,30 +155,32 @@ class FrontEnd:
         if not 1 <= request_id <= MAX_REQUEST_ID:
             raise ProtocolError("request_id must be in [1, 2**63 - 1]")
         request_body = field(body, "body", dict)
-        # Bad input is refused here, before it costs the worker anything.
+        # Bad input is refused here, before it costs the worker anything; the worker takes
+        # the parsed request as it is, encoded once here (and kept so until a worker is ready).
         request = parse_request(request_id, request_body)
+        is_batch, now_s = request.priority == BATCH, time.monotonic()
+        deadline_s = self.config.deadline_s(request.timeout_s, is_batch, now_s)
         # The keys file's weight, whatever a client said: the worker shares the steps by it.
-        request_body = {**request_body, "tenant_weight": self.requests.ledger.weight(request.tenant)}
-        if len(msgpack.packb(request_body)) > MAX_FRAME_BYTES - 1024:  # floats re-encode wider
+        weight = self.requests.ledger.weight(request.tenant)
+        submit = encode(WorkerSubmit(request_id, request_fields(request, weight), deadline_s))
+        if len(submit[1]) > MAX_FRAME_BYTES:  # its floats may have been narrower in the caller's encoding
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self._is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
         shape = self.quarantine.admit(request_body)
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
-        wants_logprobs = request_body.get("logprobs") is not None
-        is_batch, now_s = request.priority == BATCH, time.monotonic()
+        wants_logprobs = request.params.logprobs is not None
         tracked = TrackedRequest(
             request_id, identity, is_relayed=wants_logprobs or not self.handshakes.reads_ring(identity),
-            body=request_body, logprobs={} if wants_logprobs else None, is_batch=is_batch,
-            deadline_s=self.config.deadline_s(request.timeout_s, is_batch, now_s), shape=shape,
-            tenant=request.tenant)
+            submit=submit, logprobs={} if wants_logprobs else None, is_batch=is_batch, deadline_s=deadline_s,
+            shape=shape, tenant=request.tenant)
         self.requests.add(tracked, now_s)
         self._forward(tracked)  # held here while the worker (re)starts, sent when it is ready
 
     def _forward(self, tracked: TrackedRequest) -> None:
         if self.worker.ready is not None and tracked.is_held:
-            self.worker.send(WorkerSubmit(tracked.request_id, tracked.body, tracked.deadline_s))
-            tracked.body = None
+            self.worker.send_encoded(tracked.submit)
+            tracked.submit = None
 
     def _cancel(self, identity: bytes, body: dict) -> None:
         tracked = self.requests.owned(identity, field(body, "request_id", int))

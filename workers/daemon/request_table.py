@@ -30,7 +30,7 @@ class TrackedRequest:
     request_id: int
     owner: bytes  # the client's ROUTER identity
     is_relayed: bool  # the owner reads records over ZeroMQ instead of the ring
-    body: dict | None = None  # the request, kept only until it reaches a ready worker
+    submit: list[bytes] | None = None  # its WorkerSubmit, encoded: kept only until it reaches a ready worker
     finish: dict | None = None  # the FINISHED body, once finished (resent on request)
     records: bytearray = field(default_factory=bytearray)  # its records so far, framed as in the ring
     finished_at_s: float | None = None
@@ -43,7 +43,7 @@ class TrackedRequest:
     @property
     def is_held(self) -> bool:
         """Not yet handed to a worker (none was ready): nothing has run."""
-        return self.body is not None
+        return self.submit is not None
 
     @property
     def num_records(self) -> int:

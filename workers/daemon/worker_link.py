@@ -34,8 +34,11 @@ class WorkerLink:
         self.ready = self.failure = None
 
     def send(self, message) -> None:
+        self.send_encoded(encode(message))
+
+    def send_encoded(self, frames: list[bytes]) -> None:
         if self.ready is not None:
-            self.socket.send_multipart([self._identity, *encode(message)], zmq.NOBLOCK)
+            self.socket.send_multipart([self._identity, *frames], zmq.NOBLOCK)
 
     def receive(self):
         """Yield the live worker's messages; READY, FAILED and stats are recorded on the way."""

@@ -133,7 +133,7 @@ class WorkerIO(threading.Thread):
             return
         if isinstance(message, WorkerSubmit):
             self.preparing.add(message.request_id)  # before the preparer can hand it on
-            (self.large_inbox if is_large_prompt(message.body) else self.inbox).put(message)
+            (self.large_inbox if is_large_prompt(message) else self.inbox).put(message)
         elif isinstance(message, WorkerEmbed):  # tokenized by the preparer too
             self.inbox.put(message)
         else:

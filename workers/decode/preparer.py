@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded, WorkerReject, WorkerSubmit
-from cbatch.params import parse_request
+from cbatch.params import request_from_fields
 from cbatch.workers.engine.embedder import EmbedJob, Embedder
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sequence import Sequence
@@ -29,15 +29,12 @@ PREPARE_NICE_INCREMENT = 10
 MIN_LARGE_PROMPT_CHARS = 1 << 16
 
 
-def is_large_prompt(body: dict) -> bool:
-    """Judged on the raw body (the front-end checked its shape): the prompt, or the chat
-    messages' text."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
+def is_large_prompt(submit: WorkerSubmit) -> bool:
+    """The prompt, or the chat messages' text, judged before the request is rebuilt."""
+    prompt, messages = submit.request[0], submit.request[1]
+    if prompt is not None:
         return len(prompt) >= MIN_LARGE_PROMPT_CHARS
-    messages = body.get("messages")
-    contents = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
-    return sum(len(c) for c in contents if isinstance(c, str)) >= MIN_LARGE_PROMPT_CHARS
+    return sum(len(content) for _, content in messages) >= MIN_LARGE_PROMPT_CHARS
 
 
 class RequestPreparer(threading.Thread):
@@ -65,7 +62,7 @@ class RequestPreparer(threading.Thread):
             return self._prepare_embed(submit)
         try:
             self._mark_preparing(submit.request_id)
-            seq = self._engine.prepare(parse_request(submit.request_id, submit.body))
+            seq = self._engine.prepare(request_from_fields(submit.request_id, submit.request))
             if submit.deadline_s:  # counted from the request's arrival at the front-end
                 seq.deadline_s = submit.deadline_s
             return seq
