@@ -211,9 +211,9 @@ class AsyncClient(ClientBase):
         if "n" in params:
             return raise_any(await self.generate_batch([choice_items(prompt, messages, params)]))
         stream = self.submit(prompt, messages, **params)
-        stream.is_whole = True
-        async for _ in self.read(stream):
-            pass
+        stream.is_whole, stream.keeps_chunks = True, False
+        with self._reading(stream):
+            await self._wait(lambda: stream.is_done, [stream])
         return stream.completion()
 
     async def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,

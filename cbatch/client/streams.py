@@ -70,6 +70,9 @@ class RequestStream:
     # reader for the first chunk (its time to first token) and at its end, not every step.
     is_whole: bool = False
     has_woken: bool = False
+    # False for generate(), which takes the completion at the end and no chunk: then none
+    # is made (a chunk a step was most of a whole response's cost to its client).
+    keeps_chunks: bool = True
 
     def __post_init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -143,7 +146,8 @@ class RequestStream:
         self.token_ids += token_ids
         self.text_parts.append(text)
         self.logprobs += fields.get("logprobs") or []
-        self.pending.append(Chunk(self.label, text, token_ids, finish_reason, **fields))
+        if self.keeps_chunks:
+            self.pending.append(Chunk(self.label, text, token_ids, finish_reason, **fields))
 
     def _complete_if_ready(self) -> None:
         if self.is_done or self.finished is None or self.next_index < self.finished["num_records"]:

@@ -82,8 +82,9 @@ class Client(ClientBase):
         if "n" in params:
             return raise_any(self.generate_batch([choice_items(prompt, messages, params)]))
         stream = self.submit(prompt, messages, **params)
-        for _ in self.read(stream):
-            pass
+        stream.keeps_chunks = False
+        with self._reading(stream):
+            self._wait(lambda: stream.is_done)
         return stream.completion()
 
     def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
