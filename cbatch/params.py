@@ -155,7 +155,7 @@ def _logit_bias(value):
         raise invalid(f"logit_bias takes at most {MAX_LOGIT_BIASES} token ids, got {len(value)}")
     biases = []
     for key, bias in value.items():
-        if not isinstance(key, str) or not key.isdigit():
+        if not isinstance(key, str) or not (key.isascii() and key.isdigit()):  # "²" is a digit to isdigit
             raise invalid(f"logit_bias keys must be token ids written as decimal strings, got {key!r}")
         biases.append((int(key), _float("logit_bias[]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
     return tuple(sorted(biases))

@@ -100,7 +100,7 @@ def measure(model: str, parser: str, args) -> dict:
         own_before = time.process_time()
         wall_s = run_callers(port, args.requests, args.callers, args.max_tokens, args.new_connections)
         num = args.requests // args.callers * args.callers
-        return {"parser": parser, "requests_per_s": num / wall_s,
+        return {"parser": parser, "num_requests": num, "requests_per_s": num / wall_s,
                 "http_cpu_ms": 1000 * (sum(map(cpu_seconds, http_pids)) - http_before) / num,
                 "daemon_cpu_ms": 1000 * (sum(map(cpu_seconds, all_pids)) - all_before) / num,
                 "caller_cores": (time.process_time() - own_before) / wall_s}
@@ -128,14 +128,15 @@ def main() -> None:
             print(f"round {round_number} {row['parser']:>9}: {row['requests_per_s']:7.1f} req/s, HTTP process "
                   f"{row['http_cpu_ms']:.2f} ms CPU/request, whole daemon {row['daemon_cpu_ms']:.2f} ms; "
                   f"load generator {row['caller_cores']:.2f} cores{flag}")
-        print(f"round {round_number}: HTTP CPU per request h11 / httptools = {cpu_ratio(rows, args.requests)}")
+        print(f"round {round_number}: HTTP CPU per request h11 / httptools = {cpu_ratio(rows)}")
 
 
-def cpu_ratio(rows: dict, num_requests: int) -> str:
+def cpu_ratio(rows: dict) -> str:
     """The kernel counts CPU time in clock ticks (10 ms): a short run can show none for the faster parser."""
     h11_ms, httptools_ms = rows["h11"]["http_cpu_ms"], rows["httptools"]["http_cpu_ms"]
     if httptools_ms == 0:
-        return f"not measured (httptools used under one clock tick for {num_requests} requests: raise --requests)"
+        return (f"not measured (httptools used under one clock tick for {rows['httptools']['num_requests']} "
+                "requests: raise --requests)")
     return f"{h11_ms / httptools_ms:.2f}x"
 
 

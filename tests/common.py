@@ -1,7 +1,11 @@
-"""What many tests share: request parameters, a free port, and children that take Ctrl-C."""
+"""What many tests share: request parameters, a free port, children that take Ctrl-C, and
+a request as the front-end hands it to the decode worker."""
 
 import signal
 import socket
+
+from cbatch.ipc.worker_messages import WorkerSubmit
+from cbatch.params import parse_request, request_fields
 
 # Greedy and never ending early: a request's token count is exactly its max_tokens.
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -18,3 +22,8 @@ def default_sigint() -> None:
     background has SIGINT ignored (as a shell does for `cmd &`), which a child inherits and
     Python then keeps, so the interrupt would never arrive."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def worker_submit(request_id: int, body: dict, tenant_weight: float = 1.0) -> WorkerSubmit:
+    """A request as the front-end hands it to the decode worker: parsed, the weight set."""
+    return WorkerSubmit(request_id, request_fields(parse_request(request_id, body), tenant_weight))

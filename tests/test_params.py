@@ -32,6 +32,7 @@ BAD_BODIES = [
     ({"prompt": "x", "grammar": "root ::= " + "(" * 100 + '"a"' + ")" * 100}, "nests groups 100 deep"),
     ({"prompt": "x", b"raw": 1}, "keys must be strings"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias keys"),  # a digit to str.isdigit, not to int()
     ({"prompt": "x", "grammar": "root ::= \"a\"", "ignore_eos": True}, "cannot be combined"),
     ({"prompt": "x", "temprature": 0.5}, "unknown parameter"),
     ({"prompt": ""}, "prompt"),

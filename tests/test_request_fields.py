@@ -1,13 +1,16 @@
 """The front-end hands the decode worker the request it parsed, as plain values: property,
 whatever valid body a caller sends, the worker rebuilds exactly the Request the front-end
-parsed (same fields, same types: tuples, not the lists msgpack carries), with the tenant's
-weight from the keys file rather than the caller's."""
+parsed (every field equal and of the same type: tuples, not the lists msgpack carries),
+with the tenant's weight from the keys file rather than the caller's."""
+
+import dataclasses
 
 from hypothesis import given, settings, strategies as st
 
 from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
 from cbatch.params import parse_request, request_fields, request_from_fields
 from cbatch.workers.decode.preparer import MIN_LARGE_PROMPT_CHARS, is_large_prompt
+from common import worker_submit
 
 TEXT = st.text(min_size=1, max_size=12)  # hypothesis draws no lone surrogates, which parse_request refuses
 
@@ -19,39 +22,49 @@ def bodies():
                                         "content": st.text(max_size=12)}),
                  min_size=1, max_size=4).map(lambda messages: {"messages": messages}))
     fields = st.fixed_dictionaries({}, optional={
-        "max_tokens": st.integers(1, 1 << 20), "temperature": st.floats(0, 100), "top_k": st.integers(0, 50),
-        "top_p": st.floats(0.01, 1), "min_p": st.floats(0, 1), "repeat_penalty": st.floats(0.1, 10),
-        "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "seed": st.integers(-1, 1 << 31),
-        "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3)), "grammar": st.just('root ::= "a"'),
-        "logprobs": st.one_of(st.none(), st.integers(0, 20)),
-        "logit_bias": st.dictionaries(st.integers(0, 1000).map(str), st.floats(-100, 100), max_size=3),
+        "max_tokens": st.integers(1, 1 << 20), "temperature": st.one_of(st.integers(0, 2), st.floats(0, 100)),
+        "top_k": st.integers(0, 50), "top_p": st.floats(0.01, 1), "min_p": st.floats(0, 1),
+        "repeat_penalty": st.floats(0.1, 10), "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2), "seed": st.integers(-1, 1 << 31),
+        "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3)), "logprobs": st.one_of(st.none(), st.integers(0, 20)),
+        "logit_bias": st.dictionaries(st.integers(0, 1000).map(str), st.one_of(st.integers(-100, 100),
+                                                                               st.floats(-100, 100)), max_size=3),
         "min_tokens": st.integers(0, 8), "reasoning_budget": st.one_of(st.none(), st.integers(0, 8)),
         "reasoning_tags": st.one_of(st.none(), st.just(["<t>", "</t>"])),
         "priority": st.sampled_from(["interactive", "batch"]), "timeout": st.one_of(st.none(), st.floats(0.5, 60)),
         "tenant": st.sampled_from(["default", "team-a"]), "tenant_weight": st.floats(0.5, 4)})
-    return st.tuples(content, fields).map(lambda parts: {**parts[0], **parts[1]})
+    # A grammar, or ignore_eos, or neither: parse_request refuses the two together.
+    ending = st.one_of(st.just({}), st.just({"grammar": 'root ::= "a"'}), st.booleans().map(lambda b: {"ignore_eos": b}))
+    return st.tuples(content, fields, ending).map(lambda parts: {**parts[0], **parts[1], **parts[2]})
+
+
+def types_of(value):
+    """The value's type and, inside tuples and lists, its items' types."""
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(types_of(item) for item in value)
+    return type(value)
 
 
 @settings(max_examples=300, deadline=None)
 @given(body=bodies(), weight=st.floats(0.1, 10))
 def test_the_worker_rebuilds_the_request_the_front_end_parsed(body, weight):
-    parsed = parse_request(7, body)
+    parsed = dataclasses.replace(parse_request(7, body), tenant_weight=weight)
     submit = decode(encode(WorkerSubmit(7, request_fields(parsed, weight), 12.5)))
     rebuilt = request_from_fields(submit.request_id, submit.request)
-    assert rebuilt.tenant_weight == weight
-    assert rebuilt.params == parsed.params and hash(rebuilt.params) == hash(parsed.params)
-    assert (rebuilt.request_id, rebuilt.prompt, rebuilt.messages, rebuilt.priority, rebuilt.timeout_s, rebuilt.tenant) \
-        == (parsed.request_id, parsed.prompt, parsed.messages, parsed.priority, parsed.timeout_s, parsed.tenant)
+    assert rebuilt == parsed and hash(rebuilt.params) == hash(parsed.params)
+    for name in [f.name for f in dataclasses.fields(parsed) if f.name != "params"]:
+        assert types_of(getattr(rebuilt, name)) == types_of(getattr(parsed, name)), name
+    for name in [f.name for f in dataclasses.fields(parsed.params)]:
+        assert types_of(getattr(rebuilt.params, name)) == types_of(getattr(parsed.params, name)), name
     assert submit.deadline_s == 12.5
 
 
 def test_a_large_prompt_is_told_from_the_fields_alone():
-    def submit(body):
-        return WorkerSubmit(1, request_fields(parse_request(1, body), 1.0))
-
-    assert is_large_prompt(submit({"prompt": "x" * MIN_LARGE_PROMPT_CHARS}))
-    assert not is_large_prompt(submit({"prompt": "x" * (MIN_LARGE_PROMPT_CHARS - 1)}))
+    assert is_large_prompt(worker_submit(1, {"prompt": "x" * MIN_LARGE_PROMPT_CHARS}))
+    assert not is_large_prompt(worker_submit(1, {"prompt": "x" * (MIN_LARGE_PROMPT_CHARS - 1)}))
     half = "y" * (MIN_LARGE_PROMPT_CHARS // 2)
-    assert is_large_prompt(submit({"messages": [{"role": "system", "content": half},
-                                                {"role": "user", "content": half}]}))
-    assert not is_large_prompt(submit({"messages": [{"role": "user", "content": half}]}))
+    assert is_large_prompt(worker_submit(1, {"messages": [{"role": "system", "content": half},
+                                                          {"role": "user", "content": half}]}))
+    assert not is_large_prompt(worker_submit(1, {"messages": [{"role": "user", "content": half}]}))
+    # A malformed one (a front-end bug) is not large: the preparer rejects it, the I/O thread lives on.
+    assert not is_large_prompt(WorkerSubmit(1, []))

@@ -18,7 +18,6 @@ import zmq
 from cbatch.config import EngineConfig
 from cbatch.ipc.records import record_request_ids
 from cbatch.ipc.ring import create_ring
-from cbatch.params import parse_request, request_fields
 from cbatch.protocol import MsgType, pack
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 from cbatch.workers.decode.worker import run_decode_worker
@@ -27,6 +26,7 @@ from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEvents, WorkerReady,
                                        decode, encode)
 from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT
 from cbatch.workers.engine.runner import LlamaRunner
+from common import worker_submit
 
 GENERATION = 1
 REPLY_TIMEOUT_S = 60.0  # the first reply includes loading the model
@@ -129,13 +129,8 @@ def front_end(tiny_model_path):
         stand_in.close()
 
 
-def submit(request_id: int, body: dict) -> WorkerSubmit:
-    """A request as the front-end hands it on: parsed, and the keys file's weight set."""
-    return WorkerSubmit(request_id, request_fields(parse_request(request_id, body), 1.0))
-
-
 def run_to_finish(stand_in: FrontEndStandIn, request_id: int) -> str:
-    stand_in.send(submit(request_id, {"prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
+    stand_in.send(worker_submit(request_id, {"prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
     while True:
         step = stand_in.recv(WorkerEvents)
         assert set(record_request_ids(step.records)) == {request_id}
@@ -145,7 +140,7 @@ def run_to_finish(stand_in: FrontEndStandIn, request_id: int) -> str:
 
 def test_an_unexpected_failure_to_prepare_costs_only_that_request(front_end):
     stand_in = front_end(run_worker_with_a_faulty_prepare)
-    stand_in.send(submit(1, {"prompt": FAULTY_PROMPT, "max_tokens": 3}))
+    stand_in.send(worker_submit(1, {"prompt": FAULTY_PROMPT, "max_tokens": 3}))
     assert stand_in.recv(WorkerReject) == WorkerReject(1, "internal", "the worker failed to prepare this request: KeyError")
     # The preparer lives on: the next submits run, on the same worker.
     assert run_to_finish(stand_in, 2) == "length"
@@ -175,11 +170,19 @@ def test_a_command_the_worker_cannot_read_ends_its_request(front_end):
     assert run_to_finish(stand_in, 8) == "length"  # and the worker serves on
 
 
+def test_a_submit_the_worker_cannot_rebuild_ends_only_its_request(front_end):
+    stand_in = front_end()
+    stand_in.send(WorkerSubmit(7, ["x"]))  # as a front-end bug would: too few fields
+    reject = stand_in.recv(WorkerReject)
+    assert (reject.request_id, reject.code) == (7, "internal"), reject.message
+    assert run_to_finish(stand_in, 8) == "length"  # and the worker serves on
+
+
 def test_a_cancel_does_not_wait_behind_a_long_preparation(front_end):
     stand_in = front_end(run_worker_with_a_slow_prepare, ctx_size=8192)
-    stand_in.send(submit(1, {"prompt": "x", "max_tokens": 8000, "temperature": 0, "ignore_eos": True}))
+    stand_in.send(worker_submit(1, {"prompt": "x", "max_tokens": 8000, "temperature": 0, "ignore_eos": True}))
     assert record_request_ids(stand_in.recv(WorkerEvents).records)[0] == 1  # running
-    stand_in.send(submit(2, {"prompt": SLOW_PROMPT, "max_tokens": 3}))
+    stand_in.send(worker_submit(2, {"prompt": SLOW_PROMPT, "max_tokens": 3}))
     stand_in.send(WorkerCancel(1))
     stand_in.send(WorkerCancel(2))  # overtakes its submit: kept until the request is prepared
     while True:
@@ -192,7 +195,7 @@ def test_a_cancel_does_not_wait_behind_a_long_preparation(front_end):
 
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(front_end):
     stand_in = front_end(run_worker_that_refuses_to_tokenize_huge_prompts)
-    stand_in.send(submit(1, {"prompt": "many words " * 50_000, "max_tokens": 3}))
+    stand_in.send(worker_submit(1, {"prompt": "many words " * 50_000, "max_tokens": 3}))
     reject = stand_in.recv(WorkerReject)
     assert (reject.request_id, reject.code) == (1, "prompt_too_long"), reject.message
     assert "550000 bytes" in reject.message

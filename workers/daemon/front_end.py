@@ -167,7 +167,7 @@ class FrontEnd:
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self._is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
-        shape = self.quarantine.admit(request_body)
+        shape = self.quarantine.admit(request)
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request.params.logprobs is not None
         tracked = TrackedRequest(

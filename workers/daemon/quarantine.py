@@ -4,28 +4,33 @@ A request must never be able to crash the worker (the engine guards every input 
 of), but if one does, a caller that repeats it must not be able to keep every other
 caller's work failing. The worker marks the request it is inside llama.cpp for, alone (its
 sampling, its preparation), in the ring's header; when the worker dies with such a mark,
-that request's shape is quarantined here. A shape is the request's parameters without its
-text and scheduling (prompt or messages, seed, priority, timeout): the same parameters
-with another prompt crash the same way. The set lives as long as the daemon and holds at
+that request's shape is quarantined here. A shape is the request's sampling parameters as
+parsed, defaults filled in, without its seed (and without its text and scheduling): the
+same parameters with another prompt crash the same way, and spelling a default out or
+writing 1 for 1.0 makes no other shape. The set lives as long as the daemon and holds at
 most MAX_SHAPES (the oldest go first).
 """
 
+import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.params import Request, SamplingParams
 
 MAX_SHAPES = 1024
-_NOT_SHAPE = frozenset({"prompt", "messages", "seed", "priority", "timeout"})
 QUARANTINED_MESSAGE = ("a request with these parameters (whatever its prompt) made the decode worker crash, so the "
                        "daemon refuses them until it restarts; change grammar, min_tokens, logit_bias or the sampling "
                        "fields, and report the request")
 
 
-def shape_fields(body: dict) -> dict:
-    """The body's parameters: what makes its shape."""
-    return {key: value for key, value in body.items() if key not in _NOT_SHAPE}
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "seed")
+
+
+def shape_fields(params: SamplingParams) -> dict:
+    """The sampling parameters but the seed: what makes a request's shape."""
+    return {name: getattr(params, name) for name in _SHAPE_FIELDS}
 
 
 def request_shape(fields: dict) -> bytes:
@@ -40,16 +45,15 @@ class Quarantine:
     def __len__(self) -> int:
         return len(self._shapes)
 
-    def add(self, fields: dict) -> None:
-        self._shapes[request_shape(fields)] = None
+    def add(self, params: SamplingParams) -> None:
+        self._shapes[request_shape(shape_fields(params))] = None
         while len(self._shapes) > MAX_SHAPES:
             self._shapes.popitem(last=False)
 
-    def admit(self, body: dict) -> dict:
-        """The body's shape fields, kept in case it crashes the worker; raises the refusal
-        when that shape is quarantined. Digested only while something is quarantined: the
+    def admit(self, request: Request) -> SamplingParams:
+        """The request's parameters, kept in case it crashes the worker; raises the refusal
+        when their shape is quarantined. Digested only while something is quarantined: the
         digest (a sorted JSON encoding) was a tenth of the front-end's CPU per request."""
-        fields = shape_fields(body)
-        if self._shapes and request_shape(fields) in self._shapes:
+        if self._shapes and request_shape(shape_fields(request.params)) in self._shapes:
             raise CbatchError(INVALID_REQUEST, QUARANTINED_MESSAGE)
-        return fields
+        return request.params

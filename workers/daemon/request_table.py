@@ -18,7 +18,7 @@ from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
 from cbatch.ipc.records import RECORD_SIZE_BYTES
-from cbatch.params import PRIORITIES
+from cbatch.params import PRIORITIES, SamplingParams
 from cbatch.wording import counted
 from cbatch.workers.daemon.tenant_ledger import TenantLedger
 
@@ -37,7 +37,7 @@ class TrackedRequest:
     logprobs: dict[int, list] | None = None  # token record index -> logprobs entry, when the request asked
     is_batch: bool = False  # priority "batch": handed to a worker after the interactive requests held with it
     deadline_s: float = 0.0  # monotonic clock; 0 = none
-    shape: dict | None = None  # quarantine.shape_fields of its body, kept in case it crashes the worker
+    shape: SamplingParams | None = None  # its parameters, kept in case it crashes the worker (quarantine.py)
     tenant: str = DEFAULT_TENANT
 
     @property

@@ -30,11 +30,14 @@ MIN_LARGE_PROMPT_CHARS = 1 << 16
 
 
 def is_large_prompt(submit: WorkerSubmit) -> bool:
-    """The prompt, or the chat messages' text, judged before the request is rebuilt."""
-    prompt, messages = submit.request[0], submit.request[1]
-    if prompt is not None:
-        return len(prompt) >= MIN_LARGE_PROMPT_CHARS
-    return sum(len(content) for _, content in messages) >= MIN_LARGE_PROMPT_CHARS
+    """The prompt, or the chat messages' text, judged on the I/O thread before the request
+    is rebuilt. A malformed request (a front-end bug) is not large: the preparer rejects it."""
+    try:
+        prompt, messages = submit.request[0], submit.request[1]
+        num_chars = len(prompt) if prompt is not None else sum(len(content) for _, content in messages)
+    except (TypeError, ValueError, IndexError, KeyError):
+        return False
+    return num_chars >= MIN_LARGE_PROMPT_CHARS
 
 
 class RequestPreparer(threading.Thread):
@@ -66,7 +69,7 @@ class RequestPreparer(threading.Thread):
             if submit.deadline_s:  # counted from the request's arrival at the front-end
                 seq.deadline_s = submit.deadline_s
             return seq
-        except (CbatchError, ValueError) as err:
+        except CbatchError as err:
             return rejection(submit.request_id, err)
         except Exception as err:
             # A bug costs this request an `internal` error, not the worker: prepare reads only
