@@ -40,3 +40,25 @@ def test_the_wake_pipe_is_readable_only_while_rows_wait():
         assert not is_readable(inbox.wake_fd)
     finally:
         inbox.close()
+
+
+def test_a_quiet_requests_rows_wake_nobody_and_are_drained_all_the_same():
+    inbox = RingInbox()
+    try:
+        inbox.set_quiet(1, True)
+        inbox.put({1: [(0, 5, 0, 0, 1, "a")]})
+        assert not is_readable(inbox.wake_fd)  # a generate() waiting for its end is not woken a step
+        inbox.put({1: [(1, 6, 0, 0, 1, "b")]})
+        assert inbox.drain()[0] == {1: [(0, 5, 0, 0, 1, "a"), (1, 6, 0, 0, 1, "b")]}  # a FINISHED drains them
+        assert inbox.drain()[0] == {} and not is_readable(inbox.wake_fd)
+        inbox.put({1: [(2, 7, 0, 0, 1, "")], 2: [(0, 8, 0, 0, 1, "")]})  # beside a request that streams
+        assert is_readable(inbox.wake_fd)
+        assert set(inbox.drain()[0]) == {1, 2} and not is_readable(inbox.wake_fd)
+        inbox.put({}, gapped_ids=[1])  # missing records must be fetched: that wakes
+        assert is_readable(inbox.wake_fd)
+        assert inbox.drain()[1] == {1}
+        inbox.set_quiet(1, False)  # unwatched: the id is forgotten
+        inbox.put({1: [(3, 9, 0, 0, 1, "")]})
+        assert is_readable(inbox.wake_fd)
+    finally:
+        inbox.close()

@@ -210,8 +210,7 @@ class AsyncClient(ClientBase):
         """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
         if "n" in params:
             return raise_any(await self.generate_batch([choice_items(prompt, messages, params)]))
-        stream = self.submit(prompt, messages, **params)
-        stream.is_whole, stream.keeps_chunks = True, False
+        stream = self._submit_whole(prompt, messages, params)
         with self._reading(stream):
             await self._wait(lambda: stream.is_done, [stream])
         return stream.completion()

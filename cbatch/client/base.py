@@ -150,6 +150,11 @@ class ClientBase:
         """Send a request; read its chunks with read(stream)."""
         return self._session.submit(_request_body(prompt, messages, params))
 
+    def _submit_whole(self, prompt: str | None, messages: list | None, params: dict) -> RequestStream:
+        """A request whose completion alone is wanted (generate): its stream makes no chunks,
+        and its records in the ring wake nobody until it ends."""
+        return self._session.submit(_request_body(prompt, messages, params), keeps_chunks=False)
+
     def cancel(self, request_id: int) -> None:
         """End a request early: its stream ends with finish_reason "cancelled" and keeps
         the tokens produced so far."""

@@ -82,7 +82,7 @@ class Session:
     def hello(self) -> None:
         self.send(MsgType.HELLO, {"version": PROTOCOL_VERSION, "use_ring": self.use_ring})
 
-    def submit(self, body: dict, label=None) -> RequestStream:
+    def submit(self, body: dict, label=None, keeps_chunks: bool = True) -> RequestStream:
         if not isinstance(body, dict):
             raise CbatchError(INVALID_REQUEST, "a request must be a dict")
         if self.failure is not None:
@@ -95,9 +95,9 @@ class Session:
         # Log-probabilities come relayed with their records, never from the ring.
         wants_logprobs = body.get("logprobs") is not None
         stream = RequestStream(request_id, request_id if label is None else label, heard_s=self._clock(),
-                               wants_logprobs=wants_logprobs, tool_plan=tool_plan)
+                               wants_logprobs=wants_logprobs, tool_plan=tool_plan, keeps_chunks=keeps_chunks)
         if self._ring is not None and not wants_logprobs:
-            self._ring.watch(request_id)  # before the worker can publish anything for it
+            self._ring.watch(request_id, is_quiet=not keeps_chunks)  # before the worker can publish for it
         self.streams[request_id] = stream
         try:
             self._send(frames)

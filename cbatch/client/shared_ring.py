@@ -211,7 +211,7 @@ class RingTap:
         self._watched_ids: set[int] = set()
         carried = [stream for stream in carried_streams if not stream.is_done and not stream.wants_logprobs]
         for stream in carried:
-            self.watch(stream.request_id, stream.next_index)
+            self.watch(stream.request_id, stream.next_index, is_quiet=not stream.keeps_chunks)
         if carried:
             self._reader.rewind()
         # A client dropped without close() still gives the reader back (and the last user's
@@ -231,13 +231,16 @@ class RingTap:
     def heartbeat_ns(self) -> int:
         return self._reader.heartbeat_ns
 
-    def watch(self, request_id: int, next_index: int = 0) -> None:
+    def watch(self, request_id: int, next_index: int = 0, is_quiet: bool = False) -> None:
+        """is_quiet: the request's records wake nobody (RingInbox)."""
         self._watched_ids.add(request_id)
+        self._inbox.set_quiet(request_id, is_quiet)
         self._reader.watch(request_id, self._inbox, next_index)
 
     def unwatch(self, request_id: int) -> None:
         self._watched_ids.discard(request_id)
         self._reader.unwatch(request_id)
+        self._inbox.set_quiet(request_id, False)
 
     def recovered(self, request_id: int, next_index: int) -> None:
         """Records up to next_index - 1 came over ZeroMQ: the ring's later ones are due again."""

@@ -81,8 +81,7 @@ class Client(ClientBase):
         """A Completion; with `n`, a list of n Completions whose `id` is the choice index."""
         if "n" in params:
             return raise_any(self.generate_batch([choice_items(prompt, messages, params)]))
-        stream = self.submit(prompt, messages, **params)
-        stream.keeps_chunks = False
+        stream = self._submit_whole(prompt, messages, params)
         with self._reading(stream):
             self._wait(lambda: stream.is_done)
         return stream.completion()
