@@ -70,7 +70,8 @@ def run_one_client(endpoint, bodies) -> tuple[float, list[int]]:
 
 
 def run_clients(endpoint, bodies, num_clients) -> tuple[float, list[int]]:
-    """num_clients Clients in threads of this process, each with its share of requests;
+    """num_clients Clients in threads of this process, each streaming its share of requests
+    (a stream's records wake its reader as they arrive; generate()'s wait for the end):
     all of them wake on every step's tick and take turns on the GIL."""
     latencies: list[int] = []
     counts = [0] * num_clients
@@ -80,7 +81,7 @@ def run_clients(endpoint, bodies, num_clients) -> tuple[float, list[int]]:
 
     def work(k):
         for body in bodies[k::num_clients]:
-            counts[k] += len(clients[k].generate(**body).token_ids)
+            counts[k] += sum(len(chunk.token_ids) for chunk in clients[k].stream(**body))
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(num_clients)]
     started = time.perf_counter()

@@ -4,6 +4,8 @@ while something waits to be drained, whatever the filling and draining threads d
 import select
 import threading
 
+import pytest
+
 from cbatch.client.ring_inbox import RingInbox
 
 NUM_PUTS = 20_000
@@ -13,12 +15,14 @@ def is_readable(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def test_the_wake_pipe_is_readable_only_while_rows_wait():
+@pytest.mark.parametrize("is_mixed", [False, True], ids=["one request", "beside a muted one"])
+def test_the_wake_pipe_is_readable_only_while_rows_wait(is_mixed):
     inbox = RingInbox()
+    inbox.set_muted(3, True)  # with is_mixed, every other put is its: rows that wake nobody
     try:
         def fill():
             for i in range(NUM_PUTS):
-                inbox.put({1: [(i, i, 0, 0, 1, "")]})
+                inbox.put({3 if is_mixed and i % 2 else 1: [(i, i, 0, 0, 1, "")]})
 
         filler = threading.Thread(target=fill)
         filler.start()
@@ -42,10 +46,10 @@ def test_the_wake_pipe_is_readable_only_while_rows_wait():
         inbox.close()
 
 
-def test_a_quiet_requests_rows_wake_nobody_and_are_drained_all_the_same():
+def test_a_muted_requests_rows_wake_nobody_and_are_drained_all_the_same():
     inbox = RingInbox()
     try:
-        inbox.set_quiet(1, True)
+        inbox.set_muted(1, True)
         inbox.put({1: [(0, 5, 0, 0, 1, "a")]})
         assert not is_readable(inbox.wake_fd)  # a generate() waiting for its end is not woken a step
         inbox.put({1: [(1, 6, 0, 0, 1, "b")]})
@@ -57,7 +61,7 @@ def test_a_quiet_requests_rows_wake_nobody_and_are_drained_all_the_same():
         inbox.put({}, gapped_ids=[1])  # missing records must be fetched: that wakes
         assert is_readable(inbox.wake_fd)
         assert inbox.drain()[1] == {1}
-        inbox.set_quiet(1, False)  # unwatched: the id is forgotten
+        inbox.set_muted(1, False)  # unwatched: the id is forgotten
         inbox.put({1: [(3, 9, 0, 0, 1, "")]})
         assert is_readable(inbox.wake_fd)
     finally:

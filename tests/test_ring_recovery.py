@@ -79,6 +79,44 @@ def test_a_reader_the_ring_lapped_gets_every_token_once(tiny_model_path, start_d
     assert num_fetches >= 3  # each of the three streams recovered over ZeroMQ
 
 
+# generate() in its own process: its request is muted in the client's ring inbox (no
+# wake-up until its end), and the ring laps it while it waits.
+GENERATE_SCRIPT = """
+import json, sys
+from cbatch import Client
+endpoint, body = sys.argv[1], json.loads(sys.argv[2])
+with Client(endpoint) as client:
+    assert client.info["use_ring"]
+    print("generating", flush=True)
+    reply = client.generate(**body)
+print(json.dumps([reply.token_ids, reply.text, reply.finish_reason]), flush=True)
+"""
+
+
+def test_a_generate_the_ring_lapped_returns_every_token_once(tiny_model_path, start_daemon):
+    d = start_daemon(tiny_model_path, *SOLO_ARGS, "--ring-capacity", str(RING_RECORDS))
+    body = {"prompt": "lapped while waiting whole", "max_tokens": 1000, **GREEDY}
+    with d.client(use_ring=False) as watcher:
+        want = watcher.generate(**body)
+        wait_until(lambda: watcher.stats()["num_active"] == 0, timeout_s=60.0)
+        before = watcher.stats()
+        reader = subprocess.Popen([sys.executable, "-c", GENERATE_SCRIPT, d.endpoint, json.dumps(body)],
+                                  env=d.env, stdout=subprocess.PIPE, text=True)
+        try:
+            assert reader.stdout.readline() == "generating\n"
+            wait_until(lambda: watcher.stats()["num_in_flight"] == 1, timeout_s=60.0)
+            with stopped(reader):  # mid-request: the ring laps it four times
+                wait_until(lambda: watcher.stats()["num_steps"] >= before["num_steps"] + 4 * RING_RECORDS, timeout_s=60.0)
+                assert watcher.stats()["num_in_flight"] == 1, "finished before the reader was lapped: raise max_tokens"
+            token_ids, text, finish_reason = json.loads(reader.stdout.readline())
+            assert reader.wait(timeout=60) == 0
+        finally:
+            reader.kill()
+            reader.wait()
+        assert watcher.stats()["num_fetches"] > before["num_fetches"]  # recovered over ZeroMQ
+    assert (token_ids, text, finish_reason) == (want.token_ids, want.text, "length")
+
+
 @contextlib.contextmanager
 def stopped(process: subprocess.Popen):
     """The process is stopped (SIGSTOP, as a debugger or a swapped-out host would) meanwhile."""

@@ -107,7 +107,10 @@ class AsyncClient(ClientBase):
                 while self._dealer.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     session.on_frames(self._dealer.recv_multipart(zmq.NOBLOCK))
                 if self._unsent:
+                    num_unsent = len(self._unsent)
                     self._send_unsent(time.monotonic())
+                    if len(self._unsent) < num_unsent:
+                        self._kick()  # the sends may have consumed the descriptor's signal of an arrival
                 session.read_ring()
                 session.check_liveness(time.monotonic())
         except BaseException as exc:  # including CancelledError at close()

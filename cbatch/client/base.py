@@ -174,6 +174,8 @@ class ClientBase:
             yield
         finally:
             if not self._session.is_closed:
-                if not stream.is_done:
-                    self._session.cancel(stream.request_id)
-                self._session.forget(stream)
+                try:
+                    if not stream.is_done:
+                        self._session.cancel(stream.request_id)  # may raise: a send that timed out
+                finally:
+                    self._session.forget(stream)

@@ -10,7 +10,7 @@ class RingInbox:
     """What the shared reader hands one session: record rows per request, the ids whose
     records may be missing, and a ring error. Filled by any thread; drained by the
     session's own, which `wake_fd` (a pipe) wakes once per fill until it drains. Rows of a
-    quiet request wake nobody: its reader waits for its FINISHED message, which drains
+    muted request wake nobody: its reader waits for its FINISHED message, which drains
     them, and the session's safety poll drains them meanwhile."""
 
     def __init__(self):
@@ -19,25 +19,25 @@ class RingInbox:
         self._gapped_ids: set[int] = set()
         self._error: RingError | None = None
         self._is_woken = False
-        self._quiet_ids: set[int] = set()
+        self._muted_ids: set[int] = set()
         self.wake_fd, self._wake_write_fd = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_write_fd, False)
 
-    def set_quiet(self, request_id: int, is_quiet: bool) -> None:
+    def set_muted(self, request_id: int, is_muted: bool) -> None:
         with self._lock:
-            if is_quiet:
-                self._quiet_ids.add(request_id)
+            if is_muted:
+                self._muted_ids.add(request_id)
             else:
-                self._quiet_ids.discard(request_id)
+                self._muted_ids.discard(request_id)
 
     def put(self, rows_by_request: dict[int, list], gapped_ids=(), error: RingError | None = None) -> None:
         with self._lock:
-            quiet_ids = self._quiet_ids
+            muted_ids = self._muted_ids
             is_wake_due = bool(gapped_ids) or error is not None
             for request_id, rows in rows_by_request.items():
                 self._rows.setdefault(request_id, []).extend(rows)
-                is_wake_due = is_wake_due or request_id not in quiet_ids
+                is_wake_due = is_wake_due or request_id not in muted_ids
             self._gapped_ids.update(gapped_ids)
             self._error = self._error or error
             if self._is_woken or not is_wake_due:
@@ -59,7 +59,7 @@ class RingInbox:
                 return {}, set(), None  # the common case of a driver's safety poll
             taken = self._rows, self._gapped_ids, self._error
             self._rows, self._gapped_ids, self._error = {}, set(), None
-            if self._is_woken:  # quiet rows alone leave the pipe empty
+            if self._is_woken:  # muted rows alone leave the pipe empty
                 self._is_woken = False
                 try:
                     os.read(self.wake_fd, 4096)

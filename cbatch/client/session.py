@@ -97,7 +97,7 @@ class Session:
         stream = RequestStream(request_id, request_id if label is None else label, heard_s=self._clock(),
                                wants_logprobs=wants_logprobs, tool_plan=tool_plan, keeps_chunks=keeps_chunks)
         if self._ring is not None and not wants_logprobs:
-            self._ring.watch(request_id, is_quiet=not keeps_chunks)  # before the worker can publish for it
+            self._ring.watch(request_id, is_muted=not keeps_chunks)  # before the worker can publish for it
         self.streams[request_id] = stream
         try:
             self._send(frames)

@@ -5,7 +5,8 @@ threaded web app) woke 64 times a step, parsed every record 64 times and took tu
 the GIL. Now one reader per ring per process does the reading: a thread wakes on the
 worker's tick, reads each published step once and puts each watched request's records
 into the inbox of the session that watches it, waking only the sessions that got
-something. A session drains its inbox on its own thread, so session state is only ever
+something their reader waits for (the records of a muted request, one generate() waits
+on whole, wake nobody: ring_inbox.py). A session drains its inbox on its own thread, so session state is only ever
 touched by the thread that owns it.
 
 Exactly once: the one RingReader, under a lock, returns each record once, and each
@@ -211,7 +212,7 @@ class RingTap:
         self._watched_ids: set[int] = set()
         carried = [stream for stream in carried_streams if not stream.is_done and not stream.wants_logprobs]
         for stream in carried:
-            self.watch(stream.request_id, stream.next_index, is_quiet=not stream.keeps_chunks)
+            self.watch(stream.request_id, stream.next_index, is_muted=not stream.keeps_chunks)
         if carried:
             self._reader.rewind()
         # A client dropped without close() still gives the reader back (and the last user's
@@ -231,16 +232,16 @@ class RingTap:
     def heartbeat_ns(self) -> int:
         return self._reader.heartbeat_ns
 
-    def watch(self, request_id: int, next_index: int = 0, is_quiet: bool = False) -> None:
-        """is_quiet: the request's records wake nobody (RingInbox)."""
+    def watch(self, request_id: int, next_index: int = 0, is_muted: bool = False) -> None:
+        """is_muted: the request's records wake nobody (RingInbox)."""
         self._watched_ids.add(request_id)
-        self._inbox.set_quiet(request_id, is_quiet)
+        self._inbox.set_muted(request_id, is_muted)
         self._reader.watch(request_id, self._inbox, next_index)
 
     def unwatch(self, request_id: int) -> None:
         self._watched_ids.discard(request_id)
         self._reader.unwatch(request_id)
-        self._inbox.set_quiet(request_id, False)
+        self._inbox.set_muted(request_id, False)
 
     def recovered(self, request_id: int, next_index: int) -> None:
         """Records up to next_index - 1 came over ZeroMQ: the ring's later ones are due again."""
