@@ -6,8 +6,8 @@ the GIL. Now one reader per ring per process does the reading: a thread wakes on
 worker's tick, reads each published step once and puts each watched request's records
 into the inbox of the session that watches it, waking only the sessions that got
 something their reader waits for (the records of a muted request, one generate() waits
-on whole, wake nobody: ring_inbox.py). A session drains its inbox on its own thread, so session state is only ever
-touched by the thread that owns it.
+on whole, wake nobody: ring_inbox.py). A session drains its inbox on its own thread, so
+session state is only ever touched by the thread that owns it.
 
 Exactly once: the one RingReader, under a lock, returns each record once, and each
 record goes to the one inbox that watches its request.
