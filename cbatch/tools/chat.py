@@ -29,7 +29,7 @@ def prepare_chat(body: dict, template: ChatTemplate | None) -> tuple[dict, ToolP
         messages = cbatch_messages(body.get("messages"))
         rest["messages"] = plan.with_instructions(messages) if plan else messages
     if plan is not None and plan.is_forced:
-        if "grammar" in rest:
+        if "grammar" in rest or "json_schema" in rest:
             raise invalid("tool_choice required or a named function constrains the answer to a call: "
                           "give no grammar or response_format with it")
         rest["grammar"] = plan.grammar()

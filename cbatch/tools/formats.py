@@ -7,17 +7,20 @@
 - BareJson (Llama 3.1 and the like): the whole answer is one `{"name", "arguments"}` (or
   "parameters", as the template says).
 
-A format's grammar is built from one JSON schema per function for one call
-(schema_grammar.py), so a forced call's arguments always match their schema.
+A format's grammar is llguidance's Lark (call_grammar.py): the format's own text around
+each allowed function's call, whose arguments are that function's parameter schema, so a
+forced call's arguments always match their schema. The decode worker compiles it.
 """
 
 import json
 import re
 
 from cbatch.partial_markers import partial_marker_len
-from cbatch.tools.schema_grammar import SchemaFields
+from cbatch.tools.call_grammar import call_grammar, lark_literal
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE = '{"tool_calls": [', "]}"  # JSON_ANSWER's text around its calls
+NEWLINE = "\n"
 _TAGGED_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
@@ -49,12 +52,12 @@ def _json(text: str):
 class JsonAnswer:
     arguments_key = "arguments"
 
-    def grammar(self, call_schemas: list[dict], is_one_call: bool, schemas: SchemaFields) -> str:
-        """`call_schemas` are made of `schemas`' checked nodes."""
-        return schemas.grammar({"type": "object", "additionalProperties": False, "required": ["tool_calls"],
-                                "properties": {"tool_calls": {"type": "array", "minItems": 1,
-                                                              "items": {"anyOf": call_schemas},
-                                                              **({"maxItems": 1} if is_one_call else {})}}}, "tools")
+    def grammar(self, functions: dict[str, dict], is_one_call: bool) -> str:
+        """Lark for an answer that is a call (calls, unless `is_one_call`) of `functions`
+        (name -> parameter schema)."""
+        more = "" if is_one_call else f" ({lark_literal(', ')} call)*"
+        start = f"{lark_literal(TOOL_CALLS_OPEN)} call{more} {lark_literal(TOOL_CALLS_CLOSE)}"
+        return call_grammar(start, functions, self.arguments_key)
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         answer = _json(text)
@@ -71,8 +74,8 @@ class BareJson(JsonAnswer):
     def __init__(self, arguments_key: str):
         self.arguments_key = arguments_key
 
-    def grammar(self, call_schemas: list[dict], is_one_call: bool, schemas: SchemaFields) -> str:
-        return schemas.grammar({"anyOf": call_schemas}, "tools")  # one call: the format has no room for more
+    def grammar(self, functions: dict[str, dict], is_one_call: bool) -> str:
+        return call_grammar("call", functions, self.arguments_key)  # one call: the format has no room for more
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         answer = _json(text)
@@ -87,10 +90,10 @@ class Tagged(BareJson):
     def __init__(self):
         super().__init__("arguments")
 
-    def grammar(self, call_schemas: list[dict], is_one_call: bool, schemas: SchemaFields) -> str:
-        block = f'"{TOOL_CALL_OPEN}\\n" tool-call "\\n{TOOL_CALL_CLOSE}"'
-        more = "" if is_one_call else f' ("\\n" {block})*'
-        return schemas.grammar({"anyOf": call_schemas}, "tools", "tool-call", head=f"root ::= {block}{more}\n")
+    def grammar(self, functions: dict[str, dict], is_one_call: bool) -> str:
+        block = f"{lark_literal(TOOL_CALL_OPEN + NEWLINE)} call {lark_literal(NEWLINE + TOOL_CALL_CLOSE)}"
+        more = "" if is_one_call else f" ({lark_literal(NEWLINE)} {block})*"
+        return call_grammar(block + more, functions, self.arguments_key)
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         blocks = _TAGGED_CALL.findall(text)

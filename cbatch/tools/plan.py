@@ -2,7 +2,7 @@
 which format the model writes them (formats.py).
 
 With `tool_choice` "required" or a named function the answer is constrained by a grammar
-built from the functions' parameter schemas, so it is always a call whose arguments
+around the functions' parameter schemas (call_grammar.py), so it is always a call whose arguments
 match its function's schema; with "auto" the model answers freely and an answer that is
 a call becomes `tool_calls`; with "none" the tools are not offered.
 """
@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from cbatch.params import invalid
 from cbatch.tools.formats import JSON_ANSWER, JsonAnswer
-from cbatch.tools.schema_grammar import SchemaFields
 
 MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -57,14 +56,10 @@ class ToolPlan:
         return [{"role": "system", "content": self.instructions()}, *messages]
 
     def grammar(self) -> str:
-        """GBNF for an answer that is a call (calls, when parallel) of the allowed functions;
-        a refusal names the tool's field to change (schema_grammar.py)."""
-        key, schemas = self.format.arguments_key, SchemaFields()
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                  "properties": {"name": {"const": name},
-                                 key: schemas.checked(spec["parameters"], f"tools[{i}].function.parameters")}}
-                 for i, (name, spec) in enumerate(self.functions.items()) if self.choice in ("required", name)]
-        return self.format.grammar(calls, self.choice != "required" or not self.is_parallel, schemas)
+        """llguidance's Lark for an answer that is a call (calls, when parallel) of the
+        allowed functions; the decode worker compiles it."""
+        allowed = {name: spec["parameters"] for name, spec in self.functions.items() if self.choice in ("required", name)}
+        return self.format.grammar(allowed, self.choice != "required" or not self.is_parallel)
 
     def parse(self, text: str) -> tuple[str | None, list[dict]] | None:
         """(the answer's text besides its calls or None, its calls in OpenAI's shape); None

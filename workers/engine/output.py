@@ -1,5 +1,6 @@
 """A step's sampled tokens into its events: which sequences end (end of generation, a
-last allowed token, a stop string, a dead end of their grammar) and the text of the rest.
+last allowed token, a completed or dead-ended constraint, a stop string) and the text of
+the rest.
 
 Two passes, because of overlap (engine.py): settle() needs token ids only and runs before
 the next batch is queued, so the batch never carries a sequence that has already ended;
@@ -22,10 +23,11 @@ class OutputProcessor:
 
     def settle(self, sampled: list[tuple[Sequence, int]], dead_ends: list[tuple[Sequence, CbatchError | None]],
                logprobs: dict[int, list], events: list[TokenEvent]) -> list[tuple[Sequence, int]]:
-        """What needs token ids only: a dead end (its grammar allows no token it may take:
-        `stop` when the grammar is complete, else its error), an end of generation or a last
-        allowed token ends its sequence now (into `events`); the others get their token
-        appended and are returned for their text."""
+        """What needs token ids only: a dead end (its constraint allows no token it may take:
+        `stop` when the constraint is complete, else its error), an end of generation, a
+        last allowed token or a constraint that allows nothing more (`stop`, this token
+        kept) ends its sequence now (into `events`); the others get their token appended and
+        are returned for their text."""
         finish = self._finish
         for seq, error in dead_ends:
             if seq.status is SeqStatus.FINISHED:
@@ -40,10 +42,12 @@ class OutputProcessor:
                 continue
             output_ids = seq.output_ids
             output_ids.append(token)
-            if len(output_ids) >= seq.max_output_tokens:
+            is_complete = seq.matcher is not None and seq.matcher.is_stopped()
+            if is_complete or len(output_ids) >= seq.max_output_tokens:
                 text = seq.text.push(self._token_piece(token))
                 event = (finish(seq, FinishReason.STOP, token_ids=[token], text=text) if seq.text.is_stopped
-                         else finish(seq, FinishReason.LENGTH, token_ids=[token], text=text + seq.text.finish()))
+                         else finish(seq, FinishReason.STOP if is_complete else FinishReason.LENGTH,
+                                     token_ids=[token], text=text + seq.text.finish()))
                 events.append(attach_logprobs(event, logprobs))
             else:
                 to_text.append((seq, token))

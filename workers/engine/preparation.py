@@ -1,5 +1,5 @@
 """Turning a validated request into a Sequence: the prompt's text and tokens, the checks
-that it fits, and its sampler chain. Reads only the model, never engine state, so the
+that it fits, its sampler chain and its constraint's matcher. Reads only the model, never engine state, so the
 decode worker runs it off the decode loop's thread."""
 
 import math
@@ -34,9 +34,12 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
             "(shorten the prompt or raise --ctx-size)",
         )
     on_backend = runner.has_backend_sampling and not needs_host_sampling(request.params)
+    # Compiled (or taken from the cache) before the chain is made: a refusal leaks no chain.
+    matcher = runner.constraints.matcher(request.params) if request.params.has_constraint else None
     sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, prompt_ids, on_backend)
     deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
-    return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, is_backend_sampled=on_backend,
+    return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, matcher=matcher,
+                    is_backend_sampled=on_backend,
                     is_batch=request.priority == BATCH, deadline_s=deadline_s, budget=_budget(runner, request, text, model_reasoning),
                     tenant=request.tenant, tenant_weight=request.tenant_weight)
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST
+from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
 from cbatch.workers.engine.sampling.backend import BackendSamplers
 from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
 from cbatch.workers.engine.scheduler import BatchSpan
@@ -111,6 +112,7 @@ class LlamaRunner:
         self.ctx_per_seq = min(lc.llama_n_ctx_seq(self.ctx) if self.ctx else config.ctx_per_seq,
                                self.num_cells // config.parallel)
         self.eog_ids = np.array([t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)], np.int32)
+        self.constraints = ConstraintCompiler(self.vocab, self.eog_ids)  # JSON schemas and grammars, compiled once
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(MAX_PIECE_BYTES)

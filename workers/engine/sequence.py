@@ -50,6 +50,7 @@ class Sequence:
     num_cached: int = 0  # leading tokens of prompt + output whose KV is computed
     sampler: object | None = None  # llama.cpp sampler chain, None for plain greedy
     is_backend_sampled: bool = False  # sampled inside llama_decode's graph (backend sampling)
+    matcher: object | None = None  # its constraint's llguidance matcher, at the end of output_ids
     text: TextStream = None  # type: ignore[assignment]
     max_output_tokens: int = 0  # the output length that ends it (set by the engine when it is added)
     arrived_s: float = field(default_factory=time.monotonic)  # when the engine got it (monotonic clock)

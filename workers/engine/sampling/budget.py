@@ -3,19 +3,17 @@
 spent without the close tag, the close tag's tokens are forced, one a step, in place of
 sampled ones, and the answer follows.
 
-A forced token is accepted by the sequence's sampler chain as a sampled one would be
-(penalty history, grammar position), so a grammar goes on from after the tag. A token
-the grammar does not allow at that point is not forced (llama.cpp aborts on a grammar
-accepting a token it rejects): the close tag is tried again from its start at the next
-step, and the model samples meanwhile. Forcing is decided from token ids and pieces
+A forced token is consumed by the sequence's constraint and accepted by its sampler
+chain as a sampled one would be, so a constraint goes on from after the tag. A token the
+constraint does not allow at that point is not forced (a matcher never takes a token it
+rejects): the close tag is tried again from its start at the next step, and the model
+samples meanwhile. Forcing is decided from token ids and pieces
 only, when the step samples, so it is the same with overlap on or off (the next batch is
 queued after the forced token is appended) and with backend sampling (the token llama.cpp
 sampled in its graph is replaced; such chains hold no state to accept into).
 """
 
 import llama_cpp.llama_cpp as lc
-
-from cbatch.workers.engine.sampling.guarded import grammar_allows
 
 
 class ThinkingBudget:
@@ -54,23 +52,24 @@ class ThinkingBudget:
             self.is_done = True
 
     def on_refused(self) -> None:
-        """The grammar does not allow the token to force now: start the tag over."""
+        """The constraint does not allow the token to force now: start the tag over."""
         self.num_forced = 0
 
 
 def forced_tokens(logit_rows) -> dict:
     """sequence -> the token forced on it at this step, for the sampling sequences whose
-    budget is spent; each forced token is accepted into its host chain here."""
+    budget is spent; each forced token is consumed by its constraint and accepted into its
+    host chain here."""
     forced = {}
     for seq, _, _ in logit_rows:
         budget = seq.budget
         token = budget.next_forced() if budget is not None else None
         if token is None:
             continue
-        chain = seq.sampler if not seq.is_backend_sampled else None
-        if chain is not None and not grammar_allows(chain, token):
+        if seq.matcher is not None and seq.matcher.try_consume_tokens([token]) != 1:
             budget.on_refused()
             continue
+        chain = seq.sampler if not seq.is_backend_sampled else None
         if chain is not None:
             lc.llama_sampler_accept(chain, token)
         forced[seq] = token

@@ -3,10 +3,11 @@
 With backend sampling (workers/backend_sampling.py) a request that does not need the host
 chain is sampled inside llama_decode's graph; its chain below is attached to its sequence
 id, plain greedy shares one chain per id. On the host, plain greedy (temperature 0, no
-penalties, no grammar) is one numpy argmax over the logit rows of all such sequences; no
+penalties) is one numpy argmax over the logit rows of all such sequences; no
 per-sequence object exists. Anything else gets its own llama.cpp sampler chain (native
 code over the full vocabulary), which also keeps the state that must live across steps:
-penalty history, grammar position, RNG.
+penalty history, RNG. A constraint is not in the chain: its matcher checks the chain's
+pick (constrained.py).
 """
 
 import llama_cpp.llama_cpp as lc
@@ -20,13 +21,13 @@ RANDOM_SEED = lc.LLAMA_DEFAULT_SEED
 
 
 def needs_host_sampling(params: SamplingParams) -> bool:
-    """Whether the request needs what llama.cpp cannot run inside its graph: a grammar,
+    """Whether the request needs what llama.cpp cannot run inside its graph: a constraint,
     penalties over the token history, a logit bias or min_tokens (applied to the host's
     logit rows here), and log-probabilities (read from those rows). Everything else can
     be backend-sampled."""
     return (
         params.logprobs is not None
-        or params.grammar is not None
+        or params.has_constraint
         or params.repeat_penalty != 1.0
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
@@ -56,11 +57,6 @@ def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, promp
     if params.is_plain_greedy and not (on_backend and params.ignore_eos):
         return None
     biases = _logit_biases(vocab, eog_ids, params)
-    grammar = None
-    if params.grammar is not None:
-        grammar = lc.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
-        if not grammar:
-            raise CbatchError(INVALID_REQUEST, "grammar does not parse as GBNF (it needs a 'root' rule)")
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     if biases:
         array = (lc.llama_logit_bias * len(biases))(*(lc.llama_logit_bias(t, b) for t, b in biases))
@@ -73,8 +69,6 @@ def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, promp
         for token in prompt_ids[-PENALTY_LAST_N:]:
             lc.llama_sampler_accept(penalties, token)
         lc.llama_sampler_chain_add(chain, penalties)
-    if grammar is not None:
-        lc.llama_sampler_chain_add(chain, grammar)
     if params.temperature == 0.0:
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         return chain
@@ -98,7 +92,7 @@ def suppress_eog(logits: np.ndarray, row: int, eog_ids: np.ndarray) -> None:
 
 def sample_with_chain(chain, ctx, batch_index: int) -> int:
     # Applies the chain to the logits of that batch row and accepts the result into
-    # the chain's state (penalties, grammar).
+    # the chain's state (penalties, RNG).
     return lc.llama_sampler_sample(chain, ctx, batch_index)
 
 

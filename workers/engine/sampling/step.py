@@ -1,5 +1,6 @@
 """Reading one decoded batch: which row each sampling sequence got, its token (sampled in
-llama.cpp's graph, by one numpy argmax for plain greedy, or by its host chain), and the
+llama.cpp's graph, by one numpy argmax for plain greedy, or by its host chain; a
+constrained row's pick then checked by its matcher, constrained.py), and the
 log-probabilities of those that asked.
 
 A batch may still hold the span of a sequence that ended after the batch was queued (a
@@ -11,7 +12,7 @@ import numpy as np
 
 from cbatch.errors import CbatchError
 from cbatch.workers.engine.sampling.budget import forced_tokens, track_budgets
-from cbatch.workers.engine.sampling.guarded import Candidates, dead_end_error, sample_guarded
+from cbatch.workers.engine.sampling.constrained import ConstrainedRows, Proposal
 from cbatch.workers.engine.sampling.host import greedy_rows, sample_with_chain, suppress_eog
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
 from cbatch.workers.engine.sequence import Sequence
@@ -23,8 +24,8 @@ class StepSampler:
         # Told the id of each request whose host chain runs, and 0 after them: the decode
         # worker's writes it where it outlives a crash (the ring's header; workers/daemon/quarantine.py).
         self._mark_sampling = mark_sampling or (lambda request_id: None)
-        self._candidates: Candidates | None = None  # made at the first grammar sequence's sample
-        # Sequences whose grammar left no allowed token at the last sample() (guarded.py),
+        self._constrained: ConstrainedRows | None = None  # made at the first constrained row
+        # Sequences whose constraint left no allowed token at the last sample() (constrained.py),
         # with the error that ends them (None: they end as `stop`); take_dead_ends() empties it.
         self._dead_ends: list[tuple[Sequence, CbatchError | None]] = []
 
@@ -44,38 +45,50 @@ class StepSampler:
         backend_indices = [index for seq, _, index in logit_rows if seq.is_backend_sampled]
         sampled = list(zip(backend_seqs, runner.sampled_tokens(backend_indices))) if backend_seqs else []
         greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
+        proposals = []
         if greedy:
             logits = runner.logits(num_outputs)
             masked = [row for seq, row in greedy if seq.params.ignore_eos]
             token_ids = greedy_rows(logits, [row for _, row in greedy], masked, runner.eog_ids)
-            sampled += [(seq, int(t)) for (seq, _), t in zip(greedy, token_ids.tolist())]
+            for (seq, row), token in zip(greedy, token_ids.tolist()):
+                if seq.matcher is None:
+                    sampled.append((seq, token))
+                else:
+                    proposals.append(Proposal(seq, row, token, None))
         mark = self._mark_sampling
         for seq, row, index in logit_rows:
             if seq.sampler is not None and not seq.is_backend_sampled:
                 mark(seq.request_id)
                 is_eog_banned = seq.num_output_tokens < seq.params.min_tokens
-                if seq.params.grammar is not None:
-                    self._sample_grammar(seq, runner.logits(num_outputs)[row], is_eog_banned, sampled)
+                if seq.matcher is not None:
+                    banned_ids = runner.eog_ids if is_eog_banned else None
+                    token = self.constrained.candidates.pick(seq.sampler, runner.logits(num_outputs)[row], banned_ids)
+                    proposals.append(Proposal(seq, row, token, banned_ids))
                     continue
                 if is_eog_banned:
                     suppress_eog(runner.logits(num_outputs), row, runner.eog_ids)
                 sampled.append((seq, sample_with_chain(seq.sampler, runner.ctx, index)))
+        if proposals:
+            kept, dead_ends = self.constrained.resolve(proposals, runner.logits(num_outputs), mark)
+            sampled += kept
+            self._dead_ends += dead_ends
         mark(0)
         if budgeted:
             sampled += forced.items()
             track_budgets(sampled, runner.token_piece)
         return sampled, self._logprobs(all_rows, num_outputs, sampled, raw_rows)
 
-    def _sample_grammar(self, seq: Sequence, logits_row: np.ndarray, is_eog_banned: bool,
-                        sampled: list[tuple[Sequence, int]]) -> None:
-        if self._candidates is None:
-            self._candidates = Candidates(len(logits_row))
-        eog_ids = self.runner.eog_ids
-        token = sample_guarded(seq.sampler, self._candidates, logits_row, eog_ids if is_eog_banned else None)
-        if token is None:
-            self._dead_ends.append((seq, dead_end_error(seq.sampler, eog_ids)))
-        else:
-            sampled.append((seq, token))
+    @property
+    def constrained(self) -> ConstrainedRows:
+        if self._constrained is None:
+            self._constrained = ConstrainedRows(self.runner.n_vocab, self.runner.eog_ids)
+        return self._constrained
+
+    @property
+    def constraint_counts(self) -> tuple[int, int]:
+        """(constrained tokens checked, of which missed) so far."""
+        rows = self._constrained
+        return (0, 0) if rows is None else (rows.num_checked, rows.num_missed)
 
     def take_dead_ends(self) -> list[tuple[Sequence, CbatchError | None]]:
         dead_ends, self._dead_ends = self._dead_ends, []
