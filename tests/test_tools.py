@@ -79,7 +79,7 @@ def test_a_forced_call_cut_by_max_tokens_says_length_and_keeps_its_text(api):
            "temperature": 0, "max_tokens": 20}
     choice = api.chat.completions.create(**ask).choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith('{ "tool_calls": [{"name": "get_weather"')
+    assert choice.message.content.startswith('{"tool_calls": [{"name": "get_weather"')
     chunks = [c.choices[0] for c in api.chat.completions.create(**ask, stream=True) if c.choices]
     assert chunks[-1].finish_reason == "length" and not any(c.delta.tool_calls for c in chunks)
     assert "".join(c.delta.content or "" for c in chunks) == choice.message.content

@@ -1,7 +1,7 @@
 """The decode worker process: the only process that loads the model.
 
 Three threads, so that nothing but decoding runs on the loop's:
-    WorkerIO (sockets) -> RequestPreparer (tokenize, chat template, grammar) -> engine loop
+    WorkerIO (sockets) -> RequestPreparer (tokenize, chat template, constraint) -> engine loop
                        -> (cancels, stop) --------------------------------------^
 Embedding requests take the same path (the preparer tokenizes them); the loop runs at
 most one embedding decode (workers/engine/embedder.py) between two generation steps.
@@ -16,6 +16,7 @@ events to the front-end.
 
 import os
 import signal
+import threading
 from typing import Callable
 
 import llama_cpp  # noqa: F401  before zmq, see cbatch/__init__.py
@@ -58,6 +59,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         publisher = EventPublisher(engine, embedder, ring, io, tick)
         for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
             RequestPreparer(engine, embedder, source, io.commands, ring.mark_preparing, nice_increment).start()
+        # Structured output's vocabulary adapter, built beside the first requests (constraint.py).
+        threading.Thread(target=engine.runner.constraints.tokenizer, name="worker-vocab-adapter", daemon=True).start()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
                             engine.reasoning,

@@ -3,8 +3,9 @@ matcher over the model's vocabulary, which says after every token which tokens m
 next.
 
 - The vocabulary adapter (llguidance's tokenizer over llama.cpp's vocabulary) is built
-  once per model, by the first constrained request's preparation (about a second for a
-  262k vocabulary), never on the decode loop's thread.
+  once per model, by a thread the decode worker starts with it (2 s for gemma's 262k
+  tokens on 2 cores), never on the decode loop's thread; a constraint compiled before it
+  is done waits for it.
 - A constraint is compiled in a preparer thread (llguidance releases the GIL while it
   builds), bounded by LIMITS, and kept by its text: the next request with the same
   schema or grammar gets a copy of the compiled matcher (a deep copy shares the compiled
@@ -16,10 +17,13 @@ Grammars: text that starts with `%llguidance` is llguidance's Lark (as llama.cpp
 takes it); any other is GBNF, converted to Lark by llguidance's own converter.
 """
 
+import ctypes
 import threading
 import time
 from collections import OrderedDict, deque
 
+import llama_cpp
+import llama_cpp.llama_cpp as lc
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -29,6 +33,10 @@ from cbatch.params import JSON_OPTIONS, SamplingParams
 LARK_MARKER = "%llguidance"
 MAX_COMPILED = 128  # compiled constraints kept for reuse, the least recently used dropped first
 MAX_TIMINGS = 1024  # compile times kept for the statistics
+MAX_PIECE_BYTES = 1 << 14
+# Tokens a grammar's text can never produce (their text is a control token's): llguidance
+# marks them with this first byte.
+SPECIAL_PREFIX = b"\xff"
 # llguidance's own bounds on a grammar's size and on each step's work: a hostile schema
 # fails to compile, or its request ends with an error, in bounded time and memory.
 LIMITS = llguidance.LLParserLimits(max_grammar_size=500_000, initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000,
@@ -53,6 +61,25 @@ def _llguidance_grammar(params: SamplingParams) -> tuple[str, str]:
         raise CbatchError(INVALID_REQUEST, f"grammar does not parse as GBNF: {err}") from None
 
 
+def vocabulary_adapter(vocab, eog_ids: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer over llama.cpp's vocabulary, as `llguidance.llamacpp` makes it
+    but with llama.cpp's current attribute call (its deprecated one warns per token)."""
+    buffer = ctypes.create_string_buffer(MAX_PIECE_BYTES)
+    special = lc.LLAMA_TOKEN_ATTR_CONTROL
+    user_defined = lc.LLAMA_TOKEN_ATTR_USER_DEFINED
+    pieces = []
+    for token in range(lc.llama_vocab_n_tokens(vocab)):
+        n = lc.llama_token_to_piece(vocab, token, buffer, MAX_PIECE_BYTES, 0, True)
+        piece = ctypes.string_at(buffer, max(n, 0))  # not buffer.raw: that copies the whole buffer
+        attr = lc.llama_vocab_get_attr(vocab, token)
+        if attr & special or (attr & user_defined and piece.startswith(b"<") and piece.endswith(b">")):
+            piece = SPECIAL_PREFIX + piece
+        pieces.append(piece)
+    tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    return llguidance.LLTokenizer.from_llamacpp(tokens=pieces, vocab_ptr=vocab, tokenize_fptr=tokenize,
+                                                eos_token=eog_ids, slices=None)
+
+
 class ConstraintCompiler:
     """One model's vocabulary adapter and its compiled constraints. Thread-safe: the two
     preparer threads compile; the adapter is built once, under a lock."""
@@ -68,10 +95,8 @@ class ConstraintCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                from llguidance.llamacpp import lltokenizer_from_vocab
-
                 started = time.perf_counter()
-                self._tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=self._eog_ids)
+                self._tokenizer = vocabulary_adapter(self._vocab, self._eog_ids)
                 self.adapter_build_s = time.perf_counter() - started
             return self._tokenizer
 
