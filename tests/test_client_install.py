@@ -95,13 +95,13 @@ def test_a_client_without_the_server_talks_to_a_daemon(tiny_tools_model_path, st
         "    called = client.generate(messages=[{'role': 'user', 'content': 'hi'}], max_tokens=64,\n"
         "        tool_choice='required', tools=[{'type': 'function', 'function': {'name': 'f', 'parameters': {\n"
         "            'type': 'object', 'properties': {'n': {'type': 'integer'}}, 'required': ['n']}}}])\n"
-        "    print(called.text if called.finish_reason == 'length' else called.tool_calls[0]['function']['name'])\n"
+        "    print(called.tool_calls[0]['function']['name'] if called.tool_calls else repr(called.text))\n"
         "    shaped = client.generate(prompt='a', max_tokens=32, json_schema={'enum': ['yes', 'no']})\n"
         "    print(shaped.text, shaped.finish_reason)\n" + IMPORTED_SERVER_MODULES)
     assert client.returncode == 0, client.stderr
     generated, called, shaped = client.stdout.splitlines()
     assert generated == "4 length"
-    assert called == "f" or called.startswith('{"tool_calls": [{"name": "f", "arguments": {"n": ')
+    assert called == "f" or '{"name": "f", "arguments": {' in called  # a call, or one cut by max_tokens
     assert shaped in ('"yes" stop', '"no" stop')
     prompts = tmp_path / "in.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"Count {i}", "max_tokens": 3}) + "\n" for i in range(3)))

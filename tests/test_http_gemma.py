@@ -51,15 +51,16 @@ def test_chat_n_whole_and_streamed(api):
 
 
 def test_json_schema_output_parses_and_matches(api):
-    schema = {"type": "object", "required": ["name", "age"],
-              "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}
+    schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 150}}}
     reply = api.chat.completions.create(
         model=_model(api), max_tokens=80, temperature=0,
         messages=[{"role": "user", "content": "Give a person's name and age as JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
     person = json.loads(reply.choices[0].message.content)
     assert set(person) == {"name", "age"}
-    assert isinstance(person["name"], str) and len(person["name"]) <= 8 and isinstance(person["age"], int)
+    assert isinstance(person["name"], str) and len(person["name"]) <= 8 and 0 <= person["age"] <= 150
 
 
 def test_chat_logprobs(api):

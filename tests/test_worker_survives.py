@@ -18,7 +18,7 @@ from httpkit import HttpDaemon
 from cbatch.errors import CbatchError
 
 ONE_A = 'root ::= "a"'  # complete after one token: then only the end of generation is allowed
-NUL_ONLY = 'root ::= "\\x00"'  # no token's text starts with a NUL byte: nothing is ever allowed
+NUL_ONLY = "%llguidance {}\nstart: NONE\nNONE: /a/ & /b/"  # a lexeme no text matches: nothing is ever allowed
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 TOOL = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}
 BYSTANDER_TOKENS = 400
@@ -69,7 +69,7 @@ def test_a_grammar_no_token_satisfies_fails_only_its_request(daemon):
     with daemon.client() as client:
         with pytest.raises(CbatchError) as caught:
             client.generate(prompt="x", max_tokens=4, grammar=NUL_ONLY)
-        assert caught.value.code == "invalid_request" and "grammar allows no next token" in caught.value.message
+        assert caught.value.code == "invalid_request" and "the constraint allows no" in caught.value.message
         assert client.generate(prompt="x", max_tokens=3).usage["completion_tokens"] == 3
     assert bystander.finished() == "length"
     assert worker_pid(daemon) == pid

@@ -260,9 +260,12 @@ class Engine:
         seq.sampler = None
 
     def snapshot(self) -> dict:
-        """Statistics: the engine's own, the queue, the KV pool and prefix cache, and one
-        entry per running request (`slots`, by sequence id)."""
-        return engine_snapshot(self.stats, self.scheduler)
+        """Statistics: the engine's own, the queue, the KV pool and prefix cache, one entry
+        per running request (`slots`, by sequence id), and the constrained tokens checked
+        and of those the ones that missed (each cost a mask)."""
+        num_checked, num_missed = self._sampler.constraint_counts
+        return {**engine_snapshot(self.stats, self.scheduler), "constrained_tokens": num_checked,
+                "constraint_misses": num_missed}
 
     def close(self) -> None:
         if self._in_flight is not None:

@@ -75,13 +75,15 @@ def dead_end_error(seq: Sequence) -> CbatchError | None:
     """Why a constrained sequence with nothing left to take ends: None (as `stop`) when its
     constraint is complete, else the error that fails it."""
     matcher = seq.matcher
-    if matcher.is_error():
-        return CbatchError(INVALID_REQUEST, f"the constraint failed after {seq.num_output_tokens} tokens: "
-                                            f"{matcher.get_error()}")
-    if matcher.is_accepting():
+    if matcher.is_accepting() and not matcher.is_error():
         return None
-    return CbatchError(INVALID_REQUEST, "the constraint allows no next token that this request permits: logit_bias "
-                                        "(or min_tokens) bans every token it allows here")
+    if matcher.is_error():
+        # llguidance's first line names what failed; the rest is its debugging detail
+        reason = f"llguidance: {matcher.get_error().splitlines()[0]}"
+    else:
+        reason = "every token it allows is banned here"
+    return CbatchError(INVALID_REQUEST, f"the constraint allows no next token after {seq.num_output_tokens} tokens "
+                                        f"({reason})")
 
 
 class ConstrainedRows:
