@@ -153,3 +153,14 @@ def test_bench_jobs_prints_every_figure(tiny_model_path):
                      out), out
     assert re.search(rf"memory, 30 lines of 1 token in 1 jobs: 30 completed .* {NUMBER} MB above idle", out), out
     assert re.search(rf"the first new line {NUMBER} s after the start .* the job then completed with 300 lines", out), out
+
+
+@pytest.mark.slow
+def test_bench_structured_prints_the_row_costs_compile_times_and_each_mode(tiny_model_path):
+    out = run_script("bench_structured", "--model", tiny_model_path, "--parallel", "2", "--rounds", "1",
+                     "--max-tokens", "8", "--calls", "3")
+    assert re.search(rf"^one row: llama.cpp GBNF sampler {NUMBER} ms \| llguidance check {NUMBER} ms, mask {NUMBER} ms",
+                     out, re.M), out
+    assert re.search(rf"^compile: 2\d\d schemas, p50 {NUMBER} ms, p99 {NUMBER} ms", out, re.M), out
+    modes = re.findall(rf"^\s+2 (json_schema|json_object|tool call)\s+\d+\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x", out, re.M)
+    assert modes == ["json_schema", "json_object", "tool call"], out

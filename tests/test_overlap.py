@@ -2,6 +2,8 @@
 llama.cpp decode on the tiny model: the same requests give the same events, step by step,
 with it on and off."""
 
+import json
+
 import llama_cpp
 import pytest
 
@@ -139,3 +141,21 @@ def test_backend_sampled_streams_match_and_a_stopped_sequences_chain_outlives_it
     expected = run_steps(off, bodies, {2: 6})
     assert [r[2] for r in expected] == ["stop", "length", "cancelled"]
     assert run_steps(on, bodies, {2: 6}) == expected
+
+
+def test_constrained_rows_masked_ahead_pick_what_checked_rows_pick(make_engine):
+    """With overlap, a row that missed gets its next mask while the next batch decodes and
+    skips its next check: greedy answers are the same as without; a seeded one draws once
+    where it would have drawn twice (a miss's first draw is skipped), so it is its own
+    answer under the same schema."""
+    off, on = make_engine(False), make_engine(True)
+    schema = {"type": "object", "additionalProperties": False, "required": ["word", "n"],
+              "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "maximum": 99}}}
+    samplings = [{"temperature": 0}, {"temperature": 0}, {"temperature": 0.9, "seed": 5}, {"temperature": 0.9, "seed": 6}]
+    bodies = [{"prompt": f"{i} json", "max_tokens": 40, "json_schema": schema, **sampling}
+              for i, sampling in enumerate(samplings)]
+    expected, overlapped = run_steps(off, bodies), run_steps(on, bodies)
+    assert overlapped[:2] == expected[:2]
+    assert on._sampler.constrained.num_prefetched > 0  # the tiny model misses: masks were made ahead
+    for chunks, _, finish, _ in expected[2:] + overlapped[2:]:
+        assert finish == "stop" and set(json.loads("".join(chunks))) == {"word", "n"}

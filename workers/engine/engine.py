@@ -143,6 +143,7 @@ class Engine:
         to_text = self._output.settle(sampled, self._sampler.take_dead_ends(), logprobs, events)
         if self.is_overlapped and self.scheduler.has_work:
             self._launch()  # decodes while the text below is made and the caller publishes
+            self._sampler.prefetch_masks()  # and while the rows that missed get their next masks
         events += self._output.postprocess(to_text, logprobs)
         step_s = time.perf_counter() - started
         self.stats.record_step(step_s, llama_decode_s, *self._step_counts)

@@ -10,6 +10,12 @@ or its chain over the masked row). Greedy stays exact, and sampling draws from t
 constrained distribution: a draw kept when allowed, else drawn again from the allowed
 tokens alone, gives p(t) + p(miss) p(t) / p(allowed) = p(t) / p(allowed).
 
+With overlap on (a GPU build), the rows that missed at one step get their next masks
+while the next batch decodes (prefetch_masks: llguidance and llama_decode both release
+the GIL), and their next pick skips the check: a row that misses tends to miss again (a
+literal the model does not expect, a closing bracket it does not want). The mask is of
+the matcher's state after its last token, which is the state its next pick starts from.
+
 Invariants: a matcher never consumes a token it rejects, and a chain accepts only the
 token kept; a masked row is a copy, so a fork that shares the row reads it raw. When the
 mask leaves nothing (a logit_bias of -inf on every allowed token, min_tokens holding back
@@ -26,7 +32,7 @@ import llguidance
 import numpy as np
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.workers.engine.sequence import Sequence
+from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 # llama_token_data, field for field (int32 id, float logit, float p; 12 bytes, no padding).
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -94,37 +100,54 @@ class ConstrainedRows:
         self._num_words = (n_vocab + 31) // 32
         self._executor: llguidance.LLExecutor | None = None  # threads, made at the first miss
         self._masks = np.zeros((0, self._num_words), np.int32)
+        self._last_missed: list[Sequence] = []  # the rows masked at the last resolve
+        self._prefetched: dict[Sequence, np.ndarray] = {}  # their next masks, made while a batch decoded
         self.candidates = Candidates(n_vocab)
         self.num_checked = 0  # constrained tokens checked
         self.num_missed = 0  # of those, the ones the matcher rejected (each cost a mask)
+        self.num_prefetched = 0  # constrained tokens picked with a mask made ahead, unchecked
 
     def resolve(self, proposals: list[Proposal], logits: np.ndarray, mark) -> tuple[list, list]:
         """(sequence, token) for each row that keeps a token, and (sequence, error or None)
         for each dead end. `mark` is told the id of each request whose matcher runs."""
-        sampled, dead_ends, misses = [], [], []
+        sampled, dead_ends, misses, ahead = [], [], [], []
+        prefetched, self._prefetched = self._prefetched, {}
         for proposal in proposals:
             seq = proposal.seq
             mark(seq.request_id)
-            if proposal.token is not None and seq.matcher.try_consume_tokens([proposal.token]) == 1:
+            if seq in prefetched:
+                ahead.append(proposal)
+            elif proposal.token is not None and seq.matcher.try_consume_tokens([proposal.token]) == 1:
                 self._keep(seq, proposal.token, sampled)
             else:
                 misses.append(proposal)
-        self.num_checked += len(proposals)
+        self.num_checked += len(proposals) - len(ahead)
         self.num_missed += len(misses)
-        if misses:
-            self._fill_masks([proposal.seq.matcher for proposal in misses])
-            for i, proposal in enumerate(misses):
-                mark(proposal.seq.request_id)
-                self._pick_allowed(proposal, logits[proposal.row], self._masks[i], sampled, dead_ends)
+        self.num_prefetched += len(ahead)
+        masks = self._fill_masks([proposal.seq.matcher for proposal in misses]) if misses else []
+        for proposal, mask in [*zip(misses, masks), *((p, prefetched[p.seq]) for p in ahead)]:
+            mark(proposal.seq.request_id)
+            self._pick_allowed(proposal, logits[proposal.row], mask, sampled, dead_ends)
+        self._last_missed = [proposal.seq for proposal in misses + ahead]
         return sampled, dead_ends
 
-    def _fill_masks(self, matchers: list) -> None:
+    def prefetch_masks(self) -> None:
+        """The next masks of the rows masked at the last resolve that still run (see above)."""
+        seqs = [seq for seq in self._last_missed
+                if seq.status is not SeqStatus.FINISHED and not seq.matcher.is_error() and not seq.matcher.is_stopped()]
+        self._last_missed = []
+        if seqs:
+            self._prefetched = dict(zip(seqs, self._fill_masks([seq.matcher for seq in seqs]).copy()))
+
+    def _fill_masks(self, matchers: list) -> np.ndarray:
+        """The matchers' masks, one row each, in a buffer reused by the next call."""
         if len(self._masks) < len(matchers):
             self._masks = np.zeros((len(matchers), self._num_words), np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], self._masks.ctypes.data,
                                                self._num_words * 4, len(self._masks))
+        return self._masks[:len(matchers)]
 
     def _pick_allowed(self, proposal: Proposal, logits_row: np.ndarray, mask: np.ndarray, sampled, dead_ends) -> None:
         seq = proposal.seq

@@ -84,6 +84,11 @@ class StepSampler:
             self._constrained = ConstrainedRows(self.runner.n_vocab, self.runner.eog_ids)
         return self._constrained
 
+    def prefetch_masks(self) -> None:
+        """With overlap, while the next batch decodes: the masks of the rows that missed."""
+        if self._constrained is not None:
+            self._constrained.prefetch_masks()
+
     @property
     def constraint_counts(self) -> tuple[int, int]:
         """(constrained tokens checked, of which missed) so far."""
