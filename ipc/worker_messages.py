@@ -44,6 +44,9 @@ class WorkerSubmit:
 @dataclass
 class WorkerCancel:
     request_id: int
+    # The drain's cancel, not the caller's: the request ends with the error shutting_down
+    # (a transient refusal, which batch paths send again), never as `cancelled`.
+    is_shutdown: bool = False
 
 
 @dataclass

@@ -13,7 +13,7 @@ import dataclasses
 import time
 
 from cbatch.client.streams import merge_chunks
-from cbatch.errors import SHUTTING_DOWN, UNAVAILABLE, CbatchError
+from cbatch.errors import UNAVAILABLE, CbatchError
 from cbatch.http_api.json_io import sse
 from cbatch.http_api.metrics import TokenTimer
 from cbatch.http_api.state import HttpState
@@ -61,11 +61,10 @@ class Generation:
             raise self._error
         return [(choice, merge_chunks(chunks)) for choice, chunks in chunks_by_choice.items()]
 
-    def _cancelled_error(self) -> CbatchError:
-        """The daemon cancels a running request when its drain's grace period is over (this
-        server was told to drain then), or when this server read too slowly to keep up."""
-        if self.state.is_draining:
-            return CbatchError(SHUTTING_DOWN, "the daemon shut down before the request finished; send it again")
+    @staticmethod
+    def _cancelled_error() -> CbatchError:
+        """The daemon cancels a running request this server did not cancel when this server
+        read too slowly to keep up (a drain's end is an error of its own, shutting_down)."""
         return CbatchError(UNAVAILABLE, "the daemon cancelled the request before it finished; send it again")
 
     def _on_finished(self, choice: int, chunk) -> None:

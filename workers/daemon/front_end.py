@@ -14,7 +14,7 @@ import time
 import zmq
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN
+from cbatch.errors import SHUTDOWN_MESSAGE, CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN
 from cbatch.ipc.records import TokenEvent, frame_events
 from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject,
                                         WorkerSubmit, encode)
@@ -278,8 +278,14 @@ class FrontEnd:
         self.embeds.fail_all(code, message, include_held)
 
     def cancel_all(self) -> None:
+        """The drain's end: what runs ends with shutting_down, which tells every client the
+        request was not finished and may be sent again (never `cancelled`, which only
+        the caller asks for)."""
         for tracked in list(self.requests.active.values()):
-            self._cancel_tracked(tracked)
+            if tracked.is_held:
+                self.fail(tracked, SHUTTING_DOWN, SHUTDOWN_MESSAGE)
+            else:
+                self.worker.send(WorkerCancel(tracked.request_id, is_shutdown=True))
 
     def close(self) -> None:
         self.clients.close()

@@ -17,8 +17,8 @@ import time
 import zmq
 
 from cbatch.config import DaemonConfig, runtime_dir
-from cbatch.errors import (EXIT_FAILED, EXIT_OK, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG, INVALID_REQUEST, SHUTTING_DOWN,
-                           UNAVAILABLE, WORKER_RESTARTED)
+from cbatch.errors import (EXIT_FAILED, EXIT_OK, SHUTDOWN_MESSAGE, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG,
+                           INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED)
 from cbatch.ipc.ring import SHM_DIR, RingError, create_ring
 from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
@@ -233,10 +233,12 @@ class Supervisor:
         if not self.frontend.num_in_flight:
             self.state = DaemonState.STOPPED
         elif self.state is DaemonState.DRAINING and now_s > self._drain_deadline_s:
+            log.info("drain grace over: %s end unfinished, with shutting_down (callers may send them again)",
+                     counted(self.frontend.num_in_flight, "request"))
             self.frontend.cancel_all()
             self.state = DaemonState.CANCELLING
         elif self.state is DaemonState.CANCELLING and now_s > self._drain_deadline_s + CANCEL_GRACE_S:
-            self.frontend.fail_all(SHUTTING_DOWN, "the daemon shut down before the request finished")
+            self.frontend.fail_all(SHUTTING_DOWN, SHUTDOWN_MESSAGE)
             self.state = DaemonState.STOPPED
 
     def _is_hung(self) -> bool:

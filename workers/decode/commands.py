@@ -23,7 +23,8 @@ class CommandHandler:
                  publisher: EventPublisher):
         self._engine, self._embedder, self._io, self._inbox, self._publisher = engine, embedder, io, inbox, publisher
         self.is_stopped = False  # a WorkerStop was applied
-        self._early_cancel_ids: set[int] = set()  # cancels that overtook their submit in the preparer
+        # Cancels that overtook their submit in the preparer: request id -> is_shutdown.
+        self._early_cancels: dict[int, bool] = {}
 
     def apply_pending(self, wait_for_one: bool) -> bool:
         """Apply every command waiting (first waiting up to IDLE_WAIT_S for one when
@@ -52,16 +53,15 @@ class CommandHandler:
                 self._engine.add(item)
             except (CbatchError, ValueError) as err:
                 self._io.send(rejection(item.request_id, err))
-            if item.request_id in self._early_cancel_ids:
-                self._early_cancel_ids.discard(item.request_id)
-                self._engine.cancel(item.request_id)
+            if item.request_id in self._early_cancels:
+                self._engine.cancel(item.request_id, self._early_cancels.pop(item.request_id))
         elif isinstance(item, WorkerReject):
             self._io.preparing.discard(item.request_id)
-            self._early_cancel_ids.discard(item.request_id)
+            self._early_cancels.pop(item.request_id, None)
             self._io.send(item)
         elif isinstance(item, WorkerCancel):
-            if not self._engine.cancel(item.request_id) and item.request_id in self._io.preparing:
-                self._early_cancel_ids.add(item.request_id)
+            if not self._engine.cancel(item.request_id, item.is_shutdown) and item.request_id in self._io.preparing:
+                self._early_cancels[item.request_id] = item.is_shutdown
         elif isinstance(item, EmbedJob):
             self._embedder.add(item)
         elif isinstance(item, WorkerEmbedded):  # an embedding request the preparer refused

@@ -15,7 +15,7 @@ worker drives it (workers/decode/worker.py), tests and benchmarks drive it in-pr
 import time
 
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.errors import SHUTDOWN_MESSAGE, CbatchError, INVALID_CONFIG, SHUTTING_DOWN
 from cbatch.model import resolve_model_path
 from cbatch.ipc.records import TokenEvent
 from cbatch.params import Request
@@ -56,7 +56,7 @@ class Engine:
         self.stats = EngineStats()
         self.reasoning = model_reasoning(config, self.runner)  # the tags it thinks in, or None
         self._seqs: dict[int, Sequence] = {}
-        self._cancel_ids: set[int] = set()
+        self._cancel_ids: dict[int, bool] = {}  # request id -> whether the daemon's drain cancels it
         self.expired_while_queued: list[int] = []  # request ids the caller ends with deadline_exceeded
         self._sampler = StepSampler(self.runner, mark_sampling)
         self._output = OutputProcessor(self.runner, self._finish)
@@ -114,11 +114,12 @@ class Engine:
     def add_request(self, request: Request) -> None:
         self.add(self.prepare(request))
 
-    def cancel(self, request_id: int) -> bool:
-        """Mark a request cancelled; it ends at the start of the next step. False if unknown."""
+    def cancel(self, request_id: int, is_shutdown: bool = False) -> bool:
+        """Mark a request cancelled; it ends at the start of the next step, as `cancelled`,
+        or with the error shutting_down when the daemon's drain cancels it. False if unknown."""
         if request_id not in self._seqs:
             return False
-        self._cancel_ids.add(request_id)
+        self._cancel_ids[request_id] = self._cancel_ids.get(request_id, False) or is_shutdown
         return True
 
     def step(self) -> list[TokenEvent]:
@@ -215,10 +216,11 @@ class Engine:
 
     def _apply_cancels(self) -> list[TokenEvent]:
         """Cancelled requests end, and so do those past their deadline."""
-        cancelled = [self._seqs[i] for i in self._cancel_ids if i in self._seqs]
+        cancelled = [(self._seqs[i], is_shutdown) for i, is_shutdown in self._cancel_ids.items() if i in self._seqs]
         self._cancel_ids.clear()
-        self.scheduler.drop_waiting(cancelled)  # one pass over the queue, not one per request
-        events = [self._finish(seq, FinishReason.CANCELLED) for seq in cancelled]
+        self.scheduler.drop_waiting([seq for seq, _ in cancelled])  # one pass over the queue, not one per request
+        events = [self._finish(seq, FinishReason.ERROR, SHUTDOWN_MESSAGE, error_code=SHUTTING_DOWN) if is_shutdown
+                  else self._finish(seq, FinishReason.CANCELLED) for seq, is_shutdown in cancelled]
         # Past their deadline: one that never ran leaves the queue, for the caller to end
         # with an error (expired_while_queued); one that ran ends keeping what it produced.
         queued, started = self.scheduler.take_expired(time.monotonic())
