@@ -35,7 +35,8 @@ LEAVES = [
 
 HAND_WRITTEN = [
     {"type": "object", "additionalProperties": False, "required": ["name", "age", "email"],
-     "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
+     "properties": {"name": {"type": "string", "maxLength": 30},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 130},
                     "email": {"type": "string", "format": "email", "maxLength": 40}}},
     {"type": "object", "required": ["street", "city", "zip"],
      "properties": {"street": {"type": "string", "maxLength": 30}, "city": {"type": "string", "maxLength": 20},
@@ -49,7 +50,8 @@ HAND_WRITTEN = [
                     "paid": {"type": "boolean"}}},
     {"$defs": {"node": {"type": "object", "additionalProperties": False, "required": ["value"],
                         "properties": {"value": {"type": "integer", "minimum": 0, "maximum": 9},
-                                       "children": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/node"}}}}},
+                                       "children": {"type": "array", "maxItems": 2,
+                                                    "items": {"$ref": "#/$defs/node"}}}}},
      "$ref": "#/$defs/node"},
     {"definitions": {"item": {"type": "string", "maxLength": 5}},
      "type": "object", "required": ["head"], "additionalProperties": False,

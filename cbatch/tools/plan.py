@@ -58,7 +58,8 @@ class ToolPlan:
     def grammar(self) -> str:
         """llguidance's Lark for an answer that is a call (calls, when parallel) of the
         allowed functions; the decode worker compiles it."""
-        allowed = {name: spec["parameters"] for name, spec in self.functions.items() if self.choice in ("required", name)}
+        allowed = {name: spec["parameters"] for name, spec in self.functions.items()
+                   if self.choice in ("required", name)}
         return self.format.grammar(allowed, self.choice != "required" or not self.is_parallel)
 
     def parse(self, text: str) -> tuple[str | None, list[dict]] | None:

@@ -47,9 +47,10 @@ def _llguidance_grammar(params: SamplingParams) -> tuple[str, str]:
     """(the request field it comes from, the llguidance grammar of its constraint)."""
     if params.json_schema is not None:
         try:
-            return "json_schema", llguidance.LLMatcher.grammar_from_json_schema(params.json_schema, defaults=JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(params.json_schema, defaults=JSON_OPTIONS)
         except ValueError as err:
             raise CbatchError(INVALID_REQUEST, f"json_schema cannot be compiled: {err}") from None
+        return "json_schema", grammar
     text = params.grammar
     if text.lstrip().startswith(LARK_MARKER):
         return "grammar", llguidance.LLMatcher.grammar_from_lark(text)
