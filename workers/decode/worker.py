@@ -59,8 +59,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         publisher = EventPublisher(engine, embedder, ring, io, tick)
         for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
             RequestPreparer(engine, embedder, source, io.commands, ring.mark_preparing, nice_increment).start()
-        # Structured output's vocabulary adapter, built beside the first requests (constraint.py).
-        threading.Thread(target=engine.runner.constraints.tokenizer, name="worker-vocab-adapter", daemon=True).start()
+        if not engine.runner.is_embedding_only:  # structured output's vocabulary adapter, beside the first requests
+            threading.Thread(target=engine.runner.constraints.tokenizer, name="worker-vocab-adapter", daemon=True).start()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
                             engine.reasoning,
