@@ -79,7 +79,7 @@ class JobRun:
                     os.link(self.store.files.content_path(self.batch["input_file_id"]), self.input_path)
                     fsync_dir(os.path.dirname(self.input_path))
             except FileNotFoundError:
-                return self._fail("missing_file", f"the input file {self.batch['input_file_id']} was deleted")
+                return self.fail("missing_file", f"the input file {self.batch['input_file_id']} was deleted")
             total = sum(1 for _ in input_lines(self.input_path, self.batch["endpoint"]))
             self._save(status=IN_PROGRESS, in_progress_at=int(time.time()),
                        request_counts={**self.batch["request_counts"], "total": total})
@@ -130,7 +130,8 @@ class JobRun:
             self._save(request_counts={"total": total, "completed": results.total_completed,
                                        "failed": results.total_failed}, progress=progress)
 
-    def _fail(self, code: str, message: str) -> bool:
+    def fail(self, code: str, message: str) -> bool:
+        """End the job `failed` with one error (its finished lines stay in its results log)."""
         self._save(status=FAILED, failed_at=int(time.time()),
                    errors={"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]})
         return True

@@ -124,10 +124,16 @@ class Runner:
                 pending_ids = self._pending_ids()
                 for batch_id in pending_ids:
                     self.running_id = batch_id
+                    job = JobRun(self.store, batch_id, client, health, self.interruptible)
                     try:
-                        is_done = JobRun(self.store, batch_id, client, health, self.interruptible).run()
+                        is_done = job.run()
                     except KeyboardInterrupt:  # stopped outside the lines' run: the job is as it was
                         is_done = False
+                    except Exception as err:  # what no line's check foresaw fails this job, not the runner
+                        log.exception("cbatch jobs: %s failed", batch_id)
+                        job.fail("internal", f"the job runner failed on this job ({type(err).__name__}: {err}); "
+                                             "its finished lines are kept")
+                        is_done = False  # a fresh client for the next job: this one may hold the run's streams
                     self.running_id = None
                     if self.is_stopping:
                         break
