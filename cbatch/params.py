@@ -4,26 +4,17 @@ Everything a caller sends is checked here (type, range, unknown fields) before i
 reach a queue, so the decode loop only ever sees well-formed requests.
 """
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 
 from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
+from cbatch.constraints import check_grammar, check_json_schema
 from cbatch.errors import CbatchError, INVALID_REQUEST
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20
-# A constraint's text (a grammar, or a JSON schema written out as JSON): the decode worker
-# compiles it with llguidance, whose own limits bound the work (workers/engine/sampling/constraint.py).
-MAX_CONSTRAINT_CHARS = 1 << 18
-# How JSON under a schema is written: `, ` and `: ` between items, and whitespace bounded
-# as llama.cpp's own schema grammars bound it (a small model otherwise may pad forever).
-# llguidance's options; a schema's own "x-guidance" object overrides them.
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ",
-                "whitespace_pattern": r"(?:\x20|\n{1,2}[\x20\t]{0,20})?"}
-MAX_SCHEMA_DEPTH = 128  # of a JSON schema's nesting, objects and arrays alike
 MAX_MESSAGES = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
@@ -135,38 +126,6 @@ def _text(name, value, max_chars, *, allow_empty=False):
     return value
 
 
-def _grammar(value):
-    """GBNF or Lark text; whether it parses, and what it costs, the worker's compiler decides."""
-    return None if value is None else _text("grammar", value, MAX_CONSTRAINT_CHARS)
-
-
-def _depth(value, limit: int) -> int:
-    """How deep objects and arrays nest in `value`, counted up to `limit` + 1 at most."""
-    depth, level = 0, [value]
-    while level and depth <= limit:
-        level = [item for node in level if isinstance(node, (dict, list, tuple))
-                 for item in (node.values() if isinstance(node, dict) else node)]
-        depth += 1
-    return depth - (0 if level else 1)
-
-
-def _json_schema(value):
-    """A JSON schema object, kept as compact JSON text: the wire and the worker's cache of
-    compiled constraints key on it. Its keys keep the caller's order, which is the order
-    an object's properties are generated in."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise invalid(f"json_schema must be a JSON schema object, got {type(value).__name__}")
-    if _depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise invalid(f"json_schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as err:
-        raise invalid(f"json_schema is not JSON: {err}") from None
-    return _text("json_schema", text, MAX_CONSTRAINT_CHARS)
-
-
 def _keys_are_strings(name: str, raw: dict) -> None:
     if not all(isinstance(key, str) for key in raw):
         raise invalid(f"{name} keys must be strings")
@@ -213,8 +172,8 @@ _PARAM_CHECKS = {
     "frequency_penalty": lambda v: _float("frequency_penalty", v, -2.0, 2.0),
     "seed": lambda v: _int("seed", v, -1, MAX_SEED),
     "stop": _stop,
-    "grammar": _grammar,
-    "json_schema": _json_schema,
+    "grammar": check_grammar,
+    "json_schema": check_json_schema,
     "ignore_eos": lambda v: _bool("ignore_eos", v),
     "logprobs": lambda v: None if v is None else _int("logprobs", v, 0, MAX_TOP_LOGPROBS),
     "logit_bias": _logit_bias,

@@ -1,6 +1,6 @@
 """The package layout's rules: imports point one way, and modules stay small enough to read.
 
-    cbatch/ (errors, protocol, params, config, model, wording, embeddings)  shared by all
+    cbatch/ (errors, protocol, params, constraints, config, model, wording, embeddings)  shared by all
     cbatch/tools  ->  the shared ones and its own modules (tool calling, for the client and HTTP alike)
     cbatch/client  ->  never cbatch.workers
     cbatch/openai  ->  the shared ones, cbatch/tools and its own modules (OpenAI's shapes, never HTTP or Starlette)
@@ -18,8 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"cbatch": REPO / "cbatch", "cbatch.workers": REPO / "workers", "cbatch.ipc": REPO / "ipc"}
-SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch.config", "cbatch.model",
-          "cbatch.wording", "cbatch.embeddings", "cbatch.partial_markers", "cbatch.extras",
+SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch.constraints", "cbatch.config",
+          "cbatch.model", "cbatch.wording", "cbatch.embeddings", "cbatch.partial_markers", "cbatch.extras",
           "cbatch.api_keys"}
 MAX_MODULE_LINES = 300
 # What the HTTP app may use of cbatch.jobs: the state directory's files, not the runner.

@@ -1,11 +1,13 @@
 """Request validation: every bad value is rejected with invalid_request and a clear message."""
 
+import json
 import math
 
 import pytest
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.params import MAX_SCHEMA_DEPTH, MAX_SEED, SamplingParams, expand_choices, parse_params, parse_request
+from cbatch.constraints import MAX_SCHEMA_DEPTH
+from cbatch.params import MAX_SEED, SamplingParams, expand_choices, parse_params, parse_request
 
 BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -80,9 +82,10 @@ def test_n_expands_into_choices_with_consecutive_seeds():
 
 
 def test_a_json_schema_travels_as_compact_json_in_the_callers_key_order():
-    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}},
+              "additionalProperties": True}
     text = parse_params({"json_schema": schema}).json_schema
-    assert text == '{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}}}'
+    assert text == '{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},"additionalProperties":true}'
 
 
 def test_a_schema_nested_past_the_limit_is_refused_without_recursion():
@@ -93,3 +96,18 @@ def test_a_schema_nested_past_the_limit_is_refused_without_recursion():
         parse_params({"json_schema": deep})
     assert caught.value.code == "invalid_request" and f"more than {MAX_SCHEMA_DEPTH} deep" in caught.value.message
     assert parse_params({"json_schema": deep["items"]["items"]}).json_schema.count("items") == MAX_SCHEMA_DEPTH - 2
+
+
+def test_objects_with_properties_are_closed_unless_they_say_otherwise():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "object", "additionalProperties": True,
+                                                     "properties": {}}},
+              "$defs": {"d": {"properties": {"e": {}}}}, "allOf": [{"properties": {"f": {}}}],
+              "enum": [{"properties": {}}]}
+    closed = json.loads(parse_params({"json_schema": schema}).json_schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["allOf"][0]  # closing a branch would refuse what the others add
+    assert closed["enum"] == [{"properties": {}}]  # data, not a schema
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was

@@ -10,7 +10,7 @@ separators JSON_OPTIONS gives the arguments themselves.
 
 import json
 
-from cbatch.params import JSON_OPTIONS
+from cbatch.constraints import JSON_OPTIONS, closed_objects
 
 LARK_HEADER = "%llguidance {}\n"  # marks the text as Lark for the worker (else it is read as GBNF)
 
@@ -21,8 +21,10 @@ def lark_literal(text: str) -> str:
 
 
 def _arguments_schema(parameters: dict) -> str:
-    """The schema as one line of JSON, with cbatch's JSON writing options unless it sets its own."""
-    return json.dumps({"x-guidance": JSON_OPTIONS, **parameters}, ensure_ascii=False, separators=(",", ":"))
+    """The schema as one line of JSON, its objects closed (cbatch.constraints), with cbatch's
+    JSON writing options unless it sets its own."""
+    return json.dumps({"x-guidance": JSON_OPTIONS, **closed_objects(parameters)}, ensure_ascii=False,
+                      separators=(",", ":"))
 
 
 def call_grammar(start: str, functions: dict[str, dict], arguments_key: str) -> str:

@@ -12,6 +12,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from cbatch.constraints import MAX_SCHEMA_DEPTH, schema_depth
 from cbatch.params import invalid
 from cbatch.tools.formats import JSON_ANSWER, JsonAnswer
 
@@ -89,6 +90,8 @@ def _functions(tools) -> dict[str, dict]:
                           f"got {name!r}")
         if not isinstance(parameters, dict):
             raise invalid(f"tools[{i}].function.parameters must be a JSON schema object")
+        if schema_depth(parameters, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            raise invalid(f"tools[{i}].function.parameters nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
         functions[name] = {"description": str(function.get("description", "")), "parameters": parameters}
     return functions
 

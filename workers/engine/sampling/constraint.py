@@ -28,7 +28,8 @@ import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from cbatch.errors import CbatchError, INVALID_REQUEST
-from cbatch.params import JSON_OPTIONS, SamplingParams
+from cbatch.constraints import JSON_OPTIONS
+from cbatch.params import SamplingParams
 
 LARK_MARKER = "%llguidance"
 MAX_COMPILED = 128  # compiled constraints kept for reuse, the least recently used dropped first

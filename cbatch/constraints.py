@@ -1,0 +1,95 @@
+"""A constraint as it travels: a grammar's text, or a JSON schema written out as compact
+JSON, checked where the request arrives (size, nesting, UTF-8) and compiled by the decode
+worker (workers/engine/sampling/constraint.py). Nothing here needs llguidance: a
+client-only install sends schemas too.
+
+An object schema with `properties` and no `additionalProperties` takes no other
+properties, as llama.cpp's server has it: a small model otherwise goes on writing
+properties of its own. `"additionalProperties": true` allows them. Objects within an
+`allOf` are left open, since closing each branch would refuse what the others add.
+"""
+
+import json
+
+from cbatch.errors import CbatchError, INVALID_REQUEST
+
+MAX_CONSTRAINT_CHARS = 1 << 18  # of a grammar, or of a schema written out as JSON
+MAX_SCHEMA_DEPTH = 128  # of a JSON schema's nesting, objects and arrays alike
+# How JSON under a schema is written: `, ` and `: ` between items, and whitespace bounded
+# as llama.cpp's own schema grammars bound it (a small model otherwise may pad forever).
+# llguidance's options; a schema's own "x-guidance" object overrides them.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ",
+                "whitespace_pattern": r"(?:\x20|\n{1,2}[\x20\t]{0,20})?"}
+# Keywords whose values are data, not schemas: never walked into.
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "x-guidance", "required"})
+# Keywords whose values map names to schemas.
+SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _invalid(message: str) -> CbatchError:
+    return CbatchError(INVALID_REQUEST, message)
+
+
+def _checked_text(name: str, text: str) -> str:
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise _invalid(f"{name} is longer than {MAX_CONSTRAINT_CHARS} characters")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _invalid(f"{name} is not valid UTF-8 (lone surrogate)") from None
+    return text
+
+
+def check_grammar(value) -> str | None:
+    """GBNF or Lark text; whether it parses, and what it costs, the worker's compiler decides."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _invalid("grammar must be a non-empty string")
+    return _checked_text("grammar", value)
+
+
+def schema_depth(value, limit: int) -> int:
+    """How deep objects and arrays nest in `value`, counted up to `limit` + 1 at most."""
+    depth, level = 0, [value]
+    while level and depth <= limit:
+        level = [item for node in level if isinstance(node, (dict, list, tuple))
+                 for item in (node.values() if isinstance(node, dict) else node)]
+        depth += 1
+    return depth - (0 if level else 1)
+
+
+def closed_objects(schema, is_in_all_of: bool = False):
+    """The schema with its objects closed (see above); a copy, the caller's left as it is."""
+    if isinstance(schema, list):
+        return [closed_objects(item, is_in_all_of) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {}
+    for key, value in schema.items():
+        if key in DATA_KEYWORDS:
+            closed[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(sub, is_in_all_of) for name, sub in value.items()}
+        else:
+            closed[key] = closed_objects(value, is_in_all_of or key == "allOf")
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema and not is_in_all_of:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def check_json_schema(value) -> str | None:
+    """A JSON schema object as compact JSON text, its objects closed: the wire and the
+    worker's cache of compiled constraints key on it. Its keys keep the caller's order,
+    which is the order an object's properties are generated in."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _invalid(f"json_schema must be a JSON schema object, got {type(value).__name__}")
+    if schema_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise _invalid(f"json_schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+    try:
+        text = json.dumps(closed_objects(value), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as err:
+        raise _invalid(f"json_schema is not JSON: {err}") from None
+    return _checked_text("json_schema", text)
