@@ -44,13 +44,14 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
 MODES = {
-    "json_schema": ("A person, as JSON: ", {"json_schema": PERSON}),
-    "json_object": ("A JSON object with three fields: ", {"json_schema": {"type": "object"}}),
-    "tool call": ("Call get_weather for a city: ",
+    "json_schema": ("Person {i}, as JSON: ", {"json_schema": PERSON}),
+    # a prompt after which the model opens an object (after "as JSON: " gemma writes `{}` and is done)
+    "json_object": ("App {i}'s configuration:\n```json\n", {"json_schema": {"type": "object"}}),
+    "tool call": ("Call get_weather for city {i}: ",
                   {"grammar": ToolPlan({"get_weather": {"description": "", "parameters": WEATHER}}, "required",
                                        False).grammar()}),
 }
-PLAIN_PROMPT = "Write about the weather in any city: "
+PLAIN_PROMPT = "Write about the weather in city {i}: "
 
 
 def time_one_row(model_path: str, num_calls: int) -> None:
@@ -124,11 +125,11 @@ def compare(model_path: str, parallel: int, max_tokens: int) -> None:
     try:
         engine.runner.constraints.tokenizer()  # the adapter, outside the timings
         for mode, (prompt, constraint) in MODES.items():
-            bodies = [{"prompt": f"{prompt}{i}. ", "max_tokens": max_tokens, "temperature": 0, **constraint}
+            bodies = [{"prompt": prompt.format(i=i), "max_tokens": max_tokens, "temperature": 0, **constraint}
                       for i in range(parallel)]
             cpu_started = time.process_time()
             counts, wall_s, figures = run(engine, bodies)
-            plain = [{"prompt": f"{PLAIN_PROMPT}{i}. ", "max_tokens": max(n, 1), "temperature": 0, "ignore_eos": True}
+            plain = [{"prompt": PLAIN_PROMPT.format(i=i), "max_tokens": max(n, 1), "temperature": 0, "ignore_eos": True}
                      for i, n in enumerate(counts)]
             plain_counts, plain_wall_s, plain_figures = run(engine, plain)
             cpu_s = time.process_time() - cpu_started

@@ -111,8 +111,9 @@ class ConstraintCompiler:
                 self._compiled.move_to_end(key)
                 return compiled.deep_copy()
         field, grammar = _llguidance_grammar(params)
+        tokenizer = self.tokenizer()  # waits for the adapter, outside the compile's time
         started = time.perf_counter()
-        compiled = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0, limits=LIMITS)
+        compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         elapsed_s = time.perf_counter() - started
         if compiled.is_error():
             raise CbatchError(INVALID_REQUEST, f"{field} cannot be used as a constraint: {compiled.get_error()}")
