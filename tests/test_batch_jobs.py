@@ -133,6 +133,12 @@ def test_a_key_sees_and_runs_only_its_tenants_files_and_batches(start_http_daemo
         tenants = client.stats()["tenants"]
     assert tenants["alice"]["num_requests"] == num_lines and tenants["bob"]["num_requests"] == 1
     assert tenants["alice"]["num_generated_tokens"] == num_lines * max_tokens
+    embedded = _create(alice, [_line("e0", {"model": "m", "input": ["a few words to embed"]}, "/v1/embeddings")],
+                       "/v1/embeddings")
+    assert _wait_final(alice, embedded.id).status == "completed"
+    with daemon.client() as client:  # an embeddings line is its key's tenant's too
+        after = client.stats()["tenants"]
+    assert after["alice"]["num_requests"] == num_lines + 1 and "default" not in after
     with pytest.raises(openai.AuthenticationError):
         daemon.openai(api_key="key-carol").batches.list()
 

@@ -97,8 +97,8 @@ class JobRun:
         client = self.client
         tenant = self.batch.get(OWNER)
 
-        def embed(inputs, dimensions=None):
-            return call_held(lambda: client.embeddings(inputs, dimensions), patience, client.pause)
+        def embed(inputs, dimensions=None):  # the key's tenant's, as its completions are
+            return call_held(lambda: client.embeddings(inputs, dimensions, tenant), patience, client.pause)
 
         def make_line(number, item) -> OpenAILine:
             line = OpenAILine(number, item, self.health["model_names"], embed=embed, chat_template=client.chat_template,
