@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
 
+from cbatch.jobs.state_dir import endpoint_dir_name
 from conftest import REPO
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
@@ -26,6 +28,11 @@ GREEDY = {"temperature": 0, "max_tokens": 8}
 @pytest.fixture(scope="module")
 def daemon(tiny_tools_model_path):
     yield from serve_module(HttpDaemon(tiny_tools_model_path, "--parallel", "4", "--alias", "m"))
+
+
+def state_dir(daemon) -> Path:
+    """The daemon's default state directory (its XDG_STATE_HOME is its workdir's)."""
+    return daemon.workdir / "state" / "cbatch" / endpoint_dir_name(daemon.endpoint)
 
 
 def _line(custom_id, body, url="/v1/completions") -> str:
@@ -144,7 +151,7 @@ def _started(api, lines: list[str], num_done: int):
 
 def _num_answered(daemon, batch_id: str) -> int:
     """The lines the job's results log holds (in its state directory)."""
-    return (daemon.workdir / "state" / "cbatch" / "batches" / f"{batch_id}.results.jsonl").read_bytes().count(b"\n")
+    return (state_dir(daemon) / "batches" / f"{batch_id}.results.jsonl").read_bytes().count(b"\n")
 
 
 def test_cancel_keeps_the_finished_lines(start_http_daemon, tiny_tools_model_path):
@@ -172,7 +179,7 @@ def test_kill_9_of_the_daemon_mid_job_loses_no_line_and_answers_none_twice(start
     daemon.process.send_signal(signal.SIGKILL)
     daemon.process.wait()
     assert _num_answered(daemon, batch.id) < len(ids)  # killed mid-job
-    log_path = daemon.workdir / "state" / "cbatch" / "batches" / f"{batch.id}.results.jsonl"
+    log_path = state_dir(daemon) / "batches" / f"{batch.id}.results.jsonl"
     before = log_path.read_bytes()
     again = start_http_daemon(*args, workdir=daemon.workdir)  # the same state directory
     batch = _wait_final(again.openai(), batch.id)
@@ -239,7 +246,7 @@ def test_a_job_past_its_window_expires_keeping_its_finished_lines(start_http_dae
     batch = _started(daemon.openai(), lines, 2)
     assert daemon.stop() == 0  # a drain: the job runner stops, its finished lines kept
     # As if its 24 hours had passed while the daemon was down.
-    path = daemon.workdir / "state" / "cbatch" / "batches" / f"{batch.id}.json"
+    path = state_dir(daemon) / "batches" / f"{batch.id}.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "expires_at": int(time.time()) - 1}))
     again = start_http_daemon(*args, workdir=daemon.workdir)
     api = again.openai()

@@ -5,7 +5,7 @@ import logging
 
 from cbatch.api_keys import load_keys
 from cbatch.cli.common import add_version
-from cbatch.config import MAX_PARALLEL, POOLING_NAMES, DaemonConfig, EngineConfig, parse_http_address
+from cbatch.config import MAX_PARALLEL, POOLING_NAMES, DaemonConfig, EngineConfig, default_endpoint, parse_http_address
 from cbatch.errors import INVALID_CONFIG, CbatchError
 
 ENGINE = EngineConfig()  # the defaults the flags show
@@ -88,7 +88,8 @@ def make_parser() -> argparse.ArgumentParser:
              "reads /metrics; read again on SIGHUP")
     add("--state-dir", default="", metavar="DIR",
         help="with --http: where uploaded files and batch jobs (/v1/files, /v1/batches) are kept, across restarts "
-             "(default $XDG_STATE_HOME/cbatch or ~/.local/state/cbatch)")
+             "(default one per endpoint under $XDG_STATE_HOME/cbatch or ~/.local/state/cbatch); a directory "
+             "another running daemon uses, or one made for another model, is refused")
     add("--http-processes", type=int, default=0, metavar="N",
         help="HTTP server processes sharing the --http port (default: one per 8 CPUs this daemon may use, 1 to 4)")
     return parser
@@ -109,14 +110,17 @@ def _api_key(args) -> str:
         raise CbatchError(INVALID_CONFIG, f"cannot read --api-key-file {args.api_key_file}: {err.strerror}") from None
 
 
-def _state_dir(args) -> str:
+def _state_dir(args, endpoint: str) -> str:
     """The state directory, checked now when HTTP is served: a daemon that could not keep
-    the batches it accepts fails at its start instead."""
+    the batches it accepts, or whose directory is another daemon's, fails at its start instead."""
     if not args.http:
         return ""
-    from cbatch.jobs.state_dir import check_state_dir, default_state_dir
+    from cbatch.jobs.state_dir import check_state_dir, claim_state_dir, default_state_dir
+    from cbatch.model import resolve_model_path
 
-    return check_state_dir(args.state_dir or default_state_dir())
+    path = check_state_dir(args.state_dir or default_state_dir(endpoint))
+    claim_state_dir(path, resolve_model_path(args.model))
+    return path
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
@@ -137,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
                         http_address=parse_http_address(args.http) if args.http else None,
                         http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
-                        state_dir=_state_dir(args),
+                        state_dir=_state_dir(args, args.endpoint or default_endpoint()),
                         api_keys_file=args.api_keys_file,
                         interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
 

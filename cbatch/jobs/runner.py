@@ -24,6 +24,7 @@ from cbatch.client import Client
 from cbatch.errors import CbatchError
 from cbatch.jobs.batches import FINAL_STATUSES, BatchStore
 from cbatch.jobs.job_run import JobRun
+from cbatch.jobs.state_dir import RUNNER_LOCK
 
 log = logging.getLogger("cbatch.jobs")
 
@@ -89,7 +90,7 @@ class Runner:
             time.sleep(POLL_S)
 
     def _lock_state_dir(self):
-        lock_file = open(os.path.join(self.state_dir, "runner.lock"), "a")
+        lock_file = open(os.path.join(self.state_dir, RUNNER_LOCK), "a")
         def is_locked() -> bool:
             try:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)

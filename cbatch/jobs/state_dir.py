@@ -7,19 +7,67 @@ or the new one, never a part. The one file that grows in place, a job's results 
 appended a line at a time and fsynced by group commit (cbatch.jobs.results).
 """
 
+import fcntl
+import hashlib
 import json
 import os
+import re
 import tempfile
+import time
 
 from cbatch.errors import CbatchError, INVALID_CONFIG
 
 STATE_DIR_MODE = 0o700  # a job's prompts and answers are its owner's
+RUNNER_LOCK = "runner.lock"  # held by the job runner of the daemon whose directory it is
+MODEL_FILE = "model.json"  # the model the directory's jobs were made for
+# A daemon that just stopped (kill -9 included) may leave its runner holding the lock for
+# a moment: a new daemon waits this long before it takes the directory for another's.
+LOCK_WAIT_S = 10.0
+LOCK_POLL_S = 0.1
 
 
-def default_state_dir() -> str:
-    """$XDG_STATE_HOME/cbatch, or ~/.local/state/cbatch."""
+def endpoint_dir_name(endpoint: str) -> str:
+    """The endpoint as a directory name: readable, and unique however long the endpoint."""
+    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", endpoint).strip("_")[:64]
+    return f"{readable}-{hashlib.sha256(endpoint.encode()).hexdigest()[:8]}"
+
+
+def default_state_dir(endpoint: str) -> str:
+    """$XDG_STATE_HOME/cbatch/<endpoint>, or ~/.local/state/cbatch/<endpoint>: one per
+    endpoint, so that two daemons on one host never share one."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "cbatch")
+    return os.path.join(base, "cbatch", endpoint_dir_name(endpoint))
+
+
+def _is_free(path: str) -> bool:
+    """Whether no job runner holds the directory's lock (taken and let go at once)."""
+    with open(os.path.join(path, RUNNER_LOCK), "a") as lock_file:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock_file, fcntl.LOCK_UN)
+        return True
+
+
+def claim_state_dir(path: str, model_path: str) -> None:
+    """A state directory belongs to one daemon and one model: refuse one whose jobs another
+    running daemon runs, or whose jobs were made for another model file (their lines name
+    that model); mark a new one with this daemon's model."""
+    deadline_s = time.monotonic() + LOCK_WAIT_S
+    while not _is_free(path):
+        if time.monotonic() > deadline_s:
+            raise CbatchError(INVALID_CONFIG, f"the state directory {path} is in use by another running daemon: "
+                                              "give this one its own --state-dir")
+        time.sleep(LOCK_POLL_S)
+    model = {"model": os.path.basename(model_path), "bytes": os.path.getsize(model_path)}
+    marked = read_json(os.path.join(path, MODEL_FILE))
+    if marked is None:
+        write_json(os.path.join(path, MODEL_FILE), model)
+    elif marked != model:
+        raise CbatchError(INVALID_CONFIG, f"the state directory {path} holds the files and jobs of model "
+                                          f"{marked.get('model')!r}, not {model['model']!r}: give this daemon its "
+                                          "own --state-dir")
 
 
 def check_state_dir(path: str) -> str:

@@ -1,0 +1,46 @@
+"""A state directory belongs to one daemon and one model: two daemons on one host get a
+directory each by default, and a daemon refuses, at its start and naming the directory,
+one another running daemon uses or one made for another model."""
+
+import subprocess
+
+from daemonkit import SCRIPTS_DIR
+from common import free_port
+
+START_TIMEOUT_S = 120.0
+
+
+def refusal(model_path: str, state_dir, env: dict) -> subprocess.CompletedProcess:
+    """A daemon started on `state_dir`, which must exit at once (2: a setting to change)."""
+    return subprocess.run([str(SCRIPTS_DIR / "cbatch-worker"), "--model", model_path, "--http",
+                           f"127.0.0.1:{free_port()}", "--endpoint", f"ipc://{state_dir}/other.sock",
+                           "--state-dir", str(state_dir)], env=env, capture_output=True, text=True,
+                          timeout=START_TIMEOUT_S)
+
+
+def test_two_daemons_keep_their_files_apart(start_http_daemon, tiny_model_path):
+    first = start_http_daemon(tiny_model_path, "--parallel", "1")
+    # The same $XDG_STATE_HOME (the workdir's), another endpoint: as two daemons on one host.
+    second = start_http_daemon(tiny_model_path, "--parallel", "1", workdir=first.workdir,
+                               endpoint=f"ipc://{first.workdir}/second.sock")
+    assert len(list((first.workdir / "state" / "cbatch").iterdir())) == 2
+    uploaded = first.openai().files.create(file=("in.jsonl", b'{"a": 1}\n'), purpose="batch")
+    assert uploaded.id in [f.id for f in first.openai().files.list()]
+    assert uploaded.id not in [f.id for f in second.openai().files.list()]
+
+
+def test_a_directory_another_daemon_runs_is_refused(start_http_daemon, tiny_model_path):
+    running = start_http_daemon(tiny_model_path, "--parallel", "1")
+    state_dir = next((running.workdir / "state" / "cbatch").iterdir())
+    done = refusal(tiny_model_path, state_dir, running.env)
+    assert done.returncode == 2 and "in use by another running daemon" in done.stderr and str(state_dir) in done.stderr
+
+
+def test_a_directory_made_for_another_model_is_refused(start_http_daemon, tiny_model_path, tiny_tools_model_path):
+    first = start_http_daemon(tiny_model_path, "--parallel", "1")
+    state_dir = next((first.workdir / "state" / "cbatch").iterdir())
+    first.stop()
+    done = refusal(tiny_tools_model_path, state_dir, first.env)
+    assert done.returncode == 2 and "holds the files and jobs of model 'tiny-llama.gguf'" in done.stderr, done.stderr
+    again = start_http_daemon(tiny_model_path, "--parallel", "1", workdir=first.workdir)  # its own model: taken
+    assert again.openai().files.list() is not None
