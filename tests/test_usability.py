@@ -163,17 +163,24 @@ def test_a_batch_file_with_a_byte_order_mark_and_a_control_character(tiny_model_
     assert bad["error"]["message"] == "line 2 is not valid JSON: Invalid control character at (column 27)"
 
 
+MAX_STARVED_ROUNDS = 10
+
+
 def test_status_says_when_the_compute_threads_are_starved(tiny_model_path, start_daemon):
     """Two compute threads on one core get half of it at most: the steps are slow for want
     of CPU, not of work, and cbatch-status says so and which setting helps."""
     daemon = start_daemon(tiny_model_path, *DAEMON_ARGS, "--threads", "2", prefix=("taskset", "-c", "0"))
     with daemon.client() as client:
-        client.generate_batch([{"prompt": f"starved {i}", "max_tokens": 300, **GREEDY} for i in range(4)])
-        # The idle worker's last figures: an earlier report may hold the smoothed share after
-        # its first timed step only (0.9 for a step at 0.5).
-        share = wait_for(lambda: (lambda s: s["compute_cpu_share"] if s["num_active"] == 0
-                                  and s["compute_cpu_share"] < 1.0 else None)(client.stats()),
-                         what="a measured share")
+        # The share is smoothed over the timed steps (decodes of at least a millisecond): a
+        # fast machine times few of a round's steps, so rounds run until the share settles.
+        for _ in range(MAX_STARVED_ROUNDS):
+            client.generate_batch([{"prompt": f"starved {i}", "max_tokens": 300, **GREEDY} for i in range(4)])
+            # The idle worker's last figures: an earlier report may hold the share before the
+            # round's last timed steps.
+            share = wait_for(lambda: (lambda s: s["compute_cpu_share"] if s["num_active"] == 0 else None)(
+                client.stats()), what="the idle worker's figures")
+            if share < 0.6:
+                break
     table = subprocess.run([str(SCRIPTS_DIR / "cbatch-status")], env=daemon.env, capture_output=True, text=True,
                            timeout=60)
     assert share < 0.6, share
