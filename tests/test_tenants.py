@@ -88,6 +88,18 @@ def test_a_tenant_past_max_concurrent_gets_429_and_the_others_are_served(daemon)
     wait_until(lambda: complete(daemon, "capped").status_code == 200, timeout_s=60)  # its request ended
 
 
+def test_more_choices_than_a_keys_max_concurrent_are_refused_as_they_stand(daemon):
+    """n (or a list of prompts) past the key's max_concurrent could never be admitted whole:
+    a 400 that says which setting, not a 429 that no retry would end; nothing is charged."""
+    for extra in ({"n": 2}, {"prompt": ["one", "two"]}):
+        refused = complete(daemon, "capped", **extra)
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["code"] == "invalid_request", refused.text
+        assert "max_concurrent" in error["message"] and "Retry-After" not in refused.headers
+    assert complete(daemon, "capped", n=1).status_code == 200
+    assert complete(daemon, "heavy", n=2).json()["usage"]["completion_tokens"] == 2 * MAX_TOKENS
+
+
 def test_a_tenant_past_tokens_per_min_gets_a_retry_after_from_its_budget(daemon):
     """metered's bucket holds 120 tokens, refilled at 2 a second; a request that costs more
     takes it below zero, and the next waits until the bucket holds a token again."""

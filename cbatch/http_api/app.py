@@ -27,7 +27,8 @@ from starlette.routing import Route
 
 from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE
 from cbatch.http_api.access_log import AccessLog
-from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV, TENANT_SCOPE_KEY, ApiKeys, RequireApiKey
+from cbatch.http_api.auth import (API_KEY_ENV, API_KEYS_FILE_ENV, TENANT_SCOPE_KEY, ApiKeys, RequireApiKey,
+                                  check_choices_fit)
 from cbatch.http_api.batches_api import batch_routes
 from cbatch.http_api.connection import timed_protocol
 from cbatch.http_api.embeddings import embeddings_endpoint
@@ -88,6 +89,7 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
             api, events = _parse(state, kind, body)
         else:
             api, events = await run_in_threadpool(_parse, state, kind, body)
+        check_choices_fit(request.scope, len(api.bodies))
     except CbatchError as err:
         return state.error(endpoint, err)
     tenant = request.scope.get(TENANT_SCOPE_KEY)

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cbatch.api_keys import DEFAULT_TENANT, TenantKey, load_keys, tenant_of_key
-from cbatch.errors import CbatchError, FORBIDDEN, UNAUTHORIZED
+from cbatch.errors import CbatchError, FORBIDDEN, INVALID_REQUEST, UNAUTHORIZED
 from cbatch.http_api.json_io import json_response
 from cbatch.openai.mapping import error_body
 
@@ -27,6 +27,7 @@ API_KEYS_FILE_ENV = "CBATCH_API_KEYS_FILE"  # the keys file's path, read by each
 OPEN_PATHS = ("/health",)
 OPERATOR_PATHS = ("/metrics",)  # for keys with metrics=1 only
 TENANT_SCOPE_KEY = "cbatch.tenant"
+MAX_CONCURRENT_SCOPE_KEY = "cbatch.max_concurrent"  # the key's max_concurrent (0: no limit)
 BEARER = b"Bearer "
 
 log = logging.getLogger("cbatch.http")
@@ -71,7 +72,19 @@ class RequireApiKey:
                 await _forbidden(scope["path"])(scope, receive, send)
                 return
             scope[TENANT_SCOPE_KEY] = tenant
+            scope[MAX_CONCURRENT_SCOPE_KEY] = self.api_keys.keys[tenant].max_concurrent
         await self.app(scope, receive, send)
+
+
+def check_choices_fit(scope: Scope, num_choices: int) -> None:
+    """Each choice of a request (n, or a list of prompts) runs as a request of its own, all
+    at once: more of them than the key's max_concurrent could never all be admitted, so the
+    request is refused as it stands (400) rather than with a 429 that no retry would end."""
+    max_concurrent = scope.get(MAX_CONCURRENT_SCOPE_KEY, 0)
+    if max_concurrent and num_choices > max_concurrent:
+        raise CbatchError(INVALID_REQUEST, f"the request asks for {num_choices} completions at once (n x prompts), "
+                                           f"and its API key allows {max_concurrent} in flight (max_concurrent): "
+                                           "lower n, or raise the key's max_concurrent in the keys file")
 
 
 def _unauthorized() -> Response:
