@@ -9,7 +9,7 @@ from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.runner import LlamaRunner
-from cbatch.workers.engine.scheduler import BatchSpan
+from cbatch.workers.engine.step_batch import BatchSpan
 from cbatch.workers.engine.sequence import Sequence
 
 PROMPT_TOKENS = 128

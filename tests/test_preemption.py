@@ -141,3 +141,42 @@ def test_without_preemption_the_interactive_request_waits_for_a_batch_line_to_en
     interactive = submit(engine, {"prompt": "A quick question", "max_tokens": 2, **GREEDY})
     steps_to_first_token(engine, results, interactive, max_steps=200)
     assert results[batch_id].finish_reason == "length" and engine.snapshot()["num_preemptions"] == 0
+
+
+def test_interactive_prompt_chunks_take_the_step_first_and_batch_ones_a_quarter_beside_them():
+    sched = two_slot_scheduler()
+    batch = make_seq(0, 400, True)
+    sched.add(batch)
+    assert [(s.seq, s.num_tokens) for s in sched.schedule()] == [(batch, 64)]  # alone: the whole step
+    interactive = make_seq(1, 40, False)
+    sched.add(interactive)
+    spans = {span.seq: span.num_tokens for span in sched.schedule()}
+    # Admitted after the batch prompt, it is served first; the batch chunk gets a quarter.
+    assert spans == {interactive: 40, batch: 64 // 4}
+
+
+def test_out_of_cells_a_batch_sequence_is_preempted_before_a_newer_interactive_one():
+    kv = KVCacheManager(40, 8, False, max_cached_cells=0)
+    sched = Scheduler(kv, 2, 64, 8, 8, preempt_batch=False)
+    batch, interactive = make_seq(0, 19, True), make_seq(1, 19, False)
+    sched.add(batch)
+    run_steps(sched, 1)
+    sched.add(interactive)
+    run_steps(sched, 2)  # 38 of 40 cells, then both need one more: one must go
+    assert interactive in sched.running and batch not in sched.running
+    assert list(sched.waiting) == [batch] and batch.num_cached == 0
+
+
+def test_a_preempted_batch_sequence_resumes_before_later_batch_work_of_any_tenant():
+    sched = Scheduler(KVCacheManager(4096, 8, True, max_cached_cells=2048), 1, 64, 8, 8)
+    resumed = make_seq(0, 8, True)
+    resumed.tenant = "heavy"
+    sched.add(resumed)
+    run_steps(sched, 2)
+    sched.preempt(resumed, keep_cached=True)
+    later = make_seq(1, 8, True)
+    later.tenant = "light"  # less served than heavy: fair share alone would admit it first
+    sched.add(later)
+    assert list(sched.waiting) == [resumed, later]
+    sched.schedule()
+    assert sched.running == [resumed] and list(sched.waiting) == [later]

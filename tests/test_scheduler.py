@@ -101,13 +101,13 @@ def test_finishing_a_waiting_request_frees_nothing():
     assert not sched.waiting and sched.running == [running] and sched.kv.num_cells_used == used
 
 
-def test_preempt_newest_requeues_it_at_the_head_for_recompute():
+def test_preempt_for_cells_requeues_it_at_the_head_for_recompute():
     sched = Sched(num_slots=2, max_batch_tokens=32, max_queue=8)
     old, new, queued = make_seq(0, 3), make_seq(1, 3), make_seq(2, 3)
     for s in (old, new, queued):
         sched.add(s)
     feed(sched, sched.schedule())
-    seq = sched.preempt_newest()
+    seq = sched.preempt_for_cells()
     assert seq is new and new.seq_id is None
     assert new.num_cached == 0 and new.output_ids == [7]
     assert list(sched.waiting) == [new, queued]
@@ -164,7 +164,7 @@ def test_a_sequence_states_where_it_is():
     assert seq.status is SeqStatus.PREFILLING and queued.status is SeqStatus.WAITING
     feed(sched, sched.schedule())  # the last 4: sampled
     assert seq.status is SeqStatus.DECODING
-    assert sched.preempt_newest() is seq and seq.status is SeqStatus.WAITING and seq.seq_id is None
+    assert sched.preempt_for_cells() is seq and seq.status is SeqStatus.WAITING and seq.seq_id is None
     sched.finish(queued, keep_cached=False)
     assert queued.status is SeqStatus.FINISHED and list(sched.waiting) == [seq]
 

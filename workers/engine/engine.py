@@ -26,7 +26,8 @@ from cbatch.workers.engine.preparation import prepare_sequence
 from cbatch.workers.engine.reasoning import model_reasoning
 from cbatch.workers.engine.sampling.host import free_sampler_chain
 from cbatch.workers.engine.sampling.step import StepSampler
-from cbatch.workers.engine.scheduler import BatchSpan, Scheduler
+from cbatch.workers.engine.scheduler import Scheduler
+from cbatch.workers.engine.step_batch import BatchSpan
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.stats import CPU_TIMED_EVERY_STEPS, EngineStats, engine_snapshot
@@ -190,8 +191,9 @@ class Engine:
 
     def _wait(self) -> tuple[list[BatchSpan], int]:
         """The batch in flight, decoded; its sequences' deferred sampler frees then run.
-        When the KV cache has no room, preempt the newest sequence back to the queue and
-        retry with the rest (the KV manager keeps room for every batch: a safety net)."""
+        When the KV cache has no room, preempt the newest batch sequence (or the newest)
+        back to the queue and retry with the rest (the KV manager keeps room for every
+        batch: a safety net)."""
         spans, self._in_flight = self._in_flight, None
         t0 = time.perf_counter()
         status = self.runner.wait_decode() if self.is_overlapped else self._status
@@ -200,7 +202,7 @@ class Engine:
             self._free_sampler(seq)
         self._deferred_frees.clear()
         while status == LLAMA_DECODE_NO_KV_ROOM and len(self.scheduler.running) >= 2:
-            seq = self.scheduler.preempt_newest()
+            seq = self.scheduler.preempt_for_cells()
             spans = [c for c in spans if c.seq is not seq and c.seq.status is not SeqStatus.FINISHED]
             if not spans:
                 return spans, 0

@@ -10,14 +10,14 @@ interactive requests are admitted in the same step.
 Invariants:
 - only a batch sequence gives up its slot, and only to an interactive request:
   interactive work never yields to interactive work, and batch work takes no one's slot
-  (a lack of KV cells preempts the newest sequence whatever its priority, a path of its own);
+  (a lack of KV cells preempts the newest batch sequence, or the newest when none runs: a path of its own);
 - a preempted sequence keeps its output (already streamed) and its sampler, whose state
   (a seeded chain's random state, penalties, a grammar) is not touched: it resumes by
   recomputing prompt + output, from the prefix cache where that still holds them, and
   continues as it would have without the pause, as far as llama.cpp computes that KV the
   same in a prefill chunk as one token at a time (docs/operations.md measures how far);
-- it goes back to the head of the batch queue, so it is the first batch work admitted
-  once no interactive request waits: however often it is preempted, it finishes when the
+- it goes back to the batch resume queue, so it is the first batch work admitted once no
+  interactive request waits, whichever tenant's batch work arrived since: however often it is preempted, it finishes when the
   interactive load stops.
 No model here: the scheduler's tests drive it.
 """

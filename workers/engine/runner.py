@@ -17,7 +17,7 @@ from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST
 from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
 from cbatch.workers.engine.sampling.backend import BackendSamplers
 from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
-from cbatch.workers.engine.scheduler import BatchSpan
+from cbatch.workers.engine.step_batch import BatchSpan
 
 MAX_PIECE_BYTES = 256
 ALL_LAYERS = 1 << 30  # as n_gpu_layers: more than any model has

@@ -16,11 +16,15 @@ Policy:
   the same uncached prefix at the same time (forks.is_prefilled_elsewhere); that block is
   done within a step or two, and the request is then admitted before anything behind it;
 - every generating sequence gets its one decode token first, then prefilling sequences
-  share the rest of the step's token budget in admission order (chunked prefill: a long
-  prompt costs the others at most one span of latency per step, never a stall);
+  share the rest of the step's token budget, interactive ones first, each priority in
+  admission order (chunked prefill: a long prompt costs the others at most one span of
+  latency per step, never a stall); beside interactive work batch chunks get at most a
+  quarter of the step, so an interactive request's first token never waits on a step
+  filled with batch prompts;
 - a generating sequence whose next cell cannot be had even by eviction preempts the
-  newest running sequence back to the head of its priority's queue (recomputed on
-  re-admission), its KV dropped: the cells are what is short;
+  newest running batch sequence, or the newest running one when none is batch work, back
+  to its priority's resume queue (recomputed on re-admission before later work of that
+  priority), its KV dropped: the cells are what is short;
 - an interactive request that finds too few free slots takes running batch sequences'
   (preemption.py, unless `preempt_batch` is off): they go back the same way, their KV kept
   in the prefix cache so that resuming costs little;
@@ -29,33 +33,13 @@ Policy:
 No model here: it is tested on its own.
 """
 
-from operator import attrgetter
-
 from cbatch.workers.engine.forks import (PendingForks, can_share_last_row, can_share_row, find_parent,
                                          is_prefilled_elsewhere)
 from cbatch.workers.engine.kv.base import KVManager
 from cbatch.workers.engine.preemption import choose_batch_victims, num_slots_wanted
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
+from cbatch.workers.engine.step_batch import BatchSpan, prefill_spans, span_order
 from cbatch.workers.engine.waiting_queue import DeadlineHeap, WaitingQueue
-
-
-class BatchSpan:
-    """One sequence's run of tokens in this step's batch: `num_tokens` tokens of `seq` from KV
-    position `start` (a prompt chunk, or the one decode token of a generating sequence).
-    A plain slotted class: a step makes one per running sequence."""
-
-    __slots__ = ("seq", "start", "num_tokens", "wants_logits")
-
-    def __init__(self, seq: Sequence, start: int, num_tokens: int):
-        self.seq, self.start, self.num_tokens = seq, start, num_tokens
-        # Only a span that reaches the last known token (when it is scheduled) yields a sample.
-        self.wants_logits = start + num_tokens == seq.num_tokens
-
-    def __repr__(self) -> str:
-        return f"BatchSpan(request {self.seq.request_id}, start {self.start}, {self.num_tokens} tokens)"
-
-
-_SPAN_SEQ_ID = attrgetter("seq.seq_id")
 
 
 class Scheduler:
@@ -101,25 +85,17 @@ class Scheduler:
             seq = running[i]
             # A generating sequence feeds its last sampled token at position num_tokens - 1.
             if seq.status is SeqStatus.DECODING and not self.kv.grow(seq.seq_id, seq.num_tokens):
-                self.preempt_newest()  # the newest: maybe seq itself, which ends the loop
+                victim = self._cells_victim()  # maybe seq itself: the next one is then at i
+                i -= running.index(victim) < i  # one before seq: seq moves to i - 1
+                self.preempt(victim, keep_cached=False)
                 continue
             i += 1
         decoding = SeqStatus.DECODING
         spans = [BatchSpan(s, s.num_cached, 1) for s in running if s.status is decoding]
         self.waiting.share.charge_decoded(span.seq for span in spans)
-        budget = self.max_batch_tokens - len(spans)
-        for seq in running if len(spans) < len(running) else ():
-            if budget == 0:
-                break
-            if seq.status is SeqStatus.PREFILLING:
-                num_tokens = min(seq.num_uncached, budget)
-                spans.append(BatchSpan(seq, seq.num_cached, num_tokens))
-                budget -= num_tokens
-        # The unified pool takes a batch in any order, but with per-sequence streams
-        # llama.cpp cuts a batch into one micro-batch per run of consecutive seq ids (and
-        # equal token counts): in id order a step stays one or two micro-batches, in
-        # admission order it falls apart once reused slots interleave.
-        spans.sort(key=_SPAN_SEQ_ID)
+        if len(spans) < len(running):
+            spans += prefill_spans(running, self.max_batch_tokens - len(spans), self.max_batch_tokens)
+        spans.sort(key=span_order)  # in seq id order: llama.cpp's micro-batches (step_batch.py)
         return spans
 
     def row_sharers(self, seq: Sequence) -> list[Sequence]:
@@ -215,20 +191,23 @@ class Scheduler:
         self.waiting.on_ended(seq)
         self.deadlines.discard(seq)
 
-    def preempt_newest(self) -> Sequence:
-        """Send the most recently admitted running sequence back to the head of its
-        priority's queue, its KV dropped (the cells are short); its prompt + output so far
-        is recomputed on re-admission."""
-        seq = self.running[-1]
+    def preempt_for_cells(self) -> Sequence:
+        """Send the lowest-priority running sequence, the most recently admitted among equals,
+        back to the head of its priority's queue, its KV dropped (the cells are short): a
+        batch one while any runs. Its prompt + output so far is recomputed on re-admission."""
+        seq = self._cells_victim()
         self.preempt(seq, keep_cached=False)
         return seq
+
+    def _cells_victim(self) -> Sequence:
+        return next((seq for seq in reversed(self.running) if seq.is_batch), self.running[-1])
 
     def preempt(self, seq: Sequence, keep_cached: bool) -> None:
         """A running sequence back to the head of its priority's queue, keeping its output
         and sampler; with `keep_cached` its computed prefix stays in the prefix cache."""
         self.running.remove(seq)
         self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
-        seq.seq_id, seq.num_cached, seq.status = None, 0, SeqStatus.WAITING
+        seq.seq_id, seq.num_cached, seq.status, seq.is_resumed = None, 0, SeqStatus.WAITING, True
         self._requeue_forks(seq)
         self.waiting.push_front(seq)
         self.num_preemptions += 1
@@ -241,7 +220,7 @@ class Scheduler:
 
     def _requeue(self, fork: Sequence) -> None:
         self.kv.release(fork.seq_id, fork.token_slice, 0, False)
-        fork.seq_id, fork.num_cached, fork.status = None, 0, SeqStatus.WAITING
+        fork.seq_id, fork.num_cached, fork.status, fork.is_resumed = None, 0, SeqStatus.WAITING, True
         self.waiting.push_front(fork)
 
     def _fork(self, parent: Sequence, fork: Sequence, num_tokens: int) -> None:
@@ -275,6 +254,7 @@ class Scheduler:
                 self.waiting.push_front(seq)
                 break
             seq.seq_id, seq.num_cached = placed
+            seq.is_resumed = False
             self.waiting.share.on_admitted(seq)
             if parent is None:
                 seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING

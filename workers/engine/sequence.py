@@ -60,6 +60,7 @@ class Sequence:
     tenant: str = DEFAULT_TENANT  # whose request: admission shares the steps among tenants (fair_share.py)
     tenant_weight: float = 1.0
     is_charged: bool = False  # its prompt was charged to its tenant (at its first admission)
+    is_resumed: bool = False  # preempted or requeued, waiting to be admitted again (waiting_queue.py)
 
     def __post_init__(self):
         if self.text is None:

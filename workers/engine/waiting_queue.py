@@ -20,6 +20,7 @@ No model here: the scheduler drives both.
 
 import heapq
 import math
+from collections import deque
 
 from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import CbatchError, QUEUE_FULL
@@ -39,22 +40,28 @@ class WaitingQueue:
         self.share = FairShare() if fair_share else NoShare()
         make_queue = (lambda: TenantQueues(self.share)) if fair_share else ArrivalQueue
         self._queues = (make_queue(), make_queue())  # by is_batch
+        self._resumed: tuple[deque[Sequence], deque[Sequence]] = (deque(), deque())  # by is_batch
         self.max_queues = (max_queue, max_batch_queue)
         self._max_held = (max_running + max_queue, max_running + max_batch_queue)
         # Per priority: the sequences added and not yet ended (waiting, running or forking).
         self._num_held = [0, 0]
 
     def __len__(self) -> int:
-        return self._queues[0].num_waiting + self._queues[1].num_waiting
+        return self._num_waiting(False) + self._num_waiting(True)
+
+    def _num_waiting(self, is_batch: bool) -> int:
+        return len(self._resumed[is_batch]) + self._queues[is_batch].num_waiting
 
     @property
     def num_interactive(self) -> int:
-        return self._queues[0].num_waiting
+        return self._num_waiting(False)
 
     def __iter__(self):
-        """The interactive ones, then the batch ones (each tenant's in admission order)."""
-        yield from self._queues[0]
-        yield from self._queues[1]
+        """The interactive ones, then the batch ones (the resumed first, then each tenant's in
+        admission order)."""
+        for is_batch in (False, True):
+            yield from self._resumed[is_batch]
+            yield from self._queues[is_batch]
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the tail of its priority, or refuse it with QUEUE_FULL
@@ -77,22 +84,36 @@ class WaitingQueue:
         self.share.release(seq.tenant)
 
     def popleft(self) -> Sequence:
-        seq = (self._queues[0] if self._queues[0].num_waiting else self._queues[1]).popleft()
-        if not (self._queues[0].num_waiting or self._queues[1].num_waiting):
+        is_batch = not self._num_waiting(False)
+        resumed = self._resumed[is_batch]
+        seq = resumed.popleft() if resumed else self._queues[is_batch].popleft()
+        if not len(self):
             self.share.on_queue_empty()
         return seq
 
     def push_front(self, seq: Sequence) -> None:
-        """Back to the head of its tenant's FIFO (preempted, requeued, or not admitted now)."""
-        self._queues[seq.is_batch].appendleft(seq)
+        """Back to the head of its priority (preempted, requeued, or not admitted now): of the
+        resume queue when it was admitted before (`is_resumed`), else of its tenant's FIFO."""
+        if seq.is_resumed:
+            self._resumed[seq.is_batch].appendleft(seq)
+        else:
+            self._queues[seq.is_batch].appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """One sequence out of the queue (a search of its tenant's FIFO: for one at a time only)."""
-        self._queues[seq.is_batch].remove(seq)
+        """One sequence out of the queue (a search of its FIFO: for one at a time only)."""
+        resumed = self._resumed[seq.is_batch]
+        if seq in resumed:
+            resumed.remove(seq)
+        else:
+            self._queues[seq.is_batch].remove(seq)
 
     def drop(self, seq_ids: set[int]) -> None:
         """Take the sequences whose id() is in seq_ids out of the queue in one pass."""
-        for queue in self._queues:
+        for resumed, queue in zip(self._resumed, self._queues):
+            if resumed:
+                kept = [seq for seq in resumed if id(seq) not in seq_ids]
+                resumed.clear()
+                resumed.extend(kept)
             if queue.num_waiting:
                 queue.drop(seq_ids)
 

@@ -1,0 +1,62 @@
+"""What goes into one step's batch: a span of tokens per running sequence, and how the
+prompt chunks share the step's token budget (the scheduler decides who runs)."""
+
+from operator import attrgetter
+
+from cbatch.workers.engine.sequence import SeqStatus, Sequence
+
+# Beside running interactive sequences, batch prompt chunks take at most 1/N of a step's
+# token budget (prefill_spans).
+BATCH_PREFILL_DIVISOR = 4
+
+
+class BatchSpan:
+    """One sequence's run of tokens in this step's batch: `num_tokens` tokens of `seq` from KV
+    position `start` (a prompt chunk, or the one decode token of a generating sequence).
+    A plain slotted class: a step makes one per running sequence."""
+
+    __slots__ = ("seq", "start", "num_tokens", "wants_logits")
+
+    def __init__(self, seq: Sequence, start: int, num_tokens: int):
+        self.seq, self.start, self.num_tokens = seq, start, num_tokens
+        # Only a span that reaches the last known token (when it is scheduled) yields a sample.
+        self.wants_logits = start + num_tokens == seq.num_tokens
+
+    def __repr__(self) -> str:
+        return f"BatchSpan(request {self.seq.request_id}, start {self.start}, {self.num_tokens} tokens)"
+
+
+_SPAN_SEQ_ID = attrgetter("seq.seq_id")
+_IS_BATCH = attrgetter("is_batch")
+# Beside running interactive sequences, batch prompt chunks take at most this fraction
+# (1/N) of a step's token budget (Scheduler._prefill_spans).
+BATCH_PREFILL_DIVISOR = 4
+
+
+# The unified pool takes a batch in any order, but with per-sequence streams llama.cpp cuts
+# a batch into one micro-batch per run of consecutive seq ids (and equal token counts): in
+# id order a step stays one or two micro-batches, in admission order it falls apart once
+# reused slots interleave.
+span_order = attrgetter("seq.seq_id")
+_IS_BATCH = attrgetter("is_batch")
+
+
+def prefill_spans(running: list[Sequence], budget: int, max_step_tokens: int) -> list[BatchSpan]:
+    """The prompt chunks of `budget` tokens: interactive sequences' first, then batch ones',
+    each priority in admission order (`running`'s). Beside interactive work the batch chunks
+    take at most 1/BATCH_PREFILL_DIVISOR of a step of `max_step_tokens`, so that the steps an
+    interactive request waits on for its first token stay short."""
+    prefilling = sorted((seq for seq in running if seq.status is SeqStatus.PREFILLING), key=_IS_BATCH)
+    is_batch_only = all(seq.is_batch for seq in running)
+    max_batch_tokens = budget if is_batch_only else max(1, max_step_tokens // BATCH_PREFILL_DIVISOR)
+    spans = []
+    for seq in prefilling:
+        room = min(budget, max_batch_tokens) if seq.is_batch else budget
+        if room == 0:
+            continue  # past the budget or the batch chunks' share: nothing more fits
+        num_tokens = min(seq.num_uncached, room)
+        spans.append(BatchSpan(seq, seq.num_cached, num_tokens))
+        budget -= num_tokens
+        if seq.is_batch:
+            max_batch_tokens -= num_tokens
+    return spans
