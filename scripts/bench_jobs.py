@@ -4,8 +4,8 @@
                     polling it sees) beside cbatch-submit's on the same file and daemon
                     (greedy, ignore_eos), each run twice in turn, their ratio, and each
                     caller's CPU per line (which a shared machine disturbs less)
-    TTFT            streamed /v1/completions from scripts/loadgen.py (one caller), idle and
-                    while a job runs: p50 and p99
+    TTFT            streamed /v1/completions from scripts/loadgen.py (--ttft-callers closed-loop
+                    callers), idle and while a job runs: p50 and p99, and loaded p99 / idle p99
     memory          the peak RSS of the daemon's processes (the sum over its process tree,
                     from /proc) while it runs --rss-lines lines (in jobs of at most 50,000
                     lines, OpenAI's limit per batch, all queued at once) above its idle RSS
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import percentiles, prompts  # noqa: E402
@@ -192,8 +193,9 @@ def ttfts(daemon: Daemon, args) -> list[float]:
         json.dump([f"Probe {i}: say something." for i in range(args.ttft_probes)], prompts_file)
         prompts_file.flush()
         done = subprocess.run([sys.executable, str(LOADGEN), "--url", daemon.url, "--prompts", prompts_file.name,
-                               "--body", json.dumps({"max_tokens": 8, "temperature": 0}), "--clients", "1",
-                               "--stream"], capture_output=True, text=True, check=True)
+                               "--body", json.dumps({"max_tokens": 8, "temperature": 0}),
+                               "--clients", str(args.ttft_callers), "--stream"], capture_output=True, text=True,
+                              check=True)
     result = json.loads(done.stdout)
     if result["errors"]:
         raise RuntimeError(result["errors"][:3])
@@ -208,8 +210,10 @@ def ttft(daemon: Daemon, args) -> None:
     running = daemon.batch(batch_id)
     daemon.http.post(f"/v1/batches/{batch_id}/cancel")
     daemon.wait([batch_id])
-    print(f"interactive TTFT, {args.ttft_probes} streamed requests one at a time: idle {percentiles(idle)}; "
-          f"beside a running job {percentiles(loaded)} (the job was {running['status']})")
+    ratio = np.percentile(loaded, 99) / np.percentile(idle, 99)
+    print(f"interactive TTFT, {args.ttft_probes} streamed requests from {args.ttft_callers} callers: idle "
+          f"{percentiles(idle)}; beside a running job {percentiles(loaded)} (the job was {running['status']}, "
+          f"{running['request_counts']['completed']} lines done); p99 beside / idle {ratio:.2f}x")
 
 
 def memory(daemon: Daemon, args) -> None:
@@ -276,7 +280,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lines", type=int, default=2000, help="lines of the throughput file")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--ttft-probes", type=int, default=30)
+    parser.add_argument("--ttft-probes", type=int, default=200)
+    parser.add_argument("--ttft-callers", type=int, default=8, help="interactive callers, each one request at a time")
     parser.add_argument("--rss-lines", type=int, default=100_000, help="lines run for the memory figure")
     parser.add_argument("--kill-lines", type=int, default=400, help="lines of the job killed mid-way")
     args = parser.parse_args(argv)
