@@ -343,3 +343,23 @@ def test_a_client_that_reads_late_loses_nothing_and_no_request_is_cancelled(tiny
         assert [row[0] for row in records[request_id]] == list(range(finishes[request_id]["num_records"]))
         assert finishes[request_id]["usage"]["completion_tokens"] == num_tokens
     assert outcomes.get("cancelled", 0) == 0
+
+
+@pytest.mark.parametrize("use_ring", [False, True], ids=["relayed", "ring"])
+def test_a_reader_slower_than_the_model_gets_its_tokens_merged_and_all_of_them(tiny_model_path, start_daemon,
+                                                                               use_ring):
+    """A caller that keeps reading, only slower than the model writes, is never cut off
+    and does not fall further behind: each chunk it takes holds every token that arrived
+    since the last one, so its chunks are far fewer than its tokens, and they add up to
+    the whole answer."""
+    d = start_daemon(tiny_model_path, "--parallel", "2")
+    num_tokens, pause_s = 1500, 0.05  # one token per chunk would take 75 s
+    with d.client(use_ring=use_ring) as client:
+        whole = client.generate(prompt="a slow reader", max_tokens=num_tokens, **GREEDY)
+        chunks = []
+        for chunk in client.stream(prompt="a slow reader", max_tokens=num_tokens, **GREEDY):
+            chunks.append(chunk)
+            time.sleep(pause_s)
+    assert [token for chunk in chunks for token in chunk.token_ids] == whole.token_ids
+    assert "".join(chunk.text for chunk in chunks) == whole.text and chunks[-1].finish_reason == "length"
+    assert len(chunks) < num_tokens / 10, len(chunks)

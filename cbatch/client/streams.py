@@ -124,11 +124,17 @@ class RequestStream:
         self.pending.append(error)
 
     def take(self):
-        """The next chunk (the caller waited until there is one); raises the stream's error."""
+        """The next chunk (the caller waited until there is one): every chunk that arrived
+        since the last take, merged, so that a caller slower than the model gets several
+        tokens at a time rather than falling further behind; raises the stream's error
+        once the chunks before it are taken."""
         item = self.pending.popleft()
         if isinstance(item, CbatchError):
             raise item
-        return item
+        chunks = [item]
+        while self.pending and not isinstance(self.pending[0], CbatchError):
+            chunks.append(self.pending.popleft())
+        return merge_chunks(chunks)
 
     @property
     def is_drained(self) -> bool:
