@@ -38,7 +38,7 @@ def test_each_priority_has_its_own_bound_and_the_refusal_names_its_flag():
     with pytest.raises(CbatchError) as err:
         table.add(TrackedRequest(5, b"b", is_relayed=False))
     assert err.value.message == "1 interactive request in flight; retry later or raise --max-queue"
-    table.fail(table.active[1], QUEUE_FULL)  # an ended batch request frees a batch place only
+    table.fail(table.active[1], QUEUE_FULL, 0.0)  # an ended batch request frees a batch place only
     table.add(TrackedRequest(6, b"a", is_relayed=False, is_batch=True))
     assert table.num_active_by_priority == [1, 2]
 
@@ -79,7 +79,7 @@ def test_failed_requests_are_counted_by_code_and_not_kept():
     table = RequestTable(max_in_flight=(8, 8), retention_s=10.0)
     table.add(TrackedRequest(1, b"a", is_relayed=False, submit=[b"\x01", b"held"]))
     assert table.active[1].is_held
-    table.fail(table.active[1], "worker_restarted")
+    table.fail(table.active[1], "worker_restarted", 0.0)
     assert table.get(1) is None and table.num_ended_by_outcome == {"worker_restarted": 1}
 
 

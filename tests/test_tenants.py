@@ -2,6 +2,7 @@
 fair share of the decode steps by weight, limits per key (429 rate_limited with a
 Retry-After from the key's budget), usage per tenant, and a SIGHUP reload of the keys."""
 
+import concurrent.futures
 import json
 import math
 import re
@@ -21,6 +22,7 @@ heavy key-heavy weight=1
 light key-light weight=2   # twice heavy's share
 capped key-capped max_concurrent=1
 metered key-metered tokens_per_min=120
+bursty key-bursty tokens_per_min=60
 scraper key-scraper metrics=1  # the operator's: may read /metrics
 """
 PARALLEL = 2  # small, so that both tenants keep requests waiting
@@ -115,6 +117,16 @@ def test_a_tenant_past_tokens_per_min_gets_a_retry_after_from_its_budget(daemon)
     assert math.ceil(owed / 2 - elapsed_s) - 1 <= retry_after_s <= math.ceil(owed / 2)
     assert f"retry in {retry_after_s} s" in refused.json()["error"]["message"]
     assert complete(daemon, "light").status_code == 200
+
+
+def test_a_full_bucket_lets_in_a_burst_of_its_size_not_hundreds(daemon):
+    """Each request reserves its max_tokens in the bucket as it is let in: at a full bucket
+    of 60, eight requests of 30 at once get two in (a third if a token came back meanwhile),
+    the rest a 429, where charging only at the end let every one in."""
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = [r.status_code for r in pool.map(lambda i: complete(daemon, "bursty", prompt=f"burst {i}",
+                                                                       max_tokens=30), range(8))]
+    assert 2 <= statuses.count(200) <= 3 and statuses.count(429) == 8 - statuses.count(200), statuses
 
 
 def test_a_wrong_key_is_a_401_that_names_no_tenant(daemon):

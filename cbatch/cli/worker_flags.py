@@ -46,8 +46,9 @@ def make_parser() -> argparse.ArgumentParser:
     switch("--prefix-cache", "reuse the KV of cached prompt prefixes (default on)")
     switch("--preempt-batch", "an interactive request that finds every slot taken preempts a running "
                               "batch-priority one, which resumes later with the same output (default on)")
-    switch("--fair-share", "share the decode steps among tenants (API key names) by weight, within a priority; "
-                           "off, requests are admitted in arrival order, however many a tenant sends (default on)")
+    switch("--fair-share", "within a priority, admit requests to free slots by their tenants' (API key names) "
+                           "tokens served per weight; off, requests are admitted in arrival order, however many a "
+                           "tenant sends (default on)")
     add("--pooling", choices=POOLING_NAMES, default=ENGINE.pooling,
         help=f"embedding pooling for a model whose GGUF declares none, a causal LM (default {ENGINE.pooling})")
     add("--cache-tokens", type=int, default=ENGINE.cache_tokens,

@@ -266,7 +266,7 @@ class FrontEnd:
             self._deliver_finish(tracked)
 
     def fail(self, tracked: TrackedRequest, code: str, message: str) -> None:
-        self.requests.fail(tracked, code)
+        self.requests.fail(tracked, code, time.monotonic())
         self._error(tracked.owner, code, message, {"request_id": tracked.request_id})
 
     def fail_all(self, code: str, message: str, *, include_held: bool = True) -> None:

@@ -39,6 +39,7 @@ class TrackedRequest:
     deadline_s: float = 0.0  # monotonic clock; 0 = none
     shape: SamplingParams | None = None  # its parameters, kept in case it crashes the worker (quarantine.py)
     tenant: str = DEFAULT_TENANT
+    reserved_tokens: int = 0  # held in its tenant's tokens_per_min bucket until it ends (tenant_ledger.py)
 
     @property
     def is_held(self) -> bool:
@@ -69,7 +70,8 @@ class RequestTable:
         if self.num_active_by_priority[is_batch] >= self.max_in_flight[is_batch]:
             in_flight = counted(self.max_in_flight[is_batch], f"{PRIORITIES[is_batch]} request")
             raise CbatchError(QUEUE_FULL, f"{in_flight} in flight; retry later or raise {QUEUE_FLAGS[is_batch]}")
-        self.ledger.admit(tracked.tenant, now_s)
+        max_tokens = tracked.shape.max_tokens if tracked.shape is not None else 0
+        tracked.reserved_tokens = self.ledger.admit(tracked.tenant, now_s, max_tokens=max_tokens)
         self.active[tracked.request_id] = tracked
         self.num_active_by_priority[is_batch] += 1
 
@@ -90,7 +92,7 @@ class RequestTable:
         """The request ended with `finish` (the FINISHED body): retain it, forget the expired."""
         tracked.finish, tracked.finished_at_s = finish, now_s
         self._remove_active(tracked)
-        self.ledger.on_finished(tracked.tenant, finish.get("usage") or {}, now_s)
+        self.ledger.on_finished(tracked.tenant, finish.get("usage") or {}, now_s, reserved=tracked.reserved_tokens)
         self.num_ended_by_outcome[finish["finish_reason"]] += 1
         self._retained[tracked.request_id] = tracked
         self.expire(now_s)
@@ -101,8 +103,9 @@ class RequestTable:
             _, old = self._retained.popitem(last=False)
             self._set_owed(old, False)
 
-    def fail(self, tracked: TrackedRequest, code: str) -> None:
-        """The request ended with an error reply: nothing of it is kept."""
+    def fail(self, tracked: TrackedRequest, code: str, now_s: float) -> None:
+        """The request ended with an error reply: nothing of it is kept, nothing charged."""
+        self.ledger.refund(tracked.tenant, tracked.reserved_tokens, now_s)
         self._remove_active(tracked)
         self.num_ended_by_outcome[code] += 1
 

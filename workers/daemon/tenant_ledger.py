@@ -5,10 +5,13 @@ The limits hold daemon-wide, however many HTTP processes (and native clients) su
 every request passes through the one front-end. A tenant past a limit gets RATE_LIMITED,
 whose message says when to retry (`retry_after_s` travels beside it in the error reply):
 - max_concurrent: requests in flight at once; retry when one ends, RETRY_CONCURRENT_S;
-- tokens_per_min: a token bucket of that size, refilled at tokens_per_min / 60 a second
-  and charged with prompt + generated tokens when a request ends (its cost is known only
-  then, so one request may take the bucket below zero). A request is let in while the
-  bucket holds a token; retry when it will again.
+- tokens_per_min: a token bucket of that size, refilled at tokens_per_min / 60 a second.
+  A request is let in while the bucket holds a token, and reserves its max_tokens there
+  at once (at most the bucket's size), so a full bucket lets in a burst of about
+  tokens_per_min / max_tokens requests, not hundreds; when it ends the reservation is
+  swapped for its prompt + generated tokens (its cost is known only then, so one request
+  may take the bucket below zero), or given back if it failed. Retry when the bucket
+  holds a token again.
 A tenant the keys file does not name (a native client's, "default") has no limits and
 weight 1. The keys are read again on SIGHUP (`reload`); what a tenant has in flight and
 in its bucket carries over, so a reload drops nothing and resets no budget (the bucket of
@@ -61,9 +64,10 @@ class TenantLedger:
         key = self.keys.get(tenant)
         return key.weight if key is not None else 1.0
 
-    def admit(self, tenant: str, now_s: float, is_limited: bool = True) -> None:
+    def admit(self, tenant: str, now_s: float, is_limited: bool = True, max_tokens: int = 0) -> int:
         """Count a new request of `tenant` in flight, or refuse it with RATE_LIMITED
-        (unless not `is_limited`: a later part of a request already let in)."""
+        (unless not `is_limited`: a later part of a request already let in). Returns the
+        tokens reserved in its bucket for the request's `max_tokens`, for on_finished."""
         key = self.keys.get(tenant) if is_limited else None
         if key is not None and key.max_concurrent and self.num_in_flight[tenant] >= key.max_concurrent:
             raise rate_limited(f"tenant {tenant} has {key.max_concurrent} requests in flight, its max_concurrent",
@@ -74,6 +78,17 @@ class TenantLedger:
                 wait_s = math.ceil((1.0 - tokens) * SECONDS_PER_MINUTE / key.tokens_per_min)
                 raise rate_limited(f"tenant {tenant} used its {key.tokens_per_min} tokens_per_min", wait_s)
         self.num_in_flight[tenant] += 1
+        if key is None or not key.tokens_per_min or max_tokens <= 0:
+            return 0
+        reserved = min(max_tokens, key.tokens_per_min)
+        self._buckets[tenant] = (tokens - reserved, now_s)
+        return reserved
+
+    def refund(self, tenant: str, reserved: int, now_s: float) -> None:
+        """A request that failed (nothing charged for it) gives back what admit reserved."""
+        key = self.keys.get(tenant)
+        if reserved and key is not None and key.tokens_per_min:
+            self._buckets[tenant] = (self._bucket(key, now_s) + reserved, now_s)
 
     def release(self, tenant: str) -> None:
         """A request of `tenant` ended, however."""
@@ -81,9 +96,10 @@ class TenantLedger:
         if not self.num_in_flight[tenant]:
             del self.num_in_flight[tenant]
 
-    def on_finished(self, tenant: str, usage: dict, now_s: float, num_requests: int = 1) -> None:
-        """Charge a finished request's tokens to the tenant's usage and bucket (and count
-        num_requests: 0 for a later part of a request counted already)."""
+    def on_finished(self, tenant: str, usage: dict, now_s: float, num_requests: int = 1, reserved: int = 0) -> None:
+        """Charge a finished request's tokens to the tenant's usage and bucket, less what
+        admit reserved for it (and count num_requests: 0 for a later part of a request
+        counted already)."""
         prompt, generated = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
         served = self.usage.setdefault(tenant, TenantUsage())
         self.usage.move_to_end(tenant)
@@ -92,7 +108,7 @@ class TenantLedger:
         served.num_generated_tokens += generated
         key = self.keys.get(tenant)
         if key is not None and key.tokens_per_min:
-            self._buckets[tenant] = (self._bucket(key, now_s) - prompt - generated, now_s)
+            self._buckets[tenant] = (self._bucket(key, now_s) + reserved - prompt - generated, now_s)
         # Usage holds the named tenants, those in flight and the idle unlisted ones; pruned
         # back to MAX_IDLE_UNLISTED of the last once they are twice that (amortized O(1)).
         if len(self.usage) > len(self.keys) + 1 + len(self.num_in_flight) + 2 * MAX_IDLE_UNLISTED:
