@@ -47,6 +47,33 @@ def test_the_engine_ends_a_queued_request_at_its_deadline_and_a_running_one_with
     assert not engine.has_work
 
 
+def test_thousands_of_deadlines_passing_at_once_end_over_several_steps():
+    """Each look at the deadlines ends at most MAX_EXPIRIES_PER_PASS of them, so the running
+    streams' steps stay short; every one of them ends, and the running one goes on."""
+    from cbatch.workers.engine.scheduler import MAX_EXPIRIES_PER_PASS
+
+    config = EngineConfig(parallel=1, ctx_size=1024, batch_size=64, max_queue=4096)
+    engine = Engine(config, FakeRunner(1024, 1, config.num_seq_ids, unified=config.kv_unified))
+    results, greedy = {}, {"temperature": 0}
+    running = submit(engine, {"prompt": "abc", **ENDLESS, **greedy})
+    collect(results, engine.step())
+    num_queued = 3 * MAX_EXPIRIES_PER_PASS + 5
+    queued = {submit(engine, {"prompt": f"q{i}", "max_tokens": 4, **greedy}) for i in range(num_queued)}
+    for seq in engine.scheduler.waiting:
+        seq.deadline_s = 0.0  # long past
+    engine.scheduler.deadlines = type(engine.scheduler.deadlines)()
+    for seq in engine.scheduler.waiting:
+        engine.scheduler.deadlines.add(seq)
+    num_expired_by_step = []
+    while len(engine.expired_while_queued) < num_queued:
+        num_before = len(engine.expired_while_queued)
+        collect(results, engine.step())
+        num_expired_by_step.append(len(engine.expired_while_queued) - num_before)
+    # A step looks at the deadlines twice (before its batch and after it: see Engine.step).
+    assert max(num_expired_by_step) <= 2 * MAX_EXPIRIES_PER_PASS and len(num_expired_by_step) >= 2
+    assert set(engine.expired_while_queued) == queued and results[running].finish_reason is None
+
+
 @pytest.fixture(scope="module")
 def daemon(tiny_model_path):
     yield from serve_module(HttpDaemon(tiny_model_path, "--parallel", "1", "--batch-timeout", str(BATCH_TIMEOUT_S)))

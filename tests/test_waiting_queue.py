@@ -104,7 +104,7 @@ def test_a_reused_request_id_expires_at_its_own_deadline():
     assert again.status is SeqStatus.FINISHED and not sched.waiting and not sched.has_work
 
 
-def test_thousands_expiring_in_one_step_leave_the_queue_without_a_search_each():
+def test_thousands_expiring_at_once_leave_the_queue_without_a_search_each():
     num_queued = 3000
     sched = make_scheduler(num_slots=1, max_queue=num_queued, max_batch_queue=num_queued)
     now_s = time.monotonic()
@@ -114,7 +114,11 @@ def test_thousands_expiring_in_one_step_leave_the_queue_without_a_search_each():
     sched.schedule()  # one runs, the rest wait
     running = sched.running[0]
     ComparedSequence.num_comparisons = 0
-    queued, started = sched.take_expired(now_s + 1)
+    queued, started = [], []
+    while len(queued) + len(started) < num_queued + 1:  # a bounded number each pass
+        queued_now, started_now = sched.take_expired(now_s + 1)
+        queued += queued_now
+        started += started_now
     # One search of the queue per expiry compared millions of pairs (2.8 million, measured).
     assert ComparedSequence.num_comparisons == 0
     assert len(queued) == num_queued and started == [running]

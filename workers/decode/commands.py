@@ -14,6 +14,11 @@ from cbatch.workers.engine.sequence import Sequence
 # An idle worker reports its stats, which also stamps the ring's heartbeat that the
 # supervisor's watchdog reads, at least this often.
 IDLE_WAIT_S = 0.5
+# Commands applied (and refusals of expired requests sent) between two steps at most: a
+# flood of thousands of requests reaching the worker at once, or expiring at once, is
+# handled over several steps instead of stalling the running streams for all of them
+# (each costs tens of µs). The rest wait, in order, for the next step.
+MAX_COMMANDS_PER_STEP = 256
 
 
 class CommandHandler:
@@ -29,17 +34,20 @@ class CommandHandler:
     def apply_pending(self, wait_for_one: bool) -> bool:
         """Apply every command waiting (first waiting up to IDLE_WAIT_S for one when
         `wait_for_one`: the engine is idle); return whether the loop goes on."""
-        for request_id in self._engine.expired_while_queued:
+        expired_ids = self._engine.expired_while_queued  # thousands may expire at once: sent over several steps
+        for request_id in expired_ids[:MAX_COMMANDS_PER_STEP]:
             self._io.send(WorkerReject(request_id, DEADLINE_EXCEEDED, "the request's timeout passed while it waited "
                                                                       "in the queue; nothing was generated"))
-        self._engine.expired_while_queued.clear()
+        del expired_ids[:MAX_COMMANDS_PER_STEP]
+        wait_for_one = wait_for_one and not expired_ids
         if wait_for_one:
             self._publisher.send_stats()  # the engine just went idle: report zero active
         try:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if wait_for_one else self._inbox.get_nowait()
-            while True:
+            for _ in range(MAX_COMMANDS_PER_STEP - 1):
                 self._apply(item)
                 item = self._inbox.get_nowait()
+            self._apply(item)
         except queue.Empty:
             pass
         return not self.is_stopped

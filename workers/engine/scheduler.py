@@ -42,6 +42,12 @@ from cbatch.workers.engine.step_batch import BatchSpan, prefill_spans, span_orde
 from cbatch.workers.engine.waiting_queue import DeadlineHeap, WaitingQueue
 
 
+# Deadlines handled in one pass at most (a step makes one or two): thousands of requests
+# expiring in the same second end over several steps instead of stalling the running
+# streams in one.
+MAX_EXPIRIES_PER_PASS = 128
+
+
 class Scheduler:
     def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int,
                  max_batch_queue: int, preempt_batch: bool = True, fair_share: bool = True):
@@ -71,9 +77,10 @@ class Scheduler:
         self.deadlines.add(seq)
 
     def take_expired(self, now_s: float) -> tuple[list[Sequence], list[Sequence]]:
-        """The sequences whose deadline has passed by now_s: (those still queued with no
-        output, which leave the queue here in one pass; the others, for the caller to finish)."""
-        due = self.deadlines.take_due(now_s)
+        """The sequences whose deadline has passed by now_s, at most MAX_EXPIRIES_PER_PASS
+        (the rest at the next steps): (those still queued with no output, which leave the
+        queue here in one pass; the others, for the caller to finish)."""
+        due = self.deadlines.take_due(now_s, MAX_EXPIRIES_PER_PASS)
         queued = [seq for seq in due if seq.status is SeqStatus.WAITING and not seq.output_ids]
         self.drop_waiting(queued)
         return queued, [seq for seq in due if seq.status is not SeqStatus.FINISHED]

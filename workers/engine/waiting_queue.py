@@ -151,10 +151,11 @@ class DeadlineHeap:
             self._heap = [entry for entry in self._heap if self._is_live(entry)]
             heapq.heapify(self._heap)
 
-    def take_due(self, now_s: float) -> list[Sequence]:
-        """The live sequences whose deadline is at or before now_s, which leave the heap."""
+    def take_due(self, now_s: float, max_count: int) -> list[Sequence]:
+        """The live sequences whose deadline is at or before now_s, soonest first and at
+        most max_count of them, which leave the heap."""
         due = []
-        while self._heap and self._heap[0][0] <= now_s:
+        while self._heap and self._heap[0][0] <= now_s and len(due) < max_count:
             entry = heapq.heappop(self._heap)
             if self._is_live(entry):
                 due.append(self._live.pop(entry[1]))
