@@ -1,7 +1,9 @@
 """The HTTP server's CPU per request, with each of uvicorn's HTTP parsers, side by side in
-one run: httptools (C, the default) and h11 (pure Python, CBATCH_HTTP_PARSER=h11).
+one run: httptools (C, the default) and h11 (pure Python, CBATCH_HTTP_PARSER=h11); or with
+--loops, each event loop: asyncio's own (the default) and uvloop's (CBATCH_HTTP_LOOP=uvloop,
+when uvloop is installed), both on httptools.
 
-    .venv/bin/python scripts/bench_http_cpu.py [--model M.gguf] [--requests 400] [--callers 4] [--rounds 2]
+    .venv/bin/python scripts/bench_http_cpu.py [--model M.gguf] [--requests 400] [--callers 4] [--rounds 2] [--loops]
 
 Short requests (max_tokens 1 by default) on the tiny model, so that per-request work, not
 decoding, is what is measured. The callers are light: threads with `http.client`, one
@@ -26,7 +28,9 @@ from bench_long_prompts import CbatchDaemon  # noqa: E402
 from bench_system import cpu_seconds  # noqa: E402
 from make_tiny_model import make_tiny_model  # noqa: E402
 
-PARSERS = ("httptools", "h11")
+# Each comparison: (the default, the other), each with the environment that picks it.
+PARSERS = {"httptools": {"CBATCH_HTTP_PARSER": "httptools"}, "h11": {"CBATCH_HTTP_PARSER": "h11"}}
+LOOPS = {"asyncio": {"CBATCH_HTTP_LOOP": "asyncio"}, "uvloop": {"CBATCH_HTTP_LOOP": "uvloop"}}
 LIGHT_CALLER_CORES = 1 / 3  # more than this and the load generator may be the bottleneck
 
 
@@ -88,10 +92,9 @@ def run_callers(port: int, num_requests: int, num_callers: int, max_tokens: int,
     return time.perf_counter() - started
 
 
-def measure(model: str, parser: str, args) -> dict:
+def measure(model: str, name: str, env: dict, args) -> dict:
     port = free_port()
-    daemon = CbatchDaemon(model, args.parallel, ["--http", str(port), "--http-processes", "1"],
-                          extra_env={"CBATCH_HTTP_PARSER": parser})
+    daemon = CbatchDaemon(model, args.parallel, ["--http", str(port), "--http-processes", "1"], extra_env=env)
     try:
         wait_for_http(port)
         run_callers(port, args.callers * 4, args.callers, args.max_tokens, args.new_connections)  # warm up
@@ -100,7 +103,7 @@ def measure(model: str, parser: str, args) -> dict:
         own_before = time.process_time()
         wall_s = run_callers(port, args.requests, args.callers, args.max_tokens, args.new_connections)
         num = args.requests // args.callers * args.callers
-        return {"parser": parser, "num_requests": num, "requests_per_s": num / wall_s,
+        return {"name": name, "num_requests": num, "requests_per_s": num / wall_s,
                 "http_cpu_ms": 1000 * (sum(map(cpu_seconds, http_pids)) - http_before) / num,
                 "daemon_cpu_ms": 1000 * (sum(map(cpu_seconds, all_pids)) - all_before) / num,
                 "caller_cores": (time.process_time() - own_before) / wall_s}
@@ -117,27 +120,29 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-connections", action="store_true", help="a new connection per request, as curl")
+    parser.add_argument("--loops", action="store_true", help="compare the event loops (asyncio, uvloop), not the parsers")
     args = parser.parse_args()
     model = args.model or make_tiny_model(Path(tempfile.mkdtemp(prefix="cbb-")) / "tiny.gguf")
     print(f"{args.requests} requests of {args.max_tokens} token(s), {args.callers} callers, "
           f"{'a new connection each' if args.new_connections else 'keep-alive'}, --parallel {args.parallel}")
+    variants = LOOPS if args.loops else PARSERS
+    default, other = variants
     for round_number in range(1, args.rounds + 1):
-        rows = {name: measure(model, name, args) for name in PARSERS}
+        rows = {name: measure(model, name, env, args) for name, env in variants.items()}
         for row in rows.values():
             flag = "  (load generator heavy)" if row["caller_cores"] > LIGHT_CALLER_CORES else ""
-            print(f"round {round_number} {row['parser']:>9}: {row['requests_per_s']:7.1f} req/s, HTTP process "
+            print(f"round {round_number} {row['name']:>9}: {row['requests_per_s']:7.1f} req/s, HTTP process "
                   f"{row['http_cpu_ms']:.2f} ms CPU/request, whole daemon {row['daemon_cpu_ms']:.2f} ms; "
                   f"load generator {row['caller_cores']:.2f} cores{flag}")
-        print(f"round {round_number}: HTTP CPU per request h11 / httptools = {cpu_ratio(rows)}")
+        print(f"round {round_number}: HTTP CPU per request {other} / {default} = {cpu_ratio(rows[other], rows[default])}")
 
 
-def cpu_ratio(rows: dict) -> str:
-    """The kernel counts CPU time in clock ticks (10 ms): a short run can show none for the faster parser."""
-    h11_ms, httptools_ms = rows["h11"]["http_cpu_ms"], rows["httptools"]["http_cpu_ms"]
-    if httptools_ms == 0:
-        return (f"not measured (httptools used under one clock tick for {rows['httptools']['num_requests']} "
+def cpu_ratio(row: dict, default: dict) -> str:
+    """The kernel counts CPU time in clock ticks (10 ms): a short run can show none for the faster one."""
+    if default["http_cpu_ms"] == 0:
+        return (f"not measured ({default['name']} used under one clock tick for {default['num_requests']} "
                 "requests: raise --requests)")
-    return f"{h11_ms / httptools_ms:.2f}x"
+    return f"{row['http_cpu_ms'] / default['http_cpu_ms']:.2f}x"
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from cbatch.http_api.access_log import AccessLog
 from cbatch.http_api.auth import (API_KEY_ENV, API_KEYS_FILE_ENV, TENANT_SCOPE_KEY, ApiKeys, RequireApiKey,
                                   check_choices_fit)
 from cbatch.http_api.batches_api import batch_routes
-from cbatch.http_api.connection import timed_protocol
+from cbatch.http_api.connection import choose_event_loop, timed_protocol
 from cbatch.http_api.embeddings import embeddings_endpoint
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.json_io import json_body, json_response
@@ -263,6 +263,7 @@ def main(argv=None) -> None:
                             access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM
+    choose_event_loop()
     asyncio.run(server.run_all(socket.socket(fileno=args.fd), os.getppid()))
 
 

@@ -9,7 +9,8 @@ response's end; a request being answered (a long stream included) is never cut.
 The timeout is a mixin over both of uvicorn's protocols: httptools' (a C parser, the
 default: the HTTP process spends less CPU per request on it) and h11's (pure Python),
 which CBATCH_HTTP_PARSER=h11 picks, to measure one against the other
-(scripts/bench_http_cpu.py).
+(scripts/bench_http_cpu.py). CBATCH_HTTP_LOOP=uvloop likewise runs the server on uvloop's
+event loop instead of asyncio's own, when uvloop is installed.
 """
 
 import asyncio
@@ -20,6 +21,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 HEADER_TIMEOUT_S = 10.0
 PARSER_ENV = "CBATCH_HTTP_PARSER"  # "httptools" (default) or "h11"
+LOOP_ENV = "CBATCH_HTTP_LOOP"  # "asyncio" (default) or "uvloop"
 
 
 class _HeaderTimeout:
@@ -54,3 +56,11 @@ class TimedH11Protocol(_HeaderTimeout, H11Protocol):
 
 def timed_protocol() -> type:
     return TimedH11Protocol if os.environ.get(PARSER_ENV) == "h11" else TimedHttpToolsProtocol
+
+
+def choose_event_loop() -> None:
+    """Before the server's loop is made: uvloop's when CBATCH_HTTP_LOOP=uvloop."""
+    if os.environ.get(LOOP_ENV) == "uvloop":
+        import uvloop  # only for this measurement: not a dependency
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
