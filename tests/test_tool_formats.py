@@ -1,5 +1,5 @@
-"""cbatch.tools without a daemon: the call formats chat templates teach (read back; their
-grammars are in test_schema_grammar.py), the streamed hold-back of what may be a call, and
+"""cbatch.tools without a daemon: the call formats chat templates teach (read back; the
+grammars of forced calls are cbatch/tools/call_grammar.py's), the streamed hold-back of what may be a call, and
 the sandboxed template's globals and errors. The daemon runs are tests/test_tools*.py."""
 
 import json

@@ -1,4 +1,6 @@
-"""The only code that touches llama.cpp: model, context, tokenizer, batch and decode.
+"""The engine's llama.cpp model and context: loading, tokenizer, batch, decode and logits.
+The samplers (workers/engine/sampling/), the embedder and chat_texts call llama.cpp too,
+on the model and context this module owns.
 
 Uses llama-cpp-python's low-level ctypes bindings (not its high-level `Llama`, which
 owns a single sequence). ctypes releases the GIL inside every call, so other Python
@@ -133,7 +135,7 @@ class LlamaRunner:
         # (with backend sampling each row costs three vocabulary-sized buffers).
         ctx_params.n_outputs_max = self.num_seq_ids
         if self.has_backend_sampling:
-            ctx_params.n_outputs_max_per_seq = 1  # see workers/backend_sampling.py
+            ctx_params.n_outputs_max_per_seq = 1  # see workers/engine/sampling/backend.py
         ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
         ctx_params.kv_unified = config.kv_unified
         # A sliding-window layer normally keeps only each sequence's last window of cells;
@@ -262,7 +264,7 @@ class LlamaRunner:
         self.backend_samplers.release(chain)
 
     def apply_memory_ops(self, ops: list[tuple]) -> None:
-        """The KV manager's operations, in order (see workers/kv_cache.py)."""
+        """The KV manager's operations, in order (see workers/engine/kv/base.py)."""
         for op in ops:
             if op[0] == OP_COPY:
                 _, src, dst, start, end = op

@@ -1,6 +1,6 @@
 """Per-sequence token choice.
 
-With backend sampling (workers/backend_sampling.py) a request that does not need the host
+With backend sampling (workers/engine/sampling/backend.py) a request that does not need the host
 chain is sampled inside llama_decode's graph; its chain below is attached to its sequence
 id, plain greedy shares one chain per id. On the host, plain greedy (temperature 0, no
 penalties) is one numpy argmax over the logit rows of all such sequences; no
