@@ -239,6 +239,36 @@ def test_cbatch_submit_detaches_a_file_and_waits_for_its_job(daemon, api, tmp_pa
     assert out[3]["response"]["status_code"] == 400
 
 
+def test_a_waiting_job_ends_when_its_window_does_or_it_is_cancelled_while_another_runs(daemon, api):
+    """Jobs run one at a time: one waiting behind a long job ends `expired` when its window
+    does, counting its requests and with a batch_expired line for each, and `cancelled` when
+    it is cancelled, while the other runs."""
+    _, long_lines = _long_lines(40)
+    running = _started(api, long_lines, 1)
+    waiting_ids = [f"w{i}" for i in range(5)]
+    waiting = api.batches.create(input_file_id=_upload(api, [_line(i, {"model": "m", "prompt": "x", **GREEDY})
+                                                             for i in waiting_ids]),
+                                 endpoint="/v1/completions", completion_window="24h")
+    assert api.batches.retrieve(waiting.id).status == "validating"
+    # As if its 24 hours had passed while it waited (the runner does not write a waiting job).
+    path = state_dir(daemon) / "batches" / f"{waiting.id}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "expires_at": int(time.time()) - 1}))
+    expired = _wait_final(api, waiting.id, timeout_s=60)
+    assert expired.status == "expired" and api.batches.retrieve(running.id).status == "in_progress"
+    assert expired.request_counts.total == 5 and expired.request_counts.failed == 5
+    errors = _lines(api, expired.error_file_id)
+    assert sorted(e["custom_id"] for e in errors) == waiting_ids
+    assert all(e["error"]["code"] == "batch_expired" for e in errors)
+    cancelled = api.batches.create(input_file_id=_upload(api, [_line("c", {"model": "m", "prompt": "x", **GREEDY})]),
+                                   endpoint="/v1/completions", completion_window="24h")
+    api.batches.cancel(cancelled.id)  # waiting too: it ends without waiting for the runner
+    cancelled = _wait_final(api, cancelled.id, timeout_s=60)
+    assert cancelled.status == "cancelled" and cancelled.request_counts.total == 1
+    assert api.batches.retrieve(running.id).status == "in_progress"
+    api.batches.cancel(running.id)
+    assert _wait_final(api, running.id).status == "cancelled"
+
+
 def test_a_job_past_its_window_expires_keeping_its_finished_lines(start_http_daemon, tiny_tools_model_path):
     args = (tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     daemon = start_http_daemon(*args)

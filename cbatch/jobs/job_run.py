@@ -23,8 +23,8 @@ from cbatch.cli.batch_run import BatchInterrupted, run_batch
 from cbatch.cli.openai_batch import OpenAILine
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
 from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
-from cbatch.jobs.batches import (CANCELLED, COMPLETED, EXPIRED, FAILED, FINALIZING, IN_PROGRESS, VALIDATING,
-                                 BatchStore)
+from cbatch.jobs.batches import (CANCELLED, COMPLETED, EXPIRED, FAILED, FINAL_STATUSES, FINALIZING, IN_PROGRESS,
+                                 VALIDATING, BatchStore)
 from cbatch.jobs.files import BATCH_OUTPUT, OWNER
 from cbatch.jobs.progress import RunProgress
 from cbatch.jobs.results import ResultsLog, input_lines, write_outputs
@@ -67,28 +67,49 @@ class JobRun:
         """Run the job on from where it was; False when it stopped unfinished (the runner
         stops, or the daemon refused for longer than the patience): it goes on later."""
         batch_id = self.batch["id"]
+        if self.batch["status"] in FINAL_STATUSES:  # ended meanwhile (a waiting job's cancel or window: end_waiting)
+            return True
+        if self.batch["status"] == FINALIZING:  # every line was answered: its window no longer matters
+            return self._finish(COMPLETED)
         if self.store.cancel_asked_at(batch_id) is not None:
             return self._finish(CANCELLED)
+        if self.batch["status"] == VALIDATING:
+            if not self._take_input():
+                return self.fail("missing_file", f"the input file {self.batch['input_file_id']} was deleted")
+            if not self.is_expired():
+                self._save(status=IN_PROGRESS, in_progress_at=int(time.time()))
+                log.info("cbatch jobs: %s started, %d requests", batch_id, self.batch["request_counts"]["total"])
         if self.is_expired():
             return self._finish(EXPIRED)
-        if self.batch["status"] == FINALIZING:
-            return self._finish(COMPLETED)
-        if self.batch["status"] == VALIDATING:
-            try:
-                if not os.path.exists(self.input_path):
-                    os.link(self.store.files.content_path(self.batch["input_file_id"]), self.input_path)
-                    fsync_dir(os.path.dirname(self.input_path))
-            except FileNotFoundError:
-                return self.fail("missing_file", f"the input file {self.batch['input_file_id']} was deleted")
-            total = sum(1 for _ in input_lines(self.input_path, self.batch["endpoint"]))
-            self._save(status=IN_PROGRESS, in_progress_at=int(time.time()),
-                       request_counts={**self.batch["request_counts"], "total": total})
-            log.info("cbatch jobs: %s started, %d requests", batch_id, total)
         if not self._run_lines():
             if self.store.cancel_asked_at(batch_id) is not None:
                 return self._finish(CANCELLED)
             return self._finish(EXPIRED) if self.is_expired() else False
         return self._finish(COMPLETED)
+
+    def end_waiting(self) -> bool:
+        """End a job that never started whose cancel was asked (`cancelled`) or whose window
+        is over (`expired`, with a batch_expired error line for every request), counting its
+        requests. False when it is not such a job."""
+        is_cancelled = self.store.cancel_asked_at(self.batch["id"]) is not None
+        if self.batch["status"] != VALIDATING or not (is_cancelled or self.is_expired()):
+            return False
+        if not self._take_input():
+            return self.fail("missing_file", f"the input file {self.batch['input_file_id']} was deleted")
+        return self._finish(CANCELLED if is_cancelled else EXPIRED)
+
+    def _take_input(self) -> bool:
+        """The job's own link to its input file (the file may be deleted from the Files API
+        while the job is kept), and its number of requests; False if the file is gone."""
+        try:
+            if not os.path.exists(self.input_path):
+                os.link(self.store.files.content_path(self.batch["input_file_id"]), self.input_path)
+                fsync_dir(os.path.dirname(self.input_path))
+        except FileNotFoundError:
+            return False
+        total = sum(1 for _ in input_lines(self.input_path, self.batch["endpoint"]))
+        self._save(request_counts={**self.batch["request_counts"], "total": total})
+        return True
 
     def _run_lines(self) -> bool:
         results = ResultsLog(self.store.results_path(self.batch["id"]), lambda: self._save_progress(results))

@@ -30,6 +30,7 @@ log = logging.getLogger("cbatch.jobs")
 
 POLL_S = 0.25  # how often the state directory is scanned for new jobs while none runs
 WATCH_S = 0.1  # how often the watcher looks at the running job's cancel marker and the parent
+WAITING_CHECK_S = 1.0  # how often the watcher looks for waiting jobs cancelled or past their window
 
 
 class Runner:
@@ -43,6 +44,9 @@ class Runner:
         self._ended_ids: set[str] = set()
         self._is_interruptible = False
         self._lock = threading.Lock()
+        # Held while the main thread picks its next job and while the watcher expires a
+        # waiting one, so that the two never take the same job.
+        self._claim_lock = threading.Lock()
 
     def _should_stop_run(self) -> bool:
         if os.getppid() != self.parent_pid:
@@ -54,11 +58,29 @@ class Runner:
                                       or time.time() >= batch["expires_at"])
 
     def _watch(self) -> None:
+        waiting_checked_s = 0.0
         while True:
             time.sleep(WATCH_S)
             with self._lock:
                 if self._is_interruptible and self._should_stop_run():
                     os.kill(os.getpid(), signal.SIGUSR1)  # interrupt(), in the main thread, which runs the job
+            if time.monotonic() - waiting_checked_s >= WAITING_CHECK_S:
+                waiting_checked_s = time.monotonic()
+                self._end_waiting()
+
+    def _end_waiting(self) -> None:
+        """Jobs wait while another runs: one cancelled, or whose window ends, meanwhile ends
+        now (`expired` with an error line for each of its requests), not when the runner
+        reaches it."""
+        for batch_id in self._pending_ids():
+            with self._claim_lock:  # never the job the main thread runs or is about to
+                if batch_id == self.running_id:
+                    continue
+                try:
+                    if JobRun(self.store, batch_id, None, {}, self.interruptible).end_waiting():
+                        self._ended_ids.add(batch_id)
+                except Exception:  # the main thread's run of it will fail it with the reason
+                    log.exception("cbatch jobs: %s could not be ended", batch_id)
 
     def interrupt(self, signum, frame) -> None:
         """SIGUSR1's handler: stops the job's run, once, and only within interruptible()."""
@@ -124,7 +146,8 @@ class Runner:
             while not self.is_stopping:
                 pending_ids = self._pending_ids()
                 for batch_id in pending_ids:
-                    self.running_id = batch_id
+                    with self._claim_lock:
+                        self.running_id = batch_id
                     job = JobRun(self.store, batch_id, client, health, self.interruptible)
                     try:
                         is_done = job.run()
