@@ -269,6 +269,42 @@ def test_a_waiting_job_ends_when_its_window_does_or_it_is_cancelled_while_anothe
     assert _wait_final(api, running.id).status == "cancelled"
 
 
+def _runner_pids() -> list[int]:
+    found = subprocess.run(["pgrep", "-f", "cbatch.jobs.runner"], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def test_a_job_runner_that_keeps_dying_is_restarted_and_says_so_everywhere(start_http_daemon, tiny_tools_model_path):
+    """A runner that cannot start (its lock file replaced by a directory) is never given up:
+    while it is down /health says `batch_jobs: restarting` (200: chat is served),
+    cbatch-status says why jobs wait, /metrics has it at 0; once the cause is gone it runs
+    again and the next job completes."""
+    import httpx
+
+    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "2", "--alias", "m")
+    health = lambda: httpx.get(f"{daemon.base_url}/health", timeout=10).json()
+    assert health() == {"status": "ok", "batch_jobs": "running"}
+    lock = state_dir(daemon) / "runner.lock"
+    before = set(_runner_pids())
+    lock.unlink()
+    lock.mkdir()  # the runner opens it as a file at its start: every start fails now
+    for pid in before:
+        if str(daemon.workdir) in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
+            os.kill(pid, signal.SIGKILL)
+    # Each restart runs a moment before it dies again: polled, each place is seen saying so.
+    wait_until(lambda: health() == {"status": "ok", "batch_jobs": "restarting"}, timeout_s=60)
+    wait_until(lambda: daemon.metrics()[("cbatch_batch_job_runner_up", ())] == 0.0, timeout_s=60)
+    status = lambda: subprocess.run([str(SCRIPTS_DIR / "cbatch-status")], env=daemon.env, capture_output=True,
+                                    text=True, timeout=60).stdout
+    wait_until(lambda: "batch jobs wait: the job runner is down, restarting" in status(), timeout_s=60)
+    wait_until(lambda: daemon.metrics()[("cbatch_batch_job_runner_quick_deaths", ())] >= 3, timeout_s=120)
+    lock.rmdir()
+    wait_until(lambda: health().get("batch_jobs") == "running", timeout_s=120)
+    batch = _run(daemon.openai(), [_line("after", {"model": "m", "prompt": "x", **GREEDY})])
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    assert "restarting" in daemon.log() and "not restarted again" not in daemon.log()
+
+
 def test_a_job_past_its_window_expires_keeping_its_finished_lines(start_http_daemon, tiny_tools_model_path):
     args = (tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     daemon = start_http_daemon(*args)

@@ -14,8 +14,14 @@ STARVED_CPU_SHARE = 0.6  # below this share of their cores the compute threads w
 
 
 def job_lines(jobs: dict) -> list[str]:
-    """One line per batch job not ended (the daemon's state directory), oldest first."""
+    """One line per batch job not ended (the daemon's state directory), oldest first; first
+    a line saying so when the job runner is down."""
     lines = []
+    runner = jobs.get("runner")
+    if runner is not None and not runner["is_running"]:
+        lines.append(f"batch jobs wait: the job runner is down, restarting (it exited "
+                     f"{counted(runner['num_quick_deaths'], 'time')} in a row just after its start; "
+                     "the daemon's log says why)")
     for job in jobs["active"]:
         if job["status"] == "validating":  # its lines are not counted yet
             lines.append(f"batch {job['id']} validating: waiting for the job runner")

@@ -136,9 +136,11 @@ async def _models(state: HttpState, request: Request) -> Response:
 
 
 async def _health(state: HttpState, request: Request) -> Response:
+    """200 while the model serves; with batch jobs, `batch_jobs` says whether their runner
+    runs ("running") or is being restarted ("restarting"): jobs wait meanwhile, chat does not."""
     status = await state.status()
     if status == "ok":
-        return json_response({"status": status})
+        return json_response({"status": status, **({"batch_jobs": state.batch_jobs} if state.batch_jobs else {})})
     code = SHUTTING_DOWN if status == "draining" else UNAVAILABLE
     return json_response({"status": status, **error_body(CbatchError(code, f"the server is {status}"))}, 503)
 

@@ -90,6 +90,13 @@ def job_gauges(jobs: dict | None):
     for status, count in jobs["num_by_status"].items():
         family.add_metric([status], float(count))
     yield family
+    runner = jobs.get("runner")
+    if runner is not None:
+        yield GaugeMetricFamily("cbatch_batch_job_runner_up", "1 while the batch job runner runs, 0 while it is "
+                                "restarted after dying", value=float(runner["is_running"]))
+        yield GaugeMetricFamily("cbatch_batch_job_runner_quick_deaths", "Times in a row the batch job runner "
+                                "exited just after its start (0 once it keeps running)",
+                                value=float(runner["num_quick_deaths"]))
     for key, (name, help_text) in _JOB_GAUGES.items():
         family = GaugeMetricFamily(name, help_text, labels=["batch_id", "status"])
         for job in jobs["active"]:

@@ -1,6 +1,8 @@
 """A process the supervisor keeps running beside the front-end (an HTTP server, the batch
 job runner): restarted if it dies, after a back-off that grows while it keeps dying at
-once, given up after MAX_QUICK_DEATHS; drained with SIGTERM, killed if it lingers."""
+once (up to MAX_RESTART_BACKOFF_S), given up after `max_quick_deaths` of them in a row
+(never, for a process whose work would otherwise stop unseen); drained with SIGTERM,
+killed if it lingers."""
 
 import logging
 import signal
@@ -12,7 +14,8 @@ from cbatch.workers.daemon.stop_signals import children_ignore_sigint_sighup
 
 RESTART_BACKOFF_S = 0.5  # before the first restart; doubled after each further quick death
 QUICK_DEATH_S = 30.0  # a process that dies sooner than this after its start did not get going
-MAX_QUICK_DEATHS = 5  # in a row, then the daemon stops restarting it
+MAX_QUICK_DEATHS = 5  # in a row, then the daemon stops restarting it (unless max_quick_deaths is None)
+MAX_RESTART_BACKOFF_S = 60.0  # the back-off grows no longer than this
 STOP_TIMEOUT_S = 10.0  # after the daemon drained, the process's last work gets this long
 
 
@@ -29,6 +32,7 @@ class ChildProcess:
 
     title = "process"
     pass_fds: tuple[int, ...] = ()
+    max_quick_deaths: int | None = MAX_QUICK_DEATHS  # None: restarted however often it dies
 
     def __init__(self, log: logging.Logger, env: dict | None):
         self.log = log
@@ -58,16 +62,27 @@ class ChildProcess:
             self._died_s = now
             is_quick = now - self._started_s < QUICK_DEATH_S
             self.num_quick_deaths = self.num_quick_deaths + 1 if is_quick else 0
-            if self.num_quick_deaths >= MAX_QUICK_DEATHS:
+            if self.max_quick_deaths is not None and self.num_quick_deaths >= self.max_quick_deaths:
                 self.log.error("%s exited (code %s), %d times in a row within %.0f s of its start; it is not "
                                "restarted again", self.title, self.process.returncode, self.num_quick_deaths,
                                QUICK_DEATH_S)
                 self.process, self.is_given_up = None, True
                 return
-            self.log.warning("%s exited (code %s); restarting", self.title, self.process.returncode)
-        if now - self._died_s >= RESTART_BACKOFF_S * 2 ** max(self.num_quick_deaths - 1, 0):
+            self.log.warning("%s exited (code %s, %d times in a row within %.0f s of its start); restarting",
+                             self.title, self.process.returncode, self.num_quick_deaths, QUICK_DEATH_S)
+        backoff_s = min(RESTART_BACKOFF_S * 2 ** max(self.num_quick_deaths - 1, 0), MAX_RESTART_BACKOFF_S)
+        if now - self._died_s >= backoff_s:
             self.num_restarts += 1
             self.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def state(self) -> dict:
+        """For the daemon's STATS: whether it runs now, and how often it died at once in a row."""
+        return {"is_running": self.is_running, "num_quick_deaths": self.num_quick_deaths,
+                "num_restarts": self.num_restarts, "is_given_up": self.is_given_up}
 
     def send(self, signum: int) -> None:
         """To the process while it runs (SIGTERM drains it; SIGHUP has a server read its keys again)."""

@@ -217,6 +217,7 @@ class FrontEnd:
             "parallel": self.config.engine.parallel, "worker_pid": ready.pid if ready else 0,
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "lost_request_ids": lost,
             "model_names": self.model_names, "reasoning": ready.reasoning if ready else None,
+            "batch_jobs": self.stats_reply.batch_jobs_health(),
         })
 
     def _stats(self, identity: bytes, body: dict) -> None:

@@ -129,6 +129,10 @@ class JobRunnerProcess(ChildProcess):
     """The one process that runs the batch jobs the HTTP servers take (cbatch.jobs.runner)."""
 
     title = "cbatch jobs: the batch job runner"
+    # Never given up: without it every job of every tenant would wait unseen. Each job's
+    # own failures fail that job (cbatch.jobs.runner); a runner that keeps dying at once
+    # says so in the log, /health, cbatch-status and /metrics while it is restarted.
+    max_quick_deaths = None
 
     def __init__(self, endpoint: str, state_dir: str):
         super().__init__(log, None)

@@ -12,6 +12,16 @@ class StatsReply:
     def __init__(self, config: DaemonConfig):
         self.config = config
         self.jobs = JobsOverview(BatchStore(config.state_dir)) if config.state_dir else None
+        # callable() -> the job runner process's state (ChildProcess.state), set by the
+        # supervisor when it runs one; None otherwise.
+        self.job_runner_state = None
+
+    def batch_jobs_health(self) -> str | None:
+        """For HEALTH: "running" while the job runner runs, "restarting" while it is down
+        (it died, and is started again after its back-off); None without batch jobs."""
+        if not self.job_runner_state:
+            return None
+        return "running" if self.job_runner_state()["is_running"] else "restarting"
 
     def of(self, front_end) -> dict:
         """The figures of `front_end` (a FrontEnd) now."""
@@ -22,4 +32,6 @@ class StatsReply:
                  "tenants": front_end.requests.ledger.stats()}
         if self.jobs is not None:
             stats["jobs"] = self.jobs.read()
+            if self.job_runner_state:
+                stats["jobs"]["runner"] = self.job_runner_state()
         return stats

@@ -77,6 +77,7 @@ class Supervisor:
             self.worker_link = WorkerLink(self.zctx, self.control_endpoint)
             self.frontend = FrontEnd(self.zctx, config, self.worker_link, self.ring.name, self.tick_endpoint)
             self.keys_reload = KeysReload(self.frontend.requests.ledger, self.http)
+            self.frontend.stats_reply.job_runner_state = self.http and self.http.job_runner.state
         except (zmq.ZMQError, CbatchError, ValueError, OSError) as err:
             self.zctx.destroy(linger=0)
             self.ring.close()
