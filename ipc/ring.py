@@ -3,10 +3,10 @@ each pick the records of their own request ids.
 
 Layout (little-endian; one segment per decode worker, created by the supervisor so that it
 survives a worker restart):
-  header   64 bytes = 8 x uint64: magic, layout_version, capacity (records, power of two),
+  header   128 bytes = 16 x uint64: magic, layout_version, capacity (records, power of two),
            record_size (bytes), write_cursor (records ever published, monotonic),
-           heartbeat_ns (writer's time.monotonic_ns(), system-wide on Linux), and the ids of
-           the requests the worker is inside llama.cpp for alone (sampling, preparing; 0 = none).
+           heartbeat_ns (writer's time.monotonic_ns(), system-wide on Linux), then the crash
+           marks (CrashMark: one per marking thread of the worker), then zeros.
   records  capacity x 64 bytes (RECORD_DTYPE). The record published at cursor position p
            lives in slot p % capacity and carries seq = p + 1 (0: never written, or being
            rewritten right now).
@@ -53,14 +53,16 @@ segment is unlinked if the supervisor dies without unlink().
 """
 from __future__ import annotations
 
+import enum
 import mmap
 import os
 import platform
 import re
 import struct
 import time
+from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -68,18 +70,15 @@ from cbatch.ipc.records import (ALL_FLAGS, FLAG_LAST, MAX_FINISH_CODE, MAX_TEXT_
                                RECORD_SIZE_BYTES, RECORD_STRUCT, RingRecord, TokenEvent, frame_events)
 
 MAGIC = int.from_bytes(b"CBRING01", "little")
-LAYOUT_VERSION = 2  # 2: no generation in the header, FLAG_LAST is the only flag
-HEADER_SIZE_BYTES = 64
+LAYOUT_VERSION = 3  # 3: a 128-byte header, one crash mark per marking thread
+HEADER_SIZE_BYTES = 128
 MAX_CAPACITY_RECORDS = 1 << 24  # 1 GiB of records; anything bigger is a corrupt header
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory segments
 
 # Positions of the mutable uint64 header fields (0..3: magic, version, capacity, record_size).
 _H_WRITE_CURSOR, _H_HEARTBEAT_NS = 4, 5
-# Marks the supervisor reads when the worker dies, to name the request that crashed it
-# (workers/daemon/quarantine.py): the request the decode loop samples for one at a time, and
-# the one a preparer thread prepares (two preparers share it: the later one's id is kept).
-_H_SAMPLING_REQUEST, _H_PREPARING_REQUEST = 6, 7
-_NUM_HEADER_FIELDS = 8
+_H_FIRST_MARK = 6
+_NUM_HEADER_FIELDS = HEADER_SIZE_BYTES // 8
 
 _SEQ_BYTES = 8  # the writer stores the body (bytes 8..64) and the seq marker separately
 _VALID_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -93,6 +92,29 @@ TSO_MACHINES = frozenset({"x86_64", "AMD64"})
 def is_ring_ordered() -> bool:
     """Whether this host's CPU orders memory as the ring's lock-free protocol needs."""
     return platform.machine() in TSO_MACHINES
+
+
+class CrashMark(enum.IntEnum):
+    """The header's crash marks, which the supervisor reads when the worker dies, to tell who
+    crashed it (workers/daemon/crash_blame.py). Each belongs to one thread of the worker, so no
+    thread overwrites another's: the request the decode loop samples for alone, the one each
+    preparer prepares (request ids, 0 = none), and whether llama_decode runs on the generation
+    context or the embeddings' (1 = yes: a decode computes for every request in it)."""
+
+    SAMPLING = 0
+    PREPARING = 1
+    PREPARING_LARGE = 2
+    DECODING = 3
+    EMBEDDING = 4
+
+
+_DECODING_MARKS = (CrashMark.DECODING, CrashMark.EMBEDDING)
+
+
+@dataclass(frozen=True)
+class CrashMarks:
+    request_ids: tuple[int, ...]  # the requests the worker was inside native code for alone
+    is_decoding: bool  # inside llama_decode, which computes for many requests at once
 
 
 class RingError(Exception):
@@ -130,21 +152,20 @@ class TokenRing:
     write_cursor = property(lambda self: int(self.header[_H_WRITE_CURSOR]))
     heartbeat_ns = property(lambda self: int(self.header[_H_HEARTBEAT_NS]))
 
-    def mark_sampling(self, request_id: int) -> None:
-        """The decode loop is about to sample for request_id alone (0: for none); a no-op once closed."""
-        if self.header is not None:
-            self.header[_H_SAMPLING_REQUEST] = request_id
+    def marker(self, mark: CrashMark) -> Callable[[int], None]:
+        """What the one thread that owns `mark` calls with its value before it enters native
+        code, and with 0 after; a no-op once closed."""
+        def set_mark(value: int) -> None:
+            if self.header is not None:
+                self.header[_H_FIRST_MARK + mark] = value
+        return set_mark
 
-    def mark_preparing(self, request_id: int) -> None:
-        """A preparer is about to prepare request_id (0: none); a no-op once closed."""
-        if self.header is not None:
-            self.header[_H_PREPARING_REQUEST] = request_id
-
-    def take_crash_marks(self) -> list[int]:
-        """The marked request ids (none: []), cleared for the next worker."""
-        marks = [int(m) for m in self.header[_H_SAMPLING_REQUEST:_H_PREPARING_REQUEST + 1] if m]
-        self.header[_H_SAMPLING_REQUEST:_H_PREPARING_REQUEST + 1] = 0
-        return marks
+    def take_crash_marks(self) -> CrashMarks:
+        """The marks a dead worker left, cleared for the next worker."""
+        marks = self.header[_H_FIRST_MARK:_H_FIRST_MARK + len(CrashMark)].tolist()
+        self.header[_H_FIRST_MARK:_H_FIRST_MARK + len(CrashMark)] = 0
+        return CrashMarks(tuple(marks[mark] for mark in CrashMark if mark not in _DECODING_MARKS and marks[mark]),
+                          any(marks[mark] for mark in _DECODING_MARKS))
 
     def close(self) -> None:
         if self._owner is None:

@@ -24,6 +24,7 @@ from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, repl
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.embed_relay import EmbedRelay
 from cbatch.workers.daemon.handshakes import Handshakes
+from cbatch.workers.daemon.probation import Probation, request_fingerprint
 from cbatch.workers.daemon.quarantine import Quarantine
 from cbatch.workers.daemon.record_relay import MAX_RECORDS_PER_MESSAGE, RecordRelay
 from cbatch.workers.daemon.request_table import RequestTable, TrackedRequest
@@ -52,6 +53,7 @@ class FrontEnd:
         self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue, ledger)
         self._is_draining = False
         self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
+        self.probation = Probation(self.requests.active)  # suspects of crashes no one request was blamed for
         self.num_fetches = 0  # FETCHes answered: each one is a reader the ring lapped (or a lost record)
         self.stats_reply = StatsReply(config)
 
@@ -162,23 +164,23 @@ class FrontEnd:
         deadline_s = self.config.deadline_s(request.timeout_s, is_batch, now_s)
         # The keys file's weight, whatever a client said: the worker shares the steps by it.
         weight = self.requests.ledger.weight(request.tenant)
-        submit = encode(WorkerSubmit(request_id, request_fields(request, weight), deadline_s))
+        submit = encode(worker_submit := WorkerSubmit(request_id, request_fields(request, weight), deadline_s))
         if len(submit[1]) > MAX_FRAME_BYTES:  # its floats may have been narrower in the caller's encoding
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self._is_draining:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
-        shape = self.quarantine.admit(request)
+        shape = self.quarantine.admit(request, fingerprint := request_fingerprint(worker_submit, submit[1]))
         # Log-probabilities do not fit the ring's records: such a request is relayed whole.
         wants_logprobs = request.params.logprobs is not None
         tracked = TrackedRequest(
             request_id, identity, is_relayed=wants_logprobs or not self.handshakes.reads_ring(identity),
             submit=submit, logprobs={} if wants_logprobs else None, is_batch=is_batch, deadline_s=deadline_s,
-            shape=shape, tenant=request.tenant)
+            shape=shape, tenant=request.tenant, fingerprint=fingerprint)
         self.requests.add(tracked, now_s)
         self._forward(tracked)  # held here while the worker (re)starts, sent when it is ready
 
     def _forward(self, tracked: TrackedRequest) -> None:
-        if self.worker.ready is not None and tracked.is_held:
+        if self.worker.ready is not None and tracked.is_held and self.probation.take_turn(tracked):
             self.worker.send_encoded(tracked.submit)
             tracked.submit = None
 
@@ -250,6 +252,8 @@ class FrontEnd:
             elif isinstance(message, WorkerEvents):
                 self._on_step(message)
             self._cancel_stalled()
+        for tracked in self.probation.next_turn():  # held while another request on probation ran
+            self._forward(tracked)
 
     def _on_step(self, step: WorkerEvents, *, is_front_end_finish: bool = False) -> None:
         """A step's records are kept and relayed (record_relay), then its ends are

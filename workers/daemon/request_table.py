@@ -38,6 +38,7 @@ class TrackedRequest:
     is_batch: bool = False  # priority "batch": handed to a worker after the interactive requests held with it
     deadline_s: float = 0.0  # monotonic clock; 0 = none
     shape: SamplingParams | None = None  # its parameters, kept in case it crashes the worker (quarantine.py)
+    fingerprint: int | None = None  # the exact request, kept in case it is a crash's suspect (probation.py)
     tenant: str = DEFAULT_TENANT
     reserved_tokens: int = 0  # held in its tenant's tokens_per_min bucket until it ends (tenant_ledger.py)
 

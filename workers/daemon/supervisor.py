@@ -18,7 +18,7 @@ import zmq
 
 from cbatch.config import DaemonConfig, runtime_dir
 from cbatch.errors import (EXIT_FAILED, EXIT_OK, SHUTDOWN_MESSAGE, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG,
-                           INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED)
+                           SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED)
 from cbatch.ipc.ring import SHM_DIR, RingError, create_ring
 from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
@@ -31,7 +31,7 @@ from cbatch.workers.daemon.http_manager import HttpServers
 from cbatch.workers.daemon.leftovers import remove_leftovers
 from cbatch.ipc.worker_messages import WorkerStop
 from cbatch.workers.daemon.progress import ProgressLog
-from cbatch.workers.daemon.quarantine import QUARANTINED_MESSAGE
+from cbatch.workers.daemon.crash_blame import blame_crash
 from cbatch.workers.daemon.keys_reload import KeysReload
 from cbatch.workers.daemon.stop_signals import StopSignals, children_ignore_sigint_sighup
 from cbatch.workers.daemon.worker_link import WorkerLink
@@ -204,18 +204,11 @@ class Supervisor:
         self._start_until_ready()
 
     def _quarantine_culprits(self) -> None:
-        """The request the worker was inside llama.cpp for alone (ring.mark_*) when it crashed
-        caused it: it fails with the quarantine's refusal, and its shape is refused from now
-        on. A worker killed (SIGKILL, the watchdog's too, or SIGTERM) crashed on nothing."""
-        marked_ids = self.ring.take_crash_marks()
-        if -(self.worker.exitcode or 0) not in CRASH_SIGNALS:
-            return
-        for request_id in marked_ids:
-            tracked = self.frontend.requests.active.get(request_id)
-            if tracked is not None:
-                log.error("decode worker crashed inside request %d; its shape is quarantined", request_id)
-                self.frontend.quarantine.add(tracked.shape)
-                self.frontend.fail(tracked, INVALID_REQUEST, QUARANTINED_MESSAGE)
+        """A crash is blamed on the requests the worker marked in the ring (crash_blame.py); a
+        worker killed (SIGKILL, the watchdog's too, or SIGTERM) crashed on nothing."""
+        marks = self.ring.take_crash_marks()
+        if -(self.worker.exitcode or 0) in CRASH_SIGNALS:
+            blame_crash(marks, self.frontend)
 
     def _advance_drain(self, now_s: float) -> None:
         """SERVING -> DRAINING on a stop request: no new requests, the HTTP servers drain;

@@ -24,7 +24,7 @@ import zmq
 
 from cbatch.errors import INTERNAL
 from cbatch.ipc.records import TokenEvent
-from cbatch.ipc.ring import attach_ring
+from cbatch.ipc.ring import CrashMark, attach_ring
 from cbatch.ipc.worker_messages import WorkerFailed, WorkerReady
 from cbatch.workers.decode.commands import CommandHandler
 from cbatch.workers.decode.io_thread import WorkerIO
@@ -51,14 +51,18 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         try:
             tick.bind(plan.tick_endpoint)
             ring = attach_ring(plan.ring_name)
-            engine = Engine(plan.engine, mark_sampling=ring.mark_sampling)
+            engine = Engine(plan.engine, mark_sampling=ring.marker(CrashMark.SAMPLING))
             embedder = Embedder(engine.runner, plan.engine)
+            # Each marking thread has its own mark (the ring's CrashMark): who crashed the worker.
+            engine.runner.mark_decoding = ring.marker(CrashMark.DECODING)
+            embedder.mark_decoding = ring.marker(CrashMark.EMBEDDING)
         except Exception as exc:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
         publisher = EventPublisher(engine, embedder, ring, io, tick)
-        for source, nice_increment in ((io.inbox, 0), (io.large_inbox, PREPARE_NICE_INCREMENT)):
-            RequestPreparer(engine, embedder, source, io.commands, ring.mark_preparing, nice_increment).start()
+        for source, mark, nice_increment in ((io.inbox, CrashMark.PREPARING, 0),
+                                             (io.large_inbox, CrashMark.PREPARING_LARGE, PREPARE_NICE_INCREMENT)):
+            RequestPreparer(engine, embedder, source, io.commands, ring.marker(mark), nice_increment).start()
         if not engine.runner.is_embedding_only:  # structured output's vocabulary adapter, beside the first requests
             threading.Thread(target=engine.runner.constraints.tokenizer, name="worker-vocab-adapter", daemon=True).start()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"

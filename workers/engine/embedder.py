@@ -30,6 +30,7 @@ from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, vector_bytes
 from cbatch.errors import CbatchError, DECODE_FAILED, INVALID_CONFIG, INVALID_REQUEST, PROMPT_TOO_LONG
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded
 from cbatch.protocol import MAX_FRAME_BYTES
+from cbatch.workers.engine.decode_mark import marked_decode, no_mark
 from cbatch.workers.engine.runner import BatchBuffer, LlamaRunner
 
 POOLING_TYPES = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "cls": lc.LLAMA_POOLING_TYPE_CLS,
@@ -65,6 +66,7 @@ class Embedder:
         self._batch: BatchBuffer | None = None
         self.num_decodes = 0
         self.num_inputs = 0  # embedded, over all decodes
+        self.mark_decoding = no_mark  # the decode worker's crash mark (ring.marker), told around llama_decode
 
     @property
     def has_work(self) -> bool:
@@ -148,7 +150,7 @@ class Embedder:
         batch.tokens[:n], batch.positions[:n], batch.seq_ids[:n] = tokens, positions, seq_ids
         batch.wants_logits[:n] = 1  # pooling reads every token's output
         batch.batch.n_tokens = n
-        status = lc.llama_decode(self._ctx, batch.batch)
+        status = marked_decode(self.mark_decoding, self._ctx, batch.batch)
         self.num_decodes += 1
         self.num_inputs += len(placed)
         memory = lc.llama_get_memory(self._ctx)

@@ -1,0 +1,125 @@
+"""A native crash of the decode worker is blamed on the request that caused it, never on a
+bystander: a crash inside llama_decode, or with two preparers marked, quarantines no shape;
+its suspects are resent on probation, one at a time, the innocents complete, and the poison
+is refused (exactly) at its second crash, after which the worker stops crashing.
+tests/crash_on_poison/sitecustomize.py crashes the worker on two poison prompts."""
+
+import timeit
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from daemonkit import wait_until
+
+from cbatch.errors import CbatchError
+from cbatch.ipc.worker_messages import WorkerSubmit, encode
+from cbatch.params import parse_request, request_fields
+from cbatch.workers.daemon.probation import request_fingerprint
+from cbatch.workers.daemon.quarantine import CRASHED_TWICE_MESSAGE, QUARANTINED_MESSAGE
+
+CRASH_ON_POISON = Path(__file__).parent / "crash_on_poison"
+DECODE_POISON = "a prompt with a poison inside llama_decode"
+PREPARE_POISON = "a prompt with a poison inside preparation"
+LARGE_PROMPT = "large " * 400  # 2400 characters: the large-prompt preparer's, as the sitecustomize sets it
+NUM_BYSTANDERS = 3
+BYSTANDER_TOKENS = 300
+
+
+def fingerprint(request_id: int, body: dict, deadline_s: float) -> int:
+    submit = WorkerSubmit(request_id, request_fields(parse_request(request_id, body), 1.0), deadline_s)
+    return request_fingerprint(submit, encode(submit)[1])
+
+
+def test_the_fingerprint_is_the_request_without_its_id_or_deadline():
+    body = {"prompt": "hi", "max_tokens": 3}
+    fields = request_fields(parse_request(1, body), 1.0)
+    assert fingerprint(1, body, 0.0) == fingerprint((1 << 63) - 1, body, 1234.5) == hash(msgpack.packb(fields))
+    assert fingerprint(1, body, 0.0) != fingerprint(1, {**body, "prompt": "hi!"}, 0.0)
+    assert fingerprint(1, body, 0.0) != fingerprint(1, {**body, "seed": 4}, 0.0)
+
+
+@pytest.mark.parametrize("prompt_chars", [30, 4000, 1 << 20])
+def test_the_fingerprint_costs_less_than_parsing_and_encoding(prompt_chars):
+    body = {"prompt": "y" * prompt_chars, "max_tokens": 64, "temperature": 0.7}
+    submit = WorkerSubmit(7, request_fields(parse_request(7, body), 1.0), 12.5)
+    frame = encode(submit)[1]
+    admit_s = min(timeit.repeat(lambda: encode(WorkerSubmit(7, request_fields(parse_request(7, body), 1.0), 12.5)),
+                                number=20, repeat=5))
+    fingerprint_s = min(timeit.repeat(lambda: request_fingerprint(submit, frame), number=20, repeat=5))
+    print(f"{prompt_chars} chars: parse+encode {admit_s / 20 * 1e6:.1f} us, "
+          f"fingerprint {fingerprint_s / 20 * 1e6:.1f} us")
+    assert fingerprint_s < 3 * admit_s
+
+
+def outcome(chunks):
+    """How a request ended: its finish reason, or the error it failed with."""
+    try:
+        return list(chunks)[-1].finish_reason
+    except CbatchError as err:
+        return err
+
+
+def new_worker_pid(client, old_pid: int) -> int:
+    wait_until(lambda: client.health()["worker_pid"] not in (0, old_pid), timeout_s=120)
+    return client.health()["worker_pid"]
+
+
+def test_a_crash_inside_llama_decode_catches_the_poison_not_its_batch_mates(tiny_model_path, start_daemon,
+                                                                            monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(CRASH_ON_POISON))
+    daemon = start_daemon(tiny_model_path, "--parallel", "4", "--ctx-size", str(4 * 1024))
+    bystanders = [{"prompt": f"a bystander {i}", "max_tokens": BYSTANDER_TOKENS, "ignore_eos": True}
+                  for i in range(NUM_BYSTANDERS)]
+    poison = {"prompt": DECODE_POISON, "max_tokens": 4}
+    with daemon.client() as client:
+        first_pid = client.health()["worker_pid"]
+        readers = [client.stream(**body) for body in bystanders]
+        for reader in readers:
+            next(reader)  # generating when the poison comes
+        results = [outcome(reader) for reader in [*readers, client.stream(**poison)]]
+        assert all(isinstance(err, CbatchError) and err.code == "worker_restarted" for err in results), results
+        second_pid = new_worker_pid(client, first_pid)
+        assert client.generate(prompt="a default request", max_tokens=3).usage["completion_tokens"] == 3
+
+        # Every caller sends its request again, all at once: the suspects run one at a time.
+        streams = [client.submit(**body) for body in [*bystanders, poison]]
+        *bystander_ends, poison_end = [outcome(client.read(stream)) for stream in streams]
+        assert bystander_ends == ["length"] * NUM_BYSTANDERS
+        assert isinstance(poison_end, CbatchError) and poison_end.code == "invalid_request"
+        assert poison_end.message == CRASHED_TWICE_MESSAGE
+        third_pid = new_worker_pid(client, second_pid)
+
+        with pytest.raises(CbatchError) as refused:  # refused at once, the worker untouched
+            client.generate(**poison)
+        assert refused.value.code == "invalid_request" and refused.value.message == CRASHED_TWICE_MESSAGE
+        for body in bystanders:
+            assert client.generate(**body).finish_reason == "length"
+        assert client.health()["worker_pid"] == third_pid
+    assert "its shape is quarantined" not in daemon.log()
+
+
+def test_a_crash_with_two_preparers_marked_blames_no_shape(tiny_model_path, start_daemon, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(CRASH_ON_POISON))
+    daemon = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 4096))
+    poison = {"prompt": PREPARE_POISON, "max_tokens": 4, "top_k": 7}  # a shape of its own
+    large = {"prompt": LARGE_PROMPT, "max_tokens": 4, "ignore_eos": True}  # default parameters
+    with daemon.client() as client:
+        first_pid = client.health()["worker_pid"]
+        poisoned = client.submit(**poison)  # marked first; the large one, right behind it, is marked while it waits
+        large_stream = client.submit(**large)
+        results = [outcome(client.read(stream)) for stream in (poisoned, large_stream)]
+        assert all(isinstance(err, CbatchError) and err.code == "worker_restarted" for err in results), results
+        second_pid = new_worker_pid(client, first_pid)
+        assert client.generate(prompt="a default request", max_tokens=3).usage["completion_tokens"] == 3
+
+        streams = [client.submit(**body) for body in (poison, large)]  # resent: on probation, one at a time
+        poison_end, large_end = [outcome(client.read(stream)) for stream in streams]
+        assert large_end == "length"
+        assert isinstance(poison_end, CbatchError) and poison_end.code == "invalid_request"
+        assert poison_end.message == QUARANTINED_MESSAGE  # alone in its preparer: its own shape
+        third_pid = new_worker_pid(client, second_pid)
+        assert client.generate(**large).finish_reason == "length"
+        assert client.generate(prompt="a default request", max_tokens=3).usage["completion_tokens"] == 3
+        assert client.health()["worker_pid"] == third_pid
+    assert daemon.log().count("its shape is quarantined") == 1
