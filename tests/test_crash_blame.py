@@ -15,8 +15,9 @@ from daemonkit import wait_until
 from cbatch.errors import CbatchError
 from cbatch.ipc.worker_messages import WorkerSubmit, encode
 from cbatch.params import parse_request, request_fields
-from cbatch.workers.daemon.probation import request_fingerprint
+from cbatch.workers.daemon.probation import MAX_PROBATION_REQUESTS, Probation, request_fingerprint
 from cbatch.workers.daemon.quarantine import CRASHED_TWICE_MESSAGE, QUARANTINED_MESSAGE
+from cbatch.workers.daemon.request_table import TrackedRequest
 
 CRASH_ON_POISON = Path(__file__).parent / "crash_on_poison"
 DECODE_POISON = "a prompt with a poison inside llama_decode"
@@ -50,6 +51,25 @@ def test_the_fingerprint_costs_less_than_parsing_and_encoding(prompt_chars):
     print(f"{prompt_chars} chars: parse+encode {admit_s / 20 * 1e6:.1f} us, "
           f"fingerprint {fingerprint_s / 20 * 1e6:.1f} us")
     assert fingerprint_s < 3 * admit_s
+
+
+def test_requests_on_probation_take_turns_in_arrival_order():
+    active = {}
+    probation = Probation(active)
+    first, second, third, free = (TrackedRequest(i, b"owner", False, submit=[b""], fingerprint=i) for i in range(1, 5))
+    active.update({tracked.request_id: tracked for tracked in (first, second, third, free)})
+    probation.put([1, 2, 3])
+    assert [probation.take_turn(tracked) for tracked in (first, second, third, free)] == [True, False, False, True]
+    first.submit = None  # handed to the worker
+    assert probation.next_turn() == []  # its turn lasts while it runs
+    del active[1]  # failed (a crash): it stays on probation, and the next one's turn comes
+    assert 1 in probation and probation.next_turn() == [second]
+    assert probation.take_turn(second) and not probation.take_turn(third)
+    second.submit, second.finish = None, {"finish_reason": "stop"}
+    del active[2]  # finished: it leaves probation
+    assert probation.next_turn() == [third] and 2 not in probation
+    probation.put(range(100, 100 + MAX_PROBATION_REQUESTS))
+    assert len(probation) == MAX_PROBATION_REQUESTS and 1 not in probation  # the oldest go first
 
 
 def outcome(chunks):
