@@ -24,7 +24,7 @@ DECODE_POISON = "a prompt with a poison inside llama_decode"
 PREPARE_POISON = "a prompt with a poison inside preparation"
 LARGE_PROMPT = "large " * 400  # 2400 characters: the large-prompt preparer's, as the sitecustomize sets it
 NUM_BYSTANDERS = 3
-BYSTANDER_TOKENS = 300
+BYSTANDER_TOKENS = 1000  # still generating when the poison arrives, on a loaded machine too
 
 
 def fingerprint(request_id: int, body: dict, deadline_s: float) -> int:
@@ -119,16 +119,17 @@ def test_a_crash_inside_llama_decode_catches_the_poison_not_its_batch_mates(tiny
     assert "its shape is quarantined" not in daemon.log()
 
 
-def test_a_crash_with_two_preparers_marked_blames_no_shape(tiny_model_path, start_daemon, monkeypatch):
+def test_a_crash_with_two_preparers_marked_blames_no_shape(tiny_model_path, start_daemon, monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", str(CRASH_ON_POISON))
+    monkeypatch.setenv("CBATCH_TEST_CRASHED_FILE", str(tmp_path / "crashed"))
     daemon = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 4096))
     poison = {"prompt": PREPARE_POISON, "max_tokens": 4, "top_k": 7}  # a shape of its own
     large = {"prompt": LARGE_PROMPT, "max_tokens": 4, "ignore_eos": True}  # default parameters
     with daemon.client() as client:
         first_pid = client.health()["worker_pid"]
-        poisoned = client.submit(**poison)  # marked first; the large one, right behind it, is marked while it waits
-        large_stream = client.submit(**large)
-        results = [outcome(client.read(stream)) for stream in (poisoned, large_stream)]
+        large_stream = client.submit(**large)  # marked once the poison is, and still preparing when it crashes
+        poisoned = client.submit(**poison)
+        results = [outcome(client.read(stream)) for stream in (large_stream, poisoned)]
         assert all(isinstance(err, CbatchError) and err.code == "worker_restarted" for err in results), results
         second_pid = new_worker_pid(client, first_pid)
         assert client.generate(prompt="a default request", max_tokens=3).usage["completion_tokens"] == 3
