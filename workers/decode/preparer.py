@@ -49,7 +49,7 @@ class RequestPreparer(threading.Thread):
                  mark_preparing: Callable[[int], None], nice_increment: int = 0):
         super().__init__(name="worker-prepare", daemon=True)
         self._engine, self._embedder, self._source, self.outbox = engine, embedder, source, outbox
-        self._mark_preparing = mark_preparing  # told each request id before its preparation, 0 after
+        self._mark_preparing = mark_preparing  # its own crash mark: each request id before its preparation, 0 after
         self._nice_increment = nice_increment
 
     def run(self) -> None:
