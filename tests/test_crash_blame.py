@@ -4,13 +4,15 @@ its suspects are resent on probation, one at a time, the innocents complete, and
 is refused (exactly) at its second crash, after which the worker stops crashing.
 tests/crash_on_poison/sitecustomize.py crashes the worker on two poison prompts."""
 
+import json
+import subprocess
 import timeit
 from pathlib import Path
 
 import msgpack
 import pytest
 
-from daemonkit import wait_until
+from daemonkit import SCRIPTS_DIR, wait_until
 
 from cbatch.errors import CbatchError
 from cbatch.ipc.worker_messages import WorkerSubmit, encode
@@ -116,7 +118,8 @@ def test_a_crash_inside_llama_decode_catches_the_poison_not_its_batch_mates(tiny
         for body in bystanders:
             assert client.generate(**body).finish_reason == "length"
         assert client.health()["worker_pid"] == third_pid
-    assert "its shape is quarantined" not in daemon.log()
+    log = daemon.log()
+    assert "its shape is quarantined" not in log and log.count("that exact request is quarantined") == 1
 
 
 def test_a_crash_with_two_preparers_marked_blames_no_shape(tiny_model_path, start_daemon, monkeypatch, tmp_path):
@@ -144,3 +147,24 @@ def test_a_crash_with_two_preparers_marked_blames_no_shape(tiny_model_path, star
         assert client.generate(prompt="a default request", max_tokens=3).usage["completion_tokens"] == 3
         assert client.health()["worker_pid"] == third_pid
     assert daemon.log().count("its shape is quarantined") == 1
+
+
+def test_a_batch_file_with_a_poison_line_completes_every_other_line(tiny_model_path, start_daemon, monkeypatch,
+                                                                    tmp_path):
+    """cbatch-submit sends a line again after worker_restarted: its batch-mates complete, the
+    poison line alone is answered with invalid_request."""
+    monkeypatch.setenv("PYTHONPATH", str(CRASH_ON_POISON))
+    daemon = start_daemon(tiny_model_path, "--parallel", "4", "--ctx-size", str(4 * 1024))
+    lines = [{"id": f"b{i}", "prompt": f"a bystander {i}", "max_tokens": 200, "ignore_eos": True} for i in range(6)]
+    lines.insert(3, {"id": "poison", "prompt": DECODE_POISON, "max_tokens": 4})
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(source), "-o", str(output)], env=daemon.env,
+                          capture_output=True, text=True, timeout=600)
+    results = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    assert done.returncode == 1, done.stderr  # the poison line fails, alone
+    assert all(results[f"b{i}"]["finish_reason"] == "length" for i in range(6)), results
+    assert results["poison"]["error"]["code"] == "invalid_request"
+    assert results["poison"]["error"]["message"] == CRASHED_TWICE_MESSAGE
+    log = daemon.log()
+    assert "its shape is quarantined" not in log and log.count("that exact request is quarantined") == 1
