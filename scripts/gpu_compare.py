@@ -1,0 +1,188 @@
+"""cbatch beside llama-server on a GPU, as one run that stops by itself inside a time budget.
+
+Stages, in order, each given what is left of --budget-s and skipped with a note when too little is:
+
+    versions   nvidia-smi, nvcc, the llama.cpp commit vendored in the pinned sdist, cbatch's commit
+    build      llama-server and llama-cpp-python from the same vendored llama.cpp, CUDA for this
+               GPU's architecture only (read from nvidia-smi), Release, ninja (full mode only)
+    model      the gemma-3-270m chunks in --stage-dir joined into one GGUF (or --model)
+    gpu-tests  the suite's tests marked `gpu` (skipped with a note while none is marked)
+    serving    scripts/bench_serving.py at each --parallel: whole and streamed HTTP, the ZeroMQ
+               batch, light callers; tok/s, TTFT p50, host ms per step, llama-server beside it
+    host-work  scripts/bench_host_work.py: host ms per decode step, by phase
+    long       scripts/bench_long_prompts.py: long prompts admitted among decoding ones
+
+Modes: `full` (a fresh device machine: every stage), `compare` (a warm machine that ran `full`:
+the measuring stages only), `rehearse` (no GPU: no build, this .venv's llama-cpp-python, small
+sizes, so that every stage's code path runs on a CPU). Each stage's output goes to
+$OUT/<stage>.log (OUT defaults to results/gpu-compare), the table to $OUT/table.txt and every
+figure with the versions to $OUT/summary.json.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+NUMBER = r"-?\d+(?:\.\d+)?"
+# The least time a stage is started with: below it the stage is skipped with a note.
+MIN_STAGE_S = {"build": 240, "serving": 60, "host-work": 20, "long": 40, "gpu-tests": 20}
+# llama-server is stated as measured: speculative decoding off (no draft model), one batch size.
+LLAMA_SERVER_BATCH = 2048
+LLAMA_SERVER_UBATCH = 512
+
+
+def sh(command: str, timeout_s: float, log: Path, env: dict | None = None) -> tuple[int, str]:
+    """Run a shell command with its output in `log`; 124 when it ran past `timeout_s`."""
+    try:
+        done = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True,
+                              timeout=max(timeout_s, 1), env={**os.environ, **(env or {})})
+        code, text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, text = 124, (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+    log.write_text(f"$ {command}\n{text}")
+    return code, text
+
+
+class Run:
+    def __init__(self, args):
+        self.args, self.started = args, time.monotonic()
+        self.out = Path(os.environ.get("OUT") or REPO / "results" / "gpu-compare")
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rows: list[tuple[str, str, float, str]] = []  # stage, status, seconds, figures
+        self.summary: dict = {"mode": args.mode, "versions": {}, "stages": {}}
+
+    def left_s(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.started)
+
+    def stage(self, name: str, command: str, env: dict | None = None) -> str | None:
+        """Run one stage's command inside what is left of the budget; its text, or None when skipped."""
+        if self.left_s() < MIN_STAGE_S.get(name.split()[0], 10):
+            self.note(name, "skipped", 0, f"{self.left_s():.0f} s left of the budget")
+            return None
+        start = time.monotonic()
+        code, text = sh(command, self.left_s(), self.out / f"{name.replace(' ', '-')}.log", env)
+        status = "ok" if code == 0 else ("out of time" if code == 124 else f"failed ({code})")
+        self.note(name, status, time.monotonic() - start, figures(text) if code == 0 else text.strip()[-200:])
+        return text if code == 0 else None
+
+    def note(self, name: str, status: str, seconds: float, text: str) -> None:
+        self.rows.append((name, status, seconds, text))
+        self.summary["stages"][name] = {"status": status, "s": round(seconds, 1), "figures": text}
+        print(f"[{time.monotonic() - self.started:5.0f} s] {name}: {status}", flush=True)
+
+    def finish(self) -> None:
+        lines = [f"{'stage':18} {'status':12} {'s':>5}  figures"]
+        lines += [f"{name:18} {status:12} {seconds:5.0f}  {text}" for name, status, seconds, text in self.rows]
+        lines.append(f"total {time.monotonic() - self.started:.0f} s of a {self.args.budget_s:.0f} s budget")
+        table = "\n".join(lines)
+        (self.out / "table.txt").write_text(table + "\n")
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
+        print(table)
+
+
+def figures(text: str) -> str:
+    """The lines of a benchmark's output that hold its figures, joined short for the table."""
+    keep = [line.strip() for line in text.splitlines()
+            if re.search(rf"(tok/s|TTFT|ms a step|{NUMBER}\s+{NUMBER}\s+{NUMBER})", line)]
+    return " | ".join(re.sub(r"\s+", " ", line) for line in keep[-6:])[:600]
+
+
+def versions(run: Run) -> None:
+    for name, command in [("nvidia-smi", "nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader"),
+                          ("nvcc", "nvcc --version | tail -n 2"),
+                          ("cbatch", "git rev-parse HEAD"),
+                          ("llama-cpp-python", f"{PYTHON} -c 'import llama_cpp; print(llama_cpp.__version__)'")]:
+        code, text = sh(command, 30, run.out / f"version-{name}.log")
+        run.summary["versions"][name] = text.strip() if code == 0 else "absent"
+    sdist = next(Path(run.args.stage_dir).glob("llama_cpp_python-*"), None)
+    run.summary["versions"]["sdist"] = sdist.name if sdist else "absent"
+    run.note("versions", "ok", 0, "; ".join(f"{k}: {v.splitlines()[-1] if v else '-'}"
+                                             for k, v in run.summary["versions"].items()))
+
+
+def build(run: Run) -> str | None:
+    """Build both from the vendored llama.cpp for this GPU only; the llama-server path, or None."""
+    stage_dir = Path(run.args.stage_dir).resolve()
+    src = stage_dir / "src"
+    arch = "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)"
+    flags = f"-DGGML_CUDA=ON -DGGML_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES={arch} -DCMAKE_BUILD_TYPE=Release -G Ninja"
+    unpack = f"mkdir -p {src} && tar -xzf {stage_dir}/llama_cpp_python-*.tar.gz -C {src}"
+    server = (f"cmake -S {src}/llama_cpp_python-*/vendor/llama.cpp -B build/llama-server/cmake {flags} -DLLAMA_CURL=OFF "
+              f"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF && cmake --build build/llama-server/cmake --target llama-server && mkdir -p build/llama-server/bin && "
+              f"cp build/llama-server/cmake/bin/llama-server build/llama-server/bin/")
+    binding = (f"CMAKE_ARGS=\"{flags}\" python3 -m pip install -q --no-index --no-build-isolation --no-deps "
+               f"--target /tmp/site {src}/llama_cpp_python-*/")
+    if run.stage("build", f"{unpack} && ({server}) & ({binding}) ; wait") is None:
+        return None
+    return str(REPO / "build/llama-server/bin/llama-server")
+
+
+def model_path(run: Run) -> str:
+    if run.args.model:
+        return run.args.model
+    joined = Path(run.args.stage_dir) / "gemma-3-270m-q4_k_m.gguf"
+    parts = sorted(Path(run.args.stage_dir).glob("gemma-3-270m-q4_k_m.gguf.part*"))
+    if not joined.exists() and parts:
+        with joined.open("wb") as target:
+            for part in parts:
+                with part.open("rb") as chunk:
+                    shutil.copyfileobj(chunk, target)
+    run.note("model", "ok" if joined.exists() else "absent", 0, f"{joined} from {len(parts)} chunks")
+    return str(joined)
+
+
+def measure(run: Run, model: str, llama_server: str | None) -> None:
+    a = run.args
+    server = f" --llama-server {llama_server}" if llama_server else ""
+    if not llama_server:
+        run.note("llama-server", "skipped", 0, "no binary (build it, or give --llama-server)")
+    for parallel in a.parallel:
+        run.stage(f"serving {parallel}", f"{PYTHON} scripts/bench_serving.py --model {model} --parallel {parallel} "
+                                         # it finds llama-server where the build stage (and scripts/build_llama_server.sh) put it
+                      f"--clients {min(parallel, a.clients)} --requests {a.requests} "
+                                         f"--max-tokens {a.max_tokens}{server}")
+    run.stage("host-work", f"{PYTHON} scripts/bench_host_work.py --parallel {' '.join(map(str, a.parallel))} "
+                           f"--steps {a.steps} --modes greedy sampled --backend-sampling off on"
+                           + (f" --vocab 1024 --model {run.out}/stand-in.gguf" if a.mode == "rehearse" else ""))
+    run.stage("long", f"{PYTHON} scripts/bench_long_prompts.py --model {model} --parallel {a.parallel[-1]} "
+                      # it finds llama-server where the build stage (and scripts/build_llama_server.sh) put it
+                      f"--clients {min(a.parallel[-1], a.clients)} --requests 1 --workloads short,unique "
+                      f"--configs streams,llama-server --file-lines 0 --no-cache-file-lines 0")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["full", "compare", "rehearse"], default="full")
+    parser.add_argument("--budget-s", type=float, default=540, help="stop by itself within this (default 9 min)")
+    parser.add_argument("--parallel", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--clients", type=int, default=256, help="closed-loop callers, at most --parallel")
+    parser.add_argument("--requests", type=int, default=1024, help="requests per path")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64, help="decode steps measured for host work")
+    parser.add_argument("--model", help="GGUF (default: the gemma chunks joined from --stage-dir)")
+    parser.add_argument("--stage-dir", default=str(REPO / ".gpu-stage"), help="what scripts/gpu_compare.sh prepare staged")
+    parser.add_argument("--llama-server", help="a llama-server binary (full mode builds one)")
+    args = parser.parse_args(argv)
+    run = Run(args)
+    versions(run)
+    llama_server = args.llama_server
+    if args.mode == "full":
+        llama_server = build(run) or llama_server
+        run.stage("gpu-tests", f"{PYTHON} -m pytest -q -m gpu tests; c=$?; [ $c -eq 0 ] || [ $c -eq 5 ]")
+    else:
+        run.note("build", "skipped", 0, f"{args.mode} mode: no build")
+    model = model_path(run)
+    measure(run, model, llama_server)
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
