@@ -11,6 +11,7 @@ The lines run as the tenant of the API key that created the job, whatever their 
 say, as the live endpoints run a key's requests.
 """
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -211,6 +212,7 @@ class JobRun:
             return file_ids
         finally:
             for out in temporary.values():
-                out.close()
+                with contextlib.suppress(OSError):  # a full disk fails the close's flush: remove it all the same
+                    out.close()
                 if os.path.exists(out.name):
                     os.remove(out.name)

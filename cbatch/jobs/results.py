@@ -7,7 +7,11 @@ each other (an fsync per line held the run to a few hundred lines a second), and
 counts as done (request_counts, progress) only once its fsync returned. After a crash the
 log holds every line counted (a last line cut by the crash is dropped; lines written but
 not yet synced may be there or not, and are not counted twice either way), so a
-restarted runner sends only the others and none twice. When the job ends
+restarted runner sends only the others and none twice. A line of the log that is not a
+whole result (cut by a crash, or damaged on disk) is dropped when the log is read back,
+and the log rewritten without it: that input line runs again, and no later read of the
+job fails on it. A write the disk cannot take whole (full) is undone, and the job waits
+for room (cbatch.jobs.runner), its finished lines kept. When the job ends
 the log is read back in input order into the output file (the lines answered 200) and
 the error file (the rest); the input is streamed and the log read by offset, so memory
 holds one key and offset per finished line, not the lines.
@@ -63,18 +67,19 @@ class ResultsLog:
         self._synced_s = 0.0
 
     def _read_back(self) -> None:
-        """The log's lines, less a last one cut by a crash (removed, so appending goes on cleanly)."""
+        """Count the log's results; a line that is not one is dropped (rewrite_without)."""
         if not os.path.exists(self.path):
             return
-        length = 0
+        num_bad = 0
         with open(self.path, "rb") as log:
             for line in log:
-                if not line.endswith(b"\n"):
-                    break
-                length += len(line)
-                self._count(json.loads(line))
-        if length != os.path.getsize(self.path):
-            os.truncate(self.path, length)
+                result = parsed_result(line)
+                if result is None:
+                    num_bad += 1
+                else:
+                    self._count(result)
+        if num_bad:
+            rewrite_without_bad_lines(self.path)
 
     def _count(self, result: dict) -> None:
         self.done_keys.add(result_key(result))
@@ -96,10 +101,24 @@ class ResultsLog:
         no line runs any more (no later finish would sync them)."""
         for index in [index for index, line in self.lines.items() if line.result is not None]:
             result = self.lines.pop(index).result
-            os.write(self._fd, (json.dumps(result, ensure_ascii=False) + "\n").encode())
+            self._write_whole((json.dumps(result, ensure_ascii=False) + "\n").encode())
             self._unsynced.append(result)
         if self._unsynced and (not self.lines or time.monotonic() - self._synced_s >= GROUP_COMMIT_S):
             self.sync()
+
+    def _write_whole(self, data: bytes) -> None:
+        """Append one line whole, or leave the log as it was and raise the OSError (a full disk)."""
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        written = 0
+        try:
+            while written < len(data):
+                num_bytes = os.write(self._fd, data[written:])
+                if num_bytes == 0:
+                    raise OSError("the disk took no more bytes")
+                written += num_bytes
+        except OSError:
+            os.ftruncate(self._fd, start)  # no part of a line is left for a later read to trip on
+            raise
 
     def sync(self) -> None:
         """Make the written lines durable, then count them done."""
@@ -121,6 +140,30 @@ class ResultsLog:
     def close(self) -> None:
         self.sync()
         os.close(self._fd)
+
+
+def parsed_result(line: bytes) -> dict | None:
+    """A log line's result, or None for a line that is not a whole one."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        result = json.loads(line)
+        result_key(result), is_ok(result)  # what every reader of the log looks up
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return result if isinstance(result, dict) else None
+
+
+def rewrite_without_bad_lines(path: str) -> None:
+    """The log without its lines that are not whole results, written whole and renamed over it."""
+    temporary = f"{path}.tmp"
+    with open(path, "rb") as log, open(temporary, "wb") as kept:
+        for line in log:
+            if parsed_result(line) is not None:
+                kept.write(line)
+        kept.flush()
+        os.fsync(kept.fileno())
+    os.replace(temporary, path)
 
 
 def write_outputs(log_path: str, input_path: str, endpoint: str, output, errors, unanswered=None) -> None:

@@ -13,6 +13,7 @@ second daemon on the same directory waits for the lock and leaves its jobs to th
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -30,6 +31,7 @@ log = logging.getLogger("cbatch.jobs")
 
 POLL_S = 0.25  # how often the state directory is scanned for new jobs while none runs
 WATCH_S = 0.1  # how often the watcher looks at the running job's cancel marker and the parent
+DISK_FULL_RETRY_S = 5.0  # a job the full disk stopped is tried again no sooner than this
 WAITING_CHECK_S = 1.0  # how often the watcher looks for waiting jobs cancelled or past their window
 
 
@@ -105,6 +107,20 @@ class Runner:
         return [b["id"] for b in sorted((b for b in batches if b is not None and b["id"] not in self._ended_ids),
                                         key=lambda b: (b["created_at"], b["id"]))]
 
+    def _on_os_error(self, job: JobRun, batch_id: str, err: OSError) -> bool:
+        """A full disk pauses the job (its log holds only whole lines: it goes on from them
+        once there is room, DISK_FULL_RETRY_S later at the soonest); any other error fails it."""
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            log.exception("cbatch jobs: %s failed", batch_id)
+            job.fail("internal", f"the job runner failed on this job ({type(err).__name__}: {err}); "
+                                 "its finished lines are kept")
+            return False
+        log.error("cbatch jobs: %s waits: the state directory's disk is full (%s); it goes on from its finished "
+                  "lines once there is room", batch_id, err.strerror)
+        retry_at_s = time.monotonic() + DISK_FULL_RETRY_S
+        self._wait(lambda: time.monotonic() >= retry_at_s)
+        return False
+
     def _wait(self, is_done) -> None:
         while not is_done() and not self.is_stopping:
             if os.getppid() != self.parent_pid:
@@ -153,6 +169,8 @@ class Runner:
                         is_done = job.run()
                     except KeyboardInterrupt:  # stopped outside the lines' run: the job is as it was
                         is_done = False
+                    except OSError as err:
+                        is_done = self._on_os_error(job, batch_id, err)
                     except Exception as err:  # what no line's check foresaw fails this job, not the runner
                         log.exception("cbatch jobs: %s failed", batch_id)
                         job.fail("internal", f"the job runner failed on this job ({type(err).__name__}: {err}); "

@@ -1,0 +1,72 @@
+"""A batch job's results log when the disk fails it, through a real daemon (--http, the
+tiny model): a line damaged on disk is dropped and run again, and a disk that fills up
+pauses the job, leaving no part of a line behind, until there is room again."""
+
+import json
+import os
+import subprocess
+import tempfile
+
+import pytest
+
+from cbatch.jobs.results import parsed_result
+from daemonkit import wait_until
+from test_batches_api import _line, _lines, _long_lines, _started, _upload, _wait_final, state_dir
+
+SMALL_DISK = "128k"  # the state directory's tmpfs: room for the job's input, not for its results
+
+
+def test_a_damaged_line_in_the_middle_of_the_log_is_run_again(start_http_daemon, tiny_tools_model_path):
+    args = (tiny_tools_model_path, "--parallel", "1", "--alias", "m")
+    daemon = start_http_daemon(*args)
+    ids, lines = _long_lines(12)
+    batch = _started(daemon.openai(), lines, 3)
+    assert daemon.stop() == 0  # a drain: the finished lines stay in the log
+    log_path = state_dir(daemon) / "batches" / f"{batch.id}.results.jsonl"
+    logged = log_path.read_bytes().splitlines(keepends=True)
+    damaged_id = json.loads(logged[1])["custom_id"]
+    # A middle line damaged on disk, and a last one cut short.
+    log_path.write_bytes(b"".join([logged[0], b'{"custom_id": "req-\x00\xff garbage\n', *logged[2:], b'{"cust']))
+    again = start_http_daemon(*args, workdir=daemon.workdir)
+    api = again.openai()
+    batch = _wait_final(api, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == len(ids), again.log()
+    out = _lines(api, batch.output_file_id)
+    assert sorted(o["custom_id"] for o in out) == sorted(ids) and damaged_id in ids
+    assert all(parsed_result(line) is not None for line in log_path.read_bytes().splitlines(keepends=True))
+
+
+@pytest.fixture
+def small_disk():
+    """A directory on a tmpfs of SMALL_DISK (mounting needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    path = tempfile.mkdtemp(prefix="cbt-disk-")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", path], check=True)
+    yield path
+    # Lazily: a daemon a failed test left running lets go of it when the fixture stops it.
+    subprocess.run(["umount", "--lazy", path], check=True)
+    os.rmdir(path)
+
+
+def test_a_full_disk_pauses_the_job_which_goes_on_once_there_is_room(start_http_daemon, tiny_tools_model_path,
+                                                                      small_disk):
+    """The results log never keeps part of a line, the job waits (the log says why) rather
+    than failing or losing lines, and once the disk has room it completes, each line once."""
+    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "2", "--alias", "m", "--state-dir", small_disk)
+    api = daemon.openai()
+    body = {"model": "m", "prompt": "fill", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    ids = [f"f{i}" for i in range(80)]
+    batch = api.batches.create(input_file_id=_upload(api, [_line(i, body) for i in ids]),
+                               endpoint="/v1/completions", completion_window="24h")
+    wait_until(lambda: "the state directory's disk is full" in daemon.log(), timeout_s=120)
+    assert api.batches.retrieve(batch.id).status in ("in_progress", "finalizing")
+    log_path = os.path.join(small_disk, "batches", f"{batch.id}.results.jsonl")
+    with open(log_path, "rb") as log:
+        assert all(parsed_result(line) is not None for line in log)
+    assert api.completions.create(model="m", prompt="still here", max_tokens=2).usage.completion_tokens == 2
+    subprocess.run(["mount", "-o", "remount,size=8m", small_disk], check=True)
+    batch = _wait_final(api, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == len(ids), batch
+    assert sorted(o["custom_id"] for o in _lines(api, batch.output_file_id)) == sorted(ids)
+    assert daemon.stop() == 0
