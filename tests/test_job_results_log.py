@@ -70,3 +70,19 @@ def test_a_full_disk_pauses_the_job_which_goes_on_once_there_is_room(start_http_
     assert batch.status == "completed" and batch.request_counts.completed == len(ids), batch
     assert sorted(o["custom_id"] for o in _lines(api, batch.output_file_id)) == sorted(ids)
     assert daemon.stop() == 0
+
+
+def test_only_a_newline_ends_a_line_as_the_upload_counted_them(start_http_daemon, tiny_tools_model_path):
+    """Lines joined by a bare "\r" are one line (one error, costing only itself), as the
+    upload's request count saw them; "\r\n" line ends read as lines."""
+    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "2", "--alias", "m")
+    api = daemon.openai()
+    body = {"model": "m", "prompt": "x", "max_tokens": 2, "temperature": 0}
+    cases = {"cr": ("\r".join(_line(f"cr{i}", body) for i in range(3)) + "\n", 1, 0),
+             "crlf": ("\r\n".join(_line(f"crlf{i}", body) for i in range(2)) + "\r\n", 2, 2)}
+    for name, (text, num_lines, num_ok) in cases.items():
+        file_id = api.files.create(file=(f"{name}.jsonl", text.encode()), purpose="batch").id
+        batch = _wait_final(api, api.batches.create(input_file_id=file_id, endpoint="/v1/completions",
+                                                    completion_window="24h").id)
+        assert batch.status == "completed", (name, batch)
+        assert (batch.request_counts.total, batch.request_counts.completed) == (num_lines, num_ok), (name, batch)

@@ -46,13 +46,35 @@ def _page(objects: list[dict], request: Request, kind: str) -> dict:
             "last_id": page[-1]["id"] if page else None, "has_more": len(objects) > limit}
 
 
+def _too_large() -> CbatchError:
+    return CbatchError(INVALID_REQUEST, f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB, "
+                                        "the most a batch's input file may be; split it into several batches")
+
+
+def _bounded(request: Request) -> Request:
+    """The request, its body refused as soon as it passes the upload's limit: a body sent
+    without its length (chunked) is not spooled whole first."""
+    num_bytes = 0
+
+    async def receive():
+        nonlocal num_bytes
+        message = await request.receive()
+        num_bytes += len(message.get("body", b""))
+        if num_bytes > MAX_FILE_BYTES + MAX_FORM_OVERHEAD_BYTES:
+            raise _too_large()
+        return message
+
+    return Request(request.scope, receive)
+
+
 async def _upload(store: BatchStore, request: Request) -> Response:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_FILE_BYTES + MAX_FORM_OVERHEAD_BYTES:
-        raise CbatchError(INVALID_REQUEST, f"the file is larger than {MAX_FILE_BYTES // (1024 * 1024)} MB, "
-                                           "the most a batch's input file may be; split it into several batches")
+        raise _too_large()
     try:
-        form = await request.form(max_files=1, max_fields=16)
+        form = await _bounded(request).form(max_files=1, max_fields=16)
+    except CbatchError:
+        raise
     except Exception as err:  # Starlette's own refusals of a malformed form (its exception types vary by version)
         raise CbatchError(INVALID_REQUEST, f"the body must be a multipart form with `file` and `purpose`: {err}") from None
     try:

@@ -39,7 +39,9 @@ def input_lines(path: str, endpoint: str, done_keys: set[str] = frozenset()):
     cbatch-submit reads an OpenAI batch file; a line for another endpoint than the job's
     is refused (and known by its line number, as any line that is not a request)."""
     def checked():
-        for number, item in read_items(open(path, encoding="utf-8-sig")):
+        # "\n" alone ends a line, as the upload counted them (cbatch.jobs.files): a file of
+        # lines joined by "\r" is one long line, an error that costs only itself.
+        for number, item in read_items(open(path, encoding="utf-8-sig", newline="\n")):
             if isinstance(item, dict) and item.get("url") != endpoint:
                 item = CbatchError(INVALID_REQUEST, f"line {number}: url {item.get('url')!r} is not the batch's "
                                                     f"endpoint {endpoint}")
