@@ -70,7 +70,8 @@ class Run:
         start = time.monotonic()
         code, text = sh(command, self.left_s(), self.out / f"{name.replace(' ', '-')}.log", env)
         status = "ok" if code == 0 else ("out of time" if code == 124 else f"failed ({code})")
-        self.note(name, status, time.monotonic() - start, figures(text) if code == 0 else text.strip()[-200:])
+        summarize = serving_figures if name.startswith("serving") else figures
+        self.note(name, status, time.monotonic() - start, summarize(text) if code == 0 else text.strip()[-200:])
         return text if code == 0 else None
 
     def note(self, name: str, status: str, seconds: float, text: str) -> None:
@@ -91,8 +92,19 @@ class Run:
 def figures(text: str) -> str:
     """The lines of a benchmark's output that hold its figures, joined short for the table."""
     keep = [line.strip() for line in text.splitlines()
-            if re.search(rf"(tok/s|TTFT|ms a step|{NUMBER}\s+{NUMBER}\s+{NUMBER})", line)]
+            if re.search(rf"(tok/s|TTFT|ms a step|{NUMBER}\s+{NUMBER}\s+{NUMBER}|^\w+\s+{NUMBER}\s*$)", line)]
     return " | ".join(re.sub(r"\s+", " ", line) for line in keep[-6:])[:600]
+
+
+def serving_figures(text: str) -> str:
+    """tok/s per path, TTFT p50/p99 and host ms a step over HTTP, from bench_serving's last block."""
+    block = text.split("\npath ")[-1]
+    rates = re.findall(rf"^(\S.*?)\s{{2,}}({NUMBER})\s", block, re.M)
+    ttft = re.findall(rf"^\s*note: (.+?) streamed: TTFT p50 ({NUMBER}) ms, p90 {NUMBER} ms, p99 ({NUMBER}) ms", block, re.M)
+    host = re.findall(rf"^\s*note: (cbatch HTTP whole): worker .*?({NUMBER}) host$", block, re.M)
+    return "; ".join([", ".join(f"{name} {rate} tok/s" for name, rate in rates),
+                      *(f"{name} TTFT p50 {p50} p99 {p99} ms" for name, p50, p99 in ttft),
+                      *(f"{name} host {ms} ms a step" for name, ms in host)])
 
 
 def versions(run: Run) -> None:
@@ -104,6 +116,8 @@ def versions(run: Run) -> None:
         run.summary["versions"][name] = text.strip() if code == 0 else "absent"
     sdist = next(Path(run.args.stage_dir).glob("llama_cpp_python-*"), None)
     run.summary["versions"]["sdist"] = sdist.name if sdist else "absent"
+    commit = Path(run.args.stage_dir) / "llama.cpp.commit"
+    run.summary["versions"]["llama.cpp"] = commit.read_text().strip() if commit.exists() else "absent"
     run.note("versions", "ok", 0, "; ".join(f"{k}: {v.splitlines()[-1] if v else '-'}"
                                              for k, v in run.summary["versions"].items()))
 
@@ -148,7 +162,7 @@ def measure(run: Run, model: str, llama_server: str | None) -> None:
         run.stage(f"serving {parallel}", f"{PYTHON} scripts/bench_serving.py --model {model} --parallel {parallel} "
                                          # it finds llama-server where the build stage (and scripts/build_llama_server.sh) put it
                       f"--clients {min(parallel, a.clients)} --requests {a.requests} "
-                                         f"--max-tokens {a.max_tokens}{server}")
+                                         f"--max-tokens {a.max_tokens} --threads {a.threads}{server}")
     run.stage("host-work", f"{PYTHON} scripts/bench_host_work.py --parallel {' '.join(map(str, a.parallel))} "
                            f"--steps {a.steps} --modes greedy sampled --backend-sampling off on"
                            + (f" --vocab 1024 --model {run.out}/stand-in.gguf" if a.mode == "rehearse" else ""))
@@ -166,9 +180,11 @@ def main(argv=None) -> None:
     parser.add_argument("--clients", type=int, default=256, help="closed-loop callers, at most --parallel")
     parser.add_argument("--requests", type=int, default=1024, help="requests per path")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=4, help="llama.cpp threads for both servers (GPU: few)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps measured for host work")
     parser.add_argument("--model", help="GGUF (default: the gemma chunks joined from --stage-dir)")
-    parser.add_argument("--stage-dir", default=str(REPO / ".gpu-stage"), help="what scripts/gpu_compare.sh prepare staged")
+    parser.add_argument("--stage-dir", default=os.environ.get("STAGE_DIR", "/tmp/stage"),
+                        help="where `scripts/gpu_compare.sh stage` copied what `prepare` staged")
     parser.add_argument("--llama-server", help="a llama-server binary (full mode builds one)")
     args = parser.parse_args(argv)
     run = Run(args)
