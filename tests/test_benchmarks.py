@@ -6,6 +6,8 @@ the smallest workload its options allow, and must print a full row of figures. N
 here is timed: the figures themselves are read by people, from the README's commands.
 """
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -164,3 +166,28 @@ def test_bench_structured_prints_the_row_costs_compile_times_and_each_mode(tiny_
     assert re.search(rf"^compile: 2\d\d schemas, p50 {NUMBER} ms, p99 {NUMBER} ms", out, re.M), out
     modes = re.findall(rf"^\s+2 (json_schema|json_object|tool call)\s+\d+\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x", out, re.M)
     assert modes == ["json_schema", "json_object", "tool call"], out
+
+
+@pytest.mark.slow
+def test_gpu_compare_rehearsal_runs_every_stage_and_skips_what_the_budget_cannot_hold(tiny_model_path, tmp_path):
+    """The GPU comparison's CPU rehearsal: no build, every measuring stage run once on the tiny model, the
+    table and summary written to $OUT; then a budget too short for any measuring stage skips each with a note."""
+    def rehearse(out, budget_s):
+        done = subprocess.run([str(REPO / "scripts" / "gpu_compare.sh"), "rehearse", "--model", tiny_model_path,
+                               "--parallel", "2", "--clients", "2", "--requests", "4", "--max-tokens", "2",
+                               "--steps", "2", "--threads", "1", "--budget-s", str(budget_s)], cwd=REPO,
+                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                              env={**os.environ, "OUT": str(out), "STAGE_DIR": str(tmp_path / "no-stage")})
+        assert done.returncode == 0, f"gpu_compare failed:\n{done.stdout}\n{done.stderr}"
+        return {row[0]: row[1] for row in re.findall(r"^(\S+(?: \d+)?)\s+(ok|skipped|failed \(\d+\)|out of time)\s",
+                                                      done.stdout, re.M)}
+
+    stages = rehearse(tmp_path / "out", 240)
+    assert stages == {"versions": "ok", "build": "skipped", "llama-server": "skipped", "serving 2": "ok",
+                      "host-work": "ok", "long": "ok"}, stages
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert re.search(rf"cbatch HTTP whole {NUMBER} tok/s", summary["stages"]["serving 2"]["figures"]), summary
+    assert re.search(r"TTFT p50 .+ host .+ ms a step", summary["stages"]["serving 2"]["figures"]), summary
+    assert summary["versions"]["cbatch"] and (tmp_path / "out" / "table.txt").exists()
+    short = rehearse(tmp_path / "short", 5)
+    assert [short[name] for name in ("serving 2", "host-work", "long")] == ["skipped"] * 3, short
