@@ -34,9 +34,6 @@ PYTHON = sys.executable
 NUMBER = r"-?\d+(?:\.\d+)?"
 # The least time a stage is started with: below it the stage is skipped with a note.
 MIN_STAGE_S = {"build": 240, "serving": 60, "host-work": 20, "long": 40, "gpu-tests": 20}
-# llama-server is stated as measured: speculative decoding off (no draft model), one batch size.
-LLAMA_SERVER_BATCH = 2048
-LLAMA_SERVER_UBATCH = 512
 
 
 def sh(command: str, timeout_s: float, log: Path, env: dict | None = None) -> tuple[int, str]:
