@@ -59,7 +59,7 @@ def test_a_full_disk_pauses_the_job_which_goes_on_once_there_is_room(start_http_
     ids = [f"f{i}" for i in range(80)]
     batch = api.batches.create(input_file_id=_upload(api, [_line(i, body) for i in ids]),
                                endpoint="/v1/completions", completion_window="24h")
-    wait_until(lambda: "the state directory's disk is full" in daemon.log(), timeout_s=120)
+    wait_until(lambda: "the state directory's disk is full" in daemon.log(), timeout_s=300)
     assert api.batches.retrieve(batch.id).status in ("in_progress", "finalizing")
     log_path = os.path.join(small_disk, "batches", f"{batch.id}.results.jsonl")
     with open(log_path, "rb") as log:
