@@ -32,6 +32,7 @@ IMAGE_SIZE, PATCH_SIZE = 32, 8
 NUM_PATCHES = (IMAGE_SIZE // PATCH_SIZE) ** 2  # image tokens per image
 NORM_EPS = 1e-6
 IMAGE_MEAN, IMAGE_STD = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
+OUTPUT_SCALE = 4.0
 
 
 def build_tensors(n_embd_text: int) -> dict[str, np.ndarray]:
@@ -42,7 +43,8 @@ def build_tensors(n_embd_text: int) -> dict[str, np.ndarray]:
         return rng.normal(0.0, scale, shape).astype(np.float32)
 
     def linear(name: str, n_out: int, n_in: int) -> dict[str, np.ndarray]:
-        return {f"{name}.weight": normal(n_out, n_in, scale=1.0 / np.sqrt(n_in)), f"{name}.bias": normal(n_out, scale=0.1)}
+        return {f"{name}.weight": normal(n_out, n_in, scale=1.0 / np.sqrt(n_in)),
+                f"{name}.bias": normal(n_out, scale=0.1)}
 
     def norm(name: str) -> dict[str, np.ndarray]:
         return {f"{name}.weight": np.ones(N_EMBD, np.float32), f"{name}.bias": np.zeros(N_EMBD, np.float32)}
@@ -61,6 +63,9 @@ def build_tensors(n_embd_text: int) -> dict[str, np.ndarray]:
         tensors.update(linear(f"{blk}.ffn_down", N_EMBD, N_FF))
     tensors.update(linear("mm.0", N_PROJ_HIDDEN, N_EMBD))
     tensors.update(linear("mm.2", n_embd_text, N_PROJ_HIDDEN))
+    # Image embeddings as large as the text model's token embeddings (unit normal), so that
+    # different images lead a greedy answer apart within a few tokens.
+    tensors["mm.2.weight"] *= OUTPUT_SCALE
     return tensors
 
 

@@ -7,6 +7,7 @@ import llama_cpp.llama_cpp as lc
 import pytest
 from llama_cpp import mtmd_cpp as mtmd
 
+from cbatch.params import parse_request
 from conftest import load_script
 from imagekit import png_bytes
 
@@ -70,3 +71,91 @@ def test_mtmd_loads_the_tiny_projector_and_writes_an_image_into_one_sequence(tin
 def test_mtmd_refuses_a_projector_whose_width_is_not_the_models(tmp_path, text_model):
     path = load_script("make_tiny_projector").make_tiny_projector(tmp_path / "narrow.gguf", n_embd_text=32)
     assert not mtmd_context(path, text_model)
+
+
+GREEDY_8 = {"temperature": 0, "ignore_eos": True, "max_tokens": 8}
+IMAGE_PROMPT = "Describe <__media__> in a word."
+
+
+@pytest.fixture
+def make_vision_engine(make_engine, tiny_projector_path):
+    return lambda **overrides: make_engine(mmproj_path=tiny_projector_path, **overrides)
+
+
+def run_engine(engine, bodies: list[dict]) -> list[list[int]]:
+    """Each body's generated token ids, the bodies submitted together."""
+    for i, body in enumerate(bodies):
+        engine.add(engine.prepare(parse_request(i, {**GREEDY_8, **body})))
+    tokens = {i: [] for i in range(len(bodies))}
+    while engine.has_work:
+        for event in engine.step():
+            assert event.error is None, event.error
+            tokens[event.request_id] += event.token_ids
+    return [tokens[i] for i in range(len(bodies))]
+
+
+def reference_tokens(text_model, projector_path: str, image: bytes, num_tokens: int) -> list[int]:
+    """Greedy tokens after IMAGE_PROMPT with `image`, as llama.cpp's own mtmd helper computes them."""
+    ctx = mtmd_context(projector_path, text_model)
+    params = lc.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_threads, params.n_threads_batch = 256, 64, 64, 1, 1
+    lctx = lc.llama_init_from_model(text_model, params)
+    chunks = mtmd.mtmd_input_chunks_init()
+    try:
+        buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
+        bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(mtmd.mtmd_helper_bitmap_init_from_buf(ctx, buf, len(image), False))
+        prompt = IMAGE_PROMPT.encode()
+        text = mtmd.mtmd_input_text(prompt, len(prompt), True, True)
+        assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1) == 0
+        mtmd.mtmd_bitmap_free(bitmaps[0])
+        n_past = lc.llama_pos(0)
+        assert mtmd.mtmd_helper_eval_chunks(ctx, lctx, chunks, 0, 0, 64, True, ctypes.byref(n_past)) == 0
+        n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(text_model))
+        tokens = []
+        for _ in range(num_tokens):
+            logits = lc.llama_get_logits_ith(lctx, -1)
+            tokens.append(max(range(n_vocab), key=lambda t: logits[t]))
+            batch = lc.llama_batch_get_one((lc.llama_token * 1)(tokens[-1]), 1)
+            assert lc.llama_decode(lctx, batch) == 0
+        return tokens
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        lc.llama_free(lctx)
+        mtmd.mtmd_free(ctx)
+
+
+def test_an_image_prompt_generates_what_llama_cpps_own_helper_does(make_vision_engine, tiny_projector_path,
+                                                                   text_model):
+    image = png_bytes(40, 24)
+    expected = reference_tokens(text_model, tiny_projector_path, image, 8)
+    assert run_engine(make_vision_engine(), [{"prompt": IMAGE_PROMPT, "images": [image]}]) == [expected]
+
+
+@pytest.mark.parametrize("overrides", [{"batch_size": 6}, {"overlap": True}, {"kv_unified": True}],
+                         ids=["image-over-several-steps", "overlap", "unified-pool"])
+def test_images_beside_text_streams_whatever_the_step_layout(make_engine, make_vision_engine, overrides):
+    text_alone = run_engine(make_engine(), [{"prompt": "plain text"}])
+    bodies = [{"prompt": "plain text"}, {"prompt": IMAGE_PROMPT, "images": [png_bytes(40, 24)]},
+              {"prompt": IMAGE_PROMPT, "images": [png_bytes(40, 24, seed=5)]}]
+    whole = run_engine(make_vision_engine(), bodies)
+    assert whole[0] == text_alone[0]  # the text stream's tokens are unchanged by the images beside it
+    assert whole[1] != whole[2]  # the image decides the answer
+    assert run_engine(make_vision_engine(**overrides), bodies) == whole
+
+
+def test_the_same_image_in_two_requests_is_computed_once(make_vision_engine):
+    engine = make_vision_engine()
+    image_request = {"prompt": IMAGE_PROMPT, "images": [png_bytes(40, 24)]}
+    first, second = run_engine(engine, [image_request, image_request])
+    snapshot = engine.snapshot()
+    assert first == second
+    num_prompt_tokens = engine.prepare(parse_request(9, image_request)).num_prompt_tokens
+    assert snapshot["prompt_tokens_reused"] == num_prompt_tokens  # the second copied the first's KV
+
+
+def test_the_same_image_in_eight_concurrent_requests_is_encoded_once(make_vision_engine):
+    engine = make_vision_engine()
+    same = {"prompt": IMAGE_PROMPT, "images": [png_bytes(40, 24)]}
+    answers = run_engine(engine, [same] * 8 + [{"prompt": IMAGE_PROMPT, "images": [png_bytes(40, 24, seed=5)]}])
+    assert answers[:8] == [answers[0]] * 8 and answers[8] != answers[0]
+    assert engine.runner.vision.num_encoded == 2
