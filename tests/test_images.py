@@ -159,3 +159,36 @@ def test_the_same_image_in_eight_concurrent_requests_is_encoded_once(make_vision
     answers = run_engine(engine, [same] * 8 + [{"prompt": IMAGE_PROMPT, "images": [png_bytes(40, 24, seed=5)]}])
     assert answers[:8] == [answers[0]] * 8 and answers[8] != answers[0]
     assert engine.runner.vision.num_encoded == 2
+
+
+def test_images_travel_from_the_front_end_to_the_worker_as_they_were_sent():
+    from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
+    from cbatch.params import request_fields, request_from_fields
+
+    images = [png_bytes(4, 4), png_bytes(8, 8)]
+    parsed = parse_request(7, {"messages": [{"role": "user", "content": "<__media__> and <__media__>?"}],
+                               "images": images})
+    submit = decode(encode(WorkerSubmit(7, request_fields(parsed, 1.0))))
+    assert request_from_fields(7, submit.request) == parsed and parsed.images == tuple(images)
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"prompt": "no marker", "images": [b"\x89PNG"]}, "1 images but 0 <__media__> markers"),
+    ({"prompt": "<__media__> <__media__>", "images": [b"\x89PNG"]}, "1 images but 2"),
+    ({"prompt": "<__media__>", "images": ["not bytes"]}, "images must be a list"),
+    ({"prompt": "<__media__>", "images": [b""]}, "none empty"),
+    ({"prompt": "<__media__>", "images": [bytes(2_000_001)]}, "larger than 2000000 bytes"),
+], ids=["no-marker", "extra-marker", "text", "empty", "past-the-wire-limit"])
+def test_images_that_do_not_match_their_markers_are_refused_at_the_edge(body, named):
+    from cbatch.errors import CbatchError
+
+    with pytest.raises(CbatchError, match=named):
+        parse_request(1, body)
+
+
+def test_a_request_with_images_is_prepared_beside_short_text_ones_not_before_them():
+    from common import worker_submit
+    from cbatch.workers.decode.preparer import is_large_prompt
+
+    assert is_large_prompt(worker_submit(1, {"prompt": "<__media__>?", "images": [png_bytes(4, 4)]}))
+    assert not is_large_prompt(worker_submit(2, {"prompt": "?"}))
