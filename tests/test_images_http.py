@@ -105,3 +105,22 @@ def test_a_projector_that_does_not_fit_the_model_stops_the_start(start_daemon, t
     narrow = load_script("make_tiny_projector").make_tiny_projector(tmp_path / "narrow.gguf", n_embd_text=32)
     with pytest.raises(RuntimeError, match="could not load the projector"):
         start_daemon(tiny_tools_model_path, "--mmproj", narrow)
+
+
+def test_an_openai_batch_file_line_carries_an_image(daemon, tmp_path):
+    import json
+    import subprocess
+
+    from daemonkit import SCRIPTS_DIR
+
+    lines = [{"custom_id": "picture", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": question(png_bytes(40, 24))}], **GREEDY}},
+             {"custom_id": "broken", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": question(b"\x89PNG\r\n\x1a\n")}], **GREEDY}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    process = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(tmp_path / "in.jsonl"), "-o",
+                              str(tmp_path / "out.jsonl")], env=daemon.env, capture_output=True, text=True, timeout=120)
+    out = {o["custom_id"]: o["response"] for o in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert out["picture"]["status_code"] == 200, process.stderr
+    assert out["picture"]["body"]["choices"][0]["message"]["content"] == answer(daemon, question(png_bytes(40, 24)))
+    assert out["broken"]["status_code"] == 400 and "images[0]" in out["broken"]["body"]["error"]["message"]
