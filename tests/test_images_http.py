@@ -124,3 +124,14 @@ def test_an_openai_batch_file_line_carries_an_image(daemon, tmp_path):
     assert out["picture"]["status_code"] == 200, process.stderr
     assert out["picture"]["body"]["choices"][0]["message"]["content"] == answer(daemon, question(png_bytes(40, 24)))
     assert out["broken"]["status_code"] == 400 and "images[0]" in out["broken"]["body"]["error"]["message"]
+
+
+def test_a_responses_input_image_is_answered_as_the_chat_image_part(daemon):
+    from imagekit import data_url
+
+    content = [{"type": "input_text", "text": "What is in this picture?"},
+               {"type": "input_image", "image_url": data_url(png_bytes(40, 24))}]
+    response = httpx.post(f"{daemon.base_url}/v1/responses", timeout=120, json={
+        "input": [{"role": "user", "content": content}], "temperature": 0, "max_output_tokens": 8})
+    assert response.status_code == 200, response.text
+    assert response.json()["output"][0]["content"][0]["text"] == answer(daemon, question(png_bytes(40, 24)))
