@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 
 from cbatch.api_keys import load_keys
 from cbatch.cli.common import add_version
@@ -143,7 +144,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
                           overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
                           reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None,
-                          mmproj_path=args.mmproj, max_images=args.max_images, max_image_bytes=args.max_image_bytes,
+                          mmproj_path=os.path.abspath(args.mmproj) if args.mmproj else None,
+                          max_images=args.max_images, max_image_bytes=args.max_image_bytes,
                           max_image_pixels=args.max_image_pixels)
     return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                         drain_grace_s=args.drain_grace, retention_s=args.retention,
