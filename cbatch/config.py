@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass
 
 from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from cbatch.params import MAX_TIMEOUT_S
 from cbatch.wording import counted
 
@@ -57,6 +58,12 @@ class EngineConfig:
     # template, or takes reasoning_tags when given; "off" leaves every output as it is.
     reasoning: str = "auto"
     reasoning_tags: tuple[str, str] | None = None
+    # A vision projector (mmproj GGUF) for the model: chat messages may then carry images,
+    # each within these bounds (workers/engine/vision.py). None = the model takes no images.
+    mmproj_path: str | None = None
+    max_images: int = 8  # per request
+    max_image_bytes: int = MAX_IMAGE_BYTES  # per image file
+    max_image_pixels: int = 4096 * 4096  # per image, decoded
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -82,6 +89,10 @@ class EngineConfig:
         check(self.reasoning in ("auto", "off"), f"--reasoning must be auto or off, got {self.reasoning!r}")
         check(self.reasoning_tags is None or (len(self.reasoning_tags) == 2 and all(self.reasoning_tags)),
               "--reasoning-tags takes two non-empty tags: OPEN CLOSE")
+        check(1 <= self.max_images <= MAX_IMAGES, f"--max-images must be in [1, {MAX_IMAGES}], got {self.max_images}")
+        check(1 <= self.max_image_bytes <= MAX_IMAGE_BYTES,
+              f"--max-image-bytes must be in [1, {MAX_IMAGE_BYTES}], got {self.max_image_bytes}")
+        check(self.max_image_pixels >= 1, f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
         if self.max_batch_queue is None:
             object.__setattr__(self, "max_batch_queue", self.max_queue)
         for flag, value in zip(QUEUE_FLAGS, self.max_queues):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
 from cbatch.constraints import check_grammar, check_json_schema
 from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.images import check_images
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
@@ -81,6 +82,7 @@ class Request:
     # share of the decode steps, which the front-end sets from the keys file.
     tenant: str = DEFAULT_TENANT
     tenant_weight: float = 1.0
+    images: tuple[bytes, ...] = ()  # image files (PNG, JPEG, ...), one per IMAGE_MARKER in order
 
 
 def invalid(message: str) -> CbatchError:
@@ -221,6 +223,7 @@ def parse_request(request_id: int, raw: dict) -> Request:
     scheduling = {"priority": priority(body.pop("priority", INTERACTIVE)), "timeout_s": timeout(body.pop("timeout", None)),
                   "tenant": tenant(body.pop("tenant", DEFAULT_TENANT)),
                   "tenant_weight": _float("tenant_weight", body.pop("tenant_weight", 1.0), 0.0, MAX_WEIGHT, lo_open=True)}
+    images = check_images(body.pop("images", None), prompt, messages)
     params = parse_params(body)
     if params.grammar is not None and params.json_schema is not None:
         raise invalid("give grammar or json_schema, not both")
@@ -228,8 +231,9 @@ def parse_request(request_id: int, raw: dict) -> Request:
         raise invalid("a grammar or json_schema and ignore_eos cannot be combined: a completed constraint allows "
                       "only end-of-generation")
     if prompt is not None:
-        return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params, **scheduling)
-    return Request(request_id, messages=_messages(messages), params=params, **scheduling)
+        return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params, images=images,
+                       **scheduling)
+    return Request(request_id, messages=_messages(messages), params=params, images=images, **scheduling)
 
 
 def request_fields(request: Request, tenant_weight: float) -> list:
@@ -238,20 +242,20 @@ def request_fields(request: Request, tenant_weight: float) -> list:
     instead of parsing the caller's body a second time."""
     params = request.params
     return [request.prompt, request.messages, [getattr(params, name) for name in _SAMPLING_FIELDS],
-            request.priority, request.timeout_s, request.tenant, tenant_weight]
+            request.priority, request.timeout_s, request.tenant, tenant_weight, list(request.images)]
 
 
 def request_from_fields(request_id: int, values: list) -> Request:
     """request_fields' values back as the Request, unchecked: they were checked by
     parse_request. msgpack carried its tuples as lists; the tuples come back."""
-    prompt, messages, param_values, priority_name, timeout_s, tenant_name, tenant_weight = values
+    prompt, messages, param_values, priority_name, timeout_s, tenant_name, tenant_weight, images = values
     params = dict(zip(_SAMPLING_FIELDS, param_values))
     params["stop"] = tuple(params["stop"])
     params["logit_bias"] = tuple(map(tuple, params["logit_bias"]))
     if params["reasoning_tags"] is not None:
         params["reasoning_tags"] = tuple(params["reasoning_tags"])
     return Request(request_id, prompt, None if messages is None else tuple(map(tuple, messages)),
-                   SamplingParams(**params), priority_name, timeout_s, tenant_name, tenant_weight)
+                   SamplingParams(**params), priority_name, timeout_s, tenant_name, tenant_weight, tuple(images))
 
 
 def priority(value) -> str:

@@ -37,6 +37,13 @@ def tiny_tools_model_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_projector_path(tmp_path_factory) -> str:
+    """A random-weight LLaVA-style vision projector (mmproj) for the tiny model."""
+    path = tmp_path_factory.mktemp("models") / "tiny-projector.gguf"
+    return load_script("make_tiny_projector").make_tiny_projector(str(path))
+
+
+@pytest.fixture(scope="session")
 def gemma_model_path() -> str:
     from cbatch.model import resolve_model_path
 

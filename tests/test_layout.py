@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"cbatch": REPO / "cbatch", "cbatch.workers": REPO / "workers", "cbatch.ipc": REPO / "ipc"}
 SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch.constraints", "cbatch.config",
           "cbatch.model", "cbatch.wording", "cbatch.embeddings", "cbatch.partial_markers", "cbatch.extras",
-          "cbatch.api_keys"}
+          "cbatch.api_keys", "cbatch.images"}
 MAX_MODULE_LINES = 300
 # What the HTTP app may use of cbatch.jobs: the state directory's files, not the runner.
 JOB_STORE = {"cbatch.jobs", "cbatch.jobs.state_dir", "cbatch.jobs.files", "cbatch.jobs.batches"}

@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 
 from cbatch.api_keys import load_keys
 from cbatch.cli.common import add_version
@@ -61,6 +62,14 @@ def make_parser() -> argparse.ArgumentParser:
              "chat template mentions <think>, or --reasoning-tags is given) or off")
     add("--reasoning-tags", nargs=2, default=None, metavar=("OPEN", "CLOSE"),
         help="the tags the model thinks in, when its chat template does not tell (e.g. '<think>' '</think>')")
+    add("--mmproj", default=None, metavar="GGUF",
+        help="the model's vision projector (an mmproj GGUF, as llama.cpp's): chat messages may then carry images")
+    add("--max-images", type=int, default=ENGINE.max_images, metavar="N",
+        help=f"images one request may carry (default {ENGINE.max_images})")
+    add("--max-image-bytes", type=int, default=ENGINE.max_image_bytes, metavar="N",
+        help=f"bytes of one image file (default and most {ENGINE.max_image_bytes})")
+    add("--max-image-pixels", type=int, default=ENGINE.max_image_pixels, metavar="N",
+        help=f"pixels of one image, width x height (default {ENGINE.max_image_pixels})")
     add("--endpoint", default="", help="ipc://PATH or tcp://HOST:PORT (default: CBATCH_ENDPOINT or an ipc socket)")
     add("--ring-capacity", type=int, default=DAEMON.ring_capacity, help="token ring records (power of two)")
     add("--drain-grace", type=float, default=DAEMON.drain_grace_s, help="seconds in-flight requests get on SIGTERM")
@@ -134,7 +143,10 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           fair_share=args.fair_share,
                           cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
                           overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
-                          reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None)
+                          reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None,
+                          mmproj_path=os.path.abspath(args.mmproj) if args.mmproj else None,
+                          max_images=args.max_images, max_image_bytes=args.max_image_bytes,
+                          max_image_pixels=args.max_image_pixels)
     return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                         drain_grace_s=args.drain_grace, retention_s=args.retention,
                         reconnect_grace_s=args.reconnect_grace, worker_timeout_s=args.worker_timeout,

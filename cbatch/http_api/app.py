@@ -127,11 +127,13 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
 
 async def _models(state: HttpState, request: Request) -> Response:
     """OpenAI's model objects, and cbatch's `reasoning`: the tags the model thinks in, or null
-    (also while the model loads)."""
+    (also while the model loads); `takes_images`: whether chat messages may carry images."""
     if not state.has_been_ready:
         await state.status()  # the tags come with the daemon's first "ok"
+    takes_images = bool(state.client and state.client.info.get("takes_images"))
     return json_response({"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
-                                                      "owned_by": "cbatch", "reasoning": state.reasoning}
+                                                      "owned_by": "cbatch", "reasoning": state.reasoning,
+                                                      "takes_images": takes_images}
                                                      for name in state.model_names]})
 
 

@@ -14,6 +14,7 @@ from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERN
                            FORBIDDEN, NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, RATE_LIMITED, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
                            WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
+from cbatch.openai.image_parts import take_images
 from cbatch.openai.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
 from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
@@ -55,7 +56,7 @@ def error_body(err: CbatchError, param: str | None = None) -> dict:
                                       "model", "tools", "tool_choice", "parallel_tool_calls", "reasoning_budget",
                                       "reasoning_effort", "input", "instructions", "max_output_tokens",
                                       "previous_response_id", "reasoning", "background", "text", "dimensions",
-                                      "encoding_format", "response_format")
+                                      "encoding_format", "response_format", "images")
         param = name.group(1) if name and name.group(1) in known else None
     return {"error": {"message": err.message, "type": _STATUS.get(err.code, (500, "server_error"))[1],
                       "param": param, "code": err.code}}
@@ -170,6 +171,9 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
     if kind == CHAT:
         body.update(reasoning_fields(raw.get("reasoning_budget"), raw.get("reasoning_effort"), reasoning))
         chat = {"messages": raw.get("messages"), **{name: raw[name] for name in TOOL_FIELDS if name in raw}}
+        if not forwards_tools:  # image parts become cbatch's images, each at a marker in the text
+            chat["messages"], images = take_images(chat["messages"])
+            body.update({"images": images} if images else {})
         body, tools = ({**body, **chat}, None) if forwards_tools else prepare_chat({**body, **chat}, chat_template)
         prompts = [{name: body.pop(name) for name in ("messages", "prompt") if name in body}]
     else:

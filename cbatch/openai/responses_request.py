@@ -29,6 +29,16 @@ def _text_of(where: str, content) -> str:
     return "\n".join(part["text"] for part in content)
 
 
+def _content_of(where: str, content):
+    """A message item's content for chat: its text, or chat's parts when it holds
+    `input_image` parts (an image_url each, which the chat mapping takes)."""
+    if not isinstance(content, list) or not any(isinstance(part, dict) and part.get("type") == "input_image"
+                                                for part in content):
+        return _text_of(where, content)
+    return [{"type": "image_url", "image_url": {"url": part.get("image_url")}} if part.get("type") == "input_image"
+            else {"type": "text", "text": _text_of(where, [part])} for part in content]
+
+
 def chat_messages(raw_input, instructions) -> list[dict]:
     """`instructions` and `input` as chat messages; consecutive function_call items make
     one assistant message calling them."""
@@ -48,7 +58,7 @@ def chat_messages(raw_input, instructions) -> list[dict]:
         if kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
                 raise invalid(f"{where}.role must be user, assistant, system or developer")
-            messages.append({"role": item["role"], "content": _text_of(where, item.get("content"))})
+            messages.append({"role": item["role"], "content": _content_of(where, item.get("content"))})
         elif kind == "function_call":
             if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
                 raise invalid(f"{where} must be {{type: function_call, call_id, name, arguments}}")

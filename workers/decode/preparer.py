@@ -31,13 +31,14 @@ MIN_LARGE_PROMPT_CHARS = 1 << 16
 
 def is_large_prompt(submit: WorkerSubmit) -> bool:
     """The prompt, or the chat messages' text, judged on the I/O thread before the request
-    is rebuilt. A malformed request (a front-end bug) is not large: the preparer rejects it."""
+    is rebuilt; a request with images is large too (the vision encoder runs in its
+    preparation). A malformed request (a front-end bug) is not large: the preparer rejects it."""
     try:
-        prompt, messages = submit.request[0], submit.request[1]
+        prompt, messages, images = submit.request[0], submit.request[1], submit.request[7]
         num_chars = len(prompt) if prompt is not None else sum(len(content) for _, content in messages)
     except (TypeError, ValueError, IndexError, KeyError):
         return False
-    return num_chars >= MIN_LARGE_PROMPT_CHARS
+    return num_chars >= MIN_LARGE_PROMPT_CHARS or bool(images)
 
 
 class RequestPreparer(threading.Thread):

@@ -68,7 +68,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
                             engine.reasoning,
-                            chat_texts(engine.runner.model, engine.runner.vocab)))
+                            {**chat_texts(engine.runner.model, engine.runner.vocab),
+                             "takes_images": engine.runner.vision is not None}))
         handler = CommandHandler(engine, embedder, io, io.commands, publisher)
         run_engine_loop(engine, embedder, handler.apply_pending, publisher.publish, io.send)
     finally:

@@ -19,6 +19,7 @@ from cbatch.errors import SHUTDOWN_MESSAGE, CbatchError, INVALID_CONFIG, SHUTTIN
 from cbatch.model import resolve_model_path
 from cbatch.ipc.records import TokenEvent
 from cbatch.params import Request
+from cbatch.workers.engine.image_steps import image_writer
 from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.output import OutputProcessor
 from cbatch.workers.engine.runner import LlamaRunner
@@ -72,6 +73,7 @@ class Engine:
         # The last decode's output rows while llama.cpp still holds them (forks.py).
         self._last_rows: list[tuple[Sequence, int, int]] = []
         self._last_num_outputs = 0
+        self._images = image_writer(self.runner, config.batch_size)  # with a projector (--mmproj)
 
     @property
     def ctx_per_seq(self) -> int:
@@ -144,7 +146,7 @@ class Engine:
         sampled = [(seq, token) for seq, token in sampled if seq.status is not SeqStatus.FINISHED]
         to_text = self._output.settle(sampled, self._sampler.take_dead_ends(), logprobs, events)
         if self.is_overlapped and self.scheduler.has_work:
-            self._launch()  # decodes while the text below is made and the caller publishes
+            events += self._launch()  # decodes while the text below is made and the caller publishes
             self._sampler.prefetch_masks()  # and while the rows that missed get their next masks
         events += self._output.postprocess(to_text, logprobs)
         step_s = time.perf_counter() - started
@@ -158,10 +160,15 @@ class Engine:
         Returns the events of forks that sampled from the last decode's rows first."""
         spans = self.scheduler.schedule()
         events = self._sample_row_forks() if self.scheduler.row_forks else []
+        self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
+        if self._images is not None and self._images.has_chunks(self.scheduler):
+            # In a decode of their own before the batch's, which overwrites the last rows.
+            self._last_rows = []
+            failed = self._images.write(self.scheduler, spans)
+            events += [self._finish(seq, FinishReason.ERROR, error) for seq, error in failed]
         self._in_flight = spans or None
         if not spans:
             return events
-        self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
         t0 = time.perf_counter()
         if self.is_overlapped:
             self.runner.start_decode(spans)  # its status comes with wait_decode()
@@ -278,5 +285,7 @@ class Engine:
         for seq in list(self._seqs.values()):
             self._free_sampler(seq)
         self._seqs.clear()
+        if self._images is not None:
+            self._images.close()
         self.runner.close()
 

@@ -26,7 +26,7 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
             f"the prompt is {len(text.encode())} bytes; a sequence holds {ctx_per_seq} tokens of at most "
             f"{runner.max_token_bytes} bytes each (shorten the prompt or raise --ctx-size)",
         )
-    prompt_ids = runner.tokenize(text)
+    prompt_ids, images = prompt_tokens(runner, request, text)
     if len(prompt_ids) >= ctx_per_seq:
         raise CbatchError(
             PROMPT_TOO_LONG,
@@ -36,12 +36,27 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
     on_backend = runner.has_backend_sampling and not needs_host_sampling(request.params)
     # Compiled (or taken from the cache) before the chain is made: a refusal leaks no chain.
     matcher = runner.constraints.matcher(request.params) if request.params.has_constraint else None
-    sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, prompt_ids, on_backend)
+    # Penalties count the prompt's tokens; image positions hold no token (vision.py).
+    text_ids = [token for token in prompt_ids if token >= 0] if images else prompt_ids
+    sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, text_ids, on_backend)
     deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
     return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, matcher=matcher,
                     is_backend_sampled=on_backend,
                     is_batch=request.priority == BATCH, deadline_s=deadline_s, budget=_budget(runner, request, text, model_reasoning),
-                    tenant=request.tenant, tenant_weight=request.tenant_weight)
+                    tenant=request.tenant, tenant_weight=request.tenant_weight, images=images)
+
+
+def prompt_tokens(runner, request: Request, text: str) -> tuple[list[int], tuple]:
+    """The prompt's token ids, and its images' embeddings and positions when it has images."""
+    if not request.images:
+        return runner.tokenize(text), ()
+    if runner.vision is None:
+        raise CbatchError(INVALID_REQUEST, "images: this model takes no images; start the daemon with "
+                                           "--mmproj PROJECTOR.gguf, the model's vision projector")
+    prompt_ids, images = runner.vision.prompt_with_images(text, request.images)
+    if prompt_ids[-1] < 0:
+        raise CbatchError(INVALID_REQUEST, "images: the prompt must not end with an image: text must follow it")
+    return prompt_ids, images
 
 
 def _budget(runner, request: Request, prompt_text: str, model_reasoning: dict | None) -> ThinkingBudget | None:

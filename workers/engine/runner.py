@@ -21,6 +21,7 @@ from cbatch.workers.engine.sampling.backend import BackendSamplers
 from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
 from cbatch.workers.engine.decode_mark import marked_decode, no_mark
 from cbatch.workers.engine.step_batch import BatchSpan
+from cbatch.workers.engine.vision import load_vision
 
 MAX_PIECE_BYTES = 256
 ALL_LAYERS = 1 << 30  # as n_gpu_layers: more than any model has
@@ -123,6 +124,7 @@ class LlamaRunner:
         self._decoding: Future | None = None
         self.mark_decoding = no_mark  # the decode worker's crash mark (ring.marker), told around llama_decode
         self.max_token_bytes = self._longest_token_bytes()
+        self.vision = load_vision(config, self.model, self.has_gpu, self.ctx is not None, _quiet_log)  # or None
         self.description = self._describe(model_path, model_params.n_gpu_layers)
 
     def _new_context(self, config: EngineConfig):
@@ -163,6 +165,7 @@ class LlamaRunner:
         where = f"GPU ({min(num_gpu_layers, num_layers)} of {num_layers} layers)" if num_gpu_layers else "CPU"
         sampling = "in llama.cpp's graph" if self.has_backend_sampling else "on the host"
         serves = "embeddings only" if self.is_embedding_only else f"sampling {sampling}"
+        serves += f", takes images (projector {self.vision.path})" if self.vision else ""
         return f"{buf.value.decode(errors='replace')} ({model_path}) on {where}, {serves}"
 
     def _longest_token_bytes(self) -> int:
@@ -283,6 +286,8 @@ class LlamaRunner:
         if self.backend_samplers is not None:
             self.backend_samplers.close()
             self.backend_samplers = None
+        if self.vision is not None:
+            self.vision.close()
         if self.ctx:
             lc.llama_free(self.ctx)
             self.ctx = None

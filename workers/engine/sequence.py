@@ -61,6 +61,7 @@ class Sequence:
     tenant_weight: float = 1.0
     is_charged: bool = False  # its prompt was charged to its tenant (at its first admission)
     is_resumed: bool = False  # preempted or requeued, waiting to be admitted again (waiting_queue.py)
+    images: tuple = ()  # the prompt's vision.ImageSpans, in position order
 
     def __post_init__(self):
         if self.text is None:
@@ -96,3 +97,12 @@ class Sequence:
         if start >= num_prompt:
             return self.output_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_ids[start:] + self.output_ids[: stop - num_prompt]
+
+    def image_at(self, position: int):
+        """The image whose embeddings take `position`, or None (a text token's)."""
+        return next((image for image in self.images if image.start <= position < image.end), None)
+
+    def num_text_ahead(self) -> int:
+        """Uncached tokens before the next image (all of them when no image is ahead)."""
+        start = next((image.start for image in self.images if image.end > self.num_cached), None)
+        return self.num_uncached if start is None else max(0, start - self.num_cached)
