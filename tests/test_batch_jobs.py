@@ -155,3 +155,24 @@ def test_a_job_fills_every_slot_of_a_daemon_wider_than_64(start_http_daemon, tin
     with d.client() as client:
         stats = client.stats()
     assert stats["avg_concurrent_seqs"] > 64, stats["avg_concurrent_seqs"]
+
+
+def test_jobs_of_different_tenants_run_side_by_side_and_a_tenants_own_jobs_in_turn(start_http_daemon,
+                                                                                   tiny_tools_model_path, tmp_path):
+    """A tenant's long job does not hold another tenant's job back: bob's job, created after
+    alice's two, ends while alice's first still runs; alice's second waits for her first."""
+    (tmp_path / "keys").write_text(KEYS)
+    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "2", "--alias", "m", "--fair-share",
+                               "--api-keys-file", str(tmp_path / "keys"))
+    alice, bob = daemon.openai(api_key="key-alice"), daemon.openai(api_key="key-bob")
+    body = {"model": "m", "prompt": "go", "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+    long_job = _create(alice, [_line(f"a{i}", body) for i in range(5000)])
+    wait_until(lambda: alice.batches.retrieve(long_job.id).request_counts.completed > 0, JOB_TIMEOUT_S, poll_s=0.1)
+    second_job = _create(alice, [_line("a-next", body)])
+    bobs = _create(bob, [_line(f"b{i}", body) for i in range(3)])
+    assert _wait_final(bob, bobs.id).status == "completed", daemon.log()
+    assert alice.batches.retrieve(long_job.id).status == "in_progress"
+    assert alice.batches.retrieve(second_job.id).status == "validating"  # her first job runs: hers wait in turn
+    alice.batches.cancel(long_job.id)
+    assert _wait_final(alice, long_job.id).status == "cancelled"
+    assert _wait_final(alice, second_job.id).status == "completed"

@@ -240,7 +240,7 @@ def test_cbatch_submit_detaches_a_file_and_waits_for_its_job(daemon, api, tmp_pa
 
 
 def test_a_waiting_job_ends_when_its_window_does_or_it_is_cancelled_while_another_runs(daemon, api):
-    """Jobs run one at a time: one waiting behind a long job ends `expired` when its window
+    """A tenant's jobs run one at a time: one waiting behind a long job ends `expired` when its window
     does, counting its requests and with a batch_expired line for each, and `cancelled` when
     it is cancelled, while the other runs."""
     _, long_lines = _long_lines(40)

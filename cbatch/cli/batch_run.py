@@ -111,7 +111,8 @@ class InOrderWriter:
 
 
 def run_batch(stream_batch, numbered_items: Iterable, make_line: Callable[[int, object], BatchLine], writer,
-              max_in_flight: int, num_lines: int | None = None, is_progress_drawn: bool = True) -> RunSummary:
+              max_in_flight: int, num_lines: int | None = None, is_progress_drawn: bool = True,
+              should_stop: Callable[[], bool] | None = None) -> RunSummary:
     """`writer` keeps the unfinished lines (`append`, `lines`) and writes the finished ones
     (`write_ready`). `stream_batch(items, max_in_flight)` is the client's, which holds and sends again
     the requests refused for a moment (batch_retry); `numbered_items` yields (line number,
@@ -121,17 +122,21 @@ def run_batch(stream_batch, numbered_items: Iterable, make_line: Callable[[int, 
     are cancelled. So does a transient error, which arrives only once the client's
     patience is spent: a transient error is never a result, so its line is not written
     and --resume runs it, and no more lines are read (an endless input would otherwise
-    turn into endless errors)."""
+    turn into endless errors). A run that should_stop() ends early (a batch job's cancel or
+    window, a drain) ends as a KeyboardInterrupt does, between two arrivals: the stream
+    stops (`stream_batch(items, max_in_flight, should_stop=...)`) and the run raises
+    BatchInterrupted unless every line was answered."""
     owners: dict[int, tuple[int, int]] = {}  # batch position still outstanding -> (line index, choice)
     num_positions = 0
     num_tokens = 0
+    is_input_read = False
     started_s = shown_s = time.monotonic()
     show_progress = is_progress_drawn and sys.stderr.isatty()
 
     def batch_items():
         """One batch item per line that runs: its request, or its choices, which end
         together (the first to fail cancels the others)."""
-        nonlocal num_positions
+        nonlocal num_positions, is_input_read
         for number, item in numbered_items:
             line_index = writer.append(make_line(number, item))
             bodies = writer.lines[line_index].bodies
@@ -141,11 +146,13 @@ def run_batch(stream_batch, numbered_items: Iterable, make_line: Callable[[int, 
                 yield bodies[0]
             elif bodies:
                 yield Choices(bodies)
+        is_input_read = True
 
     def summary() -> RunSummary:
         return RunSummary(writer.num_written, writer.num_failed, num_tokens, time.monotonic() - started_s)
 
-    arrivals = stream_batch(batch_items(), max_in_flight)
+    arrivals = (stream_batch(batch_items(), max_in_flight) if should_stop is None
+                else stream_batch(batch_items(), max_in_flight, should_stop=should_stop))
     try:
         for position, chunk in arrivals:
             is_error = isinstance(chunk, CbatchError)
@@ -164,6 +171,8 @@ def run_batch(stream_batch, numbered_items: Iterable, make_line: Callable[[int, 
                 rate = num_tokens / max(shown_s - started_s, 1e-9)
                 print(f"\r{writer.num_done}{total} done, {rate:.1f} tok/s", end="", file=sys.stderr)
         writer.write_ready()  # lines that sent no request (bad lines at the end)
+        if not is_input_read or owners:  # the stream stopped early: should_stop() held
+            raise BatchInterrupted(summary())
     except KeyboardInterrupt:
         arrivals.close()  # cancels the outstanding requests
         raise BatchInterrupted(summary()) from None

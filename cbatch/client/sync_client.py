@@ -9,7 +9,7 @@ One Client per thread (ZeroMQ sockets are not thread-safe); one AsyncClient per 
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -86,18 +86,21 @@ class Client(ClientBase):
             self._wait(lambda: stream.is_done)
         return stream.completion()
 
-    def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                     patience: Patience | None = None) -> Iterator[tuple[int, Chunk | CbatchError]]:
+    def stream_batch(self, items, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, patience: Patience | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, Chunk | CbatchError]]:
         """Run items with at most max_in_flight outstanding; yield (item position, chunk or
         error) as they arrive. Each item's last chunk has finish_reason, or is an error.
-        With a patience, items refused for a moment are held and sent again (BatchFeeder)."""
+        With a patience, items refused for a moment are held and sent again (BatchFeeder).
+        Once should_stop() holds (asked between arrivals, at least every SAFETY_POLL_S) the
+        iteration ends early and the outstanding requests are cancelled."""
         feeder = BatchFeeder(self._session, items, max_in_flight, patience)
+        is_stopped = should_stop or (lambda: False)
         try:
-            while True:
+            while not is_stopped():
                 yield from feeder.fill()
                 if feeder.is_done:
                     return
-                self._wait(feeder.has_arrivals, is_failure_raised=patience is None)
+                self._wait(lambda: feeder.has_arrivals() or is_stopped(), is_failure_raised=patience is None)
                 yield from feeder.take_arrivals()
         finally:
             feeder.close()

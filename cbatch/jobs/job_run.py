@@ -34,6 +34,7 @@ from cbatch.jobs.state_dir import fsync_dir
 log = logging.getLogger("cbatch.jobs")
 
 PROGRESS_SAVE_S = 0.5  # how often request_counts and progress are written while a job runs
+STOP_CHECK_S = 0.1  # how often a running job looks for its cancel marker and its window's end
 EXPIRED_ERROR = {"code": "batch_expired",
                  "message": "This request could not be executed before the completion window expired."}
 
@@ -45,16 +46,27 @@ def output_file_id(batch_id: str, kind: str) -> str:
 
 
 class JobRun:
-    """`client` is the runner's (a cbatch Client); `health` the daemon's, once ready (its
-    model names and thinking tags); `interruptible` a context manager within which the
-    runner may stop the run with KeyboardInterrupt."""
+    """`client` is the job's own (a cbatch Client); `health` the daemon's, once ready (its
+    model names and thinking tags); `is_runner_stopping()` says the runner drains."""
 
-    def __init__(self, store: BatchStore, batch_id: str, client, health: dict, interruptible):
-        self.store, self.client, self.health, self.interruptible = store, client, health, interruptible
+    def __init__(self, store: BatchStore, batch_id: str, client=None, health: dict | None = None,
+                 is_runner_stopping=lambda: False):
+        self.store, self.client, self.health = store, client, health or {}
+        self.is_runner_stopping = is_runner_stopping
         self.batch = store.stored(batch_id)
         self.input_path = store.input_path(batch_id)
         self._saved_s = 0.0
         self._run_progress: RunProgress | None = None  # set as the lines' run starts
+        self._stop_checked_s = 0.0
+        self._is_stopped = False
+
+    def should_stop(self) -> bool:
+        """The run stops between two arrivals once the runner drains, the job's cancel is
+        asked or its window ends (the cancel marker is looked at every STOP_CHECK_S)."""
+        if not self._is_stopped and time.monotonic() - self._stop_checked_s >= STOP_CHECK_S:
+            self._stop_checked_s = time.monotonic()
+            self._is_stopped = self.store.cancel_asked_at(self.batch["id"]) is not None or self.is_expired()
+        return self._is_stopped or self.is_runner_stopping()
 
     def _save(self, **fields) -> None:
         self.batch.update(fields)
@@ -132,9 +144,9 @@ class JobRun:
         items = ((number, item) for number, item, _key in
                  input_lines(self.input_path, self.batch["endpoint"], results.done_keys))
         try:
-            with self.interruptible():
-                run_batch(functools.partial(client.stream_batch, patience=patience), items, make_line, results,
-                          max(DEFAULT_MAX_IN_FLIGHT, self.health["parallel"]), is_progress_drawn=False)
+            run_batch(functools.partial(client.stream_batch, patience=patience), items, make_line, results,
+                      max(DEFAULT_MAX_IN_FLIGHT, self.health["parallel"]), is_progress_drawn=False,
+                      should_stop=self.should_stop)
         except BatchInterrupted as interrupted:
             if interrupted.reason is not None:
                 log.warning("cbatch jobs: %s paused: %s", self.batch["id"], interrupted.reason.message)

@@ -2,17 +2,24 @@
 drained by the daemon's supervisor), and the only one that runs jobs, however many HTTP
 processes take them: they only write the state directory, which this process scans.
 
-It is one more client of the daemon. Jobs run one at a time, oldest first, each with up to
+Jobs run side by side, one per tenant (the tenant of the API key that created the job;
+jobs made without keys are all one tenant's), each tenant's oldest first, up to
+MAX_RUNNING_JOBS at once (past that, the tenants whose job is oldest go first). So a
+tenant's 50,000-line job never holds another tenant's job past its window, and the
+daemon divides the slots between the jobs' lines as it divides them between live
+requests (--fair-share weighs each tenant's tokens). Nothing is paused or thrown away
+to make room: a job ends its lines as they finish.
+
+Each running job has a thread and a client of the daemon of its own, with up to
 DEFAULT_MAX_IN_FLIGHT requests outstanding (or the daemon's --parallel, where that is
-more) at batch priority, so interactive requests go first. A watcher thread stops the running job (KeyboardInterrupt in the main thread, as
-Ctrl-C stops cbatch-submit: outstanding requests are cancelled, finished lines are kept)
-when it is cancelled or its window ends, and the whole process when it is told to drain
-(SIGTERM) or the daemon that started it is gone. One runner per state directory: a
-second daemon on the same directory waits for the lock and leaves its jobs to the first.
+more) at batch priority, so interactive requests go first. A run stops between two
+arrivals (its outstanding requests cancelled, its finished lines kept) when the job is
+cancelled, its window ends, or the runner drains (SIGTERM, or the daemon that started it
+is gone). One runner per state directory: a second daemon on the same directory waits
+for the lock and leaves its jobs to the first.
 """
 
 import argparse
-import contextlib
 import errno
 import fcntl
 import logging
@@ -24,15 +31,17 @@ import time
 from cbatch.client import Client
 from cbatch.errors import CbatchError
 from cbatch.jobs.batches import FINAL_STATUSES, BatchStore
+from cbatch.jobs.files import OWNER
 from cbatch.jobs.job_run import JobRun
 from cbatch.jobs.state_dir import RUNNER_LOCK
 
 log = logging.getLogger("cbatch.jobs")
 
-POLL_S = 0.25  # how often the state directory is scanned for new jobs while none runs
-WATCH_S = 0.1  # how often the watcher looks at the running job's cancel marker and the parent
+POLL_S = 0.25  # how often the state directory is scanned for jobs to start
+MAX_RUNNING_JOBS = 8  # jobs (so tenants) run at once: each holds a client and its requests in flight
+PAUSED_RETRY_S = 1.0  # a job that stopped unfinished (the daemon refused past the patience) is taken again after
 DISK_FULL_RETRY_S = 5.0  # a job the full disk stopped is tried again no sooner than this
-WAITING_CHECK_S = 1.0  # how often the watcher looks for waiting jobs cancelled or past their window
+WAITING_CHECK_S = 1.0  # how often waiting jobs are looked at for a cancel or their window's end
 
 
 class Runner:
@@ -42,89 +51,93 @@ class Runner:
         self.store = BatchStore(state_dir)
         self.parent_pid = os.getppid()
         self.is_stopping = False  # SIGTERM, or the daemon is gone
-        self.running_id: str | None = None
+        self._running: dict[str, threading.Thread] = {}  # batch id -> the thread running it
+        self._running_tenants: dict[str, str | None] = {}  # batch id -> its tenant
+        self._retry_at_s: dict[str, float] = {}  # batch id -> when a job that stopped unfinished may run again
         self._ended_ids: set[str] = set()
-        self._is_interruptible = False
-        self._lock = threading.Lock()
-        # Held while the main thread picks its next job and while the watcher expires a
-        # waiting one, so that the two never take the same job.
-        self._claim_lock = threading.Lock()
 
-    def _should_stop_run(self) -> bool:
+    def _is_parent_gone(self) -> bool:
         if os.getppid() != self.parent_pid:
             self.is_stopping = True
-        if self.is_stopping:
-            return True
-        batch = self.store.stored(self.running_id) if self.running_id else None
-        return batch is not None and (self.store.cancel_asked_at(self.running_id) is not None
-                                      or time.time() >= batch["expires_at"])
+        return self.is_stopping
 
-    def _watch(self) -> None:
-        waiting_checked_s = 0.0
-        while True:
-            time.sleep(WATCH_S)
-            with self._lock:
-                if self._is_interruptible and self._should_stop_run():
-                    os.kill(os.getpid(), signal.SIGUSR1)  # interrupt(), in the main thread, which runs the job
-            if time.monotonic() - waiting_checked_s >= WAITING_CHECK_S:
-                waiting_checked_s = time.monotonic()
-                self._end_waiting()
-
-    def _end_waiting(self) -> None:
-        """Jobs wait while another runs: one cancelled, or whose window ends, meanwhile ends
-        now (`expired` with an error line for each of its requests), not when the runner
-        reaches it."""
-        for batch_id in self._pending_ids():
-            with self._claim_lock:  # never the job the main thread runs or is about to
-                if batch_id == self.running_id:
-                    continue
-                try:
-                    if JobRun(self.store, batch_id, None, {}, self.interruptible).end_waiting():
-                        self._ended_ids.add(batch_id)
-                except Exception:  # the main thread's run of it will fail it with the reason
-                    log.exception("cbatch jobs: %s could not be ended", batch_id)
-
-    def interrupt(self, signum, frame) -> None:
-        """SIGUSR1's handler: stops the job's run, once, and only within interruptible()."""
-        if self._is_interruptible:
-            self._is_interruptible = False
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def interruptible(self):
-        with self._lock:
-            self._is_interruptible = True
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._is_interruptible = False
-
-    def _pending_ids(self) -> list[str]:
+    def _pending(self) -> list[dict]:
         """The jobs not ended, oldest first (an ended job never changes: it is not read again)."""
         batches = [self.store.stored(batch_id) for batch_id in self.store.ids() if batch_id not in self._ended_ids]
         self._ended_ids.update(b["id"] for b in batches if b is not None and b["status"] in FINAL_STATUSES)
-        return [b["id"] for b in sorted((b for b in batches if b is not None and b["id"] not in self._ended_ids),
-                                        key=lambda b: (b["created_at"], b["id"]))]
+        return sorted((b for b in batches if b is not None and b["id"] not in self._ended_ids),
+                      key=lambda b: (b["created_at"], b["id"]))
 
-    def _on_os_error(self, job: JobRun, batch_id: str, err: OSError) -> bool:
+    def _end_waiting(self, pending: list[dict]) -> None:
+        """Jobs wait while others run: one cancelled, or whose window ends, meanwhile ends
+        now (`expired` with an error line for each of its requests), not when its turn comes."""
+        for batch in pending:
+            if batch["id"] in self._running:
+                continue
+            try:
+                if JobRun(self.store, batch["id"]).end_waiting():
+                    self._ended_ids.add(batch["id"])
+            except Exception:  # its run will fail it with the reason
+                log.exception("cbatch jobs: %s could not be ended", batch["id"])
+
+    def _start_due(self, pending: list[dict]) -> None:
+        """Start the oldest job of each tenant that runs none, while there is room."""
+        now_s = time.monotonic()
+        busy_tenants = set(self._running_tenants.values())
+        for batch in pending:
+            if len(self._running) >= MAX_RUNNING_JOBS:
+                return
+            batch_id, tenant = batch["id"], batch.get(OWNER)
+            if batch_id in self._running or tenant in busy_tenants:
+                continue
+            busy_tenants.add(tenant)  # a tenant's later job waits for its earlier one, even one not due
+            if self._retry_at_s.get(batch_id, 0.0) > now_s:
+                continue
+            thread = threading.Thread(target=self._run_job, args=(batch_id,), name=f"job-{batch_id}", daemon=True)
+            self._running[batch_id], self._running_tenants[batch_id] = thread, tenant
+            thread.start()
+
+    def _reap(self) -> None:
+        for batch_id, thread in list(self._running.items()):
+            if not thread.is_alive():
+                del self._running[batch_id], self._running_tenants[batch_id]
+
+    def _run_job(self, batch_id: str) -> None:
+        """A job's thread: its own client, one run of the job (to its end, or until it stops)."""
+        client, health = self._connect()
+        if client is None:  # the runner stops
+            return
+        retry_after_s = PAUSED_RETRY_S
+        try:
+            job = JobRun(self.store, batch_id, client, health, lambda: self.is_stopping)
+            try:
+                is_done = job.run()
+            except OSError as err:
+                is_done = self._on_os_error(job, batch_id, err)
+                retry_after_s = DISK_FULL_RETRY_S
+            except Exception as err:  # what no line's check foresaw fails this job, not the runner
+                log.exception("cbatch jobs: %s failed", batch_id)
+                is_done = job.fail("internal", f"the job runner failed on this job ({type(err).__name__}: {err}); "
+                                               "its finished lines are kept")
+            if not is_done:  # refused for too long, or cut short: later, with a fresh client
+                self._retry_at_s[batch_id] = time.monotonic() + retry_after_s
+        finally:
+            client.close()
+
+    @staticmethod
+    def _on_os_error(job: JobRun, batch_id: str, err: OSError) -> bool:
         """A full disk pauses the job (its log holds only whole lines: it goes on from them
         once there is room, DISK_FULL_RETRY_S later at the soonest); any other error fails it."""
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             log.exception("cbatch jobs: %s failed", batch_id)
-            job.fail("internal", f"the job runner failed on this job ({type(err).__name__}: {err}); "
-                                 "its finished lines are kept")
-            return False
+            return job.fail("internal", f"the job runner failed on this job ({type(err).__name__}: {err}); "
+                                        "its finished lines are kept")
         log.error("cbatch jobs: %s waits: the state directory's disk is full (%s); it goes on from its finished "
                   "lines once there is room", batch_id, err.strerror)
-        retry_at_s = time.monotonic() + DISK_FULL_RETRY_S
-        self._wait(lambda: time.monotonic() >= retry_at_s)
         return False
 
     def _wait(self, is_done) -> None:
-        while not is_done() and not self.is_stopping:
-            if os.getppid() != self.parent_pid:
-                self.is_stopping = True
+        while not is_done() and not self._is_parent_gone():
             time.sleep(POLL_S)
 
     def _lock_state_dir(self):
@@ -142,7 +155,8 @@ class Runner:
         return lock_file
 
     def _connect(self) -> tuple[Client | None, dict]:
-        """A client of the daemon once its model is loaded, and its health then."""
+        """A client of the daemon once its model is loaded, and its health then; no client
+        when the runner stops first."""
         client = None
         def is_ready() -> bool:
             nonlocal client
@@ -152,41 +166,27 @@ class Runner:
             except CbatchError:
                 return False
         self._wait(is_ready)
-        return client, (client.health() if client is not None and not self.is_stopping else {})
-
-    def serve(self) -> None:
-        threading.Thread(target=self._watch, daemon=True).start()
-        lock_file = self._lock_state_dir()
-        client, health = self._connect()
-        try:
-            while not self.is_stopping:
-                pending_ids = self._pending_ids()
-                for batch_id in pending_ids:
-                    with self._claim_lock:
-                        self.running_id = batch_id
-                    job = JobRun(self.store, batch_id, client, health, self.interruptible)
-                    try:
-                        is_done = job.run()
-                    except KeyboardInterrupt:  # stopped outside the lines' run: the job is as it was
-                        is_done = False
-                    except OSError as err:
-                        is_done = self._on_os_error(job, batch_id, err)
-                    except Exception as err:  # what no line's check foresaw fails this job, not the runner
-                        log.exception("cbatch jobs: %s failed", batch_id)
-                        job.fail("internal", f"the job runner failed on this job ({type(err).__name__}: {err}); "
-                                             "its finished lines are kept")
-                        is_done = False  # a fresh client for the next job: this one may hold the run's streams
-                    self.running_id = None
-                    if self.is_stopping:
-                        break
-                    if not is_done:  # refused for too long, or cut short: a new client, a fresh start
-                        client.close()
-                        client, health = self._connect()
-                if not pending_ids:
-                    self._wait(lambda: bool(self._pending_ids()))
-        finally:
+        if self.is_stopping:
             if client is not None:
                 client.close()
+            return None, {}
+        return client, client.health()
+
+    def serve(self) -> None:
+        lock_file = self._lock_state_dir()
+        waiting_checked_s = 0.0
+        try:
+            while not self._is_parent_gone():
+                self._reap()
+                pending = self._pending()
+                if time.monotonic() - waiting_checked_s >= WAITING_CHECK_S:
+                    waiting_checked_s = time.monotonic()
+                    self._end_waiting(pending)
+                self._start_due([b for b in pending if b["id"] not in self._ended_ids])
+                time.sleep(POLL_S)
+        finally:
+            for thread in list(self._running.values()):  # each stops between two arrivals
+                thread.join()
             lock_file.close()
 
 
@@ -199,11 +199,10 @@ def main(argv=None) -> None:
     runner = Runner(args.endpoint, args.state_dir)
 
     def stop(signum, frame):
-        runner.is_stopping = True  # the watcher interrupts a running job
+        runner.is_stopping = True  # each running job stops between two arrivals
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM
-    signal.signal(signal.SIGUSR1, runner.interrupt)
     runner.serve()
 
 
