@@ -207,6 +207,7 @@ class DaemonConfig:
     api_key: str = ""  # HTTP callers must send `Authorization: Bearer <api_key>`; "" = no key
     api_keys_file: str = ""  # named keys, their tenants' weights and limits (cbatch/api_keys.py); "" = none
     state_dir: str = ""  # with http_address: the uploaded files and batch jobs (cbatch.jobs), kept across restarts
+    batch_retention_s: float = 30 * 24 * 3600.0  # ended jobs and their output files are removed this long after; 0 = kept
     # More names the model answers to (HTTP `model`, OpenAI batch files), beside its file's name.
     aliases: tuple[str, ...] = ()
     # Timeouts of requests that give none, by priority: seconds from arrival; 0 = none.

@@ -100,6 +100,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="with --http: where uploaded files and batch jobs (/v1/files, /v1/batches) are kept, across restarts "
              "(default one per endpoint under $XDG_STATE_HOME/cbatch or ~/.local/state/cbatch); a directory "
              "another running daemon uses, or one made for another model, is refused")
+    add("--batch-retention-days", type=float, default=DAEMON.batch_retention_s / 86400, metavar="DAYS",
+        help="ended batch jobs and their output and error files are removed this many days after they ended "
+             f"(default {DAEMON.batch_retention_s / 86400:g}; 0 keeps them); uploaded files stay until deleted")
     add("--http-processes", type=int, default=0, metavar="N",
         help="HTTP server processes sharing the --http port (default: one per 8 CPUs this daemon may use, 1 to 4)")
     return parser
@@ -155,7 +158,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         http_address=parse_http_address(args.http) if args.http else None,
                         http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
                         state_dir=_state_dir(args, args.endpoint or default_endpoint()),
-                        api_keys_file=args.api_keys_file,
+                        api_keys_file=args.api_keys_file, batch_retention_s=args.batch_retention_days * 86400,
                         interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
 
 

@@ -93,7 +93,7 @@ class FileStore:
     def content_path(self, file_id: str) -> str:
         return os.path.join(self.dir, f"{file_id}.jsonl")
 
-    def _object_path(self, file_id: str) -> str:
+    def object_path(self, file_id: str) -> str:
         return os.path.join(self.dir, f"{file_id}.json")
 
     def upload(self, source, filename: str, purpose: str, tenant: str | None = None) -> dict:
@@ -112,12 +112,12 @@ class FileStore:
     def add(self, file_id: str, num_bytes: int, filename: str, purpose: str, tenant: str | None = None) -> dict:
         """The object of a file whose bytes are in place: from now on the file exists."""
         obj = file_object(file_id, num_bytes, filename, purpose)
-        write_json(self._object_path(file_id), {**obj, OWNER: tenant})
+        write_json(self.object_path(file_id), {**obj, OWNER: tenant})
         return obj
 
     def get(self, file_id: str, viewer: str | None = None) -> dict:
         """The file as `viewer` sees it; another tenant's file is as unknown as a missing one."""
-        obj = read_json(self._object_path(file_id)) if _is_file_id(file_id) else None
+        obj = read_json(self.object_path(file_id)) if _is_file_id(file_id) else None
         if obj is None or not is_visible(obj, viewer):
             raise CbatchError(NOT_FOUND, f"no file with id {file_id!r}")
         return public(obj)
@@ -130,7 +130,7 @@ class FileStore:
 
     def delete(self, file_id: str, viewer: str | None = None) -> dict:
         self.get(file_id, viewer)
-        remove_if_present(self._object_path(file_id))  # first: a file without its object does not exist
+        remove_if_present(self.object_path(file_id))  # first: a file without its object does not exist
         remove_if_present(self.content_path(file_id))
         return {"id": file_id, "object": "file", "deleted": True}
 

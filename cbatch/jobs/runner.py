@@ -33,6 +33,7 @@ from cbatch.errors import CbatchError
 from cbatch.jobs.batches import FINAL_STATUSES, BatchStore
 from cbatch.jobs.files import OWNER
 from cbatch.jobs.job_run import JobRun
+from cbatch.jobs.retention import RETENTION_CHECK_S, let_go
 from cbatch.jobs.state_dir import RUNNER_LOCK
 
 log = logging.getLogger("cbatch.jobs")
@@ -45,9 +46,10 @@ WAITING_CHECK_S = 1.0  # how often waiting jobs are looked at for a cancel or th
 
 
 class Runner:
-    def __init__(self, endpoint: str, state_dir: str):
+    def __init__(self, endpoint: str, state_dir: str, retention_s: float = 0.0):
         self.endpoint = endpoint
         self.state_dir = state_dir
+        self.retention_s = retention_s  # ended jobs are removed this long after they ended (0: kept)
         self.store = BatchStore(state_dir)
         self.parent_pid = os.getppid()
         self.is_stopping = False  # SIGTERM, or the daemon is gone
@@ -175,9 +177,13 @@ class Runner:
     def serve(self) -> None:
         lock_file = self._lock_state_dir()
         waiting_checked_s = 0.0
+        retention_checked_s = -RETENTION_CHECK_S
         try:
             while not self._is_parent_gone():
                 self._reap()
+                if time.monotonic() - retention_checked_s >= RETENTION_CHECK_S:
+                    retention_checked_s = time.monotonic()
+                    let_go(self.store, self.retention_s)
                 pending = self._pending()
                 if time.monotonic() - waiting_checked_s >= WAITING_CHECK_S:
                     waiting_checked_s = time.monotonic()
@@ -194,9 +200,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="cbatch-jobs")
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--retention-s", type=float, default=0.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    runner = Runner(args.endpoint, args.state_dir)
+    runner = Runner(args.endpoint, args.state_dir, args.retention_s)
 
     def stop(signum, frame):
         runner.is_stopping = True  # each running job stops between two arrivals

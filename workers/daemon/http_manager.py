@@ -51,7 +51,7 @@ class HttpServers:
     runner that runs the batches they take (both read and write `state_dir`)."""
 
     def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int,
-                 state_dir: str, api_key: str = "", api_keys_file: str = ""):
+                 state_dir: str, api_key: str = "", api_keys_file: str = "", batch_retention_s: float = 0.0):
         self.sock = sock
         env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
         if api_keys_file:  # each server reads the file itself, and again on SIGHUP (reload)
@@ -65,7 +65,7 @@ class HttpServers:
             os.makedirs(self.metrics_dir, mode=0o700)
             env = {**(env or os.environ), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         self.processes = [HttpProcess(sock, endpoint, model_names, i, env, state_dir) for i in range(num_processes)]
-        self.job_runner = JobRunnerProcess(endpoint, state_dir)
+        self.job_runner = JobRunnerProcess(endpoint, state_dir, batch_retention_s)
 
     def start(self) -> None:
         for process in self.processes:
@@ -134,9 +134,10 @@ class JobRunnerProcess(ChildProcess):
     # says so in the log, /health, cbatch-status and /metrics while it is restarted.
     max_quick_deaths = None
 
-    def __init__(self, endpoint: str, state_dir: str):
+    def __init__(self, endpoint: str, state_dir: str, retention_s: float):
         super().__init__(log, None)
-        self.endpoint, self.state_dir = endpoint, state_dir
+        self.endpoint, self.state_dir, self.retention_s = endpoint, state_dir, retention_s
 
     def argv(self) -> list[str]:
-        return module_argv("cbatch.jobs.runner", "--endpoint", self.endpoint, "--state-dir", self.state_dir)
+        return module_argv("cbatch.jobs.runner", "--endpoint", self.endpoint, "--state-dir", self.state_dir,
+                           "--retention-s", str(self.retention_s))
