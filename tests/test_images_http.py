@@ -135,3 +135,49 @@ def test_a_responses_input_image_is_answered_as_the_chat_image_part(daemon):
         "input": [{"role": "user", "content": content}], "temperature": 0, "max_output_tokens": 8})
     assert response.status_code == 200, response.text
     assert response.json()["output"][0]["content"][0]["text"] == answer(daemon, question(png_bytes(40, 24)))
+
+
+def test_a_batch_job_answers_an_image_line_as_the_live_endpoint(daemon):
+    import json
+
+    from daemonkit import wait_until
+
+    lines = [{"custom_id": "picture", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": question(png_bytes(40, 24))}], **GREEDY}},
+             {"custom_id": "oversized", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": question(png_bytes(200, 200))}], **GREEDY}}]
+    with httpx.Client(base_url=daemon.base_url, timeout=60) as http:
+        file_id = http.post("/v1/files", data={"purpose": "batch"}, files={
+            "file": ("in.jsonl", "".join(json.dumps(line) + "\n" for line in lines))}).json()["id"]
+        batch_id = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                                  "completion_window": "24h"}).json()["id"]
+        wait_until(lambda: http.get(f"/v1/batches/{batch_id}").json()["status"] == "completed", 120, poll_s=0.1)
+        batch = http.get(f"/v1/batches/{batch_id}").json()
+        output = [json.loads(line) for line in http.get(f"/v1/files/{batch['output_file_id']}/content").text.splitlines()]
+        errors = [json.loads(line) for line in http.get(f"/v1/files/{batch['error_file_id']}/content").text.splitlines()]
+    assert [o["custom_id"] for o in output] == ["picture"]
+    assert output[0]["response"]["body"]["choices"][0]["message"]["content"] == answer(daemon, question(png_bytes(40, 24)))
+    assert [e["custom_id"] for e in errors] == ["oversized"] and "--max-image-pixels" in json.dumps(errors)
+
+
+def test_the_same_new_image_in_eight_concurrent_requests_is_encoded_once(daemon):
+    import time
+
+    from cbatch.workers.decode.publisher import STATS_INTERVAL_S
+    from daemonkit import wait_until
+
+    def num_encoded() -> int:
+        with daemon.client() as client:
+            return client.stats()["num_images_encoded"]
+
+    before = num_encoded()
+    image = png_bytes(36, 20, seed=77)  # sent by no other test
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: answer(daemon, question(image)), range(8)))
+    assert len(set(answers)) == 1
+    # The worker's stats lag its work by up to STATS_INTERVAL_S: the count reaches one more
+    # and stays there for several such intervals.
+    wait_until(lambda: num_encoded() > before, 30, poll_s=0.05)
+    watched_until_s = time.monotonic() + 4 * STATS_INTERVAL_S
+    while time.monotonic() < watched_until_s:
+        assert num_encoded() == before + 1

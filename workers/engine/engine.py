@@ -273,11 +273,12 @@ class Engine:
 
     def snapshot(self) -> dict:
         """Statistics: the engine's own, the queue, the KV pool and prefix cache, one entry
-        per running request (`slots`, by sequence id), and the constrained tokens checked
-        and of those the ones that missed (each cost a mask)."""
+        per running request (`slots`, by sequence id), the constrained tokens checked and of
+        those the ones that missed (each cost a mask), and the vision encoder's runs."""
         num_checked, num_missed = self._sampler.constraint_counts
+        vision = self.runner.vision
         return {**engine_snapshot(self.stats, self.scheduler), "constrained_tokens": num_checked,
-                "constraint_misses": num_missed}
+                "constraint_misses": num_missed, "num_images_encoded": vision.num_encoded if vision else 0}
 
     def close(self) -> None:
         if self._in_flight is not None:
