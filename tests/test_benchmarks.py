@@ -191,3 +191,12 @@ def test_gpu_compare_rehearsal_runs_every_stage_and_skips_what_the_budget_cannot
     assert summary["versions"]["cbatch"] and (tmp_path / "out" / "table.txt").exists()
     short = rehearse(tmp_path / "short", 5)
     assert [short[name] for name in ("serving 2", "host-work", "long")] == ["skipped"] * 3, short
+
+
+def test_bench_images_prints_each_load_and_the_shared_image_encoded_once(tiny_tools_model_path, tiny_projector_path):
+    out = run_script("bench_images", "--model", tiny_tools_model_path, "--mmproj", tiny_projector_path,
+                     "--parallel", "4", "--streams", "1", "--max-tokens", "24", "--image-callers", "1")
+    for load in ("alone", "beside 1 callers sending text", "beside 1 callers sending images"):
+        assert re.search(rf"^text streams {load}: token gap median {NUMBER} ms", out, re.M), out
+    assert re.search(rf"^8 concurrent requests, one same new image: {NUMBER} ms, 1 encoder runs$", out, re.M), out
+    assert re.search(rf"^8 concurrent requests, 8 new images: {NUMBER} ms, 8 encoder runs$", out, re.M), out
