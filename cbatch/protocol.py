@@ -43,6 +43,7 @@ class MsgType(enum.IntEnum):
     WORKER_FAILED = 0x47
     WORKER_EMBED = 0x48
     WORKER_EMBEDDED = 0x49
+    WORKER_PAUSE = 0x4A
 
 
 class ProtocolError(Exception):

@@ -1,6 +1,10 @@
 """Shared-memory token ring: one decode worker publishes sampled tokens, many local readers
 each pick the records of their own request ids.
 
+One concern: the writer and the readers share one memory-ordering contract (below), and
+each side is only correct against the other's exact order of loads and stores, so they are
+read and changed together.
+
 Layout (little-endian; one segment per decode worker, created by the supervisor so that it
 survives a worker restart):
   header   128 bytes = 16 x uint64: magic, layout_version, capacity (records, power of two),

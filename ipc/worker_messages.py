@@ -50,6 +50,15 @@ class WorkerCancel:
 
 
 @dataclass
+class WorkerPause:
+    """Back-pressure: a request whose records wait for a slow client past a bound leaves the
+    steps (keeping its slot and KV) until told to go on (workers/daemon/backlog.py)."""
+
+    request_id: int
+    is_paused: bool
+
+
+@dataclass
 class WorkerStop:
     pass
 
@@ -105,6 +114,7 @@ _TYPES = {
     WorkerReady: MsgType.WORKER_READY, WorkerFailed: MsgType.WORKER_FAILED, WorkerSubmit: MsgType.WORKER_SUBMIT,
     WorkerCancel: MsgType.WORKER_CANCEL, WorkerStop: MsgType.WORKER_STOP, WorkerReject: MsgType.WORKER_REJECT,
     WorkerEvents: MsgType.WORKER_EVENTS, WorkerEmbed: MsgType.WORKER_EMBED, WorkerEmbedded: MsgType.WORKER_EMBEDDED,
+    WorkerPause: MsgType.WORKER_PAUSE,
 }
 _CLASSES = {msg_type: cls for cls, msg_type in _TYPES.items()}
 

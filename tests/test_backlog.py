@@ -27,7 +27,7 @@ def test_a_lagging_clients_records_merge_within_the_clients_frame_bound():
     backlog.add(MsgType.FINISHED, {"request_id": 7, "num_records": num_records})
     indices, sizes = [], []
     while backlog.messages:
-        msg_type, body = backlog.messages[0]
+        msg_type, body, _ = backlog.messages[0]
         frames = pack(msg_type, body)
         sizes.append(len(frames[1]))
         got_type, got = unpack(frames)  # what the client does: it refuses a body over its bound
@@ -55,3 +55,28 @@ def test_a_long_fetch_reply_is_split_within_the_clients_frame_bound():
         assert sum(map(len, frames)) <= MAX_FRAME_BYTES
         unpack(frames)
     assert split_to_fit(rows[:8]) == [rows[:8]]  # a step's few rows are sent as they are, unmeasured
+
+
+def test_a_request_past_the_bound_is_paused_and_goes_on_once_its_client_catches_up():
+    """Only the request whose records pile up is paused; it goes on once what waits for it
+    falls under the resume bound, or when nothing waits for its client any more."""
+    from cbatch.workers.daemon.backlog import MAX_BUFFERED_BYTES_PER_REQUEST, RESUME_BYTES_PER_REQUEST, RequestPauses
+
+    backlog, pauses, num_bytes = Backlog(0.0), RequestPauses(), 0
+    while num_bytes <= MAX_BUFFERED_BYTES_PER_REQUEST:
+        body = {"request_id": 7, "records": [logprobs_row(num_bytes)]}
+        backlog.add(MsgType.RECORDS, body)
+        pauses.after_add(b"slow", backlog, MsgType.RECORDS, body)
+        other = {"request_id": 8, "records": [logprobs_row(0)]}
+        backlog.add(MsgType.RECORDS, other)
+        pauses.after_add(b"slow", backlog, MsgType.RECORDS, other)
+        num_bytes = backlog.num_bytes_by_request[7]
+    assert pauses.changes == {7: True}
+    pauses.changes.clear()
+    pauses.after_flush(b"slow", backlog)
+    assert pauses.changes == {}  # nothing was sent: still past the bound
+    while backlog.num_bytes_by_request.get(7, 0) >= RESUME_BYTES_PER_REQUEST:
+        backlog.sent_first(1.0)
+    pauses.after_flush(b"slow", backlog)
+    assert pauses.changes == {7: False}
+    assert sum(backlog.num_bytes_by_request.values()) == sum(entry[2] for entry in backlog.messages)

@@ -363,3 +363,34 @@ def test_a_reader_slower_than_the_model_gets_its_tokens_merged_and_all_of_them(t
     assert [token for chunk in chunks for token in chunk.token_ids] == whole.token_ids
     assert "".join(chunk.text for chunk in chunks) == whole.text and chunks[-1].finish_reason == "length"
     assert len(chunks) < num_tokens / 10, len(chunks)
+
+
+def test_a_reader_that_falls_far_behind_pauses_its_request_and_gets_every_token(tiny_model_path, start_daemon):
+    """Back-pressure on one request: a relayed reader that pauses (shorter than the stall
+    limit) while its request writes 20 log-probabilities a token lets its records pile up
+    in the front-end; past the per-request bound the worker pauses that request (its stats
+    say so) instead of buffering without end, a bystander's request runs to its end
+    meanwhile, and once the reader catches up the request goes on and every token arrives."""
+    d = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 10_000))
+    num_tokens = 8000
+
+    def num_paused() -> int:
+        with d.client() as other:
+            return other.stats()["num_paused"]
+
+    saw_paused, chunks = False, []
+    with d.client(use_ring=False) as client:
+        for chunk in client.stream(prompt="a reader far behind", max_tokens=num_tokens, logprobs=20,
+                                   **GREEDY):
+            chunks.append(chunk)
+            looked_until_s = time.monotonic() + MAX_STALL_S * 0.6  # never long enough to be cut off
+            while not saw_paused and time.monotonic() < looked_until_s:
+                saw_paused = num_paused() >= 1
+                if saw_paused:
+                    with d.client() as bystander:
+                        assert bystander.generate(prompt="meanwhile", max_tokens=64, **GREEDY).finish_reason == "length"
+                time.sleep(0.05)
+    assert saw_paused
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(chunk.token_ids) for chunk in chunks) == num_tokens
+    wait_until(lambda: num_paused() == 0, 30)

@@ -21,11 +21,13 @@ PACKAGE_DIRS = {"cbatch": REPO / "cbatch", "cbatch.workers": REPO / "workers", "
 SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch.constraints", "cbatch.config",
           "cbatch.model", "cbatch.wording", "cbatch.embeddings", "cbatch.partial_markers", "cbatch.extras",
           "cbatch.api_keys", "cbatch.images"}
-MAX_MODULE_LINES = 300
+# A module past this many lines says in its docstring why it is one concern, in a paragraph
+# that starts "One concern:". A smell detector, not a budget: no file is split or rewrapped
+# to meet it; line length is ruff's (.ci/run).
+MAX_MODULE_LINES = 400
 # What the HTTP app may use of cbatch.jobs: the state directory's files, not the runner.
 JOB_STORE = {"cbatch.jobs", "cbatch.jobs.state_dir", "cbatch.jobs.files", "cbatch.jobs.batches"}
 HTTP_STACK = {"starlette", "uvicorn", "httptools", "prometheus_client", "httpx", "orjson"}
-LONGER_ALLOWED = {"cbatch.ipc.ring"}  # the ring's memory-ordering contract is one piece
 
 
 def modules() -> dict[str, Path]:
@@ -108,10 +110,11 @@ def test_the_rules_see_a_wrong_import(tmp_path):
     assert not outside("cbatch.workers.daemon")("cbatch.workers.daemon.supervisor")
 
 
-def test_modules_stay_readable():
-    too_long = {name: n for name, path in modules().items()
-                if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES and name not in LONGER_ALLOWED}
-    assert too_long == {}
+def test_a_long_module_says_why_it_is_one_concern():
+    unexplained = {name: n for name, path in modules().items()
+                   if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+                   and "\nOne concern:" not in (ast.get_docstring(ast.parse(path.read_text())) or "")}
+    assert unexplained == {}
 
 
 def test_every_package_is_in_the_distribution():

@@ -11,6 +11,12 @@ MAX_MERGED_RECORDS and MAX_MERGED_BYTES, far inside what a client unpacks (a big
 would fail its whole connection); past them the records go on in another message. It
 drains as the client reads. Only a client that takes nothing for MAX_STALL_S is cut off
 (the front-end then cancels its requests).
+
+A client that keeps reading, only slower than the model writes, would let one request's
+records pile up here without end: past MAX_BUFFERED_BYTES_PER_REQUEST of records waiting
+for it, the request is paused (ClientLink tells the front-end, which tells the worker: the
+request keeps its slot and its KV but leaves the steps), and it goes on once what waits
+falls under RESUME_BYTES_PER_REQUEST. Back-pressure on that request alone.
 """
 
 from collections import deque
@@ -25,6 +31,8 @@ MAX_STALL_S = 10.0  # a client that takes no message for this long is cut off
 # request's records pass the byte bound well before the count bound.
 MAX_MERGED_BYTES = MAX_FRAME_BYTES // 4
 MAX_MERGED_RECORDS = MAX_CONTAINER_LEN // 16
+MAX_BUFFERED_BYTES_PER_REQUEST = 1 << 18  # of packed records waiting for a client: past it the request pauses
+RESUME_BYTES_PER_REQUEST = MAX_BUFFERED_BYTES_PER_REQUEST // 2  # under it a paused request goes on
 
 
 MIN_ROWS_MEASURED = 256  # fewer record rows than this (one step's, mostly) are far below the byte bound
@@ -41,33 +49,77 @@ def split_to_fit(rows: list) -> list[list]:
 
 class Backlog:
     def __init__(self, now_s: float):
-        self.messages: deque[tuple[MsgType, dict]] = deque()
+        self.messages: deque[list] = deque()  # [message type, body, packed bytes of its records (RECORDS)]
         self.progress_s = now_s  # when the client last took a message
-        # request id -> its RECORDS body at the backlog's end, and the packed size of its records
-        self._open_records: dict[int, tuple[dict, int]] = {}
+        self._open_records: dict[int, list] = {}  # request id -> its RECORDS entry at the backlog's end
+        self.num_bytes_by_request: dict[int, int] = {}  # packed records waiting, of each request that has some
 
     def add(self, msg_type: MsgType, body: dict) -> None:
         request_id = body.get("request_id")
         if msg_type is MsgType.RECORDS:
             num_bytes = len(msgpack.packb(body["records"], use_bin_type=True))
-            open_body, num_open_bytes = self._open_records.get(request_id, (None, 0))
-            if (open_body is not None and num_open_bytes + num_bytes <= MAX_MERGED_BYTES
-                    and len(open_body["records"]) + len(body["records"]) <= MAX_MERGED_RECORDS):
-                open_body["records"] += body["records"]
-                self._open_records[request_id] = open_body, num_open_bytes + num_bytes
+            self.num_bytes_by_request[request_id] = self.num_bytes_by_request.get(request_id, 0) + num_bytes
+            entry = self._open_records.get(request_id)
+            if (entry is not None and entry[2] + num_bytes <= MAX_MERGED_BYTES
+                    and len(entry[1]["records"]) + len(body["records"]) <= MAX_MERGED_RECORDS):
+                entry[1]["records"] += body["records"]
+                entry[2] += num_bytes
                 return
             body = {**body, "records": list(body["records"])}  # ours to extend; later records merge here
-            self._open_records[request_id] = body, num_bytes
-        elif request_id is not None:
+            self._open_records[request_id] = entry = [msg_type, body, num_bytes]
+            self.messages.append(entry)
+            return
+        if request_id is not None:
             self._open_records.pop(request_id, None)  # later records must come after this one
-        self.messages.append((msg_type, body))
+        self.messages.append([msg_type, body, 0])
 
     def sent_first(self, now_s: float) -> None:
-        msg_type, body = self.messages.popleft()
-        if msg_type is MsgType.RECORDS and self._open_records.get(body["request_id"], (None,))[0] is body:
-            del self._open_records[body["request_id"]]
+        entry = self.messages.popleft()
+        msg_type, body, num_bytes = entry
+        if msg_type is MsgType.RECORDS:
+            request_id = body["request_id"]
+            if self._open_records.get(request_id) is entry:
+                del self._open_records[request_id]
+            left = self.num_bytes_by_request.pop(request_id) - num_bytes
+            if left:
+                self.num_bytes_by_request[request_id] = left
         self.progress_s = now_s
 
     def finished_ids(self) -> list[int]:
         """The requests whose FINISHED waits here: lost if the client is cut off."""
-        return [body["request_id"] for msg_type, body in self.messages if msg_type is MsgType.FINISHED]
+        return [body["request_id"] for msg_type, body, _ in self.messages if msg_type is MsgType.FINISHED]
+
+
+class RequestPauses:
+    """The requests paused for what waits for their client: each past
+    MAX_BUFFERED_BYTES_PER_REQUEST of records in its client's backlog, until under
+    RESUME_BYTES_PER_REQUEST (or nothing waits for the client any more). `changes` is what
+    the worker has to be told: request id -> paused (True) or to go on (False)."""
+
+    def __init__(self):
+        self._paused: dict[bytes, set[int]] = {}  # client identity -> its paused requests
+        self.changes: dict[int, bool] = {}
+
+    def after_add(self, identity: bytes, backlog: Backlog, msg_type: MsgType, body: dict) -> None:
+        if msg_type is not MsgType.RECORDS:
+            return
+        request_id, paused = body["request_id"], self._paused.setdefault(identity, set())
+        if request_id not in paused and backlog.num_bytes_by_request[request_id] > MAX_BUFFERED_BYTES_PER_REQUEST:
+            paused.add(request_id)
+            self.changes[request_id] = True
+
+    def after_flush(self, identity: bytes, backlog: Backlog | None) -> None:
+        """backlog: what still waits for the client, None when nothing does."""
+        paused = self._paused.get(identity)
+        if paused is None:
+            return
+        for request_id in list(paused):
+            if backlog is None or backlog.num_bytes_by_request.get(request_id, 0) < RESUME_BYTES_PER_REQUEST:
+                paused.discard(request_id)
+                self.changes[request_id] = False
+        if not paused:
+            del self._paused[identity]
+
+    def forget(self, identity: bytes) -> None:
+        """The client is gone: its requests are cancelled, so pausing them no longer matters."""
+        self._paused.pop(identity, None)

@@ -22,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 from cbatch.config import DaemonConfig
 from cbatch.errors import CbatchError, INVALID_CONFIG, UNAVAILABLE
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, pack
-from cbatch.workers.daemon.backlog import MAX_STALL_S, Backlog
+from cbatch.workers.daemon.backlog import MAX_STALL_S, Backlog, RequestPauses
 from cbatch.workers.daemon.connection_guard import ConnectionGuard, shared_address
 
 CLOSE_LINGER_MS = 500  # the last replies still reach clients when the daemon stops
@@ -88,6 +88,7 @@ class ClientLink:
         self.newly_stalled: set[bytes] = set()  # stalled since the owner last looked
         self._backlogs: dict[bytes, Backlog] = {}  # clients whose queue is full -> what waits for them
         self.lost_finish_ids: list[int] = []  # FINISHED messages a cut-off client's backlog held
+        self.pauses = RequestPauses()  # requests paused for what waits for their client
 
     def _require_curve(self, zctx: zmq.Context, config: DaemonConfig) -> ThreadAuthenticator:
         """Encrypt and authenticate with CurveZMQ: the daemon's keys from its certificate
@@ -176,6 +177,7 @@ class ClientLink:
         """It is gone for good: nothing waits for it any more."""
         self._backlogs.pop(identity, None)
         self._away.pop(identity, None)
+        self.pauses.forget(identity)
 
     def _note_peer_pid(self, fd: int) -> None:
         """Over ipc the kernel names the client process. Its connection dies while the
@@ -192,6 +194,7 @@ class ClientLink:
         backlog = self._backlogs.get(identity)
         if backlog is not None:
             backlog.add(msg_type, body)
+            self.pauses.after_add(identity, backlog, msg_type, body)
             return True
         try:
             self._send_now(identity, msg_type, body)
@@ -203,6 +206,7 @@ class ClientLink:
                 return False  # cut off, or gone: what it lacks is re-sent or fetched when it speaks again
             self._backlogs[identity] = backlog = Backlog(time.monotonic())
             backlog.add(msg_type, body)
+            self.pauses.after_add(identity, backlog, msg_type, body)
             return True
 
     def _tell_refused(self, identity: bytes) -> None:
@@ -221,27 +225,31 @@ class ClientLink:
         lost_finish_ids, its records stay fetchable). Also paces accepts (ConnectionGuard)."""
         self._guard.pace(now_s)
         for identity, backlog in list(self._backlogs.items()):
-            limit_s = self.reconnect_grace_s if identity in self._away else MAX_STALL_S
-            try:
-                while backlog.messages:
-                    msg_type, body = backlog.messages[0]
-                    self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
-                    backlog.sent_first(now_s)
-                    self._away.pop(identity, None)  # it took a message: it is back
-                if identity not in self._away:
-                    del self._backlogs[identity]
-                    continue
-            except zmq.ZMQError as err:
-                if err.errno not in (zmq.EAGAIN, errno.EHOSTUNREACH):
-                    del self._backlogs[identity]  # gone: its disconnect event follows
-                    continue
-            if now_s - backlog.progress_s < limit_s:
-                continue
-            self.lost_finish_ids += backlog.finished_ids()
-            self._stalled.add(identity)
-            self.newly_stalled.add(identity)
-            self._away.pop(identity, None)
-            del self._backlogs[identity]
+            self._flush_one(identity, backlog, now_s)
+            self.pauses.after_flush(identity, self._backlogs.get(identity))
+
+    def _flush_one(self, identity: bytes, backlog: Backlog, now_s: float) -> None:
+        limit_s = self.reconnect_grace_s if identity in self._away else MAX_STALL_S
+        try:
+            while backlog.messages:
+                msg_type, body, _ = backlog.messages[0]
+                self.socket.send_multipart([identity, *pack(msg_type, body)], zmq.NOBLOCK)
+                backlog.sent_first(now_s)
+                self._away.pop(identity, None)  # it took a message: it is back
+            if identity not in self._away:
+                del self._backlogs[identity]
+                return
+        except zmq.ZMQError as err:
+            if err.errno not in (zmq.EAGAIN, errno.EHOSTUNREACH):
+                del self._backlogs[identity]  # gone: its disconnect event follows
+                return
+        if now_s - backlog.progress_s < limit_s:
+            return
+        self.lost_finish_ids += backlog.finished_ids()
+        self._stalled.add(identity)
+        self.newly_stalled.add(identity)
+        self._away.pop(identity, None)
+        del self._backlogs[identity]
 
     def close(self) -> None:
         if self._authenticator is not None:

@@ -16,8 +16,8 @@ import zmq
 from cbatch.config import DaemonConfig
 from cbatch.errors import SHUTDOWN_MESSAGE, CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN
 from cbatch.ipc.records import TokenEvent, frame_events
-from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerReady, WorkerReject,
-                                        WorkerSubmit, encode)
+from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerPause, WorkerReady,
+                                        WorkerReject, WorkerSubmit, encode)
 from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request, request_fields
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
@@ -112,8 +112,14 @@ class FrontEnd:
             self._cancel_tracked(tracked)
 
     def flush_clients(self) -> None:
-        """Send what waits for slow clients; cancel the requests of one that stopped reading."""
+        """Send what waits for slow clients; pause the requests whose records pile up for
+        one that reads slower than they come, and let them go on as it catches up; cancel
+        the requests of one that stopped reading."""
         self.clients.flush(time.monotonic())
+        changes = self.clients.pauses.changes
+        while changes:
+            request_id, is_paused = changes.popitem()
+            self.worker.send(WorkerPause(request_id, is_paused))
         self._cancel_stalled()
 
     def _cancel_stalled(self) -> None:

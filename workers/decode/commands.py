@@ -3,7 +3,7 @@
 import queue
 
 from cbatch.errors import CbatchError, DEADLINE_EXCEEDED
-from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerReject, WorkerStop
+from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerPause, WorkerReject, WorkerStop
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.preparer import rejection
 from cbatch.workers.decode.publisher import EventPublisher
@@ -70,6 +70,8 @@ class CommandHandler:
         elif isinstance(item, WorkerCancel):
             if not self._engine.cancel(item.request_id, item.is_shutdown) and item.request_id in self._io.preparing:
                 self._early_cancels[item.request_id] = item.is_shutdown
+        elif isinstance(item, WorkerPause):  # one still being prepared has produced nothing to pile up
+            self._engine.pause(item.request_id, item.is_paused)
         elif isinstance(item, EmbedJob):
             self._embedder.add(item)
         elif isinstance(item, WorkerEmbedded):  # an embedding request the preparer refused

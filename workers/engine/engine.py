@@ -95,7 +95,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._in_flight is not None
+        # A cancel counts: it ends a request even when every running one is paused.
+        return self.scheduler.has_work or self._in_flight is not None or bool(self._cancel_ids)
 
     def prepare(self, request: Request) -> Sequence:
         """A validated request as a Sequence (preparation.py): safe off the loop thread."""
@@ -124,6 +125,13 @@ class Engine:
             return False
         self._cancel_ids[request_id] = self._cancel_ids.get(request_id, False) or is_shutdown
         return True
+
+    def pause(self, request_id: int, is_paused: bool) -> None:
+        """Back-pressure from a slow client: a paused request leaves the steps, keeping its
+        slot and its KV, until it is told to go on (scheduler.py). Unknown ids are ignored."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            seq.is_paused = is_paused
 
     def step(self) -> list[TokenEvent]:
         """One step's events; with overlap the next batch decodes while they are published."""
@@ -274,11 +282,13 @@ class Engine:
     def snapshot(self) -> dict:
         """Statistics: the engine's own, the queue, the KV pool and prefix cache, one entry
         per running request (`slots`, by sequence id), the constrained tokens checked and of
-        those the ones that missed (each cost a mask), and the vision encoder's runs."""
+        those the ones that missed (each cost a mask), the vision encoder's runs, and the
+        running requests paused for a slow client."""
         num_checked, num_missed = self._sampler.constraint_counts
         vision = self.runner.vision
         return {**engine_snapshot(self.stats, self.scheduler), "constrained_tokens": num_checked,
-                "constraint_misses": num_missed, "num_images_encoded": vision.num_encoded if vision else 0}
+                "constraint_misses": num_missed, "num_images_encoded": vision.num_encoded if vision else 0,
+                "num_paused": sum(seq.is_paused for seq in self.scheduler.running)}
 
     def close(self) -> None:
         if self._in_flight is not None:

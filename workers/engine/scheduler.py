@@ -69,7 +69,10 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or len(self.forks) or self.row_forks)
+        """Something a step can do: paused sequences alone have nothing to do (the loop then
+        waits for a command, such as the one that lets them go on)."""
+        return bool(self.waiting or len(self.forks) or self.row_forks
+                    or any(not seq.is_paused for seq in self.running))
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; QUEUE_FULL (nothing changes) when its priority's room is full."""
@@ -91,14 +94,14 @@ class Scheduler:
         while i < len(running):
             seq = running[i]
             # A generating sequence feeds its last sampled token at position num_tokens - 1.
-            if seq.status is SeqStatus.DECODING and not self.kv.grow(seq.seq_id, seq.num_tokens):
+            if seq.status is SeqStatus.DECODING and not seq.is_paused and not self.kv.grow(seq.seq_id, seq.num_tokens):
                 victim = self._cells_victim()  # maybe seq itself: the next one is then at i
                 i -= running.index(victim) < i  # one before seq: seq moves to i - 1
                 self.preempt(victim, keep_cached=False)
                 continue
             i += 1
         decoding = SeqStatus.DECODING
-        spans = [BatchSpan(s, s.num_cached, 1) for s in running if s.status is decoding]
+        spans = [BatchSpan(s, s.num_cached, 1) for s in running if s.status is decoding and not s.is_paused]
         self.waiting.share.charge_decoded(span.seq for span in spans)
         if len(spans) < len(running):
             spans += prefill_spans(running, self.max_batch_tokens - len(spans), self.max_batch_tokens)

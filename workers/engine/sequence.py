@@ -61,6 +61,7 @@ class Sequence:
     tenant_weight: float = 1.0
     is_charged: bool = False  # its prompt was charged to its tenant (at its first admission)
     is_resumed: bool = False  # preempted or requeued, waiting to be admitted again (waiting_queue.py)
+    is_paused: bool = False  # its client reads slower than it generates: it decodes no more until told (engine.pause)
     images: tuple = ()  # the prompt's vision.ImageSpans, in position order
 
     def __post_init__(self):
