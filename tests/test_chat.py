@@ -34,8 +34,26 @@ def test_a_chat_turn_gets_an_english_answer_that_ends_on_the_template_end_token(
 
 def test_chat_turns_in_a_batch_each_end_on_their_own(chat_daemon):
     questions = ["What is the capital of Italy?", "What is the capital of Spain?"]
+    system = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
     with chat_daemon.client() as client:
         rome, madrid = client.generate_batch([
-            {"messages": [{"role": "user", "content": q}], **ASK} for q in questions])
+            {"messages": [system, {"role": "user", "content": q}], **ASK} for q in questions])
     assert "Rome" in rome.text and "Madrid" in madrid.text
     assert rome.finish_reason == madrid.finish_reason == "stop"
+
+
+def test_a_chat_renders_as_the_models_own_template_writes_it(chat_daemon):
+    """One renderer: a chat without tools is rendered by the model's own Jinja template, as
+    a chat with tools is (cbatch/tools/template.py), so a conversation's prompt is the same
+    both ways, the template's default system prompt included: the same greedy answer as
+    the template's text sent as a prompt."""
+    from cbatch.tools.template import compiled_template
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    with chat_daemon.client() as client:
+        template = compiled_template(client.info)
+        prompt = template.render(messages, None)  # what a chat with tools is rendered by, tools aside
+        assert "You are a helpful AI assistant named SmolLM" in prompt  # SmolLM2's default system prompt
+        rendered = client.generate(prompt=prompt, **ASK)
+        chat = client.generate(messages=messages, **ASK)
+    assert (chat.token_ids, chat.usage) == (rendered.token_ids, rendered.usage)

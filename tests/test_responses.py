@@ -97,7 +97,8 @@ def test_structured_output_through_text_format(api):
 
 
 def thinking(**extra) -> dict:
-    return {"model": "m", "input": "Name a colour.", "temperature": 0, "max_output_tokens": 40,
+    return {"model": "m", "input": "Name a colour.", "instructions": "You are a helpful assistant.",
+            "temperature": 0, "max_output_tokens": 40,
             "extra_body": {"grammar": THINKING, "logit_bias": never_closing()}, **extra}
 
 

@@ -1,5 +1,6 @@
 """A model's own Jinja chat template, rendered as Hugging Face transformers and llama-server
-`--jinja` do, for tool calls: llama.cpp's built-in renderer knows no tools.
+`--jinja` do: by the client for a chat with tools, by the decode worker for every other
+chat (the same class both ways, so a conversation renders the same).
 
 The daemon's WELCOME carries the GGUF's `tokenizer.chat_template` and its BOS/EOS texts
 (the decode worker reads them); the client renders the prompt and sends it as `prompt`.
@@ -72,11 +73,16 @@ def _compiled(source: str, bos_token: str, eos_token: str, adds_bos: bool) -> Ch
         return None
 
 
-def template_of(welcome: dict | None) -> ChatTemplate | None:
-    """The daemon's chat template from its handshake, when it has one that knows tools."""
-    source = (welcome or {}).get("chat_template")
+def compiled_template(texts: dict | None) -> ChatTemplate | None:
+    """The model's own template from its chat texts (workers/engine/chat_texts.py, relayed in
+    the daemon's handshake), or None when it has none or jinja2 cannot compile it."""
+    source = (texts or {}).get("chat_template")
     if not source:
         return None
-    template = _compiled(source, welcome.get("bos_token", ""), welcome.get("eos_token", ""),
-                         bool(welcome.get("adds_bos")))
+    return _compiled(source, texts.get("bos_token", ""), texts.get("eos_token", ""), bool(texts.get("adds_bos")))
+
+
+def template_of(welcome: dict | None) -> ChatTemplate | None:
+    """The daemon's chat template from its handshake, when it has one that knows tools."""
+    template = compiled_template(welcome)
     return template if template is not None and template.knows_tools else None

@@ -22,6 +22,8 @@ from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
 from cbatch.workers.engine.decode_mark import marked_decode, no_mark
 from cbatch.workers.engine.step_batch import BatchSpan
 from cbatch.workers.engine.vision import load_vision
+from cbatch.workers.engine.chat_texts import chat_texts
+from cbatch.tools.template import compiled_template
 
 MAX_PIECE_BYTES = 256
 ALL_LAYERS = 1 << 30  # as n_gpu_layers: more than any model has
@@ -119,6 +121,7 @@ class LlamaRunner:
         self.constraints = ConstraintCompiler(self.vocab, self.eog_ids)  # JSON schemas and grammars, compiled once
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
+        self._jinja_template = None  # the model's own chat template compiled, False when it has none (render_chat)
         self._piece_buf = ctypes.create_string_buffer(MAX_PIECE_BYTES)
         self._decode_thread: ThreadPoolExecutor | None = None  # made by the first start_decode
         self._decoding: Future | None = None
@@ -207,6 +210,15 @@ class LlamaRunner:
         return max(matches, key=len) if matches else None
 
     def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
+        """The chat's prompt as the model's own Jinja template writes it, the one renderer a
+        chat with tools goes through too (cbatch/tools/template.py), so a conversation
+        renders the same with tools or without; llama.cpp's built-in renderer only for a
+        model without a template jinja2 compiles (the embedded gemma-3-270m has none)."""
+        if self._jinja_template is None:
+            self._jinja_template = compiled_template(chat_texts(self.model, self.vocab)) or False
+        if self._jinja_template:
+            return self._jinja_template.render([{"role": role, "content": content} for role, content in messages],
+                                               None)
         template = self.chat_template()
         if not template:
             raise CbatchError(INVALID_REQUEST, "this model has no chat template: send 'prompt' instead of 'messages'")
