@@ -24,6 +24,7 @@ class MsgType(enum.IntEnum):
     HEALTH = 0x05  # {nonce} -> HEALTH_REPLY
     STATS = 0x06  # {nonce} -> STATS_REPLY
     EMBED = 0x07  # {nonce, input: [str | [token id]], dimensions?} -> EMBED_REPLY (or ERROR with nonce)
+    EMBED_CANCEL = 0x08  # {nonce}: the caller of that EMBED has gone; no reply
     # front-end -> client
     WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring[, chat_template,
     #                 bos_token, eos_token, adds_bos]}: sent again when the worker is (re)ready
@@ -44,6 +45,7 @@ class MsgType(enum.IntEnum):
     WORKER_EMBED = 0x48
     WORKER_EMBEDDED = 0x49
     WORKER_PAUSE = 0x4A
+    WORKER_EMBED_CANCEL = 0x4B
 
 
 class ProtocolError(Exception):

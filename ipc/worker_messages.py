@@ -78,6 +78,13 @@ class WorkerEmbed:
 
 
 @dataclass
+class WorkerEmbedCancel:
+    """The caller of a WorkerEmbed has gone: none of its inputs is decoded from now on; no reply."""
+
+    embed_id: int
+
+
+@dataclass
 class WorkerEmbedded:
     """The vectors of a WorkerEmbed, in input order (float32 little-endian bytes, L2-normalized),
     or its error (a non-empty code)."""
@@ -114,7 +121,7 @@ _TYPES = {
     WorkerReady: MsgType.WORKER_READY, WorkerFailed: MsgType.WORKER_FAILED, WorkerSubmit: MsgType.WORKER_SUBMIT,
     WorkerCancel: MsgType.WORKER_CANCEL, WorkerStop: MsgType.WORKER_STOP, WorkerReject: MsgType.WORKER_REJECT,
     WorkerEvents: MsgType.WORKER_EVENTS, WorkerEmbed: MsgType.WORKER_EMBED, WorkerEmbedded: MsgType.WORKER_EMBEDDED,
-    WorkerPause: MsgType.WORKER_PAUSE,
+    WorkerPause: MsgType.WORKER_PAUSE, WorkerEmbedCancel: MsgType.WORKER_EMBED_CANCEL,
 }
 _CLASSES = {msg_type: cls for cls, msg_type in _TYPES.items()}
 

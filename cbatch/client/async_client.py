@@ -260,9 +260,8 @@ class AsyncClient(ClientBase):
         try:
             await self._wait(lambda: all(self._session.replies[nonce] is not None for nonce in nonces), nonces)
             return [self._session.take_reply(nonce) for nonce in nonces]
-        finally:  # a caller that gave up (a timeout, a cancel) leaves no entry to wait on
-            for nonce in nonces:
-                self._session.replies.pop(nonce, None)
+        finally:  # a caller that gave up (a timeout, a cancel) leaves no entry to wait on, nor work
+            self._session.forget_questions(msg_type, nonces)
 
     async def health(self) -> dict:
         return (await self._ask(MsgType.HEALTH))[0]

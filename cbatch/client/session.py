@@ -116,6 +116,16 @@ class Session:
         self.send(msg_type, {"nonce": self._next_nonce, **fields})
         return self._next_nonce
 
+    def forget_questions(self, msg_type: MsgType, nonces: list[int]) -> None:
+        """The caller no longer waits for these: an EMBED still unanswered is cancelled, so
+        the daemon does not compute what nobody reads."""
+        for nonce in nonces:
+            if self.replies.pop(nonce, False) is None and msg_type is MsgType.EMBED and self.failure is None:
+                try:
+                    self.send(MsgType.EMBED_CANCEL, {"nonce": nonce})
+                except CbatchError:  # the daemon is gone: nothing runs there to cancel
+                    pass
+
     def take_reply(self, nonce: int) -> dict:
         reply = self.replies.pop(nonce)
         if isinstance(reply, CbatchError):

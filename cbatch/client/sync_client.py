@@ -119,9 +119,8 @@ class Client(ClientBase):
         try:
             self._wait(lambda: all(self._session.replies[nonce] is not None for nonce in nonces))
             return [self._session.take_reply(nonce) for nonce in nonces]
-        finally:  # a caller that gave up (an error, Ctrl-C) leaves no entry to wait on
-            for nonce in nonces:
-                self._session.replies.pop(nonce, None)
+        finally:  # a caller that gave up (an error, Ctrl-C) leaves no entry to wait on, nor work
+            self._session.forget_questions(msg_type, nonces)
 
     def pause(self, seconds: float) -> None:
         """Wait `seconds`, taking what arrives meanwhile, even from a daemon this client gave

@@ -33,6 +33,7 @@ from cbatch.http_api.batches_api import batch_routes
 from cbatch.http_api.connection import choose_event_loop, timed_protocol
 from cbatch.http_api.embeddings import embeddings_endpoint
 from cbatch.http_api.generation import Generation, collect, stream_events
+from cbatch.http_api.hangup import wait_disconnect
 from cbatch.http_api.json_io import json_body, json_response
 from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.responses_stream import collect_response, stream_response
@@ -52,12 +53,6 @@ DRAIN_POLL_S = 0.05  # while draining, how often it checks whether the last resp
 # these fields anywhere (a message's text included) is parsed on a thread, as larger ones are.
 MAX_INLINE_PARSE_BYTES = 8 << 10
 SCHEMA_FIELD_NAMES = (b'"tools"', b'"functions"', b'"response_format"', b'"text"', b'"grammar"', b'"json_schema"')
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client hangs up (the body has been read: receive() waits)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _parse(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, ResponseEvents | None]:
@@ -98,7 +93,7 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     state.num_in_flight += 1
     gen = Generation(state, api, endpoint, is_cancel_an_error=kind != RESPONSES)
     is_streaming_out = False
-    watcher = asyncio.create_task(_wait_disconnect(request))
+    watcher = asyncio.create_task(wait_disconnect(request))
     try:
         if api.is_stream:
             work = asyncio.ensure_future(gen.next_round())

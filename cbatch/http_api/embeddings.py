@@ -6,12 +6,15 @@ embedded together (several decodes when they exceed one batch), and requests fro
 several callers that wait together share a decode.
 """
 
+import asyncio
+
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
 from cbatch.errors import CbatchError
 from cbatch.http_api.auth import TENANT_SCOPE_KEY
+from cbatch.http_api.hangup import unless_hung_up
 from cbatch.http_api.json_io import json_body, json_bytes
 from cbatch.http_api.state import HttpState
 from cbatch.openai.mapping import embedding_response, parse_embedding_request
@@ -26,7 +29,12 @@ async def embeddings_endpoint(state: HttpState, request: Request) -> Response:
     state.num_in_flight += 1
     try:
         api = parse_embedding_request(json_body(await request.body()), state.model_names)
-        result = await state.client.embeddings(api.inputs, api.dimensions, request.scope.get(TENANT_SCOPE_KEY))
+        work = asyncio.ensure_future(state.client.embeddings(api.inputs, api.dimensions,
+                                                             request.scope.get(TENANT_SCOPE_KEY)))
+        is_answered, result = await unless_hung_up(request, work)
+        if not is_answered:  # the client's cancel reached the daemon: what it had not embedded never is
+            state.metrics.disconnects.labels(ENDPOINT).inc()
+            return Response(status_code=499)
         state.metrics.on_embedded(result.prompt_tokens)
         return Response(await run_in_threadpool(_response_body, api, result), media_type="application/json")
     except CbatchError as err:

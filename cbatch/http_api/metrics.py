@@ -135,7 +135,7 @@ class HttpMetrics:
         self.generated_tokens = Counter("cbatch_http_generated_tokens", "Tokens generated for finished requests",
                                         registry=self.registry)
         self.disconnects = Counter("cbatch_http_disconnects",
-                                   "Requests whose client hung up before the response ended (their choices are cancelled)",
+                                   "Requests whose client hung up before the response ended (their work is cancelled)",
                                    ["endpoint"], registry=self.registry)
         self.ttft = Histogram("cbatch_http_time_to_first_token_seconds", "From request arrival to its first token",
                               buckets=TTFT_BUCKETS_S, registry=self.registry)

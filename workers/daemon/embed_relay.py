@@ -19,7 +19,7 @@ from collections import OrderedDict
 from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs
 from cbatch.errors import CbatchError, QUEUE_FULL, SHUTTING_DOWN
-from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded
+from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedCancel, WorkerEmbedded
 from cbatch.params import tenant as parse_tenant
 from cbatch.protocol import MsgType, field
 from cbatch.workers.daemon.client_link import ClientLink
@@ -36,6 +36,7 @@ class EmbedRelay:
         self._clients, self._worker, self._max_pending, self._ledger = clients, worker, max_pending, ledger
         # embed id -> (client identity, its nonce, its tenant, whether it is part 0 of its call)
         self._owners: dict[int, tuple[bytes, int, str, bool]] = {}
+        self._ids: dict[tuple[bytes, int], int] = {}  # (client identity, nonce) -> embed id, while it runs
         self._held: dict[int, WorkerEmbed] = {}  # not yet sent: no worker is ready
         self._refused: OrderedDict[bytes, tuple[int, CbatchError]] = OrderedDict()  # identity -> (part 0's nonce, why)
         self._next_id = 0
@@ -71,6 +72,7 @@ class EmbedRelay:
             self._refused.pop(identity, None)
         self._next_id += 1
         self._owners[self._next_id] = (identity, nonce, tenant, is_first)
+        self._ids[identity, nonce] = self._next_id
         self._held[self._next_id] = WorkerEmbed(self._next_id, inputs, dimensions or 0)
         self.forward_held()
 
@@ -80,11 +82,23 @@ class EmbedRelay:
                 self._worker.send(message)
             self._held.clear()
 
+    def on_cancel(self, identity: bytes, nonce: int) -> None:
+        """Its caller has gone: the worker drops what it has not embedded yet, and the
+        tenant's slot is free now (usage counts nothing for it). Unknown: answered already."""
+        embed_id = self._ids.pop((identity, nonce), None)
+        if embed_id is None:
+            return
+        _, _, tenant, _ = self._owners.pop(embed_id)
+        self._ledger.release(tenant)
+        if self._held.pop(embed_id, None) is None:
+            self._worker.send(WorkerEmbedCancel(embed_id))
+
     def on_embedded(self, message: WorkerEmbedded) -> None:
         owner = self._owners.pop(message.embed_id, None)
         if owner is None:
-            return  # failed already (a worker restart)
+            return  # failed already (a worker restart), or cancelled
         identity, nonce, tenant, is_first = owner
+        del self._ids[identity, nonce]
         self._ledger.release(tenant)
         if not message.code:
             self._ledger.on_finished(tenant, {"prompt_tokens": message.num_tokens}, time.monotonic(), int(is_first))

@@ -239,6 +239,7 @@ class FrontEnd:
         MsgType.HEALTH: _health,
         MsgType.STATS: _stats,
         MsgType.EMBED: lambda self, identity, body: self.embeds.on_embed(identity, body, self._is_draining),
+        MsgType.EMBED_CANCEL: lambda self, identity, body: self.embeds.on_cancel(identity, field(body, "nonce", int)),
     }
 
     # ---- decode worker ------------------------------------------------------------

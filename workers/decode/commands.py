@@ -3,7 +3,8 @@
 import queue
 
 from cbatch.errors import CbatchError, DEADLINE_EXCEEDED
-from cbatch.ipc.worker_messages import WorkerCancel, WorkerEmbedded, WorkerPause, WorkerReject, WorkerStop
+from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEmbedCancel, WorkerEmbedded, WorkerPause, WorkerReject,
+                                        WorkerStop)
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.preparer import rejection
 from cbatch.workers.decode.publisher import EventPublisher
@@ -30,6 +31,7 @@ class CommandHandler:
         self.is_stopped = False  # a WorkerStop was applied
         # Cancels that overtook their submit in the preparer: request id -> is_shutdown.
         self._early_cancels: dict[int, bool] = {}
+        self._early_embed_cancels: set[int] = set()  # the same for embedding requests
 
     def apply_pending(self, wait_for_one: bool) -> bool:
         """Apply every command waiting (first waiting up to IDLE_WAIT_S for one when
@@ -73,8 +75,17 @@ class CommandHandler:
         elif isinstance(item, WorkerPause):  # one still being prepared has produced nothing to pile up
             self._engine.pause(item.request_id, item.is_paused)
         elif isinstance(item, EmbedJob):
-            self._embedder.add(item)
+            self._io.preparing_embeds.discard(item.embed_id)
+            if item.embed_id in self._early_embed_cancels:
+                self._early_embed_cancels.remove(item.embed_id)
+            else:
+                self._embedder.add(item)
+        elif isinstance(item, WorkerEmbedCancel):
+            if not self._embedder.cancel(item.embed_id) and item.embed_id in self._io.preparing_embeds:
+                self._early_embed_cancels.add(item.embed_id)
         elif isinstance(item, WorkerEmbedded):  # an embedding request the preparer refused
+            self._io.preparing_embeds.discard(item.embed_id)
+            self._early_embed_cancels.discard(item.embed_id)
             self._io.send(item)
         elif isinstance(item, WorkerStop):
             self.is_stopped = True

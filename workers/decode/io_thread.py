@@ -37,6 +37,7 @@ class WorkerIO(threading.Thread):
         self.large_inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits of large prompts, for their preparer
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # prepared sequences and other commands, for the loop
         self.preparing: set[int] = set()  # request ids submitted, not yet through the preparer
+        self.preparing_embeds: set[int] = set()  # the same of embedding requests
         self._zctx, self._plan = zctx, plan
         self._pipe_address = f"inproc://worker-io-{id(self)}"
         self._pipe = zctx.socket(zmq.PAIR)  # loop-thread end
@@ -135,6 +136,7 @@ class WorkerIO(threading.Thread):
             self.preparing.add(message.request_id)  # before the preparer can hand it on
             (self.large_inbox if is_large_prompt(message) else self.inbox).put(message)
         elif isinstance(message, WorkerEmbed):  # tokenized by the preparer too
+            self.preparing_embeds.add(message.embed_id)
             self.inbox.put(message)
         else:
             self.commands.put(message)

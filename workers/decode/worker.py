@@ -32,8 +32,13 @@ from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT, RequestPreparer
 from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.chat_texts import chat_texts
-from cbatch.workers.engine.embedder import MIN_EMBED_TOKENS_BESIDE_STEPS, Embedder
+from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
+
+# An embedding decode beside generation takes about a step's time, at least this (a
+# llama_decode call has a cost of its own, and the tiny steps of a small model on a GPU
+# would leave embeddings almost no room).
+MIN_EMBED_STEP_S = 0.002
 
 
 def run_decode_worker(plan: WorkerPlan) -> None:
@@ -96,10 +101,9 @@ def run_engine_loop(engine: Engine, embedder: Embedder, apply_pending: Callable[
     """
     while apply_pending(not engine.has_work and not embedder.has_work):
         if embedder.has_work:  # one embedding decode between two generation steps, at most
-            # Beside generation it is no bigger than the step before it (embedder.py).
-            max_tokens = (max(engine.stats.num_last_batch_tokens, MIN_EMBED_TOKENS_BESIDE_STEPS)
-                          if engine.has_work else engine.config.batch_size)
-            for reply in embedder.step(max_tokens):
+            # Beside generation it takes about as long as a step (embedder.py).
+            budget_s = max(engine.stats.recent_step_s, MIN_EMBED_STEP_S) if engine.has_work else None
+            for reply in embedder.step(budget_s):
                 send(reply)
             if not engine.has_work:
                 publish([])  # the liveness beat an embedding-only load would otherwise never give

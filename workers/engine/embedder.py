@@ -3,23 +3,32 @@
     prepare(WorkerEmbed) -> EmbedJob (tokens; off the loop thread) -> add() -> step(): one
     llama_decode over the waiting jobs' inputs -> WorkerEmbedded replies, vectors in input order
 
-The context (embeddings on, the pooling below) is made by the first job that reaches
-step(), so a deployment that only generates pays nothing for it. One step decodes the
-inputs waiting, several callers' together, up to the batch's tokens (--batch-size) and
-sequences; the decode loop runs at most one step between two generation steps, so an
-embedding load delays each generation step by at most one such decode (docs/design.md),
-and while sequences generate a decode carries no more tokens than the generation step
-before it (MIN_EMBED_TOKENS_BESIDE_STEPS at least), so the delay is about one step.
-Every input is one sequence, whole in one decode (llama.cpp pools over a sequence within
-one micro-batch; an encoder's attention sees all of it at once), so an input holds at
-most --batch-size tokens, and no more than the model's training context. The context's
-memory is cleared after each decode: no input sees another's.
+The context (embeddings on) is made by the first job that reaches step(), so a deployment
+that only generates pays nothing for it. One step decodes the inputs waiting, several
+callers' together, up to the step's token budget and MAX_SEQS_PER_DECODE sequences; the
+decode loop runs at most one step between two generation steps. Beside generation the
+budget is a time, about one generation step's (run_engine_loop): the step takes as many
+tokens as the embedder's own measured seconds per token fit in it. An embedding token costs
+far more than a generated one on a model with a large vocabulary (llama.cpp computes every
+input token's logits row when embeddings are on: gemma-3-270m's 262k-wide rows make one
+token about 7 ms on 2 cores), so a token count taken from the generation step would stall
+the streams for seconds.
+
+A causal LM (no pooling declared in its GGUF) is pooled here, not by llama.cpp: its context
+keeps one row per token (pooling NONE), and an input may be split across steps, its KV
+kept between them, its rows summed (mean) or the first or last one kept (cls, last), so a
+long input never makes one long decode. An encoder (BERT-family: it declares its pooling)
+sees its whole input at once, so each input is whole in one decode, pooled by llama.cpp;
+it holds at most --batch-size tokens, and no more than the model's training context.
+Memory of finished inputs is removed after each decode: no input sees another's.
 
 Pooling: the one the GGUF declares ({arch}.pooling_type: BERT-family models do), else
 EngineConfig.pooling (mean by default: a causal LM declares none). Vectors are
-L2-normalized, as OpenAI's are.
+L2-normalized, as OpenAI's are. A job whose caller has gone is cancelled (cancel()):
+none of its inputs is decoded after that.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import llama_cpp.llama_cpp as lc
@@ -37,20 +46,37 @@ POOLING_TYPES = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "cls": lc.LLAMA_POOLING_TYP
                  "last": lc.LLAMA_POOLING_TYPE_LAST}
 POOLING_NAMES = {value: name for name, value in POOLING_TYPES.items()}
 MAX_SEQS_PER_DECODE = 64  # inputs in one llama_decode: each is a sequence id of the context
-# Tokens an embedding decode may carry beside running generations even after a small step:
-# about a decode step's cost on a GPU, a few ms of the tiny model on a CPU.
-MIN_EMBED_TOKENS_BESIDE_STEPS = 64
+FIRST_STEP_TOKENS = 8  # the first step beside generation, before any embedding token was timed
+TOKEN_TIME_SMOOTHING = 0.3  # weight of the latest decode in the seconds-per-token estimate
 
 
 @dataclass
 class EmbedJob:
     embed_id: int
     token_lists: list[list[int]]
-    vectors: list[bytes] = field(default_factory=list)  # of the inputs decoded so far, in order
+    vectors: list[bytes] = field(default_factory=list)  # of the inputs finished so far, in order
+    # The input being embedded in pieces (the first unfinished one): its tokens decoded so
+    # far, and its rows pooled so far (their sum, or the row kept).
+    num_done_tokens: int = 0
+    pooled: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(len(tokens) for tokens in self.token_lists)
+
+
+@dataclass
+class Piece:
+    """Tokens [start, end) of one input of a job, in one decode, as sequence seq_id."""
+    job: EmbedJob
+    tokens: list[int]
+    start: int
+    end: int
+    seq_id: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == len(self.tokens)
 
 
 class Embedder:
@@ -59,11 +85,14 @@ class Embedder:
         declared = runner.metadata(f"{runner.architecture}.pooling_type")
         declared_type = int(declared) if declared and declared.isdigit() else None
         self.pooling = POOLING_NAMES.get(declared_type, config.pooling)
+        self.is_split = declared_type is None  # a causal LM: inputs may span decodes, pooled here
         self.num_dims = lc.llama_model_n_embd_out(runner.model)
         self.max_input_tokens = min(config.batch_size, lc.llama_model_n_ctx_train(runner.model))
         self._jobs: list[EmbedJob] = []
+        self._open: Piece | None = None  # the input a decode ended inside of: its KV is kept for the next
         self._ctx = None
         self._batch: BatchBuffer | None = None
+        self.s_per_token: float | None = None  # measured over the recent decodes
         self.num_decodes = 0
         self.num_inputs = 0  # embedded, over all decodes
         self.mark_decoding = no_mark  # the decode worker's crash mark (ring.marker), told around llama_decode
@@ -101,68 +130,137 @@ class Embedder:
     def add(self, job: EmbedJob) -> None:
         self._jobs.append(job)
 
-    def step(self, max_tokens: int) -> list[WorkerEmbedded]:
-        """Decode the next inputs waiting (from the oldest job on), as many as one decode
-        takes and up to `max_tokens` (the first input whatever its length); returns the
-        replies of the jobs this completed (or failed)."""
+    def cancel(self, embed_id: int) -> bool:
+        """Drop a job whose caller has gone: none of its inputs is decoded from now on.
+        False if no such job waits (finished, or not prepared yet)."""
+        job = next((job for job in self._jobs if job.embed_id == embed_id), None)
+        if job is None:
+            return False
+        self._jobs.remove(job)
+        if self._open is not None and self._open.job is job:
+            lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), self._open.seq_id, -1, -1)
+            self._open = None
+        return True
+
+    def max_step_tokens(self, budget_s: float | None) -> int:
+        """The tokens of the next step: a time budget's worth at the measured rate (None: as
+        many as a decode takes)."""
+        if budget_s is None:
+            return self._config.batch_size
+        if self.s_per_token is None:
+            return FIRST_STEP_TOKENS
+        return max(1, min(self._config.batch_size, int(budget_s / self.s_per_token)))
+
+    def step(self, budget_s: float | None = None) -> list[WorkerEmbedded]:
+        """Decode the next inputs waiting (from the oldest job on), as many tokens as fit in
+        `budget_s` (None: one decode's worth); returns the replies of the jobs this
+        completed (or failed)."""
         if self._ctx is None:
             try:
-                self._open()
+                self._open_context()
             except CbatchError as err:
                 failed, self._jobs = self._jobs, []
                 return [WorkerEmbedded(job.embed_id, code=err.code, message=err.message) for job in failed]
-        placed = self._place(min(max_tokens, self._config.batch_size))
-        status = self._decode(placed)
-        replies, jobs_in_batch = [], {id(job): job for job, _ in placed}
+        pieces = self._place(self.max_step_tokens(budget_s))
+        started_s = time.perf_counter()
+        status = self._decode(pieces)
+        num_tokens = sum(piece.end - piece.start for piece in pieces)
+        measured = (time.perf_counter() - started_s) / num_tokens
+        self.s_per_token = measured if self.s_per_token is None else \
+            self.s_per_token + TOKEN_TIME_SMOOTHING * (measured - self.s_per_token)
+        jobs_in_batch = list({id(piece.job): piece.job for piece in pieces}.values())
         if status != 0:
-            self._jobs = [job for job in self._jobs if id(job) not in jobs_in_batch]
+            self._jobs = [job for job in self._jobs if job not in jobs_in_batch]
+            self._open = None
+            lc.llama_memory_clear(lc.llama_get_memory(self._ctx), False)
             return [WorkerEmbedded(job.embed_id, code=DECODE_FAILED, message=f"llama_decode failed with status "
                                                                              f"{status} on embeddings")
-                    for job in jobs_in_batch.values()]
-        for seq_id, (job, _) in enumerate(placed):
-            pooled = lc.llama_get_embeddings_seq(self._ctx, seq_id)
-            vector = np.ctypeslib.as_array(pooled, shape=(self.num_dims,)).astype(np.float32)
-            job.vectors.append(vector_bytes(vector / max(float(np.linalg.norm(vector)), 1e-12)))
-        for job in jobs_in_batch.values():
+                    for job in jobs_in_batch]
+        self._pool(pieces)
+        replies = []
+        for job in jobs_in_batch:
             if len(job.vectors) == len(job.token_lists):
                 self._jobs.remove(job)
                 replies.append(WorkerEmbedded(job.embed_id, job.vectors, job.num_tokens))
         return replies
 
-    def _place(self, max_tokens: int) -> list[tuple[EmbedJob, list[int]]]:
-        """The inputs of the next decode, in arrival order: (job, tokens) per sequence."""
-        placed, num_tokens = [], 0
+    def _place(self, max_tokens: int) -> list[Piece]:
+        """The next decode's pieces, in arrival order, within max_tokens (an encoder's first
+        input whole whatever its length); a causal LM's last piece may end inside its input."""
+        pieces, num_tokens = [], 0
+        free_seq_ids = iter(i for i in range(MAX_SEQS_PER_DECODE)
+                            if self._open is None or i != self._open.seq_id)
         for job in self._jobs:
-            for tokens in job.token_lists[len(job.vectors):]:
-                if placed and (len(placed) == MAX_SEQS_PER_DECODE or num_tokens + len(tokens) > max_tokens):
-                    return placed
-                placed.append((job, tokens))
-                num_tokens += len(tokens)
-        return placed
+            for index in range(len(job.vectors), len(job.token_lists)):
+                tokens = job.token_lists[index]
+                room = max_tokens - num_tokens
+                if pieces and (room <= 0 or len(pieces) == MAX_SEQS_PER_DECODE
+                               or (not self.is_split and len(tokens) > room)):
+                    return pieces
+                is_open = self._open is not None and self._open.job is job and index == len(job.vectors)
+                start = job.num_done_tokens if is_open else 0
+                end = min(len(tokens), start + max(room, 1)) if self.is_split else len(tokens)
+                pieces.append(Piece(job, tokens, start, end, self._open.seq_id if is_open else next(free_seq_ids)))
+                num_tokens += end - start
+                if end < len(tokens):
+                    return pieces
+        return pieces
 
-    def _decode(self, placed: list[tuple[EmbedJob, list[int]]]) -> int:
-        tokens, positions, seq_ids = [], [], []
-        for seq_id, (_, input_tokens) in enumerate(placed):
-            tokens += input_tokens
-            positions += range(len(input_tokens))
-            seq_ids += [seq_id] * len(input_tokens)
-        batch, n = self._batch, len(tokens)
-        batch.tokens[:n], batch.positions[:n], batch.seq_ids[:n] = tokens, positions, seq_ids
+    def _decode(self, pieces: list[Piece]) -> int:
+        batch, n = self._batch, 0
+        for piece in pieces:
+            num = piece.end - piece.start
+            batch.tokens[n:n + num] = piece.tokens[piece.start:piece.end]
+            batch.positions[n:n + num] = range(piece.start, piece.end)
+            batch.seq_ids[n:n + num] = [piece.seq_id] * num
+            n += num
         batch.wants_logits[:n] = 1  # pooling reads every token's output
         batch.batch.n_tokens = n
         status = marked_decode(self.mark_decoding, self._ctx, batch.batch)
         self.num_decodes += 1
-        self.num_inputs += len(placed)
-        memory = lc.llama_get_memory(self._ctx)
-        if memory:  # a causal model's KV (an encoder keeps none): the next decode starts clean
-            lc.llama_memory_clear(memory, False)
         return status
 
-    def _open(self) -> None:
+    def _pool(self, pieces: list[Piece]) -> None:
+        """Each piece's rows into its job's pool, the finished inputs' vectors appended in
+        order, and the memory of every finished input removed (the open one's kept)."""
+        rows = (np.ctypeslib.as_array(lc.llama_get_embeddings(self._ctx),
+                                      shape=(sum(p.end - p.start for p in pieces), self.num_dims))
+                if self.is_split else None)
+        offset, self._open = 0, None
+        for piece in pieces:
+            job = piece.job
+            if self.is_split:
+                part = rows[offset:offset + piece.end - piece.start]
+                offset += piece.end - piece.start
+                job.pooled = pooled_rows(self.pooling, job.pooled, part, piece.start == 0)
+                job.num_done_tokens = piece.end
+                if not piece.is_last:
+                    self._open = piece
+                    continue
+                vector = job.pooled / len(piece.tokens) if self.pooling == "mean" else job.pooled
+                job.pooled, job.num_done_tokens = None, 0
+            else:
+                pooled = lc.llama_get_embeddings_seq(self._ctx, piece.seq_id)
+                vector = np.ctypeslib.as_array(pooled, shape=(self.num_dims,))
+            vector = vector.astype(np.float32)
+            job.vectors.append(vector_bytes(vector / max(float(np.linalg.norm(vector)), 1e-12)))
+            self.num_inputs += 1
+        memory = lc.llama_get_memory(self._ctx)
+        if memory and self._open is None:  # a causal model's KV (an encoder keeps none)
+            lc.llama_memory_clear(memory, False)
+        elif memory:
+            for piece in pieces:
+                if piece is not self._open:
+                    lc.llama_memory_seq_rm(memory, piece.seq_id, -1, -1)
+
+    def _open_context(self) -> None:
         params = lc.llama_context_default_params()
         params.embeddings = True
-        params.pooling_type = POOLING_TYPES[self.pooling]
-        params.n_ctx = params.n_batch = params.n_ubatch = self._config.batch_size  # one decode = one micro-batch
+        # A causal LM's rows come out one per token and are pooled here (_pool); its context
+        # holds an open input's KV beside a whole decode's.
+        params.pooling_type = lc.LLAMA_POOLING_TYPE_NONE if self.is_split else POOLING_TYPES[self.pooling]
+        params.n_ctx = self._config.batch_size * (2 if self.is_split else 1)
+        params.n_batch = params.n_ubatch = self._config.batch_size  # one decode = one micro-batch
         params.n_seq_max = MAX_SEQS_PER_DECODE
         params.kv_unified = True  # one pool for the batch's sequences: each holds only its own input
         params.n_threads = params.n_threads_batch = self._config.num_threads
@@ -182,3 +280,14 @@ class Embedder:
         if self._ctx:
             lc.llama_free(self._ctx)
             self._ctx = None
+
+
+def pooled_rows(pooling: str, pooled: np.ndarray | None, rows: np.ndarray, is_first: bool) -> np.ndarray:
+    """An input's pool after one more piece of its rows: the running sum (mean), the first
+    row (cls) or the latest row (last)."""
+    if pooling == "mean":
+        total = rows.sum(axis=0, dtype=np.float64)
+        return total if is_first else pooled + total
+    if pooling == "cls":
+        return rows[0].copy() if is_first else pooled
+    return rows[-1].copy()

@@ -15,6 +15,7 @@ from cbatch.workers.engine.sequence import Sequence
 MIN_TIMED_DECODE_S = 0.001  # shorter decodes say little about the threads' share (clock granularity)
 CPU_TIMED_EVERY_STEPS = 8  # steps between two readings of the process CPU time (Engine.step)
 CPU_SHARE_SMOOTHING = 0.2  # weight of one timed step in compute_cpu_share: about the last 5 (40 steps)
+STEP_TIME_SMOOTHING = 0.1  # weight of one step in recent_step_s: about the last 10
 
 
 @dataclass
@@ -33,7 +34,7 @@ class EngineStats:
     num_prefill_tokens: int = 0  # tokens fed in pure-prefill steps
     num_prompt_tokens_computed: int = 0  # prompt tokens fed in any step (not served by the cache)
     requests_ended: int = 0  # finished for any reason: stop, length, cancelled, error
-    num_last_batch_tokens: int = 0  # of the latest step: what an embedding decode beside it may carry
+    recent_step_s: float = 0.0  # the steps' wall time, smoothed: what an embedding decode beside them may take
     # The share of their cores llama.cpp's compute threads got inside llama_decode, over the
     # recent steps (see record_cpu); 1.0 until measured. Its threads spin at their barriers,
     # so they use their cores whole unless other processes take them.
@@ -50,7 +51,7 @@ class EngineStats:
     def record_step(self, step_s: float, llama_decode_s: float, num_batch_tokens: int, num_prompt_tokens: int,
                     num_decode_seqs: int, num_generated: int) -> None:
         self.num_steps += 1
-        self.num_last_batch_tokens = num_batch_tokens
+        self.recent_step_s += STEP_TIME_SMOOTHING * (step_s - self.recent_step_s)
         self.num_sampled_tokens += num_generated
         self.num_prompt_tokens_computed += num_prompt_tokens
         self.step_s += step_s
