@@ -16,7 +16,6 @@ events to the front-end.
 
 import os
 import signal
-import threading
 from typing import Callable
 
 import llama_cpp  # noqa: F401  before zmq, see cbatch/__init__.py
@@ -68,8 +67,10 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         for source, mark, nice_increment in ((io.inbox, CrashMark.PREPARING, 0),
                                              (io.large_inbox, CrashMark.PREPARING_LARGE, PREPARE_NICE_INCREMENT)):
             RequestPreparer(engine, embedder, source, io.commands, ring.marker(mark), nice_increment).start()
-        if not engine.runner.is_embedding_only:  # structured output's vocabulary adapter, beside the first requests
-            threading.Thread(target=engine.runner.constraints.tokenizer, name="worker-vocab-adapter", daemon=True).start()
+        if not engine.runner.is_embedding_only:
+            # Structured output's vocabulary adapter, before READY: llguidance builds it holding
+            # the interpreter (2-3 s for gemma's 262k tokens), which would stall the first steps.
+            engine.runner.constraints.tokenizer()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
                             engine.reasoning,

@@ -48,6 +48,7 @@ POOLING_NAMES = {value: name for name, value in POOLING_TYPES.items()}
 MAX_SEQS_PER_DECODE = 64  # inputs in one llama_decode: each is a sequence id of the context
 FIRST_STEP_TOKENS = 8  # the first step beside generation, before any embedding token was timed
 TOKEN_TIME_SMOOTHING = 0.3  # weight of the latest decode in the seconds-per-token estimate
+MIN_TOKEN_SHARE = 0.25  # of a decode's time, counted as its tokens' own whatever the budget
 
 
 @dataclass
@@ -165,7 +166,10 @@ class Embedder:
         started_s = time.perf_counter()
         status = self._decode(pieces)
         num_tokens = sum(piece.end - piece.start for piece in pieces)
-        measured = (time.perf_counter() - started_s) / num_tokens
+        # A token's own cost, less the decode's fixed one (the pass over the weights: about a
+        # generation step's, the budget), so that a small decode does not look dear per token.
+        decode_s = time.perf_counter() - started_s
+        measured = max(decode_s - (budget_s or 0.0), MIN_TOKEN_SHARE * decode_s) / num_tokens
         self.s_per_token = measured if self.s_per_token is None else \
             self.s_per_token + TOKEN_TIME_SMOOTHING * (measured - self.s_per_token)
         jobs_in_batch = list({id(piece.job): piece.job for piece in pieces}.values())
