@@ -106,7 +106,7 @@ class Daemon:
     def runner_pid(self) -> int:
         for pid in tree_pids(self.process.pid):
             with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if b"cbatch.jobs.runner" in cmdline.read():
+                if b"cbatch.jobs.job_runner" in cmdline.read():
                     return pid
         raise RuntimeError("the daemon runs no job runner")
 

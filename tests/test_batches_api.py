@@ -270,7 +270,7 @@ def test_a_waiting_job_ends_when_its_window_does_or_it_is_cancelled_while_anothe
 
 
 def _runner_pids() -> list[int]:
-    found = subprocess.run(["pgrep", "-f", "cbatch.jobs.runner"], capture_output=True, text=True)
+    found = subprocess.run(["pgrep", "-f", "cbatch.jobs.job_runner"], capture_output=True, text=True)
     return [int(pid) for pid in found.stdout.split()]
 
 

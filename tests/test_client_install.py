@@ -35,7 +35,7 @@ assert not [m for m in sys.modules if m.split(".")[0] in {SERVER_ONLY!r}], sorte
 # What a client-only program may use: the package, its clients, the client commands, tools.
 CLIENT_MODULES = ("cbatch", "cbatch.client", "cbatch.client.sync_client", "cbatch.client.async_client",
                   "cbatch.client.session", "cbatch.tools", "cbatch.cli.submit", "cbatch.cli.submit_transport",
-                  "cbatch.cli.status", "cbatch.cli.openai_batch", "cbatch.cli.native_batch",
+                  "cbatch.cli.status", "cbatch.batch.openai_batch", "cbatch.batch.native_batch",
                   "cbatch.openai.mapping")
 
 

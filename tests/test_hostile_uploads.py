@@ -78,7 +78,7 @@ def _files(draw):
 def _pids(daemon) -> tuple[int, int]:
     """(the decode worker's pid, the job runner's)."""
     runner = [pid for pid in child_pids(daemon.process.pid)
-              if b"cbatch.jobs.runner" in open(f"/proc/{pid}/cmdline", "rb").read()]
+              if b"cbatch.jobs.job_runner" in open(f"/proc/{pid}/cmdline", "rb").read()]
     return daemon.new_decode_worker_pid(), runner[0]
 
 

@@ -5,7 +5,8 @@
     cbatch/client  ->  never cbatch.workers
     cbatch/openai  ->  the shared ones, cbatch/tools and its own modules (OpenAI's shapes, never HTTP or Starlette)
     cbatch/http_api  ->  the client, cbatch/tools, cbatch/openai, the batch jobs' store and its own modules only
-    cbatch/jobs  ->  never cbatch.workers (the job runner is one more client of the daemon)
+    cbatch/batch  ->  never cbatch.workers, cbatch.cli or cbatch.jobs (the batch-file engine both use)
+    cbatch/jobs  ->  never cbatch.workers or cbatch.cli (the job runner is one more client of the daemon)
     cbatch/ipc (ipc/)  ->  never cbatch.workers
     cbatch/workers/engine  ->  never the daemon or the decode process
     cbatch/protocol  ->  nothing of the project
@@ -77,7 +78,8 @@ def outside(*forbidden: str):
     ("cbatch.openai", lambda name: name in SHARED or name.startswith(("cbatch.tools", "cbatch.openai"))),
     ("cbatch.http_api", lambda name: name in SHARED or name in JOB_STORE or name.startswith((
         "cbatch.client", "cbatch.tools", "cbatch.openai", "cbatch.http_api"))),
-    ("cbatch.jobs", outside("cbatch.workers")),
+    ("cbatch.batch", outside("cbatch.workers", "cbatch.cli", "cbatch.jobs", "cbatch.http_api")),
+    ("cbatch.jobs", outside("cbatch.workers", "cbatch.cli", "cbatch.http_api")),
     ("cbatch.protocol", lambda name: False),
 ])
 def test_imports_point_one_way(package, is_allowed):

@@ -135,7 +135,7 @@ def test_bad_tool_input_is_a_400_naming_the_field(daemon, api, extra, param):
 def test_an_openai_batch_line_with_tools_sends_the_grammar_and_answers_with_tool_calls():
     """Batch files share the HTTP API's mapping: a forced call is constrained and written
     out as tool_calls (the model's answer is played here: a daemon run is the HTTP tests')."""
-    from cbatch.cli.openai_batch import OpenAILine
+    from cbatch.batch.openai_batch import OpenAILine
     from cbatch.client.streams import Chunk
 
     body = {"model": "m", "messages": ASK, "tools": [WEATHER], "tool_choice": "required"}

@@ -5,21 +5,21 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import json
 import signal
 import sys
 import time
 
-from cbatch.cli.batch_run import BatchInterrupted, EmbeddingTally, InOrderWriter, RunSummary, run_batch
+from cbatch.batch.batch_run import BatchInterrupted, EmbeddingTally, InOrderWriter, RunSummary, run_batch
 from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
-from cbatch.cli.line_keys import LineSelector, native_id, openai_id
-from cbatch.cli.native_batch import NativeLine
-from cbatch.cli.openai_batch import OpenAILine, is_openai_batch
-from cbatch.cli.resume import prepare_resume
+from cbatch.batch.line_keys import LineSelector, native_id, openai_id
+from cbatch.batch.native_batch import NativeLine
+from cbatch.batch.openai_batch import OpenAILine, is_openai_batch
+from cbatch.batch.input_lines import read_items
+from cbatch.batch.resume import prepare_resume
 from cbatch.cli.submit_transport import PROG, check_transport_flags, connect, run_job_command
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
 from cbatch.client.batch_retry import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_FOR_S, Patience, call_held
-from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, INVALID_REQUEST, CbatchError
+from cbatch.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CbatchError
 from cbatch.extras import URL, URL_MODULES, check_extra
 from cbatch.wording import counted
 
@@ -58,49 +58,6 @@ def make_parser() -> argparse.ArgumentParser:
     jobs.add_argument("--wait", metavar="BATCH_ID", help="wait for a batch job to end and write its result lines")
     add_version(parser)
     return parser
-
-
-ID_KEYS = ("id", "custom_id")  # a line's ids, written back in its result
-
-
-def is_utf8(value) -> bool:
-    """False for a string with a lone surrogate (no UTF-8 for it); True for any other value."""
-    if not isinstance(value, str):
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def read_items(lines):
-    """Yield (line number, request dict or CbatchError) per non-blank line."""
-    with lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield number, CbatchError(INVALID_REQUEST, f"line {number} is not valid JSON: {err.msg} (column {err.colno})")
-                continue
-            except RecursionError:  # Python's parser recurses per level: a line 1000 deep is its error alone
-                yield number, CbatchError(INVALID_REQUEST, f"line {number} nests arrays or objects too deep")
-                continue
-            if not isinstance(item, dict):
-                yield number, CbatchError(INVALID_REQUEST, f"line {number} must be a JSON object")
-                continue
-            if not all(isinstance(key, str) for key in item):
-                yield number, CbatchError(INVALID_REQUEST, f"line {number} has non-string keys")
-                continue
-            if not all(is_utf8(item.get(key, "")) for key in ID_KEYS):
-                # JSON's "\ud800" escape: an id no result could be written with
-                yield number, CbatchError(INVALID_REQUEST, f"line {number} has an id that is not valid UTF-8 "
-                                                           f"(a lone surrogate)")
-                continue
-            item.setdefault("id", number)
-            yield number, item
 
 
 def open_input(path: str):

@@ -2,7 +2,7 @@
 
 One writer per job object, so no two processes race on it: the HTTP server writes it
 once, when the job is created (status validating); from then on only the job runner
-(cbatch.jobs.runner) does. A cancel is a marker file of its own (`<id>.cancel`) that
+(cbatch.jobs.job_runner) does. A cancel is a marker file of its own (`<id>.cancel`) that
 the runner honours; until the runner has, the job shows as cancelling.
 
 Beside OpenAI's fields a job has cbatch's `progress` (cbatch.jobs.progress), written by

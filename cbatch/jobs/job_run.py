@@ -1,7 +1,7 @@
 """One batch job, run by the job runner: validating -> in_progress -> finalizing -> completed,
 or ended by its cancel (cancelled) or its completion window (expired).
 
-The lines run as cbatch-submit runs an OpenAI batch file (cbatch.cli.batch_run with its
+The lines run as cbatch-submit runs an OpenAI batch file (cbatch.batch.batch_run with its
 OpenAILine, at batch priority, the same mapping as the HTTP endpoints), with two
 differences: each result is made durable as it finishes (group commit: cbatch.jobs.results),
 and a run may stop at any point (a cancel, the window's end, the daemon draining or
@@ -20,8 +20,8 @@ import tempfile
 import time
 import uuid
 
-from cbatch.cli.batch_run import BatchInterrupted, run_batch
-from cbatch.cli.openai_batch import OpenAILine
+from cbatch.batch.batch_run import BatchInterrupted, run_batch
+from cbatch.batch.openai_batch import OpenAILine
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
 from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
 from cbatch.jobs.batches import (CANCELLED, COMPLETED, EXPIRED, FAILED, FINAL_STATUSES, FINALIZING, IN_PROGRESS,

@@ -11,7 +11,7 @@ restarted runner sends only the others and none twice. A line of the log that is
 whole result (cut by a crash, or damaged on disk) is dropped when the log is read back,
 and the log rewritten without it: that input line runs again, and no later read of the
 job fails on it. A write the disk cannot take whole (full) is undone, and the job waits
-for room (cbatch.jobs.runner), its finished lines kept. When the job ends
+for room (cbatch.jobs.job_runner), its finished lines kept. When the job ends
 the log is read back in input order into the output file (the lines answered 200) and
 the error file (the rest); the input is streamed and the log read by offset, so memory
 holds one key and offset per finished line, not the lines.
@@ -21,8 +21,8 @@ import json
 import os
 import time
 
-from cbatch.cli.line_keys import LineSelector, id_key, line_key, openai_id, result_key
-from cbatch.cli.submit import read_items
+from cbatch.batch.line_keys import LineSelector, id_key, line_key, openai_id, result_key
+from cbatch.batch.input_lines import read_items
 from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.jobs.progress import usage_tokens
 
@@ -53,7 +53,7 @@ def input_lines(path: str, endpoint: str, done_keys: set[str] = frozenset()):
 
 
 class ResultsLog:
-    """The writer cbatch.cli.batch_run takes, writing each line as soon as it finishes;
+    """The writer cbatch.batch.batch_run takes, writing each line as soon as it finishes;
     `on_written()` is called after each group of lines made durable (and counted)."""
 
     def __init__(self, path: str, on_written=lambda: None):

@@ -152,7 +152,7 @@ class ResponseEvents:
 
 class WholeResponseEvents:
     """A response that does not stream, gathered chunk by chunk as a batch line's answer is
-    (cbatch.cli.openai_batch: the interface of completions_output.WholeResponse): the last
+    (cbatch.batch.openai_batch: the interface of completions_output.WholeResponse): the last
     event's response, as the live endpoint answers it."""
 
     def __init__(self, events: ResponseEvents):

@@ -1,7 +1,7 @@
 """The HTTP server processes as the supervisor sees them: started before the model loads
 (they answer 503 until the daemon is ready), each restarted if it dies, drained with
 SIGTERM when the daemon drains, killed if they linger (child_process). Beside them, the
-batch job runner, which runs the jobs they take (cbatch.jobs.runner), kept the same way.
+batch job runner, which runs the jobs they take (cbatch.jobs.job_runner), kept the same way.
 
 A server (cbatch/http_api/app.py) is a separate process so that its event loop and JSON
 work never delay the front-end's poll loop; it reaches the daemon as any local client
@@ -126,11 +126,11 @@ class HttpProcess(ChildProcess):
 
 
 class JobRunnerProcess(ChildProcess):
-    """The one process that runs the batch jobs the HTTP servers take (cbatch.jobs.runner)."""
+    """The one process that runs the batch jobs the HTTP servers take (cbatch.jobs.job_runner)."""
 
     title = "cbatch jobs: the batch job runner"
     # Never given up: without it every job of every tenant would wait unseen. Each job's
-    # own failures fail that job (cbatch.jobs.runner); a runner that keeps dying at once
+    # own failures fail that job (cbatch.jobs.job_runner); a runner that keeps dying at once
     # says so in the log, /health, cbatch-status and /metrics while it is restarted.
     max_quick_deaths = None
 
@@ -139,5 +139,5 @@ class JobRunnerProcess(ChildProcess):
         self.endpoint, self.state_dir, self.retention_s = endpoint, state_dir, retention_s
 
     def argv(self) -> list[str]:
-        return module_argv("cbatch.jobs.runner", "--endpoint", self.endpoint, "--state-dir", self.state_dir,
+        return module_argv("cbatch.jobs.job_runner", "--endpoint", self.endpoint, "--state-dir", self.state_dir,
                            "--retention-s", str(self.retention_s))

@@ -38,6 +38,10 @@ from cbatch.workers.engine.engine import Engine
 # llama_decode call has a cost of its own, and the tiny steps of a small model on a GPU
 # would leave embeddings almost no room).
 MIN_EMBED_STEP_S = 0.002
+# With nothing generating, an embedding decode takes this long at most: long enough that a
+# decode's fixed cost is a small share, short enough that a request arriving meanwhile
+# waits little for its first step.
+IDLE_EMBED_STEP_S = 0.2
 
 
 def run_decode_worker(plan: WorkerPlan) -> None:
@@ -103,8 +107,9 @@ def run_engine_loop(engine: Engine, embedder: Embedder, apply_pending: Callable[
     while apply_pending(not engine.has_work and not embedder.has_work):
         if embedder.has_work:  # one embedding decode between two generation steps, at most
             # Beside generation it takes about as long as a step (embedder.py).
-            budget_s = max(engine.stats.recent_step_s, MIN_EMBED_STEP_S) if engine.has_work else None
-            for reply in embedder.step(budget_s):
+            step_s = engine.stats.recent_step_s
+            budget_s = max(step_s, MIN_EMBED_STEP_S) if engine.has_work else IDLE_EMBED_STEP_S
+            for reply in embedder.step(budget_s, step_s):
                 send(reply)
             if not engine.has_work:
                 publish([])  # the liveness beat an embedding-only load would otherwise never give

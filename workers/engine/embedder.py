@@ -143,19 +143,16 @@ class Embedder:
             self._open = None
         return True
 
-    def max_step_tokens(self, budget_s: float | None) -> int:
-        """The tokens of the next step: a time budget's worth at the measured rate (None: as
-        many as a decode takes)."""
-        if budget_s is None:
-            return self._config.batch_size
+    def max_step_tokens(self, budget_s: float) -> int:
+        """The tokens of the next step: a time budget's worth at the measured rate."""
         if self.s_per_token is None:
             return FIRST_STEP_TOKENS
         return max(1, min(self._config.batch_size, int(budget_s / self.s_per_token)))
 
-    def step(self, budget_s: float | None = None) -> list[WorkerEmbedded]:
+    def step(self, budget_s: float, fixed_s: float = 0.0) -> list[WorkerEmbedded]:
         """Decode the next inputs waiting (from the oldest job on), as many tokens as fit in
-        `budget_s` (None: one decode's worth); returns the replies of the jobs this
-        completed (or failed)."""
+        `budget_s` beyond a decode's fixed cost (`fixed_s`: about a generation step's, the
+        pass over the weights); returns the replies of the jobs this completed (or failed)."""
         if self._ctx is None:
             try:
                 self._open_context()
@@ -166,10 +163,10 @@ class Embedder:
         started_s = time.perf_counter()
         status = self._decode(pieces)
         num_tokens = sum(piece.end - piece.start for piece in pieces)
-        # A token's own cost, less the decode's fixed one (the pass over the weights: about a
-        # generation step's, the budget), so that a small decode does not look dear per token.
+        # A token's own cost, less the decode's fixed one, so that a small decode does not
+        # look dear per token.
         decode_s = time.perf_counter() - started_s
-        measured = max(decode_s - (budget_s or 0.0), MIN_TOKEN_SHARE * decode_s) / num_tokens
+        measured = max(decode_s - fixed_s, MIN_TOKEN_SHARE * decode_s) / num_tokens
         self.s_per_token = measured if self.s_per_token is None else \
             self.s_per_token + TOKEN_TIME_SMOOTHING * (measured - self.s_per_token)
         jobs_in_batch = list({id(piece.job): piece.job for piece in pieces}.values())

@@ -45,7 +45,7 @@ DISK_FULL_RETRY_S = 5.0  # a job the full disk stopped is tried again no sooner 
 WAITING_CHECK_S = 1.0  # how often waiting jobs are looked at for a cancel or their window's end
 
 
-class Runner:
+class JobRunner:
     def __init__(self, endpoint: str, state_dir: str, retention_s: float = 0.0):
         self.endpoint = endpoint
         self.state_dir = state_dir
@@ -203,7 +203,7 @@ def main(argv=None) -> None:
     parser.add_argument("--retention-s", type=float, default=0.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    runner = Runner(args.endpoint, args.state_dir, args.retention_s)
+    runner = JobRunner(args.endpoint, args.state_dir, args.retention_s)
 
     def stop(signum, frame):
         runner.is_stopping = True  # each running job stops between two arrivals

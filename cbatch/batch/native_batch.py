@@ -4,7 +4,7 @@ params...}; one result line per input line: {"id", "text", "finish_reason", "usa
 `tools` gets "tool_calls" (OpenAI's shape) beside "text" when the model called. A line
 that is not a request of its own gets its line number as id, and `line` in its error."""
 
-from cbatch.cli.line_keys import line_error
+from cbatch.batch.line_keys import line_error
 from cbatch.client.streams import Completion, completion_from_chunks
 from cbatch.errors import CbatchError
 from cbatch.params import BATCH, expand_choices, parse_request

@@ -12,7 +12,7 @@ else waits), while the completions before it run on.
 
 import uuid
 
-from cbatch.cli.line_keys import LINE_FIELD
+from cbatch.batch.line_keys import LINE_FIELD
 from cbatch.client.batch_retry import is_transient
 from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.openai.completions_output import ResponseBuilder, WholeResponse, system_fingerprint

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 
-from cbatch.cli.line_keys import result_key
+from cbatch.batch.line_keys import result_key
 from cbatch.client.batch_retry import TRANSIENT_CODES
 
 def is_transient_result(result: dict) -> bool:
