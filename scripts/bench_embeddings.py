@@ -32,9 +32,9 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_long_prompts  # noqa: E402
 from bench_http import closed_loop, http_sender, prompts, wait_http  # noqa: E402
 from bench_long_prompts import CbatchDaemon, LlamaServer  # noqa: E402
-import bench_long_prompts  # noqa: E402
 
 from cbatch.client import Client  # noqa: E402
 from cbatch.model import resolve_model_path  # noqa: E402
@@ -123,7 +123,8 @@ def measure(args, model_path: str) -> tuple[dict, dict]:
         wait_http(url)
         inputs_per_s(http_embedder(url, model, 1), 1, 2, 1)  # warm-up: the embedding context is made
         for size in args.batch_sizes:
-            rates["cbatch HTTP"][size] = inputs_per_s(http_embedder(url, model, size), args.clients, args.requests, size)
+            rates["cbatch HTTP"][size] = inputs_per_s(http_embedder(url, model, size), args.clients, args.requests,
+                                                      size)
             rates["cbatch Client"][size] = inputs_per_s(zmq_embedder(daemon.endpoint, size), args.clients,
                                                          args.requests, size)
         load = http_embedder(url, model, max(args.batch_sizes))

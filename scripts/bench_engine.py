@@ -90,8 +90,10 @@ def main() -> None:
 
     model_path = resolve_model_path(args.model)
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=1024, n_batch=512, verbose=False)
-    prompts = make_prompts(lambda text: len(llm.tokenize(text.encode())), max(max(args.parallel), 8), args.prompt_tokens)
-    print(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, {args.max_tokens} generated each; "
+    prompts = make_prompts(lambda text: len(llm.tokenize(text.encode())), max(max(args.parallel), 8),
+                           args.prompt_tokens)
+    print(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, "
+          f"{args.max_tokens} generated each; "
           f"{args.waves} wave(s), {'unified KV' if args.kv_unified else 'one KV stream per slot'}, "
           f"prefix cache {'on' if args.prefix_cache else 'off'}")
     print(f"{'mode':8} {'parallel':>8} {'requests':>8} {'tok/s':>8} {'in decode':>9} {'x sequential':>12}")
@@ -103,8 +105,8 @@ def main() -> None:
             batch = prompts[: max(parallel, 8)]
             tok_s, stats = run_engine(model_path, parallel, batch, params, args.max_tokens, args.waves, args.kv_unified,
                                       args.prefix_cache)
-            print(f"{mode:8} {parallel:8d} {len(batch) * args.waves:8d} {tok_s:8.1f} {stats['decode_fraction']:9.3f} {tok_s / sequential:12.2f}",
-                  flush=True)
+            print(f"{mode:8} {parallel:8d} {len(batch) * args.waves:8d} {tok_s:8.1f} {stats['decode_fraction']:9.3f} "
+                  f"{tok_s / sequential:12.2f}", flush=True)
 
 
 if __name__ == "__main__":

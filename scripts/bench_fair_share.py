@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proc_cpu  # noqa: E402
 from bench_http import wait_http  # noqa: E402
 from bench_long_prompts import CbatchDaemon  # noqa: E402
 from bench_serving import LOADGEN, free_port  # noqa: E402
-import proc_cpu  # noqa: E402
 
 KEYS = "heavy key-heavy\nlight key-light\n"  # equal weights: fair share means equal tokens
 BACKLOG_TIMEOUT_S = 120.0

@@ -23,9 +23,9 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_system import cpu_seconds  # noqa: E402
-from bench_long_prompts import START_TIMEOUT_S, CbatchDaemon, LlamaServer  # noqa: E402
 import bench_long_prompts  # noqa: E402
+from bench_long_prompts import START_TIMEOUT_S, CbatchDaemon, LlamaServer  # noqa: E402
+from bench_system import cpu_seconds  # noqa: E402
 
 from cbatch.client import Client  # noqa: E402
 from cbatch.model import resolve_model_path  # noqa: E402

@@ -120,7 +120,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-connections", action="store_true", help="a new connection per request, as curl")
-    parser.add_argument("--loops", action="store_true", help="compare the event loops (asyncio, uvloop), not the parsers")
+    parser.add_argument("--loops", action="store_true",
+                        help="compare the event loops (asyncio, uvloop), not the parsers")
     args = parser.parse_args()
     model = args.model or make_tiny_model(Path(tempfile.mkdtemp(prefix="cbb-")) / "tiny.gguf")
     print(f"{args.requests} requests of {args.max_tokens} token(s), {args.callers} callers, "
@@ -134,7 +135,8 @@ def main() -> None:
             print(f"round {round_number} {row['name']:>9}: {row['requests_per_s']:7.1f} req/s, HTTP process "
                   f"{row['http_cpu_ms']:.2f} ms CPU/request, whole daemon {row['daemon_cpu_ms']:.2f} ms; "
                   f"load generator {row['caller_cores']:.2f} cores{flag}")
-        print(f"round {round_number}: HTTP CPU per request {other} / {default} = {cpu_ratio(rows[other], rows[default])}")
+        ratio = cpu_ratio(rows[other], rows[default])
+        print(f"round {round_number}: HTTP CPU per request {other} / {default} = {ratio}")
 
 
 def cpu_ratio(row: dict, default: dict) -> str:

@@ -180,7 +180,8 @@ def throughput(daemon: Daemon, args) -> None:
         jobs.append(job_tok_s(daemon, lines))
     shutil.rmtree(out_dir)
     ratio = sum(tok_s for tok_s, _ in jobs) / sum(tok_s for tok_s, _ in submits)
-    rates = {name: " / ".join(f"{tok_s:.0f}" for tok_s, _ in runs) for name, runs in (("submit", submits), ("job", jobs))}
+    rates = {name: " / ".join(f"{tok_s:.0f}" for tok_s, _ in runs)
+             for name, runs in (("submit", submits), ("job", jobs))}
     cpu_ms = {name: 1000 * sum(cpu_s for _, cpu_s in runs) / (len(runs) * args.lines)
               for name, runs in (("submit", submits), ("job", jobs))}
     print(f"throughput, {args.lines} lines x {args.max_tokens} tokens: cbatch-submit {rates['submit']} tok/s, "
@@ -204,7 +205,8 @@ def ttfts(daemon: Daemon, args) -> list[float]:
 
 def ttft(daemon: Daemon, args) -> None:
     idle = ttfts(daemon, args)
-    batch_id = daemon.create_job(batch_lines(min(20 * args.lines, MAX_FILE_LINES), args.max_tokens))  # outlasts the probes
+    batch_id = daemon.create_job(batch_lines(min(20 * args.lines, MAX_FILE_LINES),
+                                             args.max_tokens))  # outlasts the probes
     daemon.wait([batch_id], lambda batch: batch["status"] != "validating")
     loaded = ttfts(daemon, args)
     running = daemon.batch(batch_id)

@@ -11,10 +11,11 @@ Only requests that ask for logprobs pay it.
 import argparse
 import time
 
+import numpy as np
+
 # This script's folder is on sys.path; bench_engine loads llama_cpp before numpy, the
 # order a CUDA build needs (see cbatch/__init__.py).
 from bench_engine import make_prompts, run_engine
-import numpy as np
 
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path

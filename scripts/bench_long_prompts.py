@@ -109,7 +109,8 @@ class CbatchDaemon:
         self.env = {**os.environ, **(extra_env or {}), "XDG_RUNTIME_DIR": str(self.workdir),
                     "CBATCH_ENDPOINT": self.endpoint}
         self.log = open(self.workdir / "daemon.log", "w")
-        self.process = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "-m", model_path, "-np", str(parallel), *flags],
+        self.process = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "-m", model_path, "-np", str(parallel),
+                                         *flags],
                                         env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -19,7 +19,6 @@ import sys
 import time
 
 import httpx
-
 from scale_out import ScaleOut
 
 WORDS = ("river", "stone", "lamp", "orchard", "signal", "harbor", "copper", "meadow", "ledger", "falcon")
@@ -139,7 +138,8 @@ def main() -> None:
     both = with_daemons(pinned, common, args.port, two)
     print(f"  two daemons / one direct: {both['tok_per_s'] / direct['tok_per_s']:.2f}", flush=True)
 
-    print(f"3. {args.prefixes} shared {args.prefix_words}-word prefixes x {args.questions} questions, two daemons", flush=True)
+    print(f"3. {args.prefixes} shared {args.prefix_words}-word prefixes x {args.questions} questions, two daemons",
+          flush=True)
     prompts = [prefix_text(p, args.prefix_words) + f"Question {q}: what is item {q}?" for q in range(args.questions)
                for p in range(args.prefixes)]
     by_policy = {}

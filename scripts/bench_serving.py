@@ -38,10 +38,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_http import closed_loop, one_client_batch, percentiles, prompts, wait_http, zmq_sender  # noqa: E402
-from bench_long_prompts import CbatchDaemon, LlamaServer  # noqa: E402
 import bench_long_prompts  # noqa: E402
 import proc_cpu  # noqa: E402
+from bench_http import closed_loop, one_client_batch, percentiles, prompts, wait_http, zmq_sender  # noqa: E402
+from bench_long_prompts import CbatchDaemon, LlamaServer  # noqa: E402
 
 from cbatch.client import AsyncClient, Client  # noqa: E402
 from cbatch.model import resolve_model_path  # noqa: E402
@@ -50,8 +50,8 @@ CTX_PER_SEQ = 1024
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 HTTP_WAYS = (("whole", []), ("streamed", ["--stream"]), ("whole, new conn", ["--new-connections"]))
 MAX_CALLER_CORE_SHARE = 1 / 3
-CPU_COLUMNS = ("caller", "front-end", "HTTP processes", "worker main thread", "llama_decode wall", "worker other threads",
-               "server")
+CPU_COLUMNS = ("caller", "front-end", "HTTP processes", "worker main thread", "llama_decode wall",
+               "worker other threads", "server")
 
 
 def free_port() -> int:

@@ -27,6 +27,7 @@ import time
 import llama_cpp
 import llama_cpp.llama_cpp as lc
 import numpy as np
+from schema_suite import suite  # this script's folder: the schemas the tests use too
 
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
@@ -34,7 +35,6 @@ from cbatch.params import parse_params, parse_request
 from cbatch.tools.plan import ToolPlan
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sampling.constrained import TOKEN_DATA
-from schema_suite import suite  # this script's folder: the schemas the tests use too
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0,

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_engine import make_prompts
+
 from cbatch.client import Client
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
@@ -105,7 +105,8 @@ def idle_reader_cpu(env, parallel: int) -> tuple[float, float]:
         worker_pid = probe.health()["worker_pid"]
     results = []
     for with_traffic in (False, True):
-        blockers = [subprocess.Popen([sys.executable, "-c", blocker], env=env) for _ in range(parallel if with_traffic else 0)]
+        blockers = [subprocess.Popen([sys.executable, "-c", blocker],
+                                     env=env) for _ in range(parallel if with_traffic else 0)]
         time.sleep(2.0)  # blockers admitted
         if not with_traffic:
             os.kill(worker_pid, signal.SIGSTOP)
@@ -158,13 +159,15 @@ def main() -> None:
         reference = (in_process + in_process_again) / 2
         print(f"{'path':34} {'tok/s':>8} {'vs in-process':>14}")
         for name, value in (("in-process engine (mean of 2)", reference), ("cbatch-submit", submit),
-                            ("1 Client, stream_batch", one), (f"{args.parallel} concurrent Clients (threads)", clients)):
+                            ("1 Client, stream_batch", one),
+                            (f"{args.parallel} concurrent Clients (threads)", clients)):
             print(f"{name:34} {value:8.1f} {value / reference:14.3f}")
         print(f"  in-process runs: {in_process:.1f} and {in_process_again:.1f} tok/s")
         for name, values in (("1 Client", one_latencies), (f"{args.parallel} Clients", latencies)):
             lat_ms = np.array(values) / 1e6
-            print(f"delivery latency, ring publish -> read, {name}, {len(lat_ms)} reads: p50 {np.percentile(lat_ms, 50):.3f} ms, "
-                  f"p99 {np.percentile(lat_ms, 99):.3f} ms, max {lat_ms.max():.3f} ms")
+            print(f"delivery latency, ring publish -> read, {name}, {len(lat_ms)} reads: "
+                  f"p50 {np.percentile(lat_ms, 50):.3f} ms, p99 {np.percentile(lat_ms, 99):.3f} ms, "
+                  f"max {lat_ms.max():.3f} ms")
         quiet, busy = idle_reader_cpu(env, args.parallel)
         print(f"idle reader CPU over {IDLE_WINDOW_S:.0f} s: {quiet:.2f}% of a core with no traffic, "
               f"{busy:.2f}% while {args.parallel} other requests stream")

@@ -97,7 +97,8 @@ def serving_figures(text: str) -> str:
     """tok/s per path, TTFT p50/p99 and host ms a step over HTTP, from bench_serving's last block."""
     block = text.split("\npath ")[-1]
     rates = re.findall(rf"^(\S.*?)\s{{2,}}({NUMBER})\s", block, re.M)
-    ttft = re.findall(rf"^\s*note: (.+?) streamed: TTFT p50 ({NUMBER}) ms, p90 {NUMBER} ms, p99 ({NUMBER}) ms", block, re.M)
+    ttft = re.findall(rf"^\s*note: (.+?) streamed: TTFT p50 ({NUMBER}) ms, p90 {NUMBER} ms, p99 ({NUMBER}) ms", block,
+                      re.M)
     host = re.findall(rf"^\s*note: (cbatch HTTP whole): worker .*?({NUMBER}) host$", block, re.M)
     return "; ".join([", ".join(f"{name} {rate} tok/s" for name, rate in rates),
                       *(f"{name} TTFT p50 {p50} p99 {p99} ms" for name, p50, p99 in ttft),
@@ -105,7 +106,8 @@ def serving_figures(text: str) -> str:
 
 
 def versions(run: Run) -> None:
-    for name, command in [("nvidia-smi", "nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader"),
+    for name, command in [("nvidia-smi",
+                           "nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader"),
                           ("nvcc", "nvcc --version | tail -n 2"),
                           ("cbatch", "git rev-parse HEAD"),
                           ("llama-cpp-python", f"{PYTHON} -c 'import llama_cpp; print(llama_cpp.__version__)'")]:
@@ -126,8 +128,9 @@ def build(run: Run) -> str | None:
     arch = "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d .)"
     flags = f"-DGGML_CUDA=ON -DGGML_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES={arch} -DCMAKE_BUILD_TYPE=Release -G Ninja"
     unpack = f"mkdir -p {src} && tar -xzf {stage_dir}/llama_cpp_python-*.tar.gz -C {src}"
-    server = (f"cmake -S {src}/llama_cpp_python-*/vendor/llama.cpp -B build/llama-server/cmake {flags} -DLLAMA_CURL=OFF "
-              f"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF && cmake --build build/llama-server/cmake --target llama-server && mkdir -p build/llama-server/bin && "
+    server = (f"cmake -S {src}/llama_cpp_python-*/vendor/llama.cpp -B build/llama-server/cmake {flags} "
+              "-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF && "
+              "cmake --build build/llama-server/cmake --target llama-server && mkdir -p build/llama-server/bin && "
               f"cp build/llama-server/cmake/bin/llama-server build/llama-server/bin/")
     binding = (f"CMAKE_ARGS=\"{flags}\" python3 -m pip install -q --no-index --no-build-isolation --no-deps "
                f"--target /tmp/site {src}/llama_cpp_python-*/")
@@ -157,7 +160,8 @@ def measure(run: Run, model: str, llama_server: str | None) -> None:
         run.note("llama-server", "skipped", 0, "no binary (build it, or give --llama-server)")
     for parallel in a.parallel:
         run.stage(f"serving {parallel}", f"{PYTHON} scripts/bench_serving.py --model {model} --parallel {parallel} "
-                                         # it finds llama-server where the build stage (and scripts/build_llama_server.sh) put it
+                                         # it finds llama-server where the build stage (and
+                                         # scripts/build_llama_server.sh) put it
                       f"--clients {min(parallel, a.clients)} --requests {a.requests} "
                                          f"--max-tokens {a.max_tokens} --threads {a.threads}{server}")
     run.stage("host-work", f"{PYTHON} scripts/bench_host_work.py --parallel {' '.join(map(str, a.parallel))} "

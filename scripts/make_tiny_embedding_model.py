@@ -48,7 +48,8 @@ def build_tensors(n_vocab: int) -> dict[str, np.ndarray]:
         return rng.normal(0.0, scale, shape).astype(np.float32)
 
     def linear(name: str, n_out: int, n_in: int) -> dict[str, np.ndarray]:
-        return {f"{name}.weight": normal(n_out, n_in, scale=1.0 / np.sqrt(n_in)), f"{name}.bias": normal(n_out, scale=0.1)}
+        return {f"{name}.weight": normal(n_out, n_in, scale=1.0 / np.sqrt(n_in)),
+                f"{name}.bias": normal(n_out, scale=0.1)}
 
     def norm(name: str) -> dict[str, np.ndarray]:
         return {f"{name}.weight": np.ones(N_EMBD, np.float32), f"{name}.bias": np.zeros(N_EMBD, np.float32)}

@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import gguf
+import numpy as np
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models" / "tiny-llama.gguf"
 

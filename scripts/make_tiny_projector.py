@@ -24,7 +24,8 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_model import N_EMBD as TEXT_N_EMBD, finish_writing, write_atomically  # noqa: E402
+from make_tiny_model import N_EMBD as TEXT_N_EMBD  # noqa: E402
+from make_tiny_model import finish_writing, write_atomically
 
 SEED = 2468
 N_EMBD, N_LAYER, N_HEAD, N_FF, N_PROJ_HIDDEN = 32, 1, 2, 48, 48

@@ -119,7 +119,8 @@ def _stop(process: subprocess.Popen) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description="N cbatch daemons behind the smg router, on this machine.")
     parser.add_argument("--daemons", type=int, default=2, help="how many daemons (default 2)")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port; daemon i gets port+1+i (default 8000)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the router's port; daemon i gets port+1+i (default 8000)")
     parser.add_argument("--policy", default="cache_aware", help="smg's routing policy (default cache_aware)")
     parser.add_argument("--pin", action="store_true", help="bind daemon i to CPU i")
     parser.add_argument("worker_args", nargs="*", help="after --: flags for every cbatch-worker")

@@ -36,8 +36,8 @@ class Daemon:
         self.endpoint = endpoint or f"ipc://{self.workdir / 'cbatch.sock'}"
         self.client_options = client_options or {}
         # The state directory (--http's files and batches) is the daemon's own, kept with its workdir.
-        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_dir), "XDG_STATE_HOME": str(self.workdir / "state"),
-                    "CBATCH_ENDPOINT": self.endpoint}
+        self.env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_dir),
+                    "XDG_STATE_HOME": str(self.workdir / "state"), "CBATCH_ENDPOINT": self.endpoint}
         self.stderr_path = self.workdir / "daemon.log"
         self._stderr = open(self.stderr_path, "a")
         self.process = subprocess.Popen(

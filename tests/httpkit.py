@@ -3,7 +3,6 @@
 import time
 
 import httpx
-
 from common import free_port
 from daemonkit import Daemon, child_pids
 

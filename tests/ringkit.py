@@ -5,7 +5,8 @@ from cbatch.ipc.records import FINISH_CODES, FINISH_NONE, TokenEvent
 _REASONS = {code: reason for reason, code in FINISH_CODES.items()}
 
 
-def event(request_id: int, index: int, token_ids: list[int], text: bytes = b"", finish: int = FINISH_NONE) -> TokenEvent:
+def event(request_id: int, index: int, token_ids: list[int], text: bytes = b"",
+          finish: int = FINISH_NONE) -> TokenEvent:
     return TokenEvent(request_id, token_ids, text.decode(), _REASONS[finish], index=index)
 
 

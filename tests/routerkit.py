@@ -13,7 +13,6 @@ import subprocess
 import time
 
 import httpx
-
 from common import free_port
 from daemonkit import SCRIPTS_DIR, stop_process
 from httpkit import HttpDaemon

@@ -8,12 +8,11 @@ import time
 from collections import deque
 
 import pytest
-
+from common import GREEDY
 from daemonkit import Daemon, serve_module
 
 from cbatch.client.async_client import AsyncClient
 from cbatch.errors import CbatchError
-from common import GREEDY
 
 # Long enough that no request here ends by itself within a test (8000 tokens take a
 # minute on the tiny model): only a cancel ends it.

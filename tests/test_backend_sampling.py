@@ -1,8 +1,9 @@
 """Backend sampling (inside llama_decode's graph) against the host path, on the tiny model."""
 
-from cbatch.workers.engine.engine import Engine
-from enginekit import collect, generate, run_to_completion, submit
 from common import GREEDY
+from enginekit import collect, generate, run_to_completion, submit
+
+from cbatch.workers.engine.engine import Engine
 
 SAMPLED = {"temperature": 1.5, "top_k": 50, "top_p": 0.98, "min_p": 0.0, "ignore_eos": True}
 YES_NO = 'root ::= ("yes" | "no") "."'
@@ -61,5 +62,6 @@ def test_host_chain_requests_share_steps_with_backend_sampled_ones(make_engine):
     assert mixed[0].text in ("yes.", "no.")
     assert token_ids(mixed) == token_ids(host)
     # The penalised request really used its penalties: plain greedy on the same prompt differs.
-    plain = generate(make_engine(backend_sampling=True), [{**bodies[1], "repeat_penalty": 1.0, "frequency_penalty": 0.0}])
+    plain = generate(make_engine(backend_sampling=True), [{**bodies[1], "repeat_penalty": 1.0,
+                                                           "frequency_penalty": 0.0}])
     assert plain[0].token_ids != mixed[1].token_ids

@@ -5,11 +5,12 @@ import itertools
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings, strategies as st
+from common import GREEDY
+from daemonkit import Daemon, RawPeer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cbatch.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, pack, unpack
-from daemonkit import Daemon, RawPeer
-from common import GREEDY
 
 REPLY_TIMEOUT_MS = 5000
 
@@ -86,7 +87,8 @@ BAD_FRAMES = {
     "unknown role": submit_frames({"messages": [{"role": "robot", "content": "hi"}]}),
     "unknown field": submit_frames({"prompt": "x", "max_new_tokens": 5}),
     "bad grammar": submit_frames({"prompt": "x", "grammar": "root ::= [unclosed"}),
-    "grammar nested to crash a parser": submit_frames({"prompt": "x", "grammar": "root ::= " + "(" * 30000 + '"a"' + ")" * 30000}),
+    "grammar nested to crash a parser": submit_frames({"prompt": "x",
+                                                       "grammar": "root ::= " + "(" * 30000 + '"a"' + ")" * 30000}),
     "non-string keys": submit_frames({"prompt": "x", b"raw": 1, "max_tokens": 2}),
     "prompt too long": submit_frames({"prompt": "long " * 1200}),
     "too large once forwarded": grows_when_forwarded(),
@@ -140,7 +142,8 @@ def test_a_client_cannot_touch_another_clients_request(daemon):
     assert len(sum((c.token_ids for c in chunks), [])) == 80
 
 
-REPLY_TYPES = {MsgType.WELCOME, MsgType.RECORDS, MsgType.FINISHED, MsgType.ERROR, MsgType.HEALTH_REPLY, MsgType.STATS_REPLY}
+REPLY_TYPES = {MsgType.WELCOME, MsgType.RECORDS, MsgType.FINISHED, MsgType.ERROR, MsgType.HEALTH_REPLY,
+               MsgType.STATS_REPLY}
 ERROR_CODES = {"invalid_request", "version_mismatch", "not_found", "prompt_too_long"}
 PROBE_NONCES = itertools.count(1 << 62)  # far from the small integers the fuzzer favours
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)  # msgpack cannot pack lone surrogates

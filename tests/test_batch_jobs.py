@@ -8,7 +8,6 @@ import subprocess
 import httpx
 import openai
 import pytest
-
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
 

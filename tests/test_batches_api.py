@@ -14,11 +14,11 @@ from pathlib import Path
 
 import openai
 import pytest
-
-from cbatch.jobs.state_dir import endpoint_dir_name
 from conftest import REPO
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
+
+from cbatch.jobs.state_dir import endpoint_dir_name
 
 JOB_TIMEOUT_S = 180.0
 FINAL = ("completed", "failed", "expired", "cancelled")
@@ -70,10 +70,13 @@ def _answer(kind: str, body: dict):
 
 def test_batches_answer_as_the_live_endpoints_in_input_order(daemon, api):
     prompts = ["Once upon a time", "The capital of", "1, 2, 3,", "Hello", "A long road", "Why"]
-    live_completions = [api.completions.create(model="m", prompt=p, **GREEDY).model_dump(exclude_none=True) for p in prompts]
+    live_completions = [api.completions.create(model="m", prompt=p,
+                                               **GREEDY).model_dump(exclude_none=True) for p in prompts]
     messages = [[{"role": "user", "content": p}] for p in prompts]
-    live_chats = [api.chat.completions.create(model="m", messages=m, **GREEDY).model_dump(exclude_none=True) for m in messages]
-    live_embeddings = [api.embeddings.create(model="m", input=[p, p[::-1]]).model_dump(exclude_none=True) for p in prompts]
+    live_chats = [api.chat.completions.create(model="m", messages=m,
+                                              **GREEDY).model_dump(exclude_none=True) for m in messages]
+    live_embeddings = [api.embeddings.create(model="m", input=[p,
+                                                               p[::-1]]).model_dump(exclude_none=True) for p in prompts]
     cases = [("completions", "/v1/completions", [{"model": "m", "prompt": p, **GREEDY} for p in prompts],
               live_completions),
              ("chat", "/v1/chat/completions", [{"model": "m", "messages": m, **GREEDY} for m in messages], live_chats),
@@ -97,7 +100,8 @@ def test_bad_lines_land_in_the_error_file(api):
              "{not json",
              json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}}),
              _line("ok", {"model": "m", "prompt": "the same id again"}),
-             _line("other-url", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions"),
+             _line("other-url", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                   "/v1/chat/completions"),
              _line("bad-value", {"model": "m", "prompt": "x", "temperature": -1}),
              _line("unserved", {"model": "gpt-4", "prompt": "x"}),
              _line("ok-2", {"model": "m", "prompt": "there", **GREEDY})]
@@ -110,7 +114,8 @@ def test_bad_lines_land_in_the_error_file(api):
     assert [e["error"]["line"] for e in errors[:4]] == [2, 3, 4, 5]
     assert "repeats the id" in errors[2]["error"]["message"] and "endpoint" in errors[3]["error"]["message"]
     assert all(e["response"] is None for e in errors[:4])
-    assert errors[4]["response"]["status_code"] == 400 and errors[4]["response"]["body"]["error"]["param"] == "temperature"
+    assert errors[4]["response"]["status_code"] == 400
+    assert errors[4]["response"]["body"]["error"]["param"] == "temperature"
     assert errors[5]["response"]["status_code"] == 404 and errors[5]["error"] is None
     assert batch.id in [listed.id for listed in api.batches.list()]
     with pytest.raises(openai.BadRequestError):  # it has ended
@@ -282,7 +287,9 @@ def test_a_job_runner_that_keeps_dying_is_restarted_and_says_so_everywhere(start
     import httpx
 
     daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "2", "--alias", "m")
-    health = lambda: httpx.get(f"{daemon.base_url}/health", timeout=10).json()
+    def health() -> dict:
+        return httpx.get(f"{daemon.base_url}/health", timeout=10).json()
+
     assert health() == {"status": "ok", "batch_jobs": "running"}
     lock = state_dir(daemon) / "runner.lock"
     before = set(_runner_pids())
@@ -294,8 +301,10 @@ def test_a_job_runner_that_keeps_dying_is_restarted_and_says_so_everywhere(start
     # Each restart runs a moment before it dies again: polled, each place is seen saying so.
     wait_until(lambda: health() == {"status": "ok", "batch_jobs": "restarting"}, timeout_s=60)
     wait_until(lambda: daemon.metrics()[("cbatch_batch_job_runner_up", ())] == 0.0, timeout_s=60)
-    status = lambda: subprocess.run([str(SCRIPTS_DIR / "cbatch-status")], env=daemon.env, capture_output=True,
-                                    text=True, timeout=60).stdout
+    def status() -> str:
+        return subprocess.run([str(SCRIPTS_DIR / "cbatch-status")], env=daemon.env, capture_output=True, text=True,
+                              timeout=60).stdout
+
     wait_until(lambda: "batch jobs wait: the job runner is down, restarting" in status(), timeout_s=60)
     wait_until(lambda: daemon.metrics()[("cbatch_batch_job_runner_quick_deaths", ())] >= 3, timeout_s=120)
     lock.rmdir()

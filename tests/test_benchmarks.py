@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 RUN_TIMEOUT_S = 300
@@ -154,7 +153,8 @@ def test_bench_jobs_prints_every_figure(tiny_model_path):
     assert re.search(rf"from 2 callers: idle p50 {NUMBER} ms.*; beside a running job p50 {NUMBER} ms.*"
                      rf"\(the job was \w+, \d+ lines done\); p99 beside / idle {NUMBER}x", out), out
     assert re.search(rf"memory, 30 lines of 1 token in 1 jobs: 30 completed .* {NUMBER} MB above idle", out), out
-    assert re.search(rf"the first new line {NUMBER} s after the start .* the job then completed with 300 lines", out), out
+    assert re.search(rf"the first new line {NUMBER} s after the start .* the job then completed with 300 lines",
+                     out), out
 
 
 @pytest.mark.slow

@@ -7,11 +7,11 @@ import json
 import subprocess
 
 import pytest
+from common import GREEDY
+from daemonkit import SCRIPTS_DIR, wait_until
 
 from cbatch import AsyncClient
-from cbatch.errors import CbatchError, QUEUE_FULL
-from daemonkit import SCRIPTS_DIR, wait_until
-from common import GREEDY
+from cbatch.errors import QUEUE_FULL, CbatchError
 
 MAX_TOKENS = 3000
 # One slot and two queue places: of four choices, three are accepted and the fourth is
@@ -24,7 +24,8 @@ def assert_siblings_were_cancelled(daemon, before: dict) -> None:
         wait_until(lambda: watcher.stats()["num_in_flight"] == 0, timeout_s=60.0)
         after = watcher.stats()
     assert after["generated_tokens"] - before["generated_tokens"] < MAX_TOKENS
-    assert after["num_requests_by_outcome"].get("cancelled", 0) - before["num_requests_by_outcome"].get("cancelled", 0) >= 1
+    num_cancelled = [stats["num_requests_by_outcome"].get("cancelled", 0) for stats in (before, after)]
+    assert num_cancelled[1] - num_cancelled[0] >= 1
 
 
 def stats(daemon) -> dict:

@@ -13,7 +13,6 @@ import sys
 from importlib import metadata
 
 import pytest
-
 from conftest import REPO
 
 tomllib = pytest.importorskip("tomllib")
@@ -79,7 +78,8 @@ def test_the_base_dependencies_are_exactly_what_the_client_imports():
     used = {_name(dist) for module in imported.stdout.split() if module != "cbatch"
             for dist in packages.get(module, [])}
     assert base <= used, f"base dependencies the client never imports: {base - used}"
-    assert used <= _with_requirements(base), f"the client imports beyond its dependencies: {used - _with_requirements(base)}"
+    allowed = _with_requirements(base)
+    assert used <= allowed, f"the client imports beyond its dependencies: {used - allowed}"
     assert {"llama-cpp-python", "starlette", "uvicorn", "prometheus-client"} <= \
         {_name(requirement) for requirement in project["optional-dependencies"]["server"]}
 
@@ -157,7 +157,8 @@ def test_the_client_distribution_installs_alone_into_a_fresh_virtualenv(tiny_mod
     daemon = start_daemon(tiny_model_path, "--parallel", "2")
     client = subprocess.run([python, "-c", "import sys, cbatch\n"
                              f"with cbatch.Client({daemon.endpoint!r}) as client:\n"
-                             "    print(client.generate(prompt='Water boils at', max_tokens=4, temperature=0).finish_reason)\n"
+                             "    print(client.generate(prompt='Water boils at', max_tokens=4,\n"
+                             "                          temperature=0).finish_reason)\n"
                              "print(cbatch.__file__)"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert client.returncode == 0, client.stderr
     finish_reason, module_file = client.stdout.splitlines()

@@ -8,13 +8,12 @@ import asyncio
 import time
 
 import pytest
-
 from daemonkit import ScriptedFrontEnd
 
 import cbatch.client.session
-from cbatch.client.async_client import AsyncClient
 from cbatch.client import Client
-from cbatch.errors import CbatchError, UNAVAILABLE
+from cbatch.client.async_client import AsyncClient
+from cbatch.errors import UNAVAILABLE, CbatchError
 
 SEND_TIMEOUT_S = 0.5
 GIVE_UP_S = 30.0  # far more than filling the queues takes

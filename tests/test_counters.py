@@ -4,9 +4,10 @@ its prefill, and tokens across a worker restart (the progress line never goes ne
 import logging
 import re
 
-from cbatch.workers.daemon.progress import ProgressLog
 from common import GREEDY
 from daemonkit import wait_until
+
+from cbatch.workers.daemon.progress import ProgressLog
 
 PROGRESS = re.compile(r"^(-?[\d.]+) tok/s generated, ")
 

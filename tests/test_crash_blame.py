@@ -11,7 +11,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-
 from daemonkit import SCRIPTS_DIR, wait_until
 
 from cbatch.errors import CbatchError

@@ -1,16 +1,16 @@
 """A daemon out of descriptors refuses new clients and keeps serving the ones it has."""
 
 import os
-import sys
 import resource
+import sys
 import time
 
 import zmq
+from common import GREEDY
+from daemonkit import pid_alive, wait_until
 
 from cbatch.errors import CbatchError
 from cbatch.protocol import PROTOCOL_VERSION, MsgType, pack, unpack
-from daemonkit import pid_alive, wait_until
-from common import GREEDY
 
 LIMIT = 64  # about 24 are the daemon's own: libzmq aborted it at the 41st client
 NUM_CLIENTS = 24  # about 10 fit under LIMIT; the old code refused none

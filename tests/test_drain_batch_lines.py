@@ -9,7 +9,6 @@ import signal
 import subprocess
 
 import pytest
-
 from daemonkit import SCRIPTS_DIR, wait_until
 
 NUM_LINES = 8

@@ -14,12 +14,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-
-from cbatch.client import AsyncClient
-from cbatch.errors import CbatchError, INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
 from conftest import REPO, load_script
 from daemonkit import SCRIPTS_DIR, serve_module
 from httpkit import HttpDaemon
+
+from cbatch.client import AsyncClient
+from cbatch.errors import INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG, CbatchError
 
 DAEMON_ARGS = ("--parallel", "2", "--ctx-size", "1024", "--batch-size", "256")
 TEXTS = [f"the cat {i} sat on mat {i * 7}" for i in range(15)]

@@ -1,11 +1,11 @@
 """The engine through real llama.cpp decode on the tiny random-weight model."""
 
 import pytest
-
-from cbatch.errors import CbatchError, INVALID_REQUEST, PROMPT_TOO_LONG, QUEUE_FULL
-from cbatch.params import parse_request
-from enginekit import collect, generate, run_to_completion, submit
 from common import GREEDY
+from enginekit import collect, generate, run_to_completion, submit
+
+from cbatch.errors import INVALID_REQUEST, PROMPT_TOO_LONG, QUEUE_FULL, CbatchError
+from cbatch.params import parse_request
 
 
 def test_many_mixed_length_requests_all_complete_past_parallel(make_engine):
@@ -110,8 +110,8 @@ def test_bad_grammar_is_rejected_and_a_good_one_constrains(make_engine):
     with pytest.raises(CbatchError) as err:
         submit(engine, {"prompt": "a", "grammar": "root ::= ("})
     assert err.value.code == INVALID_REQUEST and "grammar" in err.value.message
-    results = generate(engine, [{"prompt": f"q{i}", "grammar": 'root ::= ("yes" | "no") "."', "max_tokens": 20, "seed": i}
-                                for i in range(4)])
+    yes_no = 'root ::= ("yes" | "no") "."'
+    results = generate(engine, [{"prompt": f"q{i}", "grammar": yes_no, "max_tokens": 20, "seed": i} for i in range(4)])
     for result in results:
         assert result.text in ("yes.", "no."), result.text
         assert result.finish_reason == "stop"
@@ -119,7 +119,8 @@ def test_bad_grammar_is_rejected_and_a_good_one_constrains(make_engine):
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(make_engine):
     engine = make_engine()
-    body = {"prompt": "seed", "max_tokens": 30, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0, "ignore_eos": True}
+    body = {"prompt": "seed", "max_tokens": 30, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0,
+            "ignore_eos": True}
     a, b, c = generate(engine, [{**body, "seed": 7}, {**body, "seed": 7}, {**body, "seed": 8}])
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids

@@ -5,12 +5,12 @@ real model through llama.cpp's own KV operations."""
 import random
 
 import pytest
+from common import GREEDY
+from enginekit import collect, generate, run_to_completion, submit
+from fakerunner import FakeRunner
 
 from cbatch.config import EngineConfig
 from cbatch.workers.engine.engine import Engine
-from enginekit import collect, generate, run_to_completion, submit
-from fakerunner import FakeRunner
-from common import GREEDY
 
 
 def fake_engine(prefix_cache=True, num_cells=1024, parallel=4, batch_size=64, cache_tokens=0, has_swa=False,

@@ -4,11 +4,12 @@ goes away) costs one pass over the queue, not one search of it per request."""
 import random
 import time
 
+from common import GREEDY
+from fakerunner import FakeRunner
+
 from cbatch.config import MAX_QUEUE, EngineConfig
 from cbatch.params import parse_request
 from cbatch.workers.engine.engine import Engine
-from fakerunner import FakeRunner
-from common import GREEDY
 
 
 def test_cancelling_a_full_queue_takes_one_step_no_longer_than_filling_it():

@@ -2,11 +2,11 @@
 
 import llama_cpp.llama_cpp as lc
 import pytest
+from enginekit import collect, generate, run_to_completion, submit
 
 from cbatch.config import EngineConfig
 from cbatch.errors import INVALID_CONFIG, CbatchError
 from cbatch.workers.engine.engine import Engine
-from enginekit import collect, generate, run_to_completion, submit
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,8 @@ def test_chat_messages_render_with_gemma_turn_markers(gemma):
     start_of_turn = gemma.runner.tokenize("<start_of_turn>")[-1]
     # Turn markers are single special tokens, not spelled out as text.
     assert token_ids.count(start_of_turn) == 2
-    result = generate(gemma, [{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}])[0]
+    result = generate(gemma, [{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+                               "temperature": 0}])[0]
     assert result.usage["prompt_tokens"] == len(gemma.runner.tokenize(gemma.runner.render_chat((("user", "Hello"),))))
     assert result.finish_reason in ("stop", "length") and result.usage["completion_tokens"] >= 1
 

@@ -11,15 +11,14 @@ import json
 import subprocess
 
 import pytest
-
 from daemonkit import SCRIPTS_DIR, ScriptedFrontEnd
 
-from cbatch.client.async_client import AsyncClient
 from cbatch.client import Client
-from cbatch.errors import CbatchError, DECODE_FAILED
+from cbatch.client.async_client import AsyncClient
+from cbatch.client.streams import Chunk
+from cbatch.errors import DECODE_FAILED, CbatchError
 from cbatch.ipc.records import TokenEvent
 from cbatch.protocol import MsgType
-from cbatch.client.streams import Chunk
 
 REASON = "llama_decode failed with status -3"
 
@@ -28,8 +27,8 @@ def answer(request_id: int, body: dict) -> list:
     """A prompt containing "fail" fails after one token; any other finishes after one."""
     fails = "fail" in body.get("prompt", "") or "fail" in json.dumps(body.get("messages", []))
     records = TokenEvent(request_id, [9], "z", "error" if fails else "length").records()
-    return [(MsgType.RECORDS, {"request_id": request_id,
-                               "records": [[r.index, r.token_id, r.flags, r.finish, r.count, r.text] for r in records]}),
+    rows = [[r.index, r.token_id, r.flags, r.finish, r.count, r.text] for r in records]
+    return [(MsgType.RECORDS, {"request_id": request_id, "records": rows}),
             (MsgType.FINISHED, {"request_id": request_id, "finish_reason": "error" if fails else "length",
                                 "usage": {"prompt_tokens": 1, "completion_tokens": 1}, "num_records": len(records),
                                 "error": REASON if fails else None})]
@@ -60,7 +59,8 @@ def test_submit_writes_an_error_line_for_a_failed_decode_and_exits_1(front_end, 
 
 def test_openai_batch_answers_a_failed_decode_with_a_500_error_response(front_end, tmp_path):
     def line(custom_id, prompt):
-        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": prompt}}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                "body": {"model": "m", "prompt": prompt}}
 
     run, out = submit(front_end, tmp_path, [line("bad", "fail here"), line("good", "fine")])
     assert run.returncode == 1, run.stderr

@@ -4,10 +4,10 @@ over weight, FIFO within a tenant, no credit banked while idle, parsing of the k
 import pytest
 
 from cbatch.api_keys import parse_keys, tenant_of_key
-from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.errors import INVALID_CONFIG, CbatchError
 from cbatch.params import SamplingParams
-from cbatch.workers.engine.waiting_queue import WaitingQueue
 from cbatch.workers.engine.sequence import Sequence
+from cbatch.workers.engine.waiting_queue import WaitingQueue
 
 request_ids = iter(range(1, 1 << 30))
 
@@ -76,7 +76,8 @@ def test_a_bad_line_is_invalid_config_naming_it(line, message):
 
 
 def test_keys_name_their_tenants():
-    keys = parse_keys("# teams\n\nbob k1 weight=2.5 max_concurrent=3\ncarol k2 tokens_per_min=600 metrics=1\n", "keys.txt")
+    keys = parse_keys("# teams\n\nbob k1 weight=2.5 max_concurrent=3\ncarol k2 tokens_per_min=600 metrics=1\n",
+                      "keys.txt")
     assert (keys["bob"].weight, keys["bob"].max_concurrent, keys["carol"].tokens_per_min) == (2.5, 3, 600)
     assert (keys["bob"].metrics, keys["carol"].metrics) == (False, True)
     assert [tenant_of_key(keys, key) for key in (b"k1", b"k2", b"k3", b"")] == ["bob", "carol", None, None]

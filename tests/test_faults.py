@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import zmq
+from common import GREEDY
+from daemonkit import SCRIPTS_DIR, RawPeer, pid_alive, wait_until
 
 from cbatch.errors import EXIT_UNREACHABLE, CbatchError
 from cbatch.protocol import MsgType
 from cbatch.workers.daemon.backlog import MAX_STALL_S
-from common import GREEDY
-from daemonkit import SCRIPTS_DIR, RawPeer, pid_alive, wait_until
 
 
 def test_killed_client_has_its_requests_cancelled_and_slots_freed(tiny_model_path, start_daemon):
@@ -214,7 +214,8 @@ def test_worker_exits_when_its_supervisor_is_killed(tiny_model_path, start_daemo
             waiting_since = time.monotonic()
             with pytest.raises(CbatchError) as err:
                 list(streams[0])
-            assert err.value.code == "unavailable" and time.monotonic() - waiting_since < 15.0  # about 5 s by the liveness rule; a busy machine adds
+            # About 5 s by the liveness rule; a busy machine adds.
+            assert err.value.code == "unavailable" and time.monotonic() - waiting_since < 15.0
     wait_until(lambda: not os.path.exists(f"/dev/shm/{ring_name}"), timeout_s=60.0)
     # A daemon started where the killed one ran removes its socket files.
     assert d.leftovers()

@@ -6,7 +6,6 @@ import json
 import subprocess
 
 import pytest
-
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
 

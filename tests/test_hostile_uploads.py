@@ -9,10 +9,10 @@ import json
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from daemonkit import child_pids, serve_module, wait_until
 from httpkit import HttpDaemon
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 NUM_EXAMPLES = 25
 JOB_TIMEOUT_S = 180.0

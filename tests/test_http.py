@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
 
@@ -214,7 +213,8 @@ def test_logprobs_out_of_range_is_400(api):
 
 
 def test_full_queue_is_429_with_retry_after(tiny_model_path):
-    daemon = HttpDaemon(tiny_model_path, "--parallel", "1", "--max-queue", "0", "--ctx-size", "32768", "--drain-grace", "0")
+    daemon = HttpDaemon(tiny_model_path, "--parallel", "1", "--max-queue", "0", "--ctx-size", "32768", "--drain-grace",
+                        "0")
     # A whole response, so the running request never waits on this test reading its stream.
     body = {"prompt": "go", "max_tokens": 30000, "ignore_eos": True}
 
@@ -401,7 +401,8 @@ def test_a_router_finds_the_load_it_asks_for(daemon):
     with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, timeout=60) as running:
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: {"))
-        wait_until(lambda: httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"] >= 1, 60)
+        wait_until(lambda: httpx.get(f"{daemon.base_url}/v1/loads",
+                                     timeout=5).json()["loads"][0]["num_running_reqs"] >= 1, 60)
         (load,) = httpx.get(f"{daemon.base_url}/v1/loads", timeout=5).json()["loads"]
         metrics = {name: value for (name, _), value in daemon.metrics().items() if name.startswith("vllm:")}
         for _ in lines:

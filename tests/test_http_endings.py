@@ -7,7 +7,6 @@ import signal
 import threading
 
 import httpx
-
 from daemonkit import wait_until
 from httpkit import HttpDaemon
 

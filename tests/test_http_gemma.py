@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 from daemonkit import serve_module
 from httpkit import HttpDaemon
@@ -101,7 +100,8 @@ def test_readme_examples_run_as_printed(daemon):
     for name, language, code in examples:
         code = code.replace(README_PORT, str(daemon.port))
         if language == "python":
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                                 check=True).stdout
             assert "100" in out, name
             continue
         for curl in (line for line in code.splitlines() if line.startswith("curl ")):  # the last one asks

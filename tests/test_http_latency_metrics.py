@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from daemonkit import serve_module
 from httpkit import HttpDaemon
 

@@ -11,10 +11,10 @@ import subprocess
 import httpx
 import openai
 import pytest
-
-from cbatch.workers.daemon.child_process import MAX_QUICK_DEATHS
 from daemonkit import SCRIPTS_DIR, pid_alive, wait_until
 from httpkit import HttpDaemon, free_port
+
+from cbatch.workers.daemon.child_process import MAX_QUICK_DEATHS
 
 MODEL_ID = "tiny-llama.gguf"
 

@@ -7,7 +7,6 @@ import re
 import signal
 
 import httpx
-
 from daemonkit import wait_until
 from httpkit import HttpDaemon
 

@@ -13,10 +13,9 @@ import time
 
 import httpx
 import pytest
-from openai.types.responses import Response
-
 from daemonkit import serve_module, wait_until
 from httpkit import HttpDaemon
+from openai.types.responses import Response
 
 MODEL_ID = "tiny-tools.gguf"
 ASK = [{"role": "user", "content": "hi"}]

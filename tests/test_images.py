@@ -5,11 +5,11 @@ import ctypes
 
 import llama_cpp.llama_cpp as lc
 import pytest
+from conftest import load_script
+from imagekit import png_bytes
 from llama_cpp import mtmd_cpp as mtmd
 
 from cbatch.params import parse_request
-from conftest import load_script
-from imagekit import png_bytes
 
 MTMD_INPUT_CHUNK_TYPE_TEXT, MTMD_INPUT_CHUNK_TYPE_IMAGE = 0, 1
 
@@ -188,6 +188,7 @@ def test_images_that_do_not_match_their_markers_are_refused_at_the_edge(body, na
 
 def test_a_request_with_images_is_prepared_beside_short_text_ones_not_before_them():
     from common import worker_submit
+
     from cbatch.workers.decode.preparer import is_large_prompt
 
     assert is_large_prompt(worker_submit(1, {"prompt": "<__media__>?", "images": [png_bytes(4, 4)]}))

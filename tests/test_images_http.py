@@ -5,7 +5,6 @@ import concurrent.futures
 
 import httpx
 import pytest
-
 from daemonkit import serve_module
 from imagekit import image_part, png_bytes
 
@@ -153,18 +152,20 @@ def test_a_batch_job_answers_an_image_line_as_the_live_endpoint(daemon):
                                                   "completion_window": "24h"}).json()["id"]
         wait_until(lambda: http.get(f"/v1/batches/{batch_id}").json()["status"] == "completed", 120, poll_s=0.1)
         batch = http.get(f"/v1/batches/{batch_id}").json()
-        output = [json.loads(line) for line in http.get(f"/v1/files/{batch['output_file_id']}/content").text.splitlines()]
-        errors = [json.loads(line) for line in http.get(f"/v1/files/{batch['error_file_id']}/content").text.splitlines()]
+        output, errors = ([json.loads(line) for line in http.get(f"/v1/files/{batch[name]}/content").text.splitlines()]
+                          for name in ("output_file_id", "error_file_id"))
     assert [o["custom_id"] for o in output] == ["picture"]
-    assert output[0]["response"]["body"]["choices"][0]["message"]["content"] == answer(daemon, question(png_bytes(40, 24)))
+    expected = answer(daemon, question(png_bytes(40, 24)))
+    assert output[0]["response"]["body"]["choices"][0]["message"]["content"] == expected
     assert [e["custom_id"] for e in errors] == ["oversized"] and "--max-image-pixels" in json.dumps(errors)
 
 
 def test_the_same_new_image_in_eight_concurrent_requests_is_encoded_once(daemon):
     import time
 
-    from cbatch.workers.decode.publisher import STATS_INTERVAL_S
     from daemonkit import wait_until
+
+    from cbatch.workers.decode.publisher import STATS_INTERVAL_S
 
     def num_encoded() -> int:
         with daemon.client() as client:

@@ -8,10 +8,10 @@ import subprocess
 import tempfile
 
 import pytest
-
-from cbatch.jobs.results import parsed_result
 from daemonkit import wait_until
 from test_batches_api import _line, _lines, _long_lines, _started, _upload, _wait_final, state_dir
+
+from cbatch.jobs.results import parsed_result
 
 SMALL_DISK = "128k"  # the state directory's tmpfs: room for the job's input, not for its results
 

@@ -5,8 +5,9 @@ import os
 import subprocess
 import sys
 
-from cbatch.workers.daemon.leftovers import remove_leftovers
 from daemonkit import pid_alive
+
+from cbatch.workers.daemon.leftovers import remove_leftovers
 
 
 def dead_pid() -> int:

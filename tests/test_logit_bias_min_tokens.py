@@ -2,7 +2,6 @@
 token, id 2, is never picked unbiased, so a bias can force it and min_tokens hold it off)."""
 
 import pytest
-
 from daemonkit import Daemon, serve_module
 
 from cbatch.errors import CbatchError

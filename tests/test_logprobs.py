@@ -5,12 +5,12 @@ import math
 
 import numpy as np
 import pytest
+from common import GREEDY
+from daemonkit import Daemon, serve_module
 
 from cbatch.client.async_client import AsyncClient
 from cbatch.errors import CbatchError
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
-from daemonkit import Daemon, serve_module
-from common import GREEDY
 
 
 def test_token_logprobs_are_a_log_softmax_with_the_top_k_in_order():
@@ -60,8 +60,8 @@ def test_greedy_tokens_are_their_own_top_alternative(daemon, use_ring):
 def test_completions_and_batches_carry_logprobs_and_bad_values_are_refused(daemon):
     with daemon.client() as client:
         completion = client.generate(prompt="x", max_tokens=5, logprobs=0, **GREEDY)
-        results = client.generate_batch([{"prompt": f"b{i}", "max_tokens": 4, "logprobs": 1, **GREEDY} for i in range(3)]
-                                         + [{"prompt": "bad", "logprobs": 21}])
+        results = client.generate_batch([{"prompt": f"b{i}", "max_tokens": 4, "logprobs": 1, **GREEDY}
+                                         for i in range(3)] + [{"prompt": "bad", "logprobs": 21}])
         with pytest.raises(CbatchError) as err:
             client.generate(prompt="x", logprobs=-1)
     assert len(completion.logprobs) == 5 and all(e["top_logprobs"] == [] for e in completion.logprobs)

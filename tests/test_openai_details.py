@@ -9,10 +9,10 @@ import httpx
 import llama_cpp
 import openai
 import pytest
-
-from cbatch.model import CHAT_MODEL_FILE, chat_model_path
 from daemonkit import serve_module, wait_until
 from httpkit import HttpDaemon
+
+from cbatch.model import CHAT_MODEL_FILE, chat_model_path
 
 ALIASES = ("gpt-3.5-turbo", "local")
 HELLO = [{"role": "user", "content": "Hello!"}]

@@ -6,11 +6,11 @@ import json
 
 import llama_cpp
 import pytest
+from common import GREEDY
+from enginekit import collect, generate, run_to_completion, submit
 
 from cbatch.config import EngineConfig
 from cbatch.workers.engine.engine import Engine
-from enginekit import collect, generate, run_to_completion, submit
-from common import GREEDY
 
 
 @pytest.fixture
@@ -151,7 +151,8 @@ def test_constrained_rows_masked_ahead_pick_what_checked_rows_pick(make_engine):
     off, on = make_engine(False), make_engine(True)
     schema = {"type": "object", "additionalProperties": False, "required": ["word", "n"],
               "properties": {"word": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "maximum": 99}}}
-    samplings = [{"temperature": 0}, {"temperature": 0}, {"temperature": 0.9, "seed": 5}, {"temperature": 0.9, "seed": 6}]
+    samplings = [{"temperature": 0}, {"temperature": 0}, {"temperature": 0.9, "seed": 5},
+                 {"temperature": 0.9, "seed": 6}]
     bodies = [{"prompt": f"{i} json", "max_tokens": 40, "json_schema": schema, **sampling}
               for i, sampling in enumerate(samplings)]
     expected, overlapped = run_steps(off, bodies), run_steps(on, bodies)

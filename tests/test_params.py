@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.constraints import MAX_SCHEMA_DEPTH
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.params import MAX_SEED, SamplingParams, expand_choices, parse_params, parse_request
 
 BAD_BODIES = [
@@ -67,7 +67,8 @@ def test_good_request_gets_defaults_and_values():
     assert request.request_id == 9 and request.prompt == "hi" and request.messages is None
     assert request.params == SamplingParams(max_tokens=3, temperature=0.0, stop=("END",), seed=5)
     assert request.params.is_plain_greedy
-    chat = parse_request(10, {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
+    chat = parse_request(10, {"messages": [{"role": "system", "content": "be brief"},
+                                           {"role": "user", "content": "hi"}]})
     assert chat.messages == (("system", "be brief"), ("user", "hi"))
     assert not chat.params.is_plain_greedy
 
@@ -85,7 +86,8 @@ def test_a_json_schema_travels_as_compact_json_in_the_callers_key_order():
     schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}},
               "additionalProperties": True}
     text = parse_params({"json_schema": schema}).json_schema
-    assert text == '{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},"additionalProperties":true}'
+    assert text == ('{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},'
+                    '"additionalProperties":true}')
 
 
 def test_a_schema_nested_past_the_limit_is_refused_without_recursion():

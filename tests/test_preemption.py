@@ -3,12 +3,12 @@ then the engine on the tiny model (real llama.cpp decodes), where a preempted ba
 sequence must end with exactly the output it has without the pause."""
 
 import pytest
+from enginekit import collect, generate, run_to_completion, submit
 
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
-from cbatch.workers.engine.sequence import Sequence, SeqStatus
-from enginekit import collect, generate, run_to_completion, submit
+from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 BATCH_LINE = {"max_tokens": 48, "ignore_eos": True, "priority": "batch"}
 GREEDY = {"temperature": 0}

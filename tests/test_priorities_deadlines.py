@@ -8,13 +8,13 @@ import time
 
 import openai
 import pytest
-
-from cbatch.config import EngineConfig
-from cbatch.workers.engine.engine import Engine
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from enginekit import collect, submit
 from fakerunner import FakeRunner
 from httpkit import HttpDaemon
+
+from cbatch.config import EngineConfig
+from cbatch.workers.engine.engine import Engine
 
 MODEL_ID = "tiny-llama.gguf"
 ENDLESS = {"max_tokens": 100_000, "ignore_eos": True}

@@ -16,7 +16,8 @@ def test_the_same_parameters_written_another_way_are_refused():
     quarantine.add(quarantine.admit(parse_request(1, CRASHED)))
     for body in ({**CRASHED, "prompt": "another", "seed": 9}, {**CRASHED, "top_k": 40, "temperature": 0.8},
                  {**CRASHED, "repeat_penalty": 1, "stop": [], "priority": "batch", "tenant_weight": 3.0},
-                 {"messages": [{"role": "user", "content": "hi"}], **{k: v for k, v in CRASHED.items() if k != "prompt"}}):
+                 {"messages": [{"role": "user", "content": "hi"}],
+                  **{k: v for k, v in CRASHED.items() if k != "prompt"}}):
         with pytest.raises(CbatchError) as refused:
             quarantine.admit(parse_request(2, body))
         assert refused.value.message == QUARANTINED_MESSAGE
@@ -25,5 +26,6 @@ def test_the_same_parameters_written_another_way_are_refused():
 def test_other_parameters_are_admitted():
     quarantine = Quarantine()
     quarantine.add(quarantine.admit(parse_request(1, CRASHED)))
-    for body in ({**CRASHED, "min_tokens": 3}, {**CRASHED, "grammar": 'root ::= "b"'}, {"prompt": "x", "max_tokens": 4}):
+    for body in ({**CRASHED, "min_tokens": 3}, {**CRASHED, "grammar": 'root ::= "b"'},
+                 {"prompt": "x", "max_tokens": 4}):
         assert quarantine.admit(parse_request(2, body)) == parse_request(2, body).params

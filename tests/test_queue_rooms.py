@@ -9,10 +9,10 @@ import subprocess
 
 import httpx
 import pytest
-
-from cbatch.errors import CbatchError, QUEUE_FULL
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
+
+from cbatch.errors import QUEUE_FULL, CbatchError
 
 MODEL_ID = "tiny-llama.gguf"
 INTERACTIVE_QUEUE = 3

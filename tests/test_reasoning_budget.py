@@ -5,7 +5,6 @@ sampling on or off. The tiny model does not think: a grammar gives its output th
 shape, and a logit bias keeps it from ever closing the block by itself."""
 
 import pytest
-
 from enginekit import generate
 
 TAGS = ["<think>", "</think>"]
@@ -30,7 +29,8 @@ def test_the_close_tag_is_forced_at_the_budget_and_the_answer_follows(make_engin
                 "logit_bias": never_closing(engine)}
         runs.append(generate(engine, [
             base, {**base, "reasoning_budget": 5, "reasoning_tags": TAGS},
-            {**base, "temperature": 0.9, "seed": 7, "repeat_penalty": 1.3, "reasoning_budget": 9, "reasoning_tags": TAGS}]))
+            {**base, "temperature": 0.9, "seed": 7, "repeat_penalty": 1.3, "reasoning_budget": 9,
+             "reasoning_tags": TAGS}]))
     free, budgeted, seeded = runs[0]
     assert "</think>" not in free.text and free.finish_reason == "length"
     # The tiny model's vocabulary is bytes: a token a character.
@@ -65,8 +65,9 @@ def test_a_grammar_that_refuses_the_tag_yet_delays_it(make_engine):
 
 
 def test_a_budget_needs_tags_from_the_request_or_the_model(make_engine):
-    from cbatch.errors import CbatchError
     from enginekit import submit
+
+    from cbatch.errors import CbatchError
 
     with pytest.raises(CbatchError, match="reasoning_budget needs the thinking block's tags.*--reasoning-tags"):
         submit(make_engine(), {"prompt": "x", "reasoning_budget": 3})

@@ -13,10 +13,10 @@ import time
 
 import openai
 import pytest
-
-from cbatch.model import chat_model_path
 from daemonkit import SCRIPTS_DIR, serve_module
 from httpkit import HttpDaemon
+
+from cbatch.model import chat_model_path
 
 THINKING = 'root ::= "<think>" [a-z ]+ "</think>" [a-z ]+'
 ASK = [{"role": "user", "content": "Name a colour."}]
@@ -159,8 +159,8 @@ def test_an_answer_another_server_split_is_not_split_again(server_reasoning, exp
     """--url to a server whose model opens the block in its prompt: an answer the server
     already split must not be read as all thinking."""
     from cbatch.client.openai_wire import CHAT_PATH, chunk_from_response
-    from cbatch.openai.mapping import CHAT, parse_api_request
     from cbatch.openai.completions_output import ResponseBuilder, WholeResponse
+    from cbatch.openai.mapping import CHAT, parse_api_request
 
     opened = {"tags": ["<think>", "</think>"], "opened_by_prompt": True}
     request = parse_api_request(CHAT, {"messages": ASK}, ["m"], opened)

@@ -2,7 +2,8 @@
 event's records() defines, byte for byte, on the packed path and the per-record one."""
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cbatch.ipc.records import FINISH_CODES, RECORD_DTYPE, RECORD_STRUCT, TokenEvent, frame_events
 

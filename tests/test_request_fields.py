@@ -5,12 +5,13 @@ with the tenant's weight from the keys file rather than the caller's."""
 
 import dataclasses
 
-from hypothesis import given, settings, strategies as st
+from common import worker_submit
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
 from cbatch.params import parse_request, request_fields, request_from_fields
 from cbatch.workers.decode.preparer import MIN_LARGE_PROMPT_CHARS, is_large_prompt
-from common import worker_submit
 
 TEXT = st.text(min_size=1, max_size=12)  # hypothesis draws no lone surrogates, which parse_request refuses
 
@@ -34,7 +35,8 @@ def bodies():
         "priority": st.sampled_from(["interactive", "batch"]), "timeout": st.one_of(st.none(), st.floats(0.5, 60)),
         "tenant": st.sampled_from(["default", "team-a"]), "tenant_weight": st.floats(0.5, 4)})
     # A grammar, or ignore_eos, or neither: parse_request refuses the two together.
-    ending = st.one_of(st.just({}), st.just({"grammar": 'root ::= "a"'}), st.booleans().map(lambda b: {"ignore_eos": b}))
+    ending = st.one_of(st.just({}), st.just({"grammar": 'root ::= "a"'}),
+                       st.booleans().map(lambda b: {"ignore_eos": b}))
     return st.tuples(content, fields, ending).map(lambda parts: {**parts[0], **parts[1], **parts[2]})
 
 

@@ -6,10 +6,10 @@ tool_choice), mostly valid values with some out of range."""
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from daemonkit import serve_module
 from httpkit import HttpDaemon
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_worker_survives import NUL_ONLY, ONE_A, SCHEMA, TOOL, Bystander
 
 from cbatch.errors import CbatchError
@@ -34,7 +34,8 @@ def _sampling_fields():
         "max_tokens": st.integers(1, 12),
         "temperature": st.sampled_from([0.0, 0.7, 1.5]),
         "top_k": st.integers(0, 50), "top_p": st.floats(0.05, 1), "min_p": st.floats(0, 0.5),
-        "repeat_penalty": st.floats(0.5, 2), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+        "repeat_penalty": st.floats(0.5, 2), "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
         "seed": st.integers(-1, 2 ** 31),
         "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
         "grammar": st.sampled_from(GRAMMARS),
@@ -66,7 +67,8 @@ def http_bodies():
         "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"},
                                             {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}]),
         "tools": st.just([TOOL]),
-        "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "ping"}}]),
+        "tool_choice": st.sampled_from(["auto", "none", "required",
+                                        {"type": "function", "function": {"name": "ping"}}]),
         "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
         "reasoning_budget": st.integers(0, 4)})
     return st.tuples(st.booleans(), _with_one_invalid(_sampling_fields()), chat_extra, st.text(max_size=24))

@@ -2,10 +2,10 @@
 
 import pytest
 
-from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
+from cbatch.errors import INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, CbatchError
 from cbatch.ipc.records import TokenEvent, frame_events, record_request_ids, relay_rows
 from cbatch.ipc.worker_messages import WorkerEvents, WorkerReject, WorkerSubmit, decode, encode
-from cbatch.workers.daemon.request_table import TrackedRequest, RequestTable
+from cbatch.workers.daemon.request_table import RequestTable, TrackedRequest
 
 FINISH = {"finish_reason": "stop"}
 
@@ -84,7 +84,8 @@ def test_failed_requests_are_counted_by_code_and_not_kept():
 
 
 def test_worker_messages_round_trip_as_their_structs():
-    step = [TokenEvent(7, [1, 2], "hi", logprobs=[{"a": 1}, {"b": 2}]), TokenEvent(8, [], "", "stop", {"prompt_tokens": 1}, index=3)]
+    step = [TokenEvent(7, [1, 2], "hi", logprobs=[{"a": 1}, {"b": 2}]),
+            TokenEvent(8, [], "", "stop", {"prompt_tokens": 1}, index=3)]
     events = WorkerEvents.of_step(step, frame_events(step)[0], stats={"num_active": 1})
     submit = WorkerSubmit(5, ["x", None, [], "interactive", None, "default", 1.0])
     for message in (events, submit, WorkerReject(5, "invalid_request", "bad")):

@@ -11,14 +11,14 @@ import sys
 
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import TypeAdapter
-
-from cbatch.model import chat_model_path
 from conftest import REPO
 from daemonkit import serve_module
 from httpkit import HttpDaemon
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 from test_reasoning_http import THINKING, never_closing
+
+from cbatch.model import chat_model_path
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather forecast for a city.",
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -80,7 +80,8 @@ def test_a_tool_calling_loop(api):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0].arguments) == json.loads(call.arguments)
     assert "response.function_call_arguments.delta" in [e.type for e in events]
-    follow_up = ask + [{"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+    follow_up = ask + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                        "arguments": call.arguments},
                        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C."}]
     final = checked(api.responses.create(model="m", input=follow_up, tools=[WEATHER], temperature=0,
                                          max_output_tokens=48))

@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
+from common import GREEDY
+from daemonkit import child_pids, pid_alive, wait_until
 
 from cbatch.errors import CbatchError
-from daemonkit import child_pids, pid_alive, wait_until
-from common import GREEDY
 
 DAEMON_ARGS = ("--parallel", "2", "--ctx-size", str(2 * 16384))
 RESTART_TIMEOUT_S = 60.0

@@ -11,8 +11,18 @@ import textwrap
 import time
 
 import pytest
+from daemonkit import wait_until
+from ringkit import event, publish
 
-from cbatch.ipc.records import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, FLAG_LAST, MAX_TEXT_BYTES, NO_TOKEN, TokenEvent
+from cbatch.ipc.records import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FLAG_LAST,
+    MAX_TEXT_BYTES,
+    NO_TOKEN,
+    TokenEvent,
+)
 from cbatch.ipc.ring import (
     SHM_DIR,
     RingError,
@@ -23,8 +33,6 @@ from cbatch.ipc.ring import (
     attach_ring,
     create_ring,
 )
-from daemonkit import wait_until
-from ringkit import event, publish
 
 _name_counter = itertools.count()
 CHILD_TIMEOUT_S = 60.0

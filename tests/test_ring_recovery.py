@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 
-from cbatch.protocol import MsgType
-from daemonkit import RawPeer, wait_until
 from common import GREEDY
+from daemonkit import RawPeer, wait_until
+
+from cbatch.protocol import MsgType
 
 RING_RECORDS = 8
 # One sequence at a time and no prefix cache: every request is decoded alone and in full,
@@ -56,7 +57,8 @@ def test_a_reader_the_ring_lapped_gets_every_token_once(tiny_model_path, start_d
             # Lapped mid-stream: the reader runs again after four laps, while the request still runs.
             assert reader.stdout.readline() == "submitted\n"
             with stopped(reader):
-                wait_until(lambda: watcher.stats()["num_steps"] >= before["num_steps"] + 4 * RING_RECORDS, timeout_s=60.0)
+                wait_until(lambda: watcher.stats()["num_steps"] >= before["num_steps"] + 4 * RING_RECORDS,
+                           timeout_s=60.0)
                 assert watcher.stats()["num_in_flight"] == 1, "finished before the reader was lapped: raise max_tokens"
             reader.stdin.write("read\n")
             reader.stdin.flush()
@@ -106,7 +108,8 @@ def test_a_generate_the_ring_lapped_returns_every_token_once(tiny_model_path, st
             assert reader.stdout.readline() == "generating\n"
             wait_until(lambda: watcher.stats()["num_in_flight"] == 1, timeout_s=60.0)
             with stopped(reader):  # mid-request: the ring laps it four times
-                wait_until(lambda: watcher.stats()["num_steps"] >= before["num_steps"] + 4 * RING_RECORDS, timeout_s=60.0)
+                wait_until(lambda: watcher.stats()["num_steps"] >= before["num_steps"] + 4 * RING_RECORDS,
+                           timeout_s=60.0)
                 assert watcher.stats()["num_in_flight"] == 1, "finished before the reader was lapped: raise max_tokens"
             token_ids, text, finish_reason = json.loads(reader.stdout.readline())
             assert reader.wait(timeout=60) == 0

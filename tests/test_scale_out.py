@@ -12,10 +12,10 @@ import time
 import httpx
 import openai
 import pytest
-
 from common import GREEDY, default_sigint
 from daemonkit import SCRIPTS_DIR, pid_alive, wait_until
 from routerkit import API_KEY, HOSTS_KIND, Host, Router
+
 from cbatch.errors import EXIT_INTERRUPTED
 
 # 16384 tokens of context per sequence: a long stream outlasts what the tests do meanwhile
@@ -142,7 +142,8 @@ def test_a_full_daemons_429_is_retried_on_the_other(cluster, tmp_path):
     router = Router([host.url for host in cluster.hosts], tmp_path, policy="round_robin")
     fill = {"model": cluster.model, "prompt": "fill", "max_tokens": 4000, **GREEDY}
     fillers = [threading.Thread(target=httpx.post, args=(f"{full.base_url}/v1/completions",),
-                                kwargs={"json": fill, "headers": {"Authorization": f"Bearer {API_KEY}"}, "timeout": 300})
+                                kwargs={"json": fill, "headers": {"Authorization": f"Bearer {API_KEY}"},
+                                        "timeout": 300})
                for _ in range(8)]  # --parallel 4 + --max-queue 4
     try:
         for thread in fillers:

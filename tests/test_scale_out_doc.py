@@ -14,12 +14,12 @@ import sys
 
 import httpx
 import pytest
-
 from common import default_sigint, free_port
 from conftest import REPO
 from daemonkit import child_pids, pid_alive
-from cbatch.errors import EXIT_FAILED
 from test_readme import BACKGROUND, Scratch  # noqa: F401  (not tests: nothing is collected twice)
+
+from cbatch.errors import EXIT_FAILED
 
 DOC = "docs/scale-out.md"
 DOC_PORTS = ("8000", "8001", "8002", "8003")

@@ -7,11 +7,12 @@ import json
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from cbatch.errors import CbatchError, INVALID_REQUEST
 from conftest import load_script
 from enginekit import generate, submit
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cbatch.errors import INVALID_REQUEST, CbatchError
 
 schema_suite = load_script("schema_suite")
 LEAVES, REFUSED, suite = schema_suite.LEAVES, schema_suite.REFUSED, schema_suite.suite

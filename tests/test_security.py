@@ -5,11 +5,11 @@ import stat
 import subprocess
 
 import pytest
-
-from cbatch.errors import CbatchError
+from common import GREEDY, free_port
 from conftest import load_script
 from daemonkit import SCRIPTS_DIR
-from common import GREEDY, free_port
+
+from cbatch.errors import CbatchError
 
 
 def test_listening_beyond_loopback_needs_an_explicit_flag(tiny_model_path):
@@ -32,13 +32,15 @@ def test_curve_admits_listed_clients_only(tiny_model_path, start_daemon, tmp_pat
     keys = tmp_path / "keys"
     allowed = tmp_path / "allowed"
     for name in ("daemon", "alice", "mallory"):
-        subprocess.run([str(SCRIPTS_DIR / "python"), make_keys.__file__, str(keys), name], check=True, capture_output=True)
+        subprocess.run([str(SCRIPTS_DIR / "python"), make_keys.__file__, str(keys), name], check=True,
+                       capture_output=True)
     allowed.mkdir()
     (allowed / "alice.key").write_bytes((keys / "alice.key").read_bytes())
     d = start_daemon(tiny_model_path, "--parallel", "1",
                      "--curve-secret-key", str(keys / "daemon.key_secret"), "--curve-clients", str(allowed),
                      endpoint=f"tcp://127.0.0.1:{free_port()}", client_options={
-                         "curve_server_key": str(keys / "daemon.key"), "curve_client_key": str(keys / "alice.key_secret")})
+                         "curve_server_key": str(keys / "daemon.key"),
+                         "curve_client_key": str(keys / "alice.key_secret")})
     with d.client() as alice:
         assert alice.generate(prompt="hi", max_tokens=4, **GREEDY).finish_reason == "length"
         assert alice.info["use_ring"] is False  # tcp: tokens are relayed, not read from shared memory

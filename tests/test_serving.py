@@ -8,14 +8,14 @@ import threading
 import time
 
 import pytest
+from common import GREEDY
+from daemonkit import SCRIPTS_DIR, Daemon, pid_alive, serve_module, wait_until
+from enginekit import generate
 
 from cbatch.client.async_client import AsyncClient
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError
 from cbatch.workers.engine.engine import Engine
-from daemonkit import SCRIPTS_DIR, Daemon, pid_alive, serve_module, wait_until
-from enginekit import generate
-from common import GREEDY
 
 DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
 
@@ -184,7 +184,8 @@ def test_async_client_runs_many_coroutines_at_once(daemon, reference):
             batch = await client.generate_batch([{"id": i, **body} for i, body in enumerate(BODIES)], max_in_flight=3)
             chunks = [c async for c in client.stream(**BODIES[0])]
             keyed = [(position, chunk.id) async for position, chunk in
-                     client.stream_batch([{"id": f"k{i}", **body} for i, body in enumerate(BODIES[:3])], max_in_flight=2)]
+                     client.stream_batch([{"id": f"k{i}", **body} for i, body in enumerate(BODIES[:3])],
+                                         max_in_flight=2)]
             health = await client.health()
         finally:
             await client.close()

@@ -1,13 +1,13 @@
 """The client's session against a real ring segment, without a daemon: assembly and corruption."""
 
 import pytest
+from ringkit import publish
 
+from cbatch.client.session import Session
 from cbatch.errors import CbatchError
 from cbatch.ipc.records import FINISH_LENGTH
 from cbatch.ipc.ring import RingWriter
-from ringkit import publish
 from cbatch.protocol import MsgType, pack
-from cbatch.client.session import Session
 
 
 def make_session(ring) -> tuple[Session, list]:
@@ -63,9 +63,9 @@ def test_corrupt_ring_record_is_a_coded_error(ring):
 def test_liveness_is_judged_per_request_while_others_stream():
     """A request whose reply was lost is named in a ping after LIVENESS_S even though
     records of another request keep arriving, and fails once the daemon calls it lost."""
+    from cbatch.client.session import LIVENESS_S
     from cbatch.errors import UNAVAILABLE
     from cbatch.protocol import unpack
-    from cbatch.client.session import LIVENESS_S
 
     sent, now = [], [100.0]
     session = Session(sent.append, use_ring=False, clock=lambda: now[0])
@@ -87,9 +87,9 @@ def test_liveness_is_judged_per_request_while_others_stream():
 
 
 def test_a_daemon_that_stops_answering_fails_waiting_streams_within_5_s_without_raising():
+    from cbatch.client.session import SAFETY_POLL_S
     from cbatch.errors import UNAVAILABLE
     from cbatch.protocol import unpack
-    from cbatch.client.session import SAFETY_POLL_S
 
     sent = []
     session = Session(sent.append, use_ring=False)

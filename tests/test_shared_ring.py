@@ -9,12 +9,13 @@ import subprocess
 import sys
 import threading
 
+from common import GREEDY
+from daemonkit import wait_until
+from ringkit import publish
+
 from cbatch.client.shared_ring import RingTap, SharedRingReader
 from cbatch.client.streams import RequestStream
 from cbatch.ipc.ring import RingWriter, create_ring
-from ringkit import publish
-from daemonkit import wait_until
-from common import GREEDY
 
 NUM_THREADS = 12
 RING_RECORDS = 64

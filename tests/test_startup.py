@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from common import default_sigint
 from daemonkit import SCRIPTS_DIR, child_pids, wait_until
 

@@ -4,8 +4,8 @@ one another running daemon uses or one made for another model."""
 
 import subprocess
 
-from daemonkit import SCRIPTS_DIR
 from common import free_port
+from daemonkit import SCRIPTS_DIR
 
 START_TIMEOUT_S = 120.0
 

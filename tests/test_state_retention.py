@@ -8,9 +8,9 @@ import time
 
 import openai
 import pytest
+from daemonkit import wait_until
 
 from cbatch.jobs.state_dir import endpoint_dir_name
-from daemonkit import wait_until
 
 JOB_TIMEOUT_S = 180.0
 HOUR_S = 3600

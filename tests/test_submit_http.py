@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
-
 from common import GREEDY, free_port
 from daemonkit import SCRIPTS_DIR, serve_module
 from httpkit import HttpDaemon
+
 from cbatch.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 
 KEY = "submit-test-key"
@@ -57,7 +57,8 @@ NATIVE_LINES = [
 
 def test_a_file_over_http_gives_the_lines_a_zeromq_run_gives(daemon, tmp_path):
     over_zeromq, expected = _submit(daemon, NATIVE_LINES, tmp_path, "--max-in-flight", "1", name="zeromq")
-    over_http, written = _submit(daemon, NATIVE_LINES, tmp_path, *_over_http(daemon, "--max-in-flight", "1"), name="http")
+    over_http, written = _submit(daemon, NATIVE_LINES, tmp_path, *_over_http(daemon, "--max-in-flight", "1"),
+                                 name="http")
     assert over_zeromq.returncode == over_http.returncode == EXIT_FAILED  # the two bad lines
     assert written == expected
     assert [line.get("id") for line in written] == ["plain", "choices", "logprobs", "stop", 5, "bad"]
@@ -154,7 +155,8 @@ class _ScriptedServer(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         answer = self.server.answers.pop(0) if self.server.answers else (200, {
-            "choices": [{"text": "ok", "finish_reason": "length"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+            "choices": [{"text": "ok", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
         if answer is None:
             self.server.closing.wait()
         else:

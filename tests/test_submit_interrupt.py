@@ -9,9 +9,9 @@ import subprocess
 import time
 
 import pytest
-
 from common import default_sigint
 from daemonkit import SCRIPTS_DIR
+
 from cbatch.errors import EXIT_INTERRUPTED
 
 NUM_LINES = 40

@@ -8,8 +8,8 @@ import signal
 import subprocess
 
 import pytest
-
 from daemonkit import SCRIPTS_DIR, wait_until
+
 from cbatch.errors import EXIT_OK, EXIT_UNREACHABLE
 
 SUBMIT = str(SCRIPTS_DIR / "cbatch-submit")

@@ -7,8 +7,8 @@ import json
 import subprocess
 
 import pytest
-
 from daemonkit import SCRIPTS_DIR
+
 from cbatch.errors import EXIT_FAILED
 
 SUBMIT = str(SCRIPTS_DIR / "cbatch-submit")
@@ -84,6 +84,7 @@ def test_resume_answers_each_line_once_and_counts_what_it_did(start_daemon, tiny
                                       f"{num_rest_failed} failed, 4 skipped as done by an earlier run")
     third = _run(daemon, prompts, output)
     assert third.returncode == 0, third.stderr
-    assert _summary(third, noun) == f"0 {noun} written, 0 ok, 0 failed, {len(answers)} skipped as done by an earlier run"
+    assert _summary(third,
+                    noun) == f"0 {noun} written, 0 ok, 0 failed, {len(answers)} skipped as done by an earlier run"
     written = [_answer(json.loads(line)) for line in output.read_text().splitlines()]
     assert written == answers  # each line once, in input order across the runs

@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-
 from daemonkit import SCRIPTS_DIR, wait_until
 from httpkit import HttpDaemon
 
@@ -156,8 +155,8 @@ def test_the_key_sets_the_tenant_whatever_the_body_says_and_counters_add_up(daem
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert grew("cbatch_tenant_requests_total", "light") == grew("cbatch_tenant_requests_total", "heavy") == 1
-    assert (grew("cbatch_tenant_generated_tokens_total", "light"), grew("cbatch_tenant_generated_tokens_total", "heavy")) \
-        == (MAX_TOKENS, 5)
+    tokens = "cbatch_tenant_generated_tokens_total"
+    assert (grew(tokens, "light"), grew(tokens, "heavy")) == (MAX_TOKENS, 5)
     def grew_all(name: str) -> float:
         return sum(value - before.get(key, 0.0) for key, value in after.items() if key[0] == name)
 
@@ -200,7 +199,8 @@ def test_embeddings_count_in_the_tenants_usage_and_limits(daemon):
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert grew("cbatch_tenant_requests_total", "light") == 2 and grew("cbatch_tenant_requests_total", "capped") == 1
-    assert grew("cbatch_tenant_prompt_tokens_total", "light") == sum(r.json()["usage"]["prompt_tokens"] for r in replies[:2])
+    assert grew("cbatch_tenant_prompt_tokens_total",
+                "light") == sum(r.json()["usage"]["prompt_tokens"] for r in replies[:2])
     assert grew("cbatch_tenant_prompt_tokens_total", "capped") == replies[2].json()["usage"]["prompt_tokens"] > 0
     body = {"prompt": "long", "max_tokens": 3500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{daemon.base_url}/v1/completions", json=body, headers=auth("capped"),
@@ -261,8 +261,9 @@ def test_a_batch_waits_out_rate_limited_and_writes_no_error_line(daemon, tmp_pat
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"batch {i}", "max_tokens": MAX_TOKENS, **tenant}) + "\n"
                                for i in range(5)))
     flags = ["--url", f"{daemon.base_url}/v1", "--api-key", "key-capped"] if over_http else []
-    result = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output), "--max-in-flight", "4",
-                             *flags], env=daemon.env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(prompts), "-o", str(output),
+                             "--max-in-flight", "4", *flags], env=daemon.env, capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     written = [json.loads(line) for line in output.read_text().splitlines()]
     assert sorted(line["id"] for line in written) == list(range(5)) and not any("error" in line for line in written)

@@ -2,7 +2,8 @@
 
 import codecs
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cbatch.workers.engine.text_stream import TextStream
 

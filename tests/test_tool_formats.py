@@ -50,7 +50,8 @@ def test_a_bare_json_call_with_parameters_is_read_and_that_format_is_told_from_t
 
 def test_a_stream_releases_text_until_a_call_may_begin_and_ends_with_the_calls():
     stream = ToolCallStream(plan())
-    pieces = ["Sure, ", "one moment <tool_", 'call>\n{"name": "get_time", ', '"arguments": {"city": "Oslo"}}\n</tool_call>']
+    pieces = ["Sure, ", "one moment <tool_", 'call>\n{"name": "get_time", ',
+              '"arguments": {"city": "Oslo"}}\n</tool_call>']
     deltas = [stream.push(piece, None)[0] for piece in pieces]
     assert deltas == [[{"content": "Sure, "}], [{"content": "one moment "}], [], []]
     end, reason = stream.push("", "stop")

@@ -10,15 +10,16 @@ import sys
 
 import openai
 import pytest
-
-from cbatch.model import chat_model_path
 from conftest import REPO
 from daemonkit import serve_module
 from httpkit import HttpDaemon
 
+from cbatch.model import chat_model_path
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city.",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit", "days"], "properties": {
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit", "days"],
+                   "properties": {
         "city": {"type": "string", "maxLength": 24},
         "unit": {"enum": ["celsius", "fahrenheit"]},
         "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
@@ -107,8 +108,8 @@ def test_the_history_tells_the_model_its_calls_and_their_results_in_words():
     from cbatch.tools.messages import cbatch_messages
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    messages = cbatch_messages([*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
-                                {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Sunny"}]}])
+    result = {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Sunny"}]}
+    messages = cbatch_messages([*ASK, {"role": "assistant", "content": None, "tool_calls": [call]}, result])
     assert messages[1:] == [{"role": "assistant", "content": 'Called get_weather with {"city": "Paris"}.'},
                             {"role": "user", "content": "get_weather returned: Sunny"}]
 

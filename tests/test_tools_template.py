@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
+from daemonkit import SCRIPTS_DIR, RawPeer, serve_module
+from httpkit import HttpDaemon
 
 from cbatch import AsyncClient
 from cbatch.protocol import MsgType
 from cbatch.tools import ChatTemplate
 from cbatch.tools.messages import template_messages
-from conftest import REPO
-from daemonkit import SCRIPTS_DIR, RawPeer, serve_module
-from httpkit import HttpDaemon
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city.",
@@ -97,7 +97,7 @@ def test_a_tool_loop_renders_the_result_with_the_template_and_answers(api, tiny_
     assert answer.choices[0].message.tool_calls is None
     template = ChatTemplate((REPO / "scripts" / "chatml_tools.jinja").read_text(), "<s>", "</s>", adds_bos=True)
     prompt = template.render(template_messages(history), [WEATHER])
-    assert "<tool_response>\nSunny, 21 °C\n</tool_response>" in prompt and f'"name": "get_weather"' in prompt
+    assert "<tool_response>\nSunny, 21 °C\n</tool_response>" in prompt and '"name": "get_weather"' in prompt
     assert answer.usage.prompt_tokens == len(prompt.encode()) + 1
 
 
@@ -177,7 +177,8 @@ def test_an_openai_batch_file_with_tools_answers_with_tool_calls(daemon, tmp_pat
     assert response["usage"]["prompt_tokens"] == over_http.usage.prompt_tokens
 
 
-DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_tools_template.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)
+DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_tools_template.py[^>]*-->\n```(\w*)\n(.*?)```",
+                          re.S)
 
 
 def test_the_docs_template_example_runs_as_printed(daemon, tiny_tools_model_path, tmp_path):

@@ -7,11 +7,11 @@ import subprocess
 import time
 
 import pytest
+from common import GREEDY
+from daemonkit import SCRIPTS_DIR, Daemon, serve_module, wait_until
 
 import cbatch
 from cbatch.client.async_client import AsyncClient
-from daemonkit import SCRIPTS_DIR, Daemon, serve_module, wait_until
-from common import GREEDY
 
 DAEMON_ARGS = ("--parallel", "4", "--ctx-size", "1024", "--batch-size", "64")
 COMMANDS = ("cbatch-worker", "cbatch-submit", "cbatch-status")
@@ -50,7 +50,8 @@ def test_submit_from_stdin_that_is_not_utf8_is_a_usage_error(daemon):
 
 
 def test_batches_take_plain_strings_and_name_unlabelled_items_by_position(daemon):
-    items = ["a plain prompt", {"prompt": "a dict", "max_tokens": 4, **GREEDY}, {"id": "named", "prompt": "x", **GREEDY}]
+    items = ["a plain prompt", {"prompt": "a dict", "max_tokens": 4, **GREEDY},
+             {"id": "named", "prompt": "x", **GREEDY}]
     with daemon.client() as client:
         single = client.generate(prompt="a plain prompt", max_tokens=6, **GREEDY)
         plain, unnamed, named = client.generate_batch(items)

@@ -4,18 +4,18 @@ that forgets ended requests, and a mass expiry in one pass."""
 import time
 
 import pytest
+from enginekit import collect, submit
+from fakerunner import FakeRunner
 
 from cbatch.cli.worker_flags import config_from_args, make_parser
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError, INVALID_CONFIG, QUEUE_FULL
+from cbatch.errors import INVALID_CONFIG, QUEUE_FULL, CbatchError
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.kv.pool import KVCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 from cbatch.workers.engine.waiting_queue import MIN_STALE_DEADLINES
-from enginekit import collect, submit
-from fakerunner import FakeRunner
 
 WEEK_S = 604800
 
@@ -73,7 +73,8 @@ def test_the_batch_room_is_as_the_interactive_one_unless_set_and_a_bad_one_names
     assert _engine_config("--max-queue", "7", "--max-batch-queue", "0").max_in_flight == (4 + 7, 4)
     with pytest.raises(CbatchError) as err:
         _engine_config("--max-batch-queue", "20000")
-    assert err.value.code == INVALID_CONFIG and err.value.message == "--max-batch-queue must be in [0, 16384], got 20000"
+    assert err.value.code == INVALID_CONFIG
+    assert err.value.message == "--max-batch-queue must be in [0, 16384], got 20000"
 
 
 def test_the_deadline_heap_holds_no_entry_for_long_ended_requests():

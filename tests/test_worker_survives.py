@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from daemonkit import SCRIPTS_DIR, serve_module, wait_until
 from httpkit import HttpDaemon
 
@@ -52,7 +51,8 @@ class Bystander:
         return self.result[-1] if self.result else None
 
 
-@pytest.mark.parametrize("extra", [{"min_tokens": 5}, {"min_tokens": 5, "logit_bias": {"2": 100}}, {"min_tokens": 3, "temperature": 0.9, "seed": 4}])
+@pytest.mark.parametrize("extra", [{"min_tokens": 5}, {"min_tokens": 5, "logit_bias": {"2": 100}},
+                                   {"min_tokens": 3, "temperature": 0.9, "seed": 4}])
 def test_a_complete_grammar_held_open_ends_as_stop(daemon, extra):
     pid = worker_pid(daemon)
     bystander = Bystander(daemon)

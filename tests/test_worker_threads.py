@@ -14,19 +14,27 @@ from pathlib import Path
 
 import pytest
 import zmq
+from common import worker_submit
 
 from cbatch.config import EngineConfig
 from cbatch.ipc.records import record_request_ids
 from cbatch.ipc.ring import create_ring
+from cbatch.ipc.worker_messages import (
+    WorkerCancel,
+    WorkerEvents,
+    WorkerReady,
+    WorkerReject,
+    WorkerStop,
+    WorkerSubmit,
+    decode,
+    encode,
+)
 from cbatch.protocol import MsgType, pack
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
+from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT
 from cbatch.workers.decode.worker import run_decode_worker
 from cbatch.workers.engine.engine import Engine
-from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEvents, WorkerReady, WorkerReject, WorkerStop, WorkerSubmit,
-                                       decode, encode)
-from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT
 from cbatch.workers.engine.runner import LlamaRunner
-from common import worker_submit
 
 GENERATION = 1
 REPLY_TIMEOUT_S = 60.0  # the first reply includes loading the model
@@ -141,7 +149,8 @@ def run_to_finish(stand_in: FrontEndStandIn, request_id: int) -> str:
 def test_an_unexpected_failure_to_prepare_costs_only_that_request(front_end):
     stand_in = front_end(run_worker_with_a_faulty_prepare)
     stand_in.send(worker_submit(1, {"prompt": FAULTY_PROMPT, "max_tokens": 3}))
-    assert stand_in.recv(WorkerReject) == WorkerReject(1, "internal", "the worker failed to prepare this request: KeyError")
+    assert stand_in.recv(WorkerReject) == WorkerReject(1, "internal",
+                                                       "the worker failed to prepare this request: KeyError")
     # The preparer lives on: the next submits run, on the same worker.
     assert run_to_finish(stand_in, 2) == "length"
     assert run_to_finish(stand_in, 3) == "length"

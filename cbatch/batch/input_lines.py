@@ -29,7 +29,8 @@ def read_items(lines):
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as err:
-                yield number, CbatchError(INVALID_REQUEST, f"line {number} is not valid JSON: {err.msg} (column {err.colno})")
+                yield number, CbatchError(INVALID_REQUEST,
+                                          f"line {number} is not valid JSON: {err.msg} (column {err.colno})")
                 continue
             except RecursionError:  # Python's parser recurses per level: a line 1000 deep is its error alone
                 yield number, CbatchError(INVALID_REQUEST, f"line {number} nests arrays or objects too deep")

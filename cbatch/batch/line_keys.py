@@ -11,7 +11,7 @@ line is known by in turn.
 
 import json
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 
 LINE_FIELD = "line"  # in the error of a line known by its line number
 

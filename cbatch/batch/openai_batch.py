@@ -14,10 +14,17 @@ import uuid
 
 from cbatch.batch.line_keys import LINE_FIELD
 from cbatch.client.batch_retry import is_transient
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.openai.completions_output import ResponseBuilder, WholeResponse, system_fingerprint
-from cbatch.openai.mapping import (CHAT, COMPLETION, embedding_response, error_body, error_status,
-                                 parse_api_request, parse_embedding_request)
+from cbatch.openai.mapping import (
+    CHAT,
+    COMPLETION,
+    embedding_response,
+    error_body,
+    error_status,
+    parse_api_request,
+    parse_embedding_request,
+)
 from cbatch.openai.responses_output import ResponseEvents, WholeResponseEvents, echoed_fields
 from cbatch.openai.responses_request import parse_responses_request
 from cbatch.params import BATCH
@@ -78,7 +85,8 @@ class OpenAILine:
             if kind == EMBEDDINGS:
                 embedding_request = parse_embedding_request(item["body"], model_names)
                 result = embed(embedding_request.inputs, embedding_request.dimensions)
-                self._succeed(uuid.uuid4().hex, embedding_response(embedding_request, result.data, result.prompt_tokens))
+                response = embedding_response(embedding_request, result.data, result.prompt_tokens)
+                self._succeed(uuid.uuid4().hex, response)
                 return
             # A batch file's lines yield to interactive requests unless a body says otherwise.
             body = {"priority": BATCH, **item["body"], "stream": False}

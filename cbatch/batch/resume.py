@@ -13,6 +13,7 @@ import shutil
 from cbatch.batch.line_keys import result_key
 from cbatch.client.batch_retry import TRANSIENT_CODES
 
+
 def is_transient_result(result: dict) -> bool:
     """A native line's `error`, an OpenAI line's `error` or its failed response's error body,
     with a transient code."""

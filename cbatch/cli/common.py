@@ -14,9 +14,12 @@ def add_version(parser: argparse.ArgumentParser) -> None:
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """How a command-line client finds and authenticates to a daemon."""
-    parser.add_argument("--endpoint", default=None, help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
-    parser.add_argument("--curve-server-key", help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
-    parser.add_argument("--curve-client-key", help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
+    parser.add_argument("--endpoint", default=None,
+                        help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
+    parser.add_argument("--curve-server-key",
+                        help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
+    parser.add_argument("--curve-client-key",
+                        help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
 
 
 def exit_with(prog: str, message: str, code: int) -> NoReturn:

@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from cbatch.errors import CbatchError, EXIT_FAILED, EXIT_OK, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import EXIT_FAILED, EXIT_OK, INVALID_REQUEST, UNAVAILABLE, CbatchError
 
 POLL_S = 1.0  # between looks at a job that has not ended
 TIMEOUT_S = 600.0  # one HTTP request: an upload of up to 200 MB included

@@ -5,7 +5,7 @@ import json
 import sys
 
 from cbatch.cli.common import add_version
-from cbatch.errors import CbatchError, UNAVAILABLE
+from cbatch.errors import UNAVAILABLE, CbatchError
 from cbatch.wording import counted
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 3
@@ -49,8 +49,9 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
         f"{counted(stats.get('num_in_flight', 0), 'request')} in flight, "
         f"{counted(stats['num_requests_ended'], 'request')} ended, "
         f"{counted(stats.get('num_preemptions', 0), 'preemption')}",
-        f"decode {stats.get('decode_tokens_per_s', 0.0):.1f} tok/s, prefill {stats.get('prefill_tokens_per_s', 0.0):.1f} "
-        f"tok/s, {stats.get('avg_concurrent_seqs', 0.0):.1f} sequences per decode step on average",
+        f"decode {stats.get('decode_tokens_per_s', 0.0):.1f} tok/s, "
+        f"prefill {stats.get('prefill_tokens_per_s', 0.0):.1f} tok/s, "
+        f"{stats.get('avg_concurrent_seqs', 0.0):.1f} sequences per decode step on average",
     ]
     share = stats.get("compute_cpu_share", 1.0)
     if share < STARVED_CPU_SHARE:
@@ -82,10 +83,13 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="cbatch-status", description="Show what a cbatch-worker daemon is doing.")
-    parser.add_argument("--endpoint", default=None, help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
+    parser.add_argument("--endpoint", default=None,
+                        help="daemon endpoint (default: CBATCH_ENDPOINT or the local ipc socket)")
     parser.add_argument("--json", action="store_true", help="print {\"health\": ..., \"stats\": ...} as JSON")
-    parser.add_argument("--curve-server-key", help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
-    parser.add_argument("--curve-client-key", help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
+    parser.add_argument("--curve-server-key",
+                        help="the daemon's CurveZMQ public certificate (or CBATCH_CURVE_SERVER_KEY)")
+    parser.add_argument("--curve-client-key",
+                        help="this client's CurveZMQ secret certificate (or CBATCH_CURVE_CLIENT_KEY)")
     add_version(parser)
     args = parser.parse_args(argv)
     from cbatch.client import Client

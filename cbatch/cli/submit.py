@@ -10,12 +10,12 @@ import sys
 import time
 
 from cbatch.batch.batch_run import BatchInterrupted, EmbeddingTally, InOrderWriter, RunSummary, run_batch
-from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
+from cbatch.batch.input_lines import read_items
 from cbatch.batch.line_keys import LineSelector, native_id, openai_id
 from cbatch.batch.native_batch import NativeLine
 from cbatch.batch.openai_batch import OpenAILine, is_openai_batch
-from cbatch.batch.input_lines import read_items
 from cbatch.batch.resume import prepare_resume
+from cbatch.cli.common import add_client_flags, add_version, exit_on_error, exit_with
 from cbatch.cli.submit_transport import PROG, check_transport_flags, connect, run_job_command
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
 from cbatch.client.batch_retry import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_FOR_S, Patience, call_held

@@ -26,10 +26,12 @@ def make_parser() -> argparse.ArgumentParser:
     add("-m", "--model", help="GGUF file (default: the embedded gemma-3-270m)")
     add("-np", "--parallel", type=int, default=ENGINE.parallel,
         help=f"sequences decoded together, 1 to {MAX_PARALLEL} (default {ENGINE.parallel})")
-    add("-c", "--ctx-size", type=int, default=ENGINE.ctx_size, help="total context for all sequences (default 4096 each)")
+    add("-c", "--ctx-size", type=int, default=ENGINE.ctx_size,
+        help="total context for all sequences (default 4096 each)")
     add("-b", "--batch-size", type=int, default=ENGINE.batch_size,
         help=f"tokens per decode step (default {ENGINE.batch_size})")
-    add("-t", "--threads", type=int, default=ENGINE.threads, help="CPU threads (default: the CPUs this daemon may run on, from its affinity mask)")
+    add("-t", "--threads", type=int, default=ENGINE.threads,
+        help="CPU threads (default: the CPUs this daemon may run on, from its affinity mask)")
     add("-ngl", "--n-gpu-layers", type=int, default=None,
         help="layers to offload to a GPU (default -1: all of them on a GPU build)")
     add("--interactive-timeout", type=float, default=0.0, metavar="S",
@@ -88,7 +90,8 @@ def make_parser() -> argparse.ArgumentParser:
     add("--allow-remote", action="store_true", help="allow a tcp:// endpoint beyond loopback")
     add("--curve-secret-key", default="", help="daemon's CurveZMQ secret certificate: require CurveZMQ")
     add("--curve-clients", default="", help="directory of client public certificates allowed in")
-    add("--http", default="", metavar="[HOST:]PORT", help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
+    add("--http", default="", metavar="[HOST:]PORT",
+        help="also serve the OpenAI-compatible HTTP API (default host 127.0.0.1)")
     add("--api-key", default="", metavar="KEY",
         help="HTTP callers must send 'Authorization: Bearer KEY' (needed when --http listens beyond loopback)")
     add("--api-key-file", default="", metavar="PATH", help="read the --api-key from this file (kept out of ps)")
@@ -153,7 +156,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     return DaemonConfig(engine, endpoint=args.endpoint, ring_capacity=args.ring_capacity,
                         drain_grace_s=args.drain_grace, retention_s=args.retention,
                         reconnect_grace_s=args.reconnect_grace, worker_timeout_s=args.worker_timeout,
-                        allow_remote=args.allow_remote, progress_interval_s=0.0 if args.quiet else args.progress_interval,
+                        allow_remote=args.allow_remote,
+                        progress_interval_s=0.0 if args.quiet else args.progress_interval,
                         curve_secret_key=args.curve_secret_key, curve_clients_dir=args.curve_clients,
                         http_address=parse_http_address(args.http) if args.http else None,
                         http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),

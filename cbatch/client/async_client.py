@@ -20,16 +20,26 @@ from collections.abc import AsyncIterator
 
 import zmq
 
-from cbatch.client.base import (CONNECT_TIMEOUT_S, ClientBase, Embeddings, check_endpoint, choice_items,
-                                embed_messages, joined_embeddings, num_positions, raise_any, unreachable)
-from cbatch.config import default_endpoint
-from cbatch.errors import CbatchError, UNAVAILABLE
-from cbatch.protocol import MsgType
-from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client import session as session_module  # SEND_TIMEOUT_S read at each send: tests shorten it
+from cbatch.client.base import (
+    CONNECT_TIMEOUT_S,
+    ClientBase,
+    Embeddings,
+    check_endpoint,
+    choice_items,
+    embed_messages,
+    joined_embeddings,
+    num_positions,
+    raise_any,
+    unreachable,
+)
+from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.session import CONNECTION, LIVENESS_S, SAFETY_POLL_S, Session
 from cbatch.client.sockets import close_dealer, make_dealer
 from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
+from cbatch.config import default_endpoint
+from cbatch.errors import UNAVAILABLE, CbatchError
+from cbatch.protocol import MsgType
 
 
 class AsyncClient(ClientBase):

@@ -11,8 +11,9 @@ from cbatch.client.batch_feeder import Choices
 from cbatch.client.session import Session
 from cbatch.client.streams import Completion, RequestStream
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs, vector_list
-from cbatch.errors import CbatchError, UNAVAILABLE
-from cbatch.params import expand_choices, tenant as params_tenant
+from cbatch.errors import UNAVAILABLE, CbatchError
+from cbatch.params import expand_choices
+from cbatch.params import tenant as params_tenant
 from cbatch.tools import ChatTemplate, template_of
 
 CONNECT_TIMEOUT_S = 10.0

@@ -5,11 +5,11 @@ the requests a daemon refused for a moment (cbatch.client.batch_retry)."""
 import time
 from collections import deque
 
-from cbatch.errors import CbatchError, INVALID_REQUEST, UNAVAILABLE
 from cbatch.client.batch_retry import Patience, Tries
 from cbatch.client.liveness import LIVENESS_S
 from cbatch.client.session import Session
 from cbatch.client.streams import RequestStream
+from cbatch.errors import INVALID_REQUEST, UNAVAILABLE, CbatchError
 
 DEFAULT_MAX_IN_FLIGHT = 64  # requests of one batch outstanding at once
 

@@ -24,7 +24,7 @@ from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.batch_retry import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_RETRY_FOR_S, MAX_BACKOFF_S, Patience, Tries
 from cbatch.client.openai_wire import chunk_from_response, error_from_response, http_request
 from cbatch.client.streams import Chunk, RequestStream
-from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, UNAVAILABLE
+from cbatch.errors import INTERNAL, INVALID_REQUEST, UNAVAILABLE, CbatchError
 
 CONNECT_TIMEOUT_S = 10.0
 MAX_MODELS_WAIT_S = 30.0  # for the listing GET /models asked first: the endpoint's first answer
@@ -182,7 +182,8 @@ class HttpBatchClient:
         if not models:
             raise CbatchError(UNAVAILABLE, f"{self.base_url}models lists no model")
         reasoning = models[0].get("reasoning")
-        if not (isinstance(reasoning, dict) and isinstance(reasoning.get("tags"), list) and len(reasoning["tags"]) == 2):
+        if not (isinstance(reasoning, dict) and isinstance(reasoning.get("tags"),
+                                                           list) and len(reasoning["tags"]) == 2):
             return [model["id"] for model in models], None
         return [model["id"] for model in models], {"tags": reasoning["tags"],
                                                    "opened_by_prompt": reasoning.get("opened_by_prompt") is True}

@@ -7,9 +7,9 @@ its extras (top_k, min_p, repeat_penalty, ignore_eos, min_tokens, grammar) go as
 fields cbatch's own server, llama-server and vLLM take. Only `logprobs` differs for chat.
 """
 
-from cbatch.client.streams import Chunk
-from cbatch.errors import (CbatchError, INTERNAL, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, UNAUTHORIZED, UNAVAILABLE)
 import cbatch.errors as errors
+from cbatch.client.streams import Chunk
+from cbatch.errors import INTERNAL, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, UNAUTHORIZED, UNAVAILABLE, CbatchError
 
 COMPLETIONS_PATH, CHAT_PATH = "/completions", "/chat/completions"
 # An error body's `code` is kept when it is one of cbatch's; anything else is named by status.

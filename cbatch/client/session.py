@@ -10,13 +10,13 @@ import time
 
 import zmq
 
-from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE
-from cbatch.ipc.ring import RingError
-from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
 from cbatch.client.liveness import LIVENESS_S, Liveness
 from cbatch.client.shared_ring import RingTap
 from cbatch.client.streams import RequestStream
 from cbatch.client.submit_frames import submit_frames
+from cbatch.errors import INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE, CbatchError
+from cbatch.ipc.ring import RingError
+from cbatch.protocol import PROTOCOL_VERSION, MsgType, ProtocolError, pack, unpack
 from cbatch.tools.chat import prepare_request
 
 SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
@@ -144,7 +144,8 @@ class Session:
         if stale_ids is None:
             return
         if self.liveness.is_given_up:
-            self._fail_everything(CbatchError(UNAVAILABLE, "the cbatch daemon stopped answering; is cbatch-worker running?"))
+            self._fail_everything(CbatchError(UNAVAILABLE,
+                                              "the cbatch daemon stopped answering; is cbatch-worker running?"))
             return
         self._next_nonce += 1  # a ping's reply is not waited for; on_frames reads it
         self.liveness.on_ping_sent(self._next_nonce, stale_ids)
@@ -190,7 +191,8 @@ class Session:
             self.use_ring = self._wants_ring
         if body.get("use_ring") and self._ring is None:
             try:
-                self._ring = RingTap(body["ring_name"], body["tick_endpoint"], self.streams.values() if is_another_ring else ())
+                self._ring = RingTap(body["ring_name"], body["tick_endpoint"],
+                                     self.streams.values() if is_another_ring else ())
             except RingError:
                 # Not on the daemon's host (or no access): take the relayed stream instead.
                 self.use_ring = False

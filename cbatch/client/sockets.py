@@ -7,8 +7,8 @@ import secrets
 import zmq
 import zmq.auth
 
-from cbatch.errors import CbatchError, INVALID_CONFIG
 from cbatch.client import session  # SEND_TIMEOUT_S read at each connect: tests shorten it
+from cbatch.errors import INVALID_CONFIG, CbatchError
 
 # How long a closed client's last messages (the cancels of its running requests) may wait
 # for the daemon in libzmq's I/O thread; closing never blocks on them (the process-wide

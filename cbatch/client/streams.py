@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from cbatch.errors import CbatchError, DECODE_FAILED
+from cbatch.errors import DECODE_FAILED, CbatchError
 from cbatch.tools import ToolCallStream, ToolPlan
 
 
@@ -95,7 +95,8 @@ class RequestStream:
                     logprobs.append(_logprob_entry(entry[0]) if entry and entry[0] else None)
             data.append(text)
         if token_ids or data:
-            self._emit(token_ids, self._decoder.decode(b"".join(data)), logprobs=logprobs if self.wants_logprobs else None)
+            self._emit(token_ids, self._decoder.decode(b"".join(data)),
+                       logprobs=logprobs if self.wants_logprobs else None)
         self._complete_if_ready()
 
     def is_wake_due(self) -> bool:
@@ -190,8 +191,9 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
     if len(chunks) == 1:
         return last
     logprobs = None if last.logprobs is None else list(itertools.chain.from_iterable(c.logprobs for c in chunks))
-    return Chunk(last.id, "".join(c.text for c in chunks), list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
-                 last.finish_reason, last.usage, logprobs, last.tool_calls)
+    token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
+    return Chunk(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage, logprobs,
+                 last.tool_calls)
 
 
 def completion_from_chunks(chunks: list[Chunk]) -> Completion:

@@ -1,7 +1,7 @@
 """A request body as the SUBMIT frames the front-end takes: encoded and checked here, so
 that what the front-end would refuse fails in the caller's own call, saying why."""
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, pack, unpack
 
 

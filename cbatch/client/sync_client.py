@@ -13,16 +13,27 @@ from collections.abc import Callable, Iterator
 
 import zmq
 
-from cbatch.client.base import (CONNECT_TIMEOUT_S, ClientBase, Embeddings, check_endpoint, choice_items,
-                                embed_messages, joined_embeddings, num_positions, raise_any, unreachable)
-from cbatch.config import default_endpoint
-from cbatch.errors import CbatchError
-from cbatch.protocol import MsgType
+from cbatch.client.base import (
+    CONNECT_TIMEOUT_S,
+    ClientBase,
+    Embeddings,
+    check_endpoint,
+    choice_items,
+    embed_messages,
+    joined_embeddings,
+    num_positions,
+    raise_any,
+    unreachable,
+)
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT, BatchFeeder
 from cbatch.client.batch_retry import Patience
 from cbatch.client.session import SAFETY_POLL_S, Session
 from cbatch.client.sockets import close_dealer, make_dealer
 from cbatch.client.streams import BatchResults, Chunk, Completion, RequestStream
+from cbatch.config import default_endpoint
+from cbatch.errors import CbatchError
+from cbatch.protocol import MsgType
+
 
 class Client(ClientBase):
     def __init__(self, endpoint: str | None = None, *, use_ring: bool = True,

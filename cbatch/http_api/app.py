@@ -25,10 +25,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.errors import INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE, CbatchError
 from cbatch.http_api.access_log import AccessLog
-from cbatch.http_api.auth import (API_KEY_ENV, API_KEYS_FILE_ENV, TENANT_SCOPE_KEY, ApiKeys, RequireApiKey,
-                                  check_choices_fit)
+from cbatch.http_api.auth import (
+    API_KEY_ENV,
+    API_KEYS_FILE_ENV,
+    TENANT_SCOPE_KEY,
+    ApiKeys,
+    RequireApiKey,
+    check_choices_fit,
+)
 from cbatch.http_api.batches_api import batch_routes
 from cbatch.http_api.connection import choose_event_loop, timed_protocol
 from cbatch.http_api.embeddings import embeddings_endpoint
@@ -161,7 +167,8 @@ async def _daemon_stats(state: HttpState) -> dict:
 
 
 async def _metrics(state: HttpState, request: Request) -> Response:
-    return Response(state.metrics.render(await _daemon_stats(state)), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(state.metrics.render(await _daemon_stats(state)),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStore | None = None) -> Starlette:
@@ -177,8 +184,8 @@ def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStor
             err = CbatchError(INVALID_REQUEST, f"{request.method} is not allowed on {request.url.path}")
         else:
             err = CbatchError(NOT_FOUND, f"no route {request.method} {request.url.path}; this server serves "
-                                         "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/models, "
-                                         "/v1/files, /v1/batches, /v1/loads, /health, /metrics")
+                                         "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, "
+                                         "/v1/models, /v1/files, /v1/batches, /v1/loads, /health, /metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
     middleware = [Middleware(AccessLog)] + ([Middleware(RequireApiKey, api_keys=api_keys)] if api_keys else [])

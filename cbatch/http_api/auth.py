@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cbatch.api_keys import DEFAULT_TENANT, TenantKey, load_keys, tenant_of_key
-from cbatch.errors import CbatchError, FORBIDDEN, INVALID_REQUEST, UNAUTHORIZED
+from cbatch.errors import FORBIDDEN, INVALID_REQUEST, UNAUTHORIZED, CbatchError
 from cbatch.http_api.json_io import json_response
 from cbatch.openai.mapping import error_body
 
@@ -38,7 +38,8 @@ class ApiKeys:
 
     def __init__(self, api_key: str = "", keys_file: str = ""):
         self.keys_file = keys_file
-        self.keys = load_keys(keys_file) if keys_file else {DEFAULT_TENANT: TenantKey(DEFAULT_TENANT, api_key, metrics=True)}
+        self.keys = (load_keys(keys_file) if keys_file
+                     else {DEFAULT_TENANT: TenantKey(DEFAULT_TENANT, api_key, metrics=True)})
 
     def reload(self) -> None:
         """Read the keys file again; a file that cannot be read keeps the keys there were."""

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.http_api.auth import TENANT_SCOPE_KEY
 from cbatch.http_api.json_io import json_body, json_response
 from cbatch.http_api.state import HttpState
@@ -76,7 +76,8 @@ async def _upload(store: BatchStore, request: Request) -> Response:
     except CbatchError:
         raise
     except Exception as err:  # Starlette's own refusals of a malformed form (its exception types vary by version)
-        raise CbatchError(INVALID_REQUEST, f"the body must be a multipart form with `file` and `purpose`: {err}") from None
+        raise CbatchError(INVALID_REQUEST,
+                          f"the body must be a multipart form with `file` and `purpose`: {err}") from None
     try:
         upload, purpose = form.get("file"), form.get("purpose")
         if upload is None or isinstance(upload, str) or not isinstance(purpose, str):

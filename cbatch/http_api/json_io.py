@@ -15,7 +15,7 @@ What orjson does differently from the json module, and why it is safe here:
 import orjson
 from starlette.responses import Response
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 
 # numpy scalars and arrays as numbers and lists (json.dumps took numpy's float64, a float subclass)
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY

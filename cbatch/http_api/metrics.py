@@ -8,8 +8,8 @@ reply, read when /metrics is scraped.
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 disable_created_metrics()  # no *_created series: they double the text and no dashboard reads them
 
@@ -26,7 +26,8 @@ _DAEMON_FIGURES = {
     "kv_cells_total": (GAUGE, "cbatch_kv_cells_total", "KV cells in the context"),
     "decode_tokens_per_s": (GAUGE, "cbatch_decode_tokens_per_second", "Generated tokens per second of decode steps"),
     "num_steps": (COUNTER, "cbatch_decode_steps", "Decode steps (one llama_decode each) since the worker started"),
-    "num_requests_ended": (COUNTER, "cbatch_daemon_requests_ended", "Requests the daemon ended (any outcome), all clients"),
+    "num_requests_ended": (COUNTER, "cbatch_daemon_requests_ended",
+                           "Requests the daemon ended (any outcome), all clients"),
     "prompt_tokens_computed": (COUNTER, "cbatch_prompt_tokens_computed",
                                "Prompt tokens computed (not served by the prefix cache)"),
     "prompt_tokens_reused": (COUNTER, "cbatch_prompt_tokens_reused", "Prompt tokens reused from the prefix cache"),
@@ -125,7 +126,8 @@ def router_gauges(stats: dict):
 class HttpMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.requests = Counter("cbatch_http_requests", "Finished choices (embeddings: requests) by endpoint and finish reason",
+        self.requests = Counter("cbatch_http_requests",
+                                "Finished choices (embeddings: requests) by endpoint and finish reason",
                                 ["endpoint", "finish_reason"], registry=self.registry)
         self.errors = Counter("cbatch_http_errors", "Requests answered with an error, by status and cbatch code",
                               ["endpoint", "status", "code"], registry=self.registry)

@@ -8,7 +8,7 @@ import time
 from starlette.responses import Response
 
 from cbatch.client.async_client import AsyncClient
-from cbatch.errors import CbatchError, SHUTTING_DOWN, UNAVAILABLE
+from cbatch.errors import SHUTTING_DOWN, UNAVAILABLE, CbatchError
 from cbatch.http_api.json_io import json_response
 from cbatch.http_api.metrics import HttpMetrics
 from cbatch.openai.completions_output import system_fingerprint

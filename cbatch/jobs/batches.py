@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 
-from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND
+from cbatch.errors import INVALID_REQUEST, NOT_FOUND, CbatchError
 from cbatch.jobs.files import BATCH, OWNER, FileStore, is_visible, public
 from cbatch.jobs.progress import initial_progress
 from cbatch.jobs.state_dir import STATE_DIR_MODE, fsync_dir, read_json, write_json

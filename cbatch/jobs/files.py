@@ -9,7 +9,7 @@ import time
 import uuid
 
 from cbatch.api_keys import DEFAULT_TENANT
-from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND
+from cbatch.errors import INVALID_REQUEST, NOT_FOUND, CbatchError
 from cbatch.jobs.state_dir import STATE_DIR_MODE, read_json, remove_if_present, replace_from, write_json
 
 MAX_FILE_BYTES = 200 * 1024 * 1024

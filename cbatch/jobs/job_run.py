@@ -24,8 +24,17 @@ from cbatch.batch.batch_run import BatchInterrupted, run_batch
 from cbatch.batch.openai_batch import OpenAILine
 from cbatch.client.batch_feeder import DEFAULT_MAX_IN_FLIGHT
 from cbatch.client.batch_retry import DEFAULT_RETRY_FOR_S, Patience, call_held
-from cbatch.jobs.batches import (CANCELLED, COMPLETED, EXPIRED, FAILED, FINAL_STATUSES, FINALIZING, IN_PROGRESS,
-                                 VALIDATING, BatchStore)
+from cbatch.jobs.batches import (
+    CANCELLED,
+    COMPLETED,
+    EXPIRED,
+    FAILED,
+    FINAL_STATUSES,
+    FINALIZING,
+    IN_PROGRESS,
+    VALIDATING,
+    BatchStore,
+)
 from cbatch.jobs.files import BATCH_OUTPUT, OWNER
 from cbatch.jobs.progress import RunProgress
 from cbatch.jobs.results import ResultsLog, input_lines, write_outputs

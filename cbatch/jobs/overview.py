@@ -21,7 +21,8 @@ def job_line(batch: dict) -> dict:
 
 class JobsOverview:
     """The jobs of a state directory: how many there are in each status, and the ones not
-    ended, oldest first (the order the runner takes them). An ended job never changes, so it is read once and then only counted."""
+    ended, oldest first (the order the runner takes them). An ended job never changes, so it
+    is read once and then only counted."""
 
     def __init__(self, store: BatchStore):
         self.store = store

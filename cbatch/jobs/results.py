@@ -21,11 +21,10 @@ import json
 import os
 import time
 
-from cbatch.batch.line_keys import LineSelector, id_key, line_key, openai_id, result_key
 from cbatch.batch.input_lines import read_items
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.batch.line_keys import LineSelector, id_key, line_key, openai_id, result_key
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.jobs.progress import usage_tokens
-
 
 GROUP_COMMIT_S = 0.05  # the longest a finished line waits for its fsync while more lines run
 

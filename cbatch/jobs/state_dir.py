@@ -15,7 +15,7 @@ import re
 import tempfile
 import time
 
-from cbatch.errors import CbatchError, INVALID_CONFIG
+from cbatch.errors import INVALID_CONFIG, CbatchError
 
 STATE_DIR_MODE = 0o700  # a job's prompts and answers are its owner's
 RUNNER_LOCK = "runner.lock"  # held by the job runner of the daemon whose directory it is

@@ -93,14 +93,16 @@ class ResponseBuilder:
 
     def _chat_chunk(self, choice: int, delta: dict, finish_reason: str | None, logprobs) -> dict:
         entry = {"index": choice, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-        return self._envelope("chat.completion.chunk", [entry], **({"usage": None} if self.request.include_usage else {}))
+        return self._envelope("chat.completion.chunk", [entry],
+                              **({"usage": None} if self.request.include_usage else {}))
 
     def chunks(self, choice: int, text: str, finish_reason: str | None, logprobs) -> list[dict]:
         """A choice's next streamed chunks for what arrived: one, except with tools, where
         what may be a call is held back until the choice ends (then a tool_calls delta)."""
         if self.request.kind != CHAT:
             entry = {"index": choice, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
-            return [self._envelope("text_completion", [entry], **({"usage": None} if self.request.include_usage else {}))]
+            return [self._envelope("text_completion", [entry],
+                                   **({"usage": None} if self.request.include_usage else {}))]
         chunks = []
         if self._splitters is not None:
             reasoning, text = self._splitters[choice].push(text, is_last=finish_reason is not None)
@@ -124,7 +126,8 @@ def _merge_logprobs(kind: str, parts: list | None):
         return None
     if kind == CHAT:
         return {"content": [e for p in parts for e in p["content"]]}
-    return {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    return {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                "text_offset")}
 
 
 class WholeResponse:

@@ -10,10 +10,24 @@ import base64
 import re
 from dataclasses import dataclass
 
-from cbatch.errors import (CbatchError, DEADLINE_EXCEEDED, DECODE_FAILED, INTERNAL, INVALID_REQUEST, MODEL_EMBEDS_ONLY,
-                           FORBIDDEN, NOT_FOUND, PROMPT_TOO_LONG, QUEUE_FULL, RATE_LIMITED, SHUTTING_DOWN, UNAUTHORIZED, UNAVAILABLE,
-                           WORKER_RESTARTED)
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
+from cbatch.errors import (
+    DEADLINE_EXCEEDED,
+    DECODE_FAILED,
+    FORBIDDEN,
+    INTERNAL,
+    INVALID_REQUEST,
+    MODEL_EMBEDS_ONLY,
+    NOT_FOUND,
+    PROMPT_TOO_LONG,
+    QUEUE_FULL,
+    RATE_LIMITED,
+    SHUTTING_DOWN,
+    UNAUTHORIZED,
+    UNAVAILABLE,
+    WORKER_RESTARTED,
+    CbatchError,
+)
 from cbatch.openai.image_parts import take_images
 from cbatch.openai.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid

@@ -36,9 +36,11 @@ def _new_id(prefix: str) -> str:
 def echoed_fields(raw: dict) -> dict:
     """What the response repeats of the request (OpenAI's response object carries them)."""
     tools = [{"type": "function", "name": t.get("name"), "description": t.get("description"),
-              "parameters": t.get("parameters"), "strict": bool(t.get("strict", False))} for t in raw.get("tools") or []]
+              "parameters": t.get("parameters"), "strict": bool(t.get("strict", False))}
+             for t in raw.get("tools") or []]
     return {"instructions": raw.get("instructions"), "metadata": raw.get("metadata") or {}, "tools": tools,
-            "tool_choice": raw.get("tool_choice") or "auto", "parallel_tool_calls": raw.get("parallel_tool_calls", True),
+            "tool_choice": raw.get("tool_choice") or "auto",
+            "parallel_tool_calls": raw.get("parallel_tool_calls", True),
             "temperature": raw.get("temperature"), "top_p": raw.get("top_p"),
             "max_output_tokens": raw.get("max_output_tokens"), "previous_response_id": None,
             "text": raw.get("text") or {"format": {"type": "text"}}, "store": False}

@@ -8,10 +8,11 @@ messages with a call's result (`tool_call_id`, which must answer a call made ear
   Hugging Face templates read: calls' arguments as objects, a result named after its
   function.
 - cbatch_messages: text in the system, user and assistant roles, for a template that
-  does not know tools (rendered in the decode worker). An earlier call is told in words ("Called get_weather with {...}.") and its
-  result becomes a user message naming the function ("get_weather returned: ..."). Not as
-  the JSON a call is made with (formats.py): shown its own calls in that form, a small
-  model answers a call's result with the same call again instead of with an answer.
+  does not know tools (rendered in the decode worker). An earlier call is told in words
+  ("Called get_weather with {...}.") and its result becomes a user message naming the
+  function ("get_weather returned: ..."). Not as the JSON a call is made with (formats.py):
+  shown its own calls in that form, a small model answers a call's result with the same
+  call again instead of with an answer.
 """
 
 import json

@@ -27,7 +27,8 @@ EPOLL_CTL_MOD = 3
 EPOLLONESHOT = 1 << 30
 SETUP_TIMEOUT_S = 2.0  # libzmq registers a new listener on its I/O thread, soon after bind
 SETUP_POLL_S = 0.01
-_REGISTRATION = re.compile(r"tfd:\s*(\d+)\s+events:\s*([0-9a-f]+)\s+data:\s*([0-9a-f]+)\s+pos:\s*\d+\s+ino:\s*([0-9a-f]+)")
+_REGISTRATION = re.compile(r"tfd:\s*(\d+)\s+events:\s*([0-9a-f]+)\s+data:\s*([0-9a-f]+)"
+                           r"\s+pos:\s*\d+\s+ino:\s*([0-9a-f]+)")
 
 
 class _EpollEvent(ctypes.Structure):

@@ -20,7 +20,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import CbatchError, INVALID_CONFIG, UNAVAILABLE
+from cbatch.errors import INVALID_CONFIG, UNAVAILABLE, CbatchError
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, pack
 from cbatch.workers.daemon.backlog import MAX_STALL_S, Backlog, RequestPauses
 from cbatch.workers.daemon.connection_guard import ConnectionGuard, shared_address
@@ -202,7 +202,8 @@ class ClientLink:
         except zmq.ZMQError as err:
             # Again: its queue is full. EHOSTUNREACH: its connection died, and whether it
             # may come back is known when the disconnect event is read.
-            if identity in self._stalled or identity in self._closed or err.errno not in (zmq.EAGAIN, errno.EHOSTUNREACH):
+            if (identity in self._stalled or identity in self._closed
+                    or err.errno not in (zmq.EAGAIN, errno.EHOSTUNREACH)):
                 return False  # cut off, or gone: what it lacks is re-sent or fetched when it speaks again
             self._backlogs[identity] = backlog = Backlog(time.monotonic())
             backlog.add(msg_type, body)

@@ -11,7 +11,7 @@ This module imports nothing heavy.
 import fcntl
 import os
 
-from cbatch.errors import CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG
+from cbatch.errors import ENDPOINT_IN_USE, INVALID_CONFIG, CbatchError
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -26,12 +26,14 @@ def lock_endpoint(endpoint: str) -> int | None:
     try:
         fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as err:
-        raise CbatchError(INVALID_CONFIG, f"cannot use {endpoint}: {err.strerror} (does its directory exist?)") from None
+        raise CbatchError(INVALID_CONFIG,
+                          f"cannot use {endpoint}: {err.strerror} (does its directory exist?)") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise CbatchError(ENDPOINT_IN_USE, f"another cbatch-worker is serving {endpoint}; stop it or pass --endpoint") from None
+        raise CbatchError(ENDPOINT_IN_USE,
+                          f"another cbatch-worker is serving {endpoint}; stop it or pass --endpoint") from None
     return fd
 
 

@@ -14,10 +14,18 @@ import time
 import zmq
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import SHUTDOWN_MESSAGE, CbatchError, INTERNAL, INVALID_REQUEST, SHUTTING_DOWN
+from cbatch.errors import INTERNAL, INVALID_REQUEST, SHUTDOWN_MESSAGE, SHUTTING_DOWN, CbatchError
 from cbatch.ipc.records import TokenEvent, frame_events
-from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEmbedded, WorkerEvents, WorkerPause, WorkerReady,
-                                        WorkerReject, WorkerSubmit, encode)
+from cbatch.ipc.worker_messages import (
+    WorkerCancel,
+    WorkerEmbedded,
+    WorkerEvents,
+    WorkerPause,
+    WorkerReady,
+    WorkerReject,
+    WorkerSubmit,
+    encode,
+)
 from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request, request_fields
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack

@@ -3,7 +3,7 @@ the WELCOME each gets (again when the worker becomes ready: one sent while the m
 loaded lacks the model's description and chat template)."""
 
 from cbatch.config import DaemonConfig
-from cbatch.errors import CbatchError, VERSION_MISMATCH
+from cbatch.errors import VERSION_MISMATCH, CbatchError
 from cbatch.ipc.ring import is_ring_ordered
 from cbatch.protocol import PROTOCOL_VERSION, MsgType, field
 from cbatch.workers.daemon.client_link import ClientLink
@@ -26,9 +26,11 @@ class Handshakes:
     def hello(self, identity: bytes, body: dict) -> None:
         version = field(body, "version", int)
         if version != PROTOCOL_VERSION:
-            raise CbatchError(VERSION_MISMATCH, f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade cbatch")
+            raise CbatchError(VERSION_MISMATCH,
+                              f"client speaks protocol {version}, this daemon {PROTOCOL_VERSION}; upgrade cbatch")
         # Off x86-64 the ring's lock-free protocol lacks the fences it would need: relay.
-        use_ring = bool(field(body, "use_ring", bool)) and self._config.endpoint.startswith("ipc://") and is_ring_ordered()
+        use_ring = bool(field(body, "use_ring",
+                              bool)) and self._config.endpoint.startswith("ipc://") and is_ring_ordered()
         self._use_ring[identity] = use_ring
         self._welcome(identity)
 
@@ -46,6 +48,7 @@ class Handshakes:
     def _welcome(self, identity: bytes) -> None:
         ready, use_ring = self._worker.ready, self._use_ring[identity]
         self._clients.send(identity, MsgType.WELCOME, {
-            "version": PROTOCOL_VERSION, "model": ready.model if ready else "", "parallel": self._config.engine.parallel,
+            "version": PROTOCOL_VERSION, "model": ready.model if ready else "",
+            "parallel": self._config.engine.parallel,
             "ctx_per_seq": ready.ctx_per_seq if ready else 0, "use_ring": use_ring, **(ready.chat if ready else {}),
             "ring_name": self.ring_name if use_ring else "", "tick_endpoint": self._tick_endpoint if use_ring else ""})

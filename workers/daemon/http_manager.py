@@ -21,8 +21,8 @@ import signal
 import socket
 
 from cbatch.config import runtime_dir
+from cbatch.errors import ENDPOINT_IN_USE, CbatchError
 from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV
-from cbatch.errors import CbatchError, ENDPOINT_IN_USE
 from cbatch.workers.daemon.child_process import ChildProcess, module_argv
 
 log = logging.getLogger("cbatch.daemon.http")

@@ -19,7 +19,7 @@ import hashlib
 import json
 from collections import OrderedDict
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.params import Request, SamplingParams
 
 MAX_SHAPES = 1024

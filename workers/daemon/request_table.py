@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.config import QUEUE_FLAGS
-from cbatch.errors import CbatchError, INVALID_REQUEST, NOT_FOUND, QUEUE_FULL
+from cbatch.errors import INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, CbatchError
 from cbatch.ipc.records import RECORD_SIZE_BYTES
 from cbatch.params import PRIORITIES, SamplingParams
 from cbatch.wording import counted
@@ -60,7 +60,8 @@ class RequestTable:
         self.active: dict[int, TrackedRequest] = {}
         self.num_active_by_priority = [0, 0]  # by is_batch
         self._retained: OrderedDict[int, TrackedRequest] = OrderedDict()  # in finishing order
-        self._owed: dict[bytes, dict[int, TrackedRequest]] = {}  # owner -> retained tracked_requests whose finish it lacks
+        self._owed: dict[bytes, dict[int,
+                                     TrackedRequest]] = {}  # owner -> retained tracked_requests whose finish it lacks
         self.num_ended_by_outcome: Counter = Counter()  # finish reason, or the error code it failed with
 
     def add(self, tracked: TrackedRequest, now_s: float = 0.0) -> None:

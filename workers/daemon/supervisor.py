@@ -17,24 +17,33 @@ import time
 import zmq
 
 from cbatch.config import DaemonConfig, runtime_dir
-from cbatch.errors import (EXIT_FAILED, EXIT_OK, SHUTDOWN_MESSAGE, CbatchError, ENDPOINT_IN_USE, INVALID_CONFIG,
-                           SHUTTING_DOWN, UNAVAILABLE, WORKER_RESTARTED)
+from cbatch.errors import (
+    ENDPOINT_IN_USE,
+    EXIT_FAILED,
+    EXIT_OK,
+    INVALID_CONFIG,
+    SHUTDOWN_MESSAGE,
+    SHUTTING_DOWN,
+    UNAVAILABLE,
+    WORKER_RESTARTED,
+    CbatchError,
+)
 from cbatch.ipc.ring import SHM_DIR, RingError, create_ring
+from cbatch.ipc.worker_messages import WorkerStop
 from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
-from cbatch.workers.decode.plan import WorkerPlan
-from cbatch.workers.decode.worker import run_decode_worker
-from cbatch.workers.daemon.endpoint_lock import ipc_path, lock_endpoint, release_endpoint
+from cbatch.workers.daemon.crash_blame import blame_crash
 from cbatch.workers.daemon.descriptors import raise_open_file_limit, warn_if_too_few_descriptors
+from cbatch.workers.daemon.endpoint_lock import ipc_path, lock_endpoint, release_endpoint
 from cbatch.workers.daemon.front_end import FrontEnd
 from cbatch.workers.daemon.http_manager import HttpServers
-from cbatch.workers.daemon.leftovers import remove_leftovers
-from cbatch.ipc.worker_messages import WorkerStop
-from cbatch.workers.daemon.progress import ProgressLog
-from cbatch.workers.daemon.crash_blame import blame_crash
 from cbatch.workers.daemon.keys_reload import KeysReload
+from cbatch.workers.daemon.leftovers import remove_leftovers
+from cbatch.workers.daemon.progress import ProgressLog
 from cbatch.workers.daemon.stop_signals import StopSignals, children_ignore_sigint_sighup
 from cbatch.workers.daemon.worker_link import WorkerLink
+from cbatch.workers.decode.plan import WorkerPlan
+from cbatch.workers.decode.worker import run_decode_worker
 
 log = logging.getLogger("cbatch.daemon")
 
@@ -85,7 +94,8 @@ class Supervisor:
             if isinstance(err, CbatchError):
                 raise
             if isinstance(err, zmq.ZMQError):
-                raise CbatchError(ENDPOINT_IN_USE, f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
+                raise CbatchError(ENDPOINT_IN_USE,
+                                  f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
             raise CbatchError(INVALID_CONFIG, f"cannot read the CurveZMQ certificates: {err}") from None
         client_path = ipc_path(config.endpoint)
         if client_path:
@@ -100,8 +110,10 @@ class Supervisor:
         self._generation += 1
         if not self.ring.is_linked():
             self._recreate_ring()
-        plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name, self._generation)
-        self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,), name="cbatch-decode")
+        plan = WorkerPlan(self.config.engine, self.control_endpoint, self.tick_endpoint, self.ring.name,
+                          self._generation)
+        self.worker = multiprocessing.get_context("spawn").Process(target=run_decode_worker, args=(plan,),
+                                                                   name="cbatch-decode")
         self.worker_link.expect(self._generation)
         with children_ignore_sigint_sighup():
             self.worker.start()

@@ -30,7 +30,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from cbatch.api_keys import DEFAULT_TENANT, TenantKey, load_keys
-from cbatch.errors import CbatchError, RATE_LIMITED
+from cbatch.errors import RATE_LIMITED, CbatchError
 
 RETRY_CONCURRENT_S = 1  # a request ends at any moment: ask again soon
 SECONDS_PER_MINUTE = 60.0

@@ -10,8 +10,8 @@ its requests were failed already.
 
 import zmq
 
-from cbatch.workers.decode.plan import worker_identity
 from cbatch.ipc.worker_messages import WorkerFailed, WorkerReady, decode, encode
+from cbatch.workers.decode.plan import worker_identity
 
 
 class WorkerLink:

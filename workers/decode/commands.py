@@ -2,13 +2,19 @@
 
 import queue
 
-from cbatch.errors import CbatchError, DEADLINE_EXCEEDED
-from cbatch.ipc.worker_messages import (WorkerCancel, WorkerEmbedCancel, WorkerEmbedded, WorkerPause, WorkerReject,
-                                        WorkerStop)
+from cbatch.errors import DEADLINE_EXCEEDED, CbatchError
+from cbatch.ipc.worker_messages import (
+    WorkerCancel,
+    WorkerEmbedCancel,
+    WorkerEmbedded,
+    WorkerPause,
+    WorkerReject,
+    WorkerStop,
+)
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.preparer import rejection
 from cbatch.workers.decode.publisher import EventPublisher
-from cbatch.workers.engine.embedder import EmbedJob, Embedder
+from cbatch.workers.engine.embedder import Embedder, EmbedJob
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sequence import Sequence
 

@@ -14,10 +14,10 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from cbatch.errors import CbatchError, INTERNAL, INVALID_REQUEST
+from cbatch.errors import INTERNAL, INVALID_REQUEST, CbatchError
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded, WorkerReject, WorkerSubmit
 from cbatch.params import request_from_fields
-from cbatch.workers.engine.embedder import EmbedJob, Embedder
+from cbatch.workers.engine.embedder import Embedder, EmbedJob
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sequence import Sequence
 

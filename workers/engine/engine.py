@@ -15,23 +15,23 @@ worker drives it (workers/decode/worker.py), tests and benchmarks drive it in-pr
 import time
 
 from cbatch.config import EngineConfig
-from cbatch.errors import SHUTDOWN_MESSAGE, CbatchError, INVALID_CONFIG, SHUTTING_DOWN
-from cbatch.model import resolve_model_path
+from cbatch.errors import INVALID_CONFIG, SHUTDOWN_MESSAGE, SHUTTING_DOWN, CbatchError
 from cbatch.ipc.records import TokenEvent
+from cbatch.model import resolve_model_path
 from cbatch.params import Request
 from cbatch.workers.engine.image_steps import image_writer
 from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.output import OutputProcessor
-from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.preparation import prepare_sequence
 from cbatch.workers.engine.reasoning import model_reasoning
+from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.sampling.host import free_sampler_chain
 from cbatch.workers.engine.sampling.step import StepSampler
 from cbatch.workers.engine.scheduler import Scheduler
-from cbatch.workers.engine.step_batch import BatchSpan
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
-from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.stats import CPU_TIMED_EVERY_STEPS, EngineStats, engine_snapshot
+from cbatch.workers.engine.step_batch import BatchSpan
 
 LLAMA_DECODE_NO_KV_ROOM = 1
 NO_KV_ROOM_MESSAGE = "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
@@ -228,8 +228,10 @@ class Engine:
         return spans, status
 
     def _fail(self, spans: list[BatchSpan], status: int) -> list[TokenEvent]:
-        message = NO_KV_ROOM_MESSAGE if status == LLAMA_DECODE_NO_KV_ROOM else f"llama_decode failed with status {status}"
-        return [self._finish(c.seq, FinishReason.ERROR, message) for c in spans if c.seq.status is not SeqStatus.FINISHED]
+        message = (NO_KV_ROOM_MESSAGE if status == LLAMA_DECODE_NO_KV_ROOM
+                   else f"llama_decode failed with status {status}")
+        return [self._finish(c.seq, FinishReason.ERROR,
+                             message) for c in spans if c.seq.status is not SeqStatus.FINISHED]
 
     def _apply_cancels(self) -> list[TokenEvent]:
         """Cancelled requests end, and so do those past their deadline."""

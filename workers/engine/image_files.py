@@ -8,7 +8,7 @@ formats llama.cpp's image reader (stb_image) decodes and this header reader know
 import struct
 
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 
 FORMATS = "PNG, JPEG, GIF or BMP"
 # JPEG's start-of-frame markers (which carry the size): C0-CF but DHT (C4), JPG (C8) and DAC (CC).

@@ -17,8 +17,8 @@ Invariants:
   continues as it would have without the pause, as far as llama.cpp computes that KV the
   same in a prefill chunk as one token at a time (docs/operations.md measures how far);
 - it goes back to the batch resume queue, so it is the first batch work admitted once no
-  interactive request waits, whichever tenant's batch work arrived since: however often it is preempted, it finishes when the
-  interactive load stops.
+  interactive request waits, whichever tenant's batch work arrived since: however often it
+  is preempted, it finishes when the interactive load stops.
 No model here: the scheduler's tests drive it.
 """
 

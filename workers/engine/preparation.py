@@ -5,7 +5,7 @@ decode worker runs it off the decode loop's thread."""
 import math
 import time
 
-from cbatch.errors import CbatchError, INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG
+from cbatch.errors import INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG, CbatchError
 from cbatch.params import BATCH, Request
 from cbatch.workers.engine.sampling.budget import ThinkingBudget
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
@@ -42,7 +42,8 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
     deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
     return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, matcher=matcher,
                     is_backend_sampled=on_backend,
-                    is_batch=request.priority == BATCH, deadline_s=deadline_s, budget=_budget(runner, request, text, model_reasoning),
+                    is_batch=request.priority == BATCH, deadline_s=deadline_s,
+                    budget=_budget(runner, request, text, model_reasoning),
                     tenant=request.tenant, tenant_weight=request.tenant_weight, images=images)
 
 

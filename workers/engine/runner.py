@@ -15,15 +15,15 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST
-from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
-from cbatch.workers.engine.sampling.backend import BackendSamplers
-from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
+from cbatch.errors import INVALID_CONFIG, INVALID_REQUEST, CbatchError
+from cbatch.tools.template import compiled_template
+from cbatch.workers.engine.chat_texts import chat_texts
 from cbatch.workers.engine.decode_mark import marked_decode, no_mark
+from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
+from cbatch.workers.engine.sampling.backend import BackendSamplers
+from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
 from cbatch.workers.engine.step_batch import BatchSpan
 from cbatch.workers.engine.vision import load_vision
-from cbatch.workers.engine.chat_texts import chat_texts
-from cbatch.tools.template import compiled_template
 
 MAX_PIECE_BYTES = 256
 ALL_LAYERS = 1 << 30  # as n_gpu_layers: more than any model has
@@ -92,7 +92,8 @@ class LlamaRunner:
         self.num_gpu_layers = model_params.n_gpu_layers  # > 0: layers are offloaded (the engine overlaps)
         self.model = lc.llama_model_load_from_file(model_path.encode(), model_params)
         if not self.model:
-            raise CbatchError(INVALID_CONFIG, f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
+            raise CbatchError(INVALID_CONFIG,
+                              f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
         # Reusing part of a sequence's KV needs a model whose memory is positional (recurrent
         # and hybrid models keep one state per sequence). Spare ids hold cached prefixes in
         # the unified pool only: with per-sequence streams each id is a whole stream.
@@ -229,7 +230,8 @@ class LlamaRunner:
             buf = ctypes.create_string_buffer(size)
             n = lc.llama_chat_apply_template(template, chat, len(encoded), True, buf, size)
             if n < 0:
-                raise CbatchError(INVALID_REQUEST, "llama.cpp does not support this model's chat template: send 'prompt'")
+                raise CbatchError(INVALID_REQUEST,
+                                  "llama.cpp does not support this model's chat template: send 'prompt'")
             if n <= size:
                 return buf.raw[:n].decode("utf-8", errors="replace")
             size = n + 1

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from cbatch.workers.engine.sequence import Sequence
 
-
 MIN_TIMED_DECODE_S = 0.001  # shorter decodes say little about the threads' share (clock granularity)
 CPU_TIMED_EVERY_STEPS = 8  # steps between two readings of the process CPU time (Engine.step)
 CPU_SHARE_SMOOTHING = 0.2  # weight of one timed step in compute_cpu_share: about the last 5 (40 steps)

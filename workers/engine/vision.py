@@ -26,7 +26,7 @@ import numpy as np
 from llama_cpp import mtmd_cpp as mtmd
 
 from cbatch.config import EngineConfig
-from cbatch.errors import CbatchError, INVALID_CONFIG, INVALID_REQUEST
+from cbatch.errors import INVALID_CONFIG, INVALID_REQUEST, CbatchError
 from cbatch.images import IMAGE_MARKER
 from cbatch.workers.engine.image_files import FORMATS, check_image_files
 

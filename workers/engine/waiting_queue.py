@@ -23,7 +23,7 @@ import math
 from collections import deque
 
 from cbatch.config import QUEUE_FLAGS
-from cbatch.errors import CbatchError, QUEUE_FULL
+from cbatch.errors import QUEUE_FULL, CbatchError
 from cbatch.params import PRIORITIES
 from cbatch.wording import counted
 from cbatch.workers.engine.arrival_order import ArrivalQueue, NoShare

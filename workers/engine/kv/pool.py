@@ -200,7 +200,8 @@ class KVCacheManager:
                 break
             holder.num_indexed += 1
         if holder.pin_id is not None and holder.num_indexed > first_new:
-            self.ops.append((OP_COPY, seq_id, holder.pin_id, first_new * BLOCK_TOKENS, holder.num_indexed * BLOCK_TOKENS))
+            self.ops.append((OP_COPY, seq_id, holder.pin_id, first_new * BLOCK_TOKENS,
+                             holder.num_indexed * BLOCK_TOKENS))
 
     def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool) -> None:
         """A running holder is done. With `keep` (and the cache on) its indexed blocks stay

@@ -31,7 +31,7 @@ import llama_cpp.llama_cpp as lc
 import llguidance
 import numpy as np
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 # llama_token_data, field for field (int32 id, float logit, float p; 12 bytes, no padding).

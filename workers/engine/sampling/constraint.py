@@ -27,8 +27,8 @@ import llama_cpp.llama_cpp as lc
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
 from cbatch.constraints import JSON_OPTIONS
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.params import SamplingParams
 
 LARK_MARKER = "%llguidance"

@@ -13,7 +13,7 @@ pick (constrained.py).
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
-from cbatch.errors import CbatchError, INVALID_REQUEST
+from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.params import SamplingParams
 
 PENALTY_LAST_N = 64  # tokens of history the repeat/presence/frequency penalties look at
@@ -41,7 +41,8 @@ def _logit_biases(vocab, eog_ids: np.ndarray, params: SamplingParams) -> list[tu
     n_vocab = lc.llama_vocab_n_tokens(vocab)
     for token, _ in params.logit_bias:
         if token >= n_vocab:
-            raise CbatchError(INVALID_REQUEST, f"logit_bias token id {token} is beyond the vocabulary ({n_vocab} tokens)")
+            raise CbatchError(INVALID_REQUEST,
+                              f"logit_bias token id {token} is beyond the vocabulary ({n_vocab} tokens)")
     biases = list(params.logit_bias)
     if params.ignore_eos:
         biases += [(int(t), float("-inf")) for t in eog_ids]
@@ -60,10 +61,12 @@ def make_sampler_chain(vocab, eog_ids: np.ndarray, params: SamplingParams, promp
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     if biases:
         array = (lc.llama_logit_bias * len(biases))(*(lc.llama_logit_bias(t, b) for t, b in biases))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(lc.llama_vocab_n_tokens(vocab), len(biases), array))
+        bias_sampler = lc.llama_sampler_init_logit_bias(lc.llama_vocab_n_tokens(vocab), len(biases), array)
+        lc.llama_sampler_chain_add(chain, bias_sampler)
     if params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
         penalties = lc.llama_sampler_init_penalties(
-            lc.llama_vocab_n_tokens(vocab), PENALTY_LAST_N, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+            lc.llama_vocab_n_tokens(vocab), PENALTY_LAST_N, params.repeat_penalty, params.frequency_penalty,
+            params.presence_penalty
         )
         # The prompt counts as history for the penalties, as in llama.cpp's own server.
         for token in prompt_ids[-PENALTY_LAST_N:]:
