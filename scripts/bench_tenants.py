@@ -19,7 +19,7 @@ import math
 import time
 
 from cbatch.params import SamplingParams
-from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
@@ -27,7 +27,7 @@ PROMPT_TOKENS = 16
 
 
 def step_ms(num_tenants: int, parallel: int, num_steps: int, output_tokens: int, queue_depth: int) -> float:
-    kv = KVCacheManager(parallel * (PROMPT_TOKENS + output_tokens + 64), parallel, False, max_cached_cells=0)
+    kv = PoolCacheManager(parallel * (PROMPT_TOKENS + output_tokens + 64), parallel, False, max_cached_cells=0)
     sched = Scheduler(kv, parallel, parallel * PROMPT_TOKENS, queue_depth + parallel, queue_depth + parallel)
     request_ids = itertools.count(1)
     params = SamplingParams()

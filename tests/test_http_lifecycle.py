@@ -152,10 +152,10 @@ def test_a_drain_waiting_on_a_response_sleeps_between_checks():
 
     import uvicorn
 
-    from cbatch.http_api.app import DRAIN_POLL_S, _DrainingServer
+    from cbatch.http_api.server import DRAIN_POLL_S, DrainingServer
 
     state = _CountingState()
-    server = _DrainingServer(uvicorn.Config(app=None), state)
+    server = DrainingServer(uvicorn.Config(app=None), state)
     watched_s = 0.5
 
     async def drain():

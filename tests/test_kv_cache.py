@@ -10,7 +10,7 @@ import random
 import pytest
 
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_COPY
-from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.kv.pool import PoolCacheManager
 
 B = BLOCK_TOKENS
 
@@ -40,7 +40,7 @@ class FakeKV:
         return [c[0] for c in self.cells.get(seq_id, [])]
 
 
-def run(kv: KVCacheManager, fake: FakeKV, tokens: list[int]) -> int:
+def run(kv: PoolCacheManager, fake: FakeKV, tokens: list[int]) -> int:
     """Admit a sequence, compute all its tokens, and check llama.cpp would hold them."""
     placed = kv.admit(lambda a, b: tokens[a:b], len(tokens))
     assert placed is not None
@@ -58,7 +58,7 @@ def finish(kv, fake, seq_id, tokens, keep=True):
 
 
 def test_a_shared_prefix_is_copied_not_recomputed_and_its_cells_count_once():
-    kv, fake = KVCacheManager(1024, 16, True, 512), FakeKV()
+    kv, fake = PoolCacheManager(1024, 16, True, 512), FakeKV()
     system = list(range(100, 100 + 4 * B))
     a = run(kv, fake, system + [1, 2, 3])
     b = run(kv, fake, system + [4, 5])
@@ -68,7 +68,7 @@ def test_a_shared_prefix_is_copied_not_recomputed_and_its_cells_count_once():
 
 
 def test_a_wholly_cached_prompt_still_computes_its_last_token():
-    kv, fake = KVCacheManager(1024, 16, True, 512), FakeKV()
+    kv, fake = PoolCacheManager(1024, 16, True, 512), FakeKV()
     prompt = list(range(3 * B))
     finish(kv, fake, run(kv, fake, prompt), prompt)
     seq_id, reused = kv.admit(lambda a, b: prompt[a:b], len(prompt))
@@ -76,7 +76,7 @@ def test_a_wholly_cached_prompt_still_computes_its_last_token():
 
 
 def test_finished_prefixes_stay_cached_until_their_cells_are_needed_lru_first():
-    kv, fake = KVCacheManager(8 * B, 16, True, 8 * B), FakeKV()
+    kv, fake = PoolCacheManager(8 * B, 16, True, 8 * B), FakeKV()
     old, new = [1] * (3 * B), [2] * (3 * B)
     finish(kv, fake, run(kv, fake, old), old)
     finish(kv, fake, run(kv, fake, new), new)
@@ -90,7 +90,7 @@ def test_finished_prefixes_stay_cached_until_their_cells_are_needed_lru_first():
 
 
 def test_no_room_even_after_eviction_changes_nothing():
-    kv, fake = KVCacheManager(4 * B, 16, True, 4 * B), FakeKV()
+    kv, fake = PoolCacheManager(4 * B, 16, True, 4 * B), FakeKV()
     prompt = [5] * (3 * B)
     run(kv, fake, prompt)  # running: not evictable
     before = (kv.num_cells_used, kv.num_cells_evictable, kv.ops)
@@ -99,7 +99,7 @@ def test_no_room_even_after_eviction_changes_nothing():
 
 
 def test_a_prefix_held_by_a_running_sequence_survives_the_eviction_of_its_cached_source():
-    kv, fake = KVCacheManager(6 * B, 16, True, 6 * B), FakeKV()
+    kv, fake = PoolCacheManager(6 * B, 16, True, 6 * B), FakeKV()
     system = list(range(3 * B))
     first = system + [7]
     finish(kv, fake, run(kv, fake, first), first)
@@ -111,7 +111,7 @@ def test_a_prefix_held_by_a_running_sequence_survives_the_eviction_of_its_cached
 
 
 def test_cached_cells_are_bounded():
-    kv, fake = KVCacheManager(64 * B, 32, True, max_cached_cells=4 * B), FakeKV()
+    kv, fake = PoolCacheManager(64 * B, 32, True, max_cached_cells=4 * B), FakeKV()
     for i in range(6):
         prompt = [i] * (2 * B)
         finish(kv, fake, run(kv, fake, prompt), prompt)
@@ -120,7 +120,7 @@ def test_cached_cells_are_bounded():
 
 
 def test_twins_computing_the_same_tokens_keep_separate_cells_and_the_index_stays_sound():
-    kv, fake = KVCacheManager(1024, 16, True, 1024), FakeKV()
+    kv, fake = PoolCacheManager(1024, 16, True, 1024), FakeKV()
     prompt = list(range(2 * B))
     a = run(kv, fake, prompt)
     b_id, _ = kv.admit(lambda x, y: prompt[x:y], len(prompt))
@@ -144,7 +144,7 @@ def test_twins_computing_the_same_tokens_keep_separate_cells_and_the_index_stays
 def test_random_traffic_keeps_the_counts_equal_to_what_llama_cpp_would_hold(pin):
     rng = random.Random(1234)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 5 * B))] for _ in range(4)]
-    kv, fake = KVCacheManager(40 * B, 24, True, 12 * B, pin_indexed_cells=pin), FakeKV()
+    kv, fake = PoolCacheManager(40 * B, 24, True, 12 * B, pin_indexed_cells=pin), FakeKV()
     running: dict[int, list[int]] = {}
     for _ in range(600):
         if running and (len(running) >= 3 or rng.random() < 0.4):

@@ -6,7 +6,7 @@ import pytest
 from enginekit import collect, generate, run_to_completion, submit
 
 from cbatch.params import SamplingParams
-from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
@@ -17,7 +17,7 @@ MAX_STEPS_TO_FIRST_TOKEN = 2  # the step that admits the interactive request com
 
 
 def two_slot_scheduler(preempt_batch=True) -> Scheduler:
-    kv = KVCacheManager(4096, 8, True, max_cached_cells=2048)
+    kv = PoolCacheManager(4096, 8, True, max_cached_cells=2048)
     return Scheduler(kv, 2, 64, 8, 8, preempt_batch)
 
 
@@ -156,7 +156,7 @@ def test_interactive_prompt_chunks_take_the_step_first_and_batch_ones_a_quarter_
 
 
 def test_out_of_cells_a_batch_sequence_is_preempted_before_a_newer_interactive_one():
-    kv = KVCacheManager(40, 8, False, max_cached_cells=0)
+    kv = PoolCacheManager(40, 8, False, max_cached_cells=0)
     sched = Scheduler(kv, 2, 64, 8, 8, preempt_batch=False)
     batch, interactive = make_seq(0, 19, True), make_seq(1, 19, False)
     sched.add(batch)
@@ -168,7 +168,7 @@ def test_out_of_cells_a_batch_sequence_is_preempted_before_a_newer_interactive_o
 
 
 def test_a_preempted_batch_sequence_resumes_before_later_batch_work_of_any_tenant():
-    sched = Scheduler(KVCacheManager(4096, 8, True, max_cached_cells=2048), 1, 64, 8, 8)
+    sched = Scheduler(PoolCacheManager(4096, 8, True, max_cached_cells=2048), 1, 64, 8, 8)
     resumed = make_seq(0, 8, True)
     resumed.tenant = "heavy"
     sched.add(resumed)

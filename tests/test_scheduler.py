@@ -6,7 +6,7 @@ import pytest
 from cbatch.errors import QUEUE_FULL, CbatchError
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS
-from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import Sequence
 
@@ -18,7 +18,7 @@ def make_seq(request_id, num_prompt, first_token=None):
 
 
 def Sched(num_slots, max_batch_tokens, max_queue, num_cells=4096, prefix_cache=True, max_batch_queue=None):
-    kv = KVCacheManager(num_cells, 4 * num_slots, prefix_cache, max_cached_cells=num_cells // 2)
+    kv = PoolCacheManager(num_cells, 4 * num_slots, prefix_cache, max_cached_cells=num_cells // 2)
     return Scheduler(kv, num_slots, max_batch_tokens, max_queue,
                      max_queue if max_batch_queue is None else max_batch_queue)
 

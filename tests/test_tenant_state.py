@@ -9,7 +9,7 @@ import pytest
 from cbatch.cli.worker_flags import config_from_args, make_parser
 from cbatch.params import SamplingParams
 from cbatch.workers.daemon.tenant_ledger import MAX_IDLE_UNLISTED, TenantLedger
-from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
@@ -24,7 +24,7 @@ def make_seq(tenant: str) -> Sequence:
 
 
 def make_scheduler(num_slots: int, fair_share: bool = True) -> Scheduler:
-    kv = KVCacheManager(1 << 16, num_slots, True, max_cached_cells=0)
+    kv = PoolCacheManager(1 << 16, num_slots, True, max_cached_cells=0)
     return Scheduler(kv, num_slots, 64, 10000, 10000, fair_share=fair_share)
 
 

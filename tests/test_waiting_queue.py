@@ -12,7 +12,7 @@ from cbatch.config import EngineConfig
 from cbatch.errors import INVALID_CONFIG, QUEUE_FULL, CbatchError
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.engine import Engine
-from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 from cbatch.workers.engine.waiting_queue import MIN_STALE_DEADLINES
@@ -38,7 +38,7 @@ def make_seq(request_id: int, is_batch: bool = False, deadline_s: float = float(
 
 
 def make_scheduler(num_slots: int, max_queue: int, max_batch_queue: int) -> Scheduler:
-    kv = KVCacheManager(1 << 20, 4 * num_slots, True, max_cached_cells=1024)
+    kv = PoolCacheManager(1 << 20, 4 * num_slots, True, max_cached_cells=1024)
     return Scheduler(kv, num_slots, 64, max_queue, max_batch_queue)
 
 

@@ -3,7 +3,7 @@
 SIGTERM when the daemon drains, killed if they linger (child_process). Beside them, the
 batch job runner, which runs the jobs they take (cbatch.jobs.job_runner), kept the same way.
 
-A server (cbatch/http_api/app.py) is a separate process so that its event loop and JSON
+A server (cbatch/http_api/server.py) is a separate process so that its event loop and JSON
 work never delay the front-end's poll loop; it reaches the daemon as any local client
 does. Several serve one port when one cannot keep up (`--http-processes`): the listening
 socket is bound once, by the daemon, and every server process accepts from that same
@@ -116,7 +116,7 @@ class HttpProcess(ChildProcess):
     def argv(self) -> list[str]:
         self.pass_fds = (self.sock.fileno(),)
         names = [arg for name in self.model_names for arg in ("--model-id", name)]
-        return module_argv("cbatch.http_api.app", "--endpoint", self.endpoint, "--fd", str(self.sock.fileno()),
+        return module_argv("cbatch.http_api.server", "--endpoint", self.endpoint, "--fd", str(self.sock.fileno()),
                            "--state-dir", self.state_dir, *names)
 
     def start(self) -> None:

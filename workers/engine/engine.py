@@ -20,7 +20,7 @@ from cbatch.ipc.records import TokenEvent
 from cbatch.model import resolve_model_path
 from cbatch.params import Request
 from cbatch.workers.engine.image_steps import image_writer
-from cbatch.workers.engine.kv.pool import KVCacheManager
+from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.output import OutputProcessor
 from cbatch.workers.engine.preparation import prepare_sequence
@@ -42,7 +42,7 @@ class Engine:
         self.config = config
         self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
         if config.kv_unified:
-            kv = KVCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
+            kv = PoolCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
                                 config.max_cached_cells, pin_indexed_cells=self.runner.has_swa)
             if kv.pin_indexed_cells and config.parallel > self.runner.num_seq_ids // 2:
                 self.runner.close()

@@ -64,7 +64,10 @@ class Holder:
     is_running: bool = True
 
 
-class KVCacheManager:
+class PoolCacheManager:
+    """The unified KV layout (--kv-unified): one pool of cells for every sequence, prefixes
+    shared block by block; streams.py's StreamCacheManager is the other layout."""
+
     min_reuse_tokens = BLOCK_TOKENS  # any full block is shared
     def __init__(self, num_cells: int, num_seq_ids: int, enable_prefix_cache: bool, max_cached_cells: int,
                  pin_indexed_cells: bool = False):
