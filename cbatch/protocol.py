@@ -56,8 +56,8 @@ def pack(msg_type: MsgType, body: dict) -> list[bytes]:
     return [bytes((msg_type,)), msgpack.packb(body, use_bin_type=True)]
 
 
-def unpack(frames: list[bytes]) -> tuple[MsgType, dict]:
-    """Parse [type, body]; raise ProtocolError for anything else."""
+def split_frames(frames: list[bytes]) -> tuple[MsgType, bytes]:
+    """[type, body] checked and split, the body not parsed; raise ProtocolError for anything else."""
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames (type, body), got {len(frames)}")
     type_frame, body_frame = frames
@@ -69,6 +69,12 @@ def unpack(frames: list[bytes]) -> tuple[MsgType, dict]:
         raise ProtocolError(f"unknown message type 0x{type_frame[0]:02x}") from None
     if len(body_frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"body of {len(body_frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    return msg_type, body_frame
+
+
+def unpack(frames: list[bytes]) -> tuple[MsgType, dict]:
+    """Parse [type, body]; raise ProtocolError for anything else."""
+    msg_type, body_frame = split_frames(frames)
     try:
         body = msgpack.unpackb(
             body_frame,

@@ -1,22 +1,27 @@
 """The messages between the front-end and the decode worker: one small struct per type.
 
-On the wire each is [type byte, msgpack map of its fields] (cbatch.protocol's framing).
-A struct grows by a field with a default at the end; both ends are always the same
-version (the supervisor starts the worker from its own install), so no field is ever
-optional on the wire. A step's token events travel as the records the worker wrote to the
-ring, one bytes field: the front-end keeps and relays those bytes, never a per-token object.
+On the wire each is [type byte, msgpack array of its fields in order] (cbatch.protocol's
+framing): a msgspec Struct, encoded and decoded, types checked, in C, with no field names
+on the wire. A struct grows by a field with a default at the end; both ends are always the
+same version (the supervisor starts the worker from its own install). A step's token
+events travel as the records the worker wrote to the ring, one bytes field: the front-end
+keeps and relays those bytes, never a per-token object. (The client boundary stays msgpack
+maps: clients of other versions and languages speak it.)
 """
 
-from dataclasses import dataclass, field, fields
-
+import msgspec
 import numpy as np
+from msgspec import field
 
 from cbatch.ipc.records import TokenEvent
-from cbatch.protocol import MsgType, pack, unpack
+from cbatch.protocol import MsgType, ProtocolError, split_frames
 
 
-@dataclass
-class WorkerReady:
+class _Message(msgspec.Struct, array_like=True):
+    """A worker message: its fields, in order, are its msgpack array."""
+
+
+class WorkerReady(_Message):
     pid: int
     model: str
     ctx_per_seq: int
@@ -25,32 +30,28 @@ class WorkerReady:
     chat: dict = field(default_factory=dict)  # workers/engine/chat_texts.py: relayed to clients in WELCOME
 
 
-@dataclass
-class WorkerFailed:
+class WorkerFailed(_Message):
     """The worker cannot start (model, context, ring); it exits next."""
 
     message: str
     code: str  # INVALID_CONFIG: a setting is wrong and a restart cannot help
 
 
-@dataclass
-class WorkerSubmit:
+class WorkerSubmit(_Message):
     request_id: int
     request: list  # cbatch.params.request_fields: the front-end parsed and checked it
     deadline_s: float = 0.0  # when it must end, on the host's monotonic clock (the front-end's daemon default
     #                          applied); 0 = never
 
 
-@dataclass
-class WorkerCancel:
+class WorkerCancel(_Message):
     request_id: int
     # The drain's cancel, not the caller's: the request ends with the error shutting_down
     # (a transient refusal, which batch paths send again), never as `cancelled`.
     is_shutdown: bool = False
 
 
-@dataclass
-class WorkerPause:
+class WorkerPause(_Message):
     """Back-pressure: a request whose records wait for a slow client past a bound leaves the
     steps (keeping its slot and KV) until told to go on (workers/daemon/backlog.py)."""
 
@@ -58,34 +59,29 @@ class WorkerPause:
     is_paused: bool
 
 
-@dataclass
-class WorkerStop:
+class WorkerStop(_Message):
     pass
 
 
-@dataclass
-class WorkerReject:
+class WorkerReject(_Message):
     request_id: int
     code: str
     message: str
 
 
-@dataclass
-class WorkerEmbed:
+class WorkerEmbed(_Message):
     embed_id: int
     inputs: list  # strings and token-id lists (cbatch.embeddings.parse_inputs checked them)
     dimensions: int = 0  # the size asked for; 0 = the model's own
 
 
-@dataclass
-class WorkerEmbedCancel:
+class WorkerEmbedCancel(_Message):
     """The caller of a WorkerEmbed has gone: none of its inputs is decoded from now on; no reply."""
 
     embed_id: int
 
 
-@dataclass
-class WorkerEmbedded:
+class WorkerEmbedded(_Message):
     """The vectors of a WorkerEmbed, in input order (float32 little-endian bytes, L2-normalized),
     or its error (a non-empty code)."""
 
@@ -96,8 +92,7 @@ class WorkerEmbedded:
     message: str = ""
 
 
-@dataclass
-class WorkerEvents:
+class WorkerEvents(_Message):
     """One step's output: its records as written to the ring (RECORD_DTYPE rows, in event
     order), the end of each request it finished, and the logprobs of the requests that
     asked. Built by `of_step`, the one place events become this message."""
@@ -126,15 +121,24 @@ _TYPES = {
 _CLASSES = {msg_type: cls for cls, msg_type in _TYPES.items()}
 
 
-def encode(message) -> list[bytes]:
-    return pack(_TYPES[type(message)], {f.name: getattr(message, f.name) for f in fields(message)})
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {msg_type: msgspec.msgpack.Decoder(cls) for msg_type, cls in _CLASSES.items()}
+
+
+def encode(message: _Message) -> list[bytes]:
+    return [bytes((_TYPES[type(message)],)), _ENCODER.encode(message)]
 
 
 def decode(frames: list[bytes]):
     """The struct a worker or front-end sent; both ends are ours, so a malformed message
     is a bug and raises (ProtocolError, TypeError)."""
-    msg_type, body = unpack(frames)
-    cls = _CLASSES.get(msg_type)
-    if cls is None:
+    msg_type, body = split_frames(frames)
+    decoder = _DECODERS.get(msg_type)
+    if decoder is None:
         raise TypeError(f"{msg_type.name} is not a worker message")
-    return cls(**body)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as err:
+        raise TypeError(f"{msg_type.name}: {err}") from None
+    except msgspec.DecodeError as err:
+        raise ProtocolError(f"{msg_type.name}: body is not valid msgpack: {err}") from None

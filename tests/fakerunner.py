@@ -31,6 +31,7 @@ class FakeRunner:
         self.vocab = self.ctx = None
         self.has_backend_sampling = False
         self.is_embedding_only = False
+        self.vision = None  # no projector: no images
         self.num_gpu_layers = 0
         self.max_token_bytes = 4  # a token per character
         self.description = "fake"

@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from common import worker_submit
@@ -22,6 +23,7 @@ from cbatch.ipc.ring import create_ring
 from cbatch.ipc.worker_messages import (
     WorkerCancel,
     WorkerEvents,
+    WorkerPause,
     WorkerReady,
     WorkerReject,
     WorkerStop,
@@ -29,7 +31,7 @@ from cbatch.ipc.worker_messages import (
     decode,
     encode,
 )
-from cbatch.protocol import MsgType, pack
+from cbatch.protocol import MsgType
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT
 from cbatch.workers.decode.worker import run_decode_worker
@@ -79,6 +81,23 @@ def run_worker_with_a_faulty_prepare(plan: WorkerPlan) -> None:
         return prepare(engine, request)
 
     Engine.prepare = faulty_prepare
+    run_decode_worker(plan)
+
+
+def run_worker_whose_io_thread_fails_on_a_pause(plan: WorkerPlan) -> None:
+    """The worker, its I/O thread failing as a bug of its own would on a WorkerPause (every
+    command it gets is validated as it is decoded, so a front-end's bad message cannot)."""
+    from cbatch.workers.decode import io_thread
+
+    decode_command = io_thread.decode
+
+    def faulty_decode(frames):
+        message = decode_command(frames)
+        if isinstance(message, WorkerPause):
+            raise KeyError("a bug")
+        return message
+
+    io_thread.decode = faulty_decode
     run_decode_worker(plan)
 
 
@@ -137,6 +156,11 @@ def front_end(tiny_model_path):
         stand_in.close()
 
 
+def pack_fields(msg_type: MsgType, fields: list) -> list[bytes]:
+    """A worker message's frames from its fields as given, right or wrong."""
+    return [bytes((msg_type,)), msgspec.msgpack.encode(fields)]
+
+
 def run_to_finish(stand_in: FrontEndStandIn, request_id: int) -> str:
     stand_in.send(worker_submit(request_id, {"prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True}))
     while True:
@@ -160,12 +184,9 @@ def test_an_unexpected_failure_to_prepare_costs_only_that_request(front_end):
 
 
 def test_a_dead_io_thread_ends_the_worker(front_end):
-    stand_in = front_end()
+    stand_in = front_end(run_worker_whose_io_thread_fails_on_a_pause)
     assert run_to_finish(stand_in, 1) == "length"
-    # A message the I/O thread fails on as it would on a front-end's bug: a submit whose
-    # request id is a list decodes, then cannot be noted as preparing (unhashable).
-    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack(MsgType.WORKER_SUBMIT,
-                                                                       {"request_id": [1], "request": []})])
+    stand_in.send(WorkerPause(1, True))
     # Exit code 1, the same as any worker death the supervisor restarts after.
     stand_in.process.join(10)
     assert stand_in.process.exitcode == 1
@@ -173,7 +194,8 @@ def test_a_dead_io_thread_ends_the_worker(front_end):
 
 def test_a_command_the_worker_cannot_read_ends_its_request(front_end):
     stand_in = front_end()
-    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack(MsgType.WORKER_SUBMIT, {"request_id": 7})])
+    # A submit of one field: it names its request, which must still end.
+    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack_fields(MsgType.WORKER_SUBMIT, [7])])
     reject = stand_in.recv(WorkerReject)
     assert (reject.request_id, reject.code) == (7, "internal")
     assert run_to_finish(stand_in, 8) == "length"  # and the worker serves on

@@ -15,15 +15,18 @@ import threading
 import traceback
 from collections import deque
 
+import msgspec
 import zmq
 
 from cbatch.errors import INTERNAL
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerReject, WorkerStop, WorkerSubmit, decode, encode
-from cbatch.protocol import ProtocolError, unpack
+from cbatch.protocol import MsgType, ProtocolError, split_frames
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 from cbatch.workers.decode.preparer import is_large_prompt
 
 IO_POLL_MS = 500
+# Commands whose first field is the request they are about (ipc/worker_messages.py).
+REQUEST_COMMANDS = (MsgType.WORKER_SUBMIT, MsgType.WORKER_CANCEL, MsgType.WORKER_PAUSE)
 ORPHAN_EXIT_S = 1.5  # a worker whose supervisor died is gone this long after noticing, whatever it was doing
 
 
@@ -151,8 +154,14 @@ class WorkerIO(threading.Thread):
 
 
 def _named_request_id(frames: list[bytes]) -> int | None:
+    """The request a command that could not be read names: the first field of those whose
+    first field is a request id, if it is one."""
     try:
-        request_id = unpack(frames)[1].get("request_id")
-    except ProtocolError:
+        msg_type, body = split_frames(frames)
+        fields = msgspec.msgpack.decode(body)
+    except (ProtocolError, msgspec.DecodeError):
         return None
+    if msg_type not in REQUEST_COMMANDS or not isinstance(fields, list) or not fields:
+        return None
+    request_id = fields[0]
     return request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
