@@ -25,6 +25,7 @@ class MsgType(enum.IntEnum):
     STATS = 0x06  # {nonce} -> STATS_REPLY
     EMBED = 0x07  # {nonce, input: [str | [token id]], dimensions?} -> EMBED_REPLY (or ERROR with nonce)
     EMBED_CANCEL = 0x08  # {nonce}: the caller of that EMBED has gone; no reply
+    PAUSE = 0x09  # {request_id, is_paused}: the client holds more of it than its caller took; no reply
     # front-end -> client
     WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring[, chat_template,
     #                 bos_token, eos_token, adds_bos]}: sent again when the worker is (re)ready

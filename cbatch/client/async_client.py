@@ -216,7 +216,9 @@ class AsyncClient(ClientBase):
         with self._reading(stream):
             while not stream.is_drained:
                 await self._wait(lambda: stream.pending, [stream])
-                yield stream.take()
+                chunk = stream.take()
+                self._session.taken(stream)
+                yield chunk
 
     async def generate(self, prompt: str | None = None, messages: list | None = None,
                        **params) -> Completion | list[Completion]:

@@ -136,6 +136,7 @@ class BatchFeeder:
                     self._chunks.setdefault(position, []).append(chunk)
                     if chunk.finish_reason:
                         arrivals += ((position, whole) for whole in self._chunks.pop(position))
+            self._session.taken(stream)
             if stream.is_done and position in self._active:
                 self._session.forget(self._active.pop(position))
                 self._siblings.pop(position, None)

@@ -12,7 +12,7 @@ import zmq
 
 from cbatch.client.liveness import LIVENESS_S, Liveness
 from cbatch.client.shared_ring import RingTap
-from cbatch.client.streams import RequestStream
+from cbatch.client.streams import Chunk, RequestStream
 from cbatch.client.submit_frames import submit_frames
 from cbatch.errors import INTERNAL, INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE, CbatchError
 from cbatch.ipc.ring import RingError
@@ -21,6 +21,7 @@ from cbatch.tools.chat import prepare_request
 
 SEND_TIMEOUT_S = 10.0  # a send the daemon does not take for this long (it cut this client off) fails
 SAFETY_POLL_S = 0.1  # while waiting, read the ring (a tick may be dropped) and check liveness this often
+MAX_UNTAKEN_TOKENS = 4096  # of one request, held for a caller that has not taken them: past it, it is paused
 # What a driver's waiter for the handshake waits on (streams are waited on by themselves,
 # replies by their nonce).
 CONNECTION = "connection"
@@ -116,6 +117,26 @@ class Session:
         self.send(msg_type, {"nonce": self._next_nonce, **fields})
         return self._next_nonce
 
+    def _pause_if_behind(self, stream: RequestStream) -> None:
+        """Back-pressure: past MAX_UNTAKEN_TOKENS of a request that its caller has not taken
+        (an HTTP server whose caller reads slowly, a loop that sleeps between chunks), the
+        daemon pauses it, until the caller takes them (taken())."""
+        # A stream wanted whole wakes its reader only at its end: pausing it would never end.
+        if (not stream.is_paused and not stream.is_done and not stream.is_whole
+                and stream.num_pending_tokens > MAX_UNTAKEN_TOKENS):
+            stream.is_paused = True
+            self.send(MsgType.PAUSE, {"request_id": stream.request_id, "is_paused": True})
+
+    def taken(self, stream: RequestStream) -> None:
+        """The caller took what was pending of the stream: a paused request goes on."""
+        if any(isinstance(item, Chunk) for item in stream.pending):
+            return
+        stream.num_pending_tokens = 0
+        if stream.is_paused:
+            stream.is_paused = False
+            if not stream.is_done:
+                self.send(MsgType.PAUSE, {"request_id": stream.request_id, "is_paused": False})
+
     def forget_questions(self, msg_type: MsgType, nonces: list[int]) -> None:
         """The caller no longer waits for these: an EMBED still unanswered is cancelled, so
         the daemon does not compute what nobody reads."""
@@ -208,6 +229,7 @@ class Session:
         if stream is None:
             return
         stream.add_records(body["records"], self.liveness.heard_s)
+        self._pause_if_behind(stream)
         if stream.is_wake_due():
             self._on_arrival(stream)
         if self._ring is not None and not stream.wants_logprobs:
@@ -277,6 +299,7 @@ class Session:
             stream = self.streams.get(request_id)
             if stream is not None:
                 stream.add_records(rows, now_s)
+                self._pause_if_behind(stream)
                 if stream.is_wake_due():
                     self._on_arrival(stream)
 

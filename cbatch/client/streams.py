@@ -74,6 +74,8 @@ class RequestStream:
     # made (a tenth to a fifth of a short whole response's client CPU), and its reader is
     # woken at the end only.
     keeps_chunks: bool = True
+    num_pending_tokens: int = 0  # in the chunks not yet handed to the caller
+    is_paused: bool = False  # the daemon was asked to pause it until the caller takes what waits
 
     def __post_init__(self):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -159,6 +161,7 @@ class RequestStream:
         self.logprobs += fields.get("logprobs") or []
         if self.keeps_chunks:
             self.pending.append(Chunk(self.label, text, token_ids, finish_reason, **fields))
+            self.num_pending_tokens += len(token_ids)
 
     def _complete_if_ready(self) -> None:
         if self.is_done or self.finished is None or self.next_index < self.finished["num_records"]:

@@ -85,7 +85,9 @@ class Client(ClientBase):
         with self._reading(stream):
             while not stream.is_drained:
                 self._wait(lambda: stream.pending)
-                yield stream.take()
+                chunk = stream.take()
+                self._session.taken(stream)
+                yield chunk
 
     def generate(self, prompt: str | None = None, messages: list | None = None,
                  **params) -> Completion | list[Completion]:

@@ -45,6 +45,9 @@ log = logging.getLogger("cbatch.daemon.front_end")
 MAX_REQUEST_ID = (1 << 63) - 1
 
 
+BACKLOG, CLIENT_BUFFER = "backlog", "client buffer"  # why a request is paused (TrackedRequest.pause_reasons)
+
+
 class FrontEnd:
     def __init__(self, zctx: zmq.Context, config: DaemonConfig, worker: WorkerLink, ring_name: str,
                  tick_endpoint: str):
@@ -127,8 +130,26 @@ class FrontEnd:
         changes = self.clients.pauses.changes
         while changes:
             request_id, is_paused = changes.popitem()
-            self.worker.send(WorkerPause(request_id, is_paused))
+            self._set_paused(self.requests.active.get(request_id), BACKLOG, is_paused)
         self._cancel_stalled()
+
+    def _set_paused(self, tracked: TrackedRequest | None, reason: str, is_paused: bool) -> None:
+        """The worker pauses a request while any reason to holds, and is told when that changes."""
+        if tracked is None or tracked.is_held:  # ended, or not at a worker: nothing to pause
+            return
+        was_paused = bool(tracked.pause_reasons)
+        if is_paused:
+            tracked.pause_reasons.add(reason)
+        else:
+            tracked.pause_reasons.discard(reason)
+        if bool(tracked.pause_reasons) != was_paused:
+            self.worker.send(WorkerPause(tracked.request_id, not was_paused))
+
+    def _pause(self, identity: bytes, body: dict) -> None:
+        """No reply: a pause that comes after its request ended (or for another's) changes nothing."""
+        tracked = self.requests.active.get(field(body, "request_id", int))
+        if tracked is not None and tracked.owner == identity:
+            self._set_paused(tracked, CLIENT_BUFFER, field(body, "is_paused", bool))
 
     def _cancel_stalled(self) -> None:
         """A client that takes nothing for MAX_STALL_S stops costing the others: its requests are
@@ -243,6 +264,7 @@ class FrontEnd:
         MsgType.HELLO: lambda self, identity, body: self.handshakes.hello(identity, body),
         MsgType.SUBMIT: _submit,
         MsgType.CANCEL: _cancel,
+        MsgType.PAUSE: _pause,
         MsgType.FETCH: _fetch,
         MsgType.HEALTH: _health,
         MsgType.STATS: _stats,

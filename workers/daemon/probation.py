@@ -28,16 +28,15 @@ from cbatch.workers.daemon.request_table import TrackedRequest
 
 MAX_PROBATION_REQUESTS = 4096
 
-_REQUEST_KEY, _ID_KEY, _DEADLINE_KEY = (msgpack.packb(name) for name in ("request", "request_id", "deadline_s"))
-
 
 def request_fingerprint(submit: WorkerSubmit, body_frame: bytes) -> int:
-    """The hash of submit.request's encoding inside body_frame (encode(submit)'s body). msgpack
-    writes a map's entries in order, each key then its value (worker_messages.encode: the
-    dataclass's field order), so the request's fields are the bytes between the encoded
-    request id and the encoded deadline."""
-    start = 1 + len(_ID_KEY) + len(msgpack.packb(submit.request_id)) + len(_REQUEST_KEY)
-    end = len(body_frame) - len(_DEADLINE_KEY) - len(msgpack.packb(submit.deadline_s))
+    """The hash of submit.request's encoding inside body_frame (encode(submit)'s body). The
+    struct is an array of its fields in order (worker_messages.py): a one-byte header for
+    its three fields, the request id, the request, the deadline; so the request's fields are
+    the bytes between the encoded request id and the encoded deadline, each encoded as
+    msgpack encodes it (the smallest integer form, a float as 64 bits)."""
+    start = 1 + len(msgpack.packb(submit.request_id))
+    end = len(body_frame) - len(msgpack.packb(submit.deadline_s))
     return hash(memoryview(body_frame)[start:end])
 
 

@@ -41,6 +41,9 @@ class TrackedRequest:
     fingerprint: int | None = None  # the exact request, kept in case it is a crash's suspect (probation.py)
     tenant: str = DEFAULT_TENANT
     reserved_tokens: int = 0  # held in its tenant's tokens_per_min bucket until it ends (tenant_ledger.py)
+    # Why the worker holds it paused: its records pile up in the front-end's backlog for its
+    # client, or its client holds more of it than its caller took. Paused while any holds.
+    pause_reasons: set[str] = field(default_factory=set)
 
     @property
     def is_held(self) -> bool:
