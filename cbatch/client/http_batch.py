@@ -44,7 +44,7 @@ def _retry_after_s(response: httpx.Response) -> float | None:
 
 
 class _HttpSession:
-    """What BatchFeeder asks of a session (submit, cancel, forget, is_closed, failure), over
+    """What BatchFeeder asks of a session (submit, cancel, forget, taken, is_closed, failure), over
     HTTP. Streams are completed on the loop's thread under `arrived`, the lock the waiting
     thread holds while it takes arrivals, so a stream is never seen done without its chunk."""
 
@@ -75,6 +75,10 @@ class _HttpSession:
 
     def forget(self, stream: RequestStream) -> None:
         self._tasks.pop(stream.request_id, None)
+
+    def taken(self, stream: RequestStream) -> None:
+        """Each answer comes whole, and the server holds nothing back for this caller:
+        nothing is paused, so nothing goes on."""
 
     async def _run(self, stream: RequestStream, body: dict) -> None:
         path, payload = http_request(body, self.model)
