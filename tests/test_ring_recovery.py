@@ -22,7 +22,8 @@ RING_RECORDS = 8
 SOLO_ARGS = ("--parallel", "1", "--ctx-size", "4096", "--batch-size", "64", "--no-prefix-cache")
 
 
-# A ring reader in its own process: it submits, says so, and reads only once told to
+# A ring reader in its own process: it submits, says so once the daemon has its requests
+# (a process stopped right after a send may hold it unsent), and reads only once told to
 # (while it waits for that, the test stops the whole process, its ring-reading thread
 # included, so that the ring laps it); then it prints what it read as JSON.
 READER_SCRIPT = """
@@ -34,6 +35,7 @@ with Client(endpoint) as client:
     got = []
     for batch in bodies:
         streams = [client.submit(**body) for body in batch]
+        client.stats()  # a round trip behind the submits on one socket: the daemon has them
         print("submitted", flush=True)
         sys.stdin.readline()
         for stream in streams:
