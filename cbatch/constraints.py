@@ -11,7 +11,7 @@ properties of its own. `"additionalProperties": true` allows them. Objects withi
 
 import json
 
-from cbatch.errors import INVALID_REQUEST, CbatchError
+from cbatch.text_checks import checked_text, invalid
 
 MAX_CONSTRAINT_CHARS = 1 << 18  # of a grammar, or of a schema written out as JSON
 MAX_SCHEMA_DEPTH = 128  # of a JSON schema's nesting, objects and arrays alike
@@ -26,27 +26,13 @@ DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "x-guidance",
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def _invalid(message: str) -> CbatchError:
-    return CbatchError(INVALID_REQUEST, message)
-
-
-def _checked_text(name: str, text: str) -> str:
-    if len(text) > MAX_CONSTRAINT_CHARS:
-        raise _invalid(f"{name} is longer than {MAX_CONSTRAINT_CHARS} characters")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _invalid(f"{name} is not valid UTF-8 (lone surrogate)") from None
-    return text
-
-
 def check_grammar(value) -> str | None:
     """GBNF or Lark text; whether it parses, and what it costs, the worker's compiler decides."""
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise _invalid("grammar must be a non-empty string")
-    return _checked_text("grammar", value)
+        raise invalid("grammar must be a non-empty string")
+    return checked_text("grammar", value, MAX_CONSTRAINT_CHARS)
 
 
 def schema_depth(value, limit: int) -> int:
@@ -85,11 +71,11 @@ def check_json_schema(value) -> str | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise _invalid(f"json_schema must be a JSON schema object, got {type(value).__name__}")
+        raise invalid(f"json_schema must be a JSON schema object, got {type(value).__name__}")
     if schema_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise _invalid(f"json_schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+        raise invalid(f"json_schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
     try:
         text = json.dumps(closed_objects(value), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as err:
-        raise _invalid(f"json_schema is not JSON: {err}") from None
-    return _checked_text("json_schema", text)
+        raise invalid(f"json_schema is not JSON: {err}") from None
+    return checked_text("json_schema", text, MAX_CONSTRAINT_CHARS)

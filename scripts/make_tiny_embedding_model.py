@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_model import finish_writing, new_writer, write_atomically  # noqa: E402
+from make_tiny_model import RandomTensors, finish_writing, new_writer, write_atomically  # noqa: E402
 
 SEED = 4321
 N_EMBD, N_LAYER, N_HEAD, N_FF = 32, 2, 2, 64
@@ -41,19 +41,8 @@ def build_vocab() -> list[str]:
 
 
 def build_tensors(n_vocab: int) -> dict[str, np.ndarray]:
-    """numpy shape is (out, in); gguf reverses it into llama.cpp's ne = {in, out}."""
-    rng = np.random.default_rng(SEED)
-
-    def normal(*shape: int, scale: float = 1.0) -> np.ndarray:
-        return rng.normal(0.0, scale, shape).astype(np.float32)
-
-    def linear(name: str, n_out: int, n_in: int) -> dict[str, np.ndarray]:
-        return {f"{name}.weight": normal(n_out, n_in, scale=1.0 / np.sqrt(n_in)),
-                f"{name}.bias": normal(n_out, scale=0.1)}
-
-    def norm(name: str) -> dict[str, np.ndarray]:
-        return {f"{name}.weight": np.ones(N_EMBD, np.float32), f"{name}.bias": np.zeros(N_EMBD, np.float32)}
-
+    random = RandomTensors(SEED, N_EMBD)
+    normal, linear, norm = random.normal, random.linear, random.norm
     tensors = {"token_embd.weight": normal(n_vocab, N_EMBD), "token_types.weight": normal(2, N_EMBD, scale=0.1),
                "position_embd.weight": normal(CONTEXT_LENGTH, N_EMBD, scale=0.1), **norm("token_embd_norm")}
     for i in range(N_LAYER):

@@ -95,6 +95,25 @@ def build_tensors(n_vocab: int) -> dict[str, np.ndarray]:
     return tensors
 
 
+class RandomTensors:
+    """Seeded float32 tensors for the tiny models' layers with biases (the embedding and
+    vision scripts'): numpy's shape is (out, in), which gguf reverses into ggml's ne = {in, out}.
+    Draws happen in call order, so one seed and one order write the same bytes every run."""
+
+    def __init__(self, seed: int, n_embd: int):
+        self._rng, self._n_embd = np.random.default_rng(seed), n_embd
+
+    def normal(self, *shape: int, scale: float = 1.0) -> np.ndarray:
+        return self._rng.normal(0.0, scale, shape).astype(np.float32)
+
+    def linear(self, name: str, n_out: int, n_in: int) -> dict[str, np.ndarray]:
+        return {f"{name}.weight": self.normal(n_out, n_in, scale=1.0 / np.sqrt(n_in)),
+                f"{name}.bias": self.normal(n_out, scale=0.1)}
+
+    def norm(self, name: str) -> dict[str, np.ndarray]:
+        return {f"{name}.weight": np.ones(self._n_embd, np.float32), f"{name}.bias": np.zeros(self._n_embd, np.float32)}
+
+
 def write_gguf(path: str, num_tokens: int | None = None, chat_template: str | None = None) -> None:
     tokens, token_types = build_vocab(num_tokens)
     writer = new_writer(path, "llama", len(tokens), CONTEXT_LENGTH, N_EMBD, N_LAYER, N_FF, N_HEAD)

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_tiny_model import N_EMBD as TEXT_N_EMBD  # noqa: E402
-from make_tiny_model import finish_writing, write_atomically
+from make_tiny_model import RandomTensors, finish_writing, write_atomically
 
 SEED = 2468
 N_EMBD, N_LAYER, N_HEAD, N_FF, N_PROJ_HIDDEN = 32, 1, 2, 48, 48
@@ -37,20 +37,8 @@ OUTPUT_SCALE = 4.0
 
 
 def build_tensors(n_embd_text: int) -> dict[str, np.ndarray]:
-    """numpy shape is (out, in); gguf reverses it into ggml's ne = {in, out}."""
-    rng = np.random.default_rng(SEED)
-
-    def normal(*shape: int, scale: float) -> np.ndarray:
-        return rng.normal(0.0, scale, shape).astype(np.float32)
-
-    def linear(name: str, n_out: int, n_in: int) -> dict[str, np.ndarray]:
-        return {f"{name}.weight": normal(n_out, n_in, scale=1.0 / np.sqrt(n_in)),
-                f"{name}.bias": normal(n_out, scale=0.1)}
-
-    def norm(name: str) -> dict[str, np.ndarray]:
-        return {f"{name}.weight": np.ones(N_EMBD, np.float32), f"{name}.bias": np.zeros(N_EMBD, np.float32)}
-
-    # The patch embedding is a conv2d kernel: ggml ne = {KW, KH, channels, n_embd}.
+    random = RandomTensors(SEED, N_EMBD)
+    normal, linear, norm = random.normal, random.linear, random.norm
     tensors = {"v.patch_embd.weight": normal(N_EMBD, 3, PATCH_SIZE, PATCH_SIZE, scale=1.0 / PATCH_SIZE),
                "v.position_embd.weight": normal(NUM_PATCHES, N_EMBD, scale=0.1)}
     for i in range(N_LAYER):
