@@ -4,13 +4,16 @@ Everything a caller sends is checked here (type, range, unknown fields) before i
 reach a queue, so the decode loop only ever sees well-formed requests.
 """
 
-import math
-from dataclasses import dataclass, field, fields
+import reprlib
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
 
 from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
 from cbatch.constraints import check_grammar, check_json_schema
-from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.images import check_images
+from cbatch.text_checks import checked_text, invalid
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
@@ -27,27 +30,35 @@ PRIORITIES = (INTERACTIVE, BATCH)  # admission order: every waiting interactive 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.8  # 0 = greedy
-    top_k: int = 40  # 0 = disabled
-    top_p: float = 0.95  # 1 = disabled
-    min_p: float = 0.05  # 0 = disabled
-    repeat_penalty: float = 1.0  # 1 = disabled
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = -1  # -1 = random
+def _ranged(kind: type, lo, hi, *, is_lo_open: bool = False):
+    """A number in [lo, hi] ((lo, hi] when is_lo_open); NaN fails the bound, as must."""
+    return Annotated[kind, Meta(gt=lo, le=hi) if is_lo_open else Meta(ge=lo, le=hi)]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A request's sampling parameters. Its annotated types are the caller's limits, which
+    msgspec checks (type and range, in C) as it converts the caller's map; on the way to
+    the decode worker a field left at its default is not sent."""
+
+    max_tokens: _ranged(int, 1, MAX_TOKENS_LIMIT) = 256
+    temperature: _ranged(float, 0.0, 100.0) = 0.8  # 0 = greedy
+    top_k: _ranged(int, 0, 1 << 20) = 40  # 0 = disabled
+    top_p: _ranged(float, 0.0, 1.0, is_lo_open=True) = 0.95  # 1 = disabled
+    min_p: _ranged(float, 0.0, 1.0) = 0.05  # 0 = disabled
+    repeat_penalty: _ranged(float, 0.0, 10.0, is_lo_open=True) = 1.0  # 1 = disabled
+    presence_penalty: _ranged(float, -2.0, 2.0) = 0.0
+    frequency_penalty: _ranged(float, -2.0, 2.0) = 0.0
+    seed: _ranged(int, -1, MAX_SEED) = -1  # -1 = random
     stop: tuple[str, ...] = ()
     grammar: str | None = None  # GBNF, or llguidance's Lark when it starts with %llguidance
     json_schema: str | None = None  # a JSON schema as compact JSON text (its keys in the caller's order)
     ignore_eos: bool = False
-    logprobs: int | None = None  # None = none; K = the chosen token's and the K most likely tokens'
+    logprobs: _ranged(int, 0, MAX_TOP_LOGPROBS) | None = None  # None = none; K = the chosen and K most likely
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); ids checked by the engine
-    min_tokens: int = 0  # end-of-generation tokens are suppressed until this many were generated
+    min_tokens: _ranged(int, 0, MAX_TOKENS_LIMIT) = 0  # end-of-generation tokens are suppressed until then
     # Thinking in tags: after this many tokens inside the (open, close) block without its
     # close tag, the close tag's tokens are forced (workers/engine/sampling/budget.py).
-    reasoning_budget: int | None = None
+    reasoning_budget: _ranged(int, 0, MAX_TOKENS_LIMIT) | None = None
     reasoning_tags: tuple[str, str] | None = None
 
     @property
@@ -68,26 +79,23 @@ class SamplingParams:
         )
 
 
-@dataclass(frozen=True)
-class Request:
-    """A validated request: exactly one of `prompt` or `messages`."""
+class Request(msgspec.Struct, frozen=True, array_like=True):
+    """A validated request: exactly one of `prompt` or `messages`. The one shape a request
+    has from the front-end, which parses the caller's map into it, to the decode worker,
+    which decodes it from the front-end's message (ipc/worker_messages.py: WorkerSubmit).
+    On that wire it is an array of its fields in order, the request id first."""
 
     request_id: int
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
-    params: SamplingParams = field(default_factory=SamplingParams)
-    priority: str = INTERACTIVE
+    params: SamplingParams = SamplingParams()
+    priority: Literal["interactive", "batch"] = INTERACTIVE
     timeout_s: float | None = None  # seconds from its arrival at the daemon; None = the daemon's default
     # Whose request it is (the HTTP server sets it from the API key) and that tenant's
     # share of the decode steps, which the front-end sets from the keys file.
     tenant: str = DEFAULT_TENANT
     tenant_weight: float = 1.0
     images: tuple[bytes, ...] = ()  # image files (PNG, JPEG, ...), one per IMAGE_MARKER in order
-
-
-def invalid(message: str) -> CbatchError:
-    """The error of a request that cannot run as given (400 over HTTP)."""
-    return CbatchError(INVALID_REQUEST, message)
 
 
 def _int(name, value, lo, hi):
@@ -102,29 +110,9 @@ def _float(name, value, lo, hi, *, lo_open=False):
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise invalid(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+    if not lo <= value <= hi or (lo_open and value == lo):  # NaN fails both bounds
         bracket = "(" if lo_open else "["
         raise invalid(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
-    return value
-
-
-def _bool(name, value):
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be true or false, got {type(value).__name__}")
-    return value
-
-
-def _text(name, value, max_chars, *, allow_empty=False):
-    if not isinstance(value, str):
-        raise invalid(f"{name} must be a string, got {type(value).__name__}")
-    if not value and not allow_empty:
-        raise invalid(f"{name} must not be empty")
-    if len(value) > max_chars:
-        raise invalid(f"{name} is longer than {max_chars} characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid(f"{name} is not valid UTF-8 (lone surrogate)") from None
     return value
 
 
@@ -140,7 +128,7 @@ def _stop(value):
         raise invalid("stop must be a string or a list of strings")
     if len(value) > MAX_STOP_STRINGS:
         raise invalid(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}")
-    return tuple(_text("stop[]", s, MAX_STOP_CHARS) for s in value)
+    return tuple(checked_text("stop[]", s, MAX_STOP_CHARS) for s in value)
 
 
 def _logit_bias(value):
@@ -158,33 +146,30 @@ def _logit_bias(value):
 
 
 def _reasoning_tags(value):
+    if value is None:
+        return None
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise invalid("reasoning_tags must be [open tag, close tag]")
-    return tuple(_text("reasoning_tags[]", tag, MAX_STOP_CHARS) for tag in value)
+    return tuple(checked_text("reasoning_tags[]", tag, MAX_STOP_CHARS) for tag in value)
 
 
-_PARAM_CHECKS = {
-    "max_tokens": lambda v: _int("max_tokens", v, 1, MAX_TOKENS_LIMIT),
-    "temperature": lambda v: _float("temperature", v, 0.0, 100.0),
-    "top_k": lambda v: _int("top_k", v, 0, 1 << 20),
-    "top_p": lambda v: _float("top_p", v, 0.0, 1.0, lo_open=True),
-    "min_p": lambda v: _float("min_p", v, 0.0, 1.0),
-    "repeat_penalty": lambda v: _float("repeat_penalty", v, 0.0, 10.0, lo_open=True),
-    "presence_penalty": lambda v: _float("presence_penalty", v, -2.0, 2.0),
-    "frequency_penalty": lambda v: _float("frequency_penalty", v, -2.0, 2.0),
-    "seed": lambda v: _int("seed", v, -1, MAX_SEED),
-    "stop": _stop,
-    "grammar": check_grammar,
-    "json_schema": check_json_schema,
-    "ignore_eos": lambda v: _bool("ignore_eos", v),
-    "logprobs": lambda v: None if v is None else _int("logprobs", v, 0, MAX_TOP_LOGPROBS),
-    "logit_bias": _logit_bias,
-    "min_tokens": lambda v: _int("min_tokens", v, 0, MAX_TOKENS_LIMIT),
-    "reasoning_budget": lambda v: None if v is None else _int("reasoning_budget", v, 0, MAX_TOKENS_LIMIT),
-    "reasoning_tags": lambda v: None if v is None else _reasoning_tags(v),
-}
-PARAM_NAMES = frozenset(_PARAM_CHECKS)
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# What msgspec cannot say: a caller's shape that differs from the field's (a string or a
+# list; an object of ids as strings; a schema object kept as text), and text that must be
+# UTF-8 (a lone surrogate passes a str type). These run first; msgspec checks the rest.
+_BY_HAND = {"stop": _stop, "grammar": check_grammar, "json_schema": check_json_schema, "logit_bias": _logit_bias,
+            "reasoning_tags": _reasoning_tags}
+PARAM_NAMES = frozenset(SamplingParams.__struct_fields__)
+
+
+def _field_error(err: msgspec.ValidationError, raw: dict) -> str:
+    """msgspec's message ("Expected `int` >= 1 - at `$.max_tokens`") led by the field's
+    name, and followed by what the caller sent where it says only what it expected."""
+    expected, _, path = str(err).rpartition(" - at `$.")
+    name = path.rstrip("`")
+    if not expected or name not in raw:
+        return str(err)
+    said = f"{expected[0].lower()}{expected[1:]}"
+    return f"{name}: {said}" if ", got `" in said else f"{name}: {said}, got {reprlib.repr(raw[name])}"
 
 
 def parse_params(raw: dict) -> SamplingParams:
@@ -192,7 +177,11 @@ def parse_params(raw: dict) -> SamplingParams:
     unknown = sorted(set(raw) - PARAM_NAMES)
     if unknown:
         raise invalid(f"unknown parameter(s) {unknown}; known: {sorted(PARAM_NAMES)}")
-    return SamplingParams(**{name: _PARAM_CHECKS[name](value) for name, value in raw.items()})
+    shaped = {name: _BY_HAND[name](value) if name in _BY_HAND else value for name, value in raw.items()}
+    try:
+        return msgspec.convert(shaped, SamplingParams, strict=True)
+    except msgspec.ValidationError as err:
+        raise invalid(_field_error(err, raw)) from None
 
 
 def _messages(value):
@@ -207,7 +196,8 @@ def _messages(value):
         role = message["role"]
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
-        parsed.append((role, _text(f"messages[{i}].content", message["content"], MAX_PROMPT_CHARS, allow_empty=True)))
+        content = checked_text(f"messages[{i}].content", message["content"], MAX_PROMPT_CHARS, allow_empty=True)
+        parsed.append((role, content))
     return tuple(parsed)
 
 
@@ -233,31 +223,9 @@ def parse_request(request_id: int, raw: dict) -> Request:
         raise invalid("a grammar or json_schema and ignore_eos cannot be combined: a completed constraint allows "
                       "only end-of-generation")
     if prompt is not None:
-        return Request(request_id, prompt=_text("prompt", prompt, MAX_PROMPT_CHARS), params=params, images=images,
-                       **scheduling)
+        prompt = checked_text("prompt", prompt, MAX_PROMPT_CHARS)
+        return Request(request_id, prompt=prompt, params=params, images=images, **scheduling)
     return Request(request_id, messages=_messages(messages), params=params, images=images, **scheduling)
-
-
-def request_fields(request: Request, tenant_weight: float) -> list:
-    """A parsed request as plain values in field order, its tenant's weight set: how the
-    front-end hands it to the decode worker, which rebuilds it (request_from_fields)
-    instead of parsing the caller's body a second time."""
-    params = request.params
-    return [request.prompt, request.messages, [getattr(params, name) for name in _SAMPLING_FIELDS],
-            request.priority, request.timeout_s, request.tenant, tenant_weight, list(request.images)]
-
-
-def request_from_fields(request_id: int, values: list) -> Request:
-    """request_fields' values back as the Request, unchecked: they were checked by
-    parse_request. msgpack carried its tuples as lists; the tuples come back."""
-    prompt, messages, param_values, priority_name, timeout_s, tenant_name, tenant_weight, images = values
-    params = dict(zip(_SAMPLING_FIELDS, param_values))
-    params["stop"] = tuple(params["stop"])
-    params["logit_bias"] = tuple(map(tuple, params["logit_bias"]))
-    if params["reasoning_tags"] is not None:
-        params["reasoning_tags"] = tuple(params["reasoning_tags"])
-    return Request(request_id, prompt, None if messages is None else tuple(map(tuple, messages)),
-                   SamplingParams(**params), priority_name, timeout_s, tenant_name, tenant_weight, tuple(images))
 
 
 def priority(value) -> str:

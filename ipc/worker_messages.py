@@ -14,6 +14,7 @@ import numpy as np
 from msgspec import field
 
 from cbatch.ipc.records import TokenEvent
+from cbatch.params import Request
 from cbatch.protocol import MsgType, ProtocolError, split_frames
 
 
@@ -38,10 +39,13 @@ class WorkerFailed(_Message):
 
 
 class WorkerSubmit(_Message):
-    request_id: int
-    request: list  # cbatch.params.request_fields: the front-end parsed and checked it
+    request: Request  # as the front-end parsed and checked it, its tenant's weight set from the keys file
     deadline_s: float = 0.0  # when it must end, on the host's monotonic clock (the front-end's daemon default
     #                          applied); 0 = never
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
 
 
 class WorkerCancel(_Message):

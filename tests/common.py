@@ -4,8 +4,10 @@ a request as the front-end hands it to the decode worker."""
 import signal
 import socket
 
+import msgspec
+
 from cbatch.ipc.worker_messages import WorkerSubmit
-from cbatch.params import parse_request, request_fields
+from cbatch.params import parse_request
 
 # Greedy and never ending early: a request's token count is exactly its max_tokens.
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -26,4 +28,4 @@ def default_sigint() -> None:
 
 def worker_submit(request_id: int, body: dict, tenant_weight: float = 1.0) -> WorkerSubmit:
     """A request as the front-end hands it to the decode worker: parsed, the weight set."""
-    return WorkerSubmit(request_id, request_fields(parse_request(request_id, body), tenant_weight))
+    return WorkerSubmit(msgspec.structs.replace(parse_request(request_id, body), tenant_weight=tenant_weight))

@@ -200,3 +200,10 @@ def test_bench_images_prints_each_load_and_the_shared_image_encoded_once(tiny_to
         assert re.search(rf"^text streams {load}: token gap median {NUMBER} ms", out, re.M), out
     assert re.search(rf"^8 concurrent requests, one same new image: {NUMBER} ms, 1 encoder runs$", out, re.M), out
     assert re.search(rf"^8 concurrent requests, 8 new images: {NUMBER} ms, 8 encoder runs$", out, re.M), out
+
+
+def test_bench_request_path_prints_both_sides_of_every_body():
+    out = run_script("bench_request_path", "--repeat", "20", "--rounds", "1")
+    rows = re.findall(rf"^ *([A-Za-z0-9 ,]+?) +({NUMBER}) +({NUMBER})$", out, re.M)
+    assert [name for name, *_ in rows] == ["short prompt", "chat, 4 messages", "every parameter", "64 KiB prompt"], out
+    assert all(float(front_us) > 0 for _, front_us, _ in rows), out

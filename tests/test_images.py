@@ -163,13 +163,12 @@ def test_the_same_image_in_eight_concurrent_requests_is_encoded_once(make_vision
 
 def test_images_travel_from_the_front_end_to_the_worker_as_they_were_sent():
     from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
-    from cbatch.params import request_fields, request_from_fields
 
     images = [png_bytes(4, 4), png_bytes(8, 8)]
     parsed = parse_request(7, {"messages": [{"role": "user", "content": "<__media__> and <__media__>?"}],
                                "images": images})
-    submit = decode(encode(WorkerSubmit(7, request_fields(parsed, 1.0))))
-    assert request_from_fields(7, submit.request) == parsed and parsed.images == tuple(images)
+    submit = decode(encode(WorkerSubmit(parsed)))
+    assert submit.request == parsed and parsed.images == tuple(images)
 
 
 @pytest.mark.parametrize("body, named", [

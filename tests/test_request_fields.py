@@ -1,16 +1,15 @@
-"""The front-end hands the decode worker the request it parsed, as plain values: property,
-whatever valid body a caller sends, the worker rebuilds exactly the Request the front-end
-parsed (every field equal and of the same type: tuples, not the lists msgpack carries),
-with the tenant's weight from the keys file rather than the caller's."""
+"""The front-end hands the decode worker the Request struct it parsed: property, whatever
+valid body a caller sends, the worker decodes exactly the Request the front-end parsed
+(every field equal and of the same type: tuples, not the lists msgpack carries), with the
+tenant's weight from the keys file rather than the caller's, and no default on the wire."""
 
-import dataclasses
-
+import msgspec
 from common import worker_submit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
-from cbatch.params import parse_request, request_fields, request_from_fields
+from cbatch.params import SamplingParams, parse_request
 from cbatch.workers.decode.preparer import MIN_LARGE_PROMPT_CHARS, is_large_prompt
 
 TEXT = st.text(min_size=1, max_size=12)  # hypothesis draws no lone surrogates, which parse_request refuses
@@ -50,15 +49,23 @@ def types_of(value):
 @settings(max_examples=300, deadline=None)
 @given(body=bodies(), weight=st.floats(0.1, 10))
 def test_the_worker_rebuilds_the_request_the_front_end_parsed(body, weight):
-    parsed = dataclasses.replace(parse_request(7, body), tenant_weight=weight)
-    submit = decode(encode(WorkerSubmit(7, request_fields(parsed, weight), 12.5)))
-    rebuilt = request_from_fields(submit.request_id, submit.request)
+    parsed = msgspec.structs.replace(parse_request(7, body), tenant_weight=weight)
+    submit = decode(encode(WorkerSubmit(parsed, 12.5)))
+    rebuilt = submit.request
     assert rebuilt == parsed and hash(rebuilt.params) == hash(parsed.params)
-    for name in [f.name for f in dataclasses.fields(parsed) if f.name != "params"]:
+    for name in [name for name in parsed.__struct_fields__ if name != "params"]:
         assert types_of(getattr(rebuilt, name)) == types_of(getattr(parsed, name)), name
-    for name in [f.name for f in dataclasses.fields(parsed.params)]:
+    for name in parsed.params.__struct_fields__:
         assert types_of(getattr(rebuilt.params, name)) == types_of(getattr(parsed.params, name)), name
-    assert submit.deadline_s == 12.5
+    assert submit.request_id == 7 and submit.deadline_s == 12.5
+
+
+def test_only_the_parameters_a_caller_set_travel():
+    """A parameter left at its default is not on the wire: a request that sets none carries
+    an empty map of them."""
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams())) == {}
+    params = msgspec.msgpack.decode(msgspec.msgpack.encode(parse_request(1, {"prompt": "p", "top_k": 3}).params))
+    assert params == {"top_k": 3}
 
 
 def test_a_large_prompt_is_told_from_the_fields_alone():
@@ -68,5 +75,3 @@ def test_a_large_prompt_is_told_from_the_fields_alone():
     assert is_large_prompt(worker_submit(1, {"messages": [{"role": "system", "content": half},
                                                           {"role": "user", "content": half}]}))
     assert not is_large_prompt(worker_submit(1, {"messages": [{"role": "user", "content": half}]}))
-    # A malformed one (a front-end bug) is not large: the preparer rejects it, the I/O thread lives on.
-    assert not is_large_prompt(WorkerSubmit(1, []))

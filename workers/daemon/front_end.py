@@ -11,6 +11,7 @@ requests over it and reads what it knows of the live worker.
 import logging
 import time
 
+import msgspec
 import zmq
 
 from cbatch.config import DaemonConfig
@@ -27,7 +28,7 @@ from cbatch.ipc.worker_messages import (
     encode,
 )
 from cbatch.model import served_model_names
-from cbatch.params import BATCH, parse_request, request_fields
+from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.embed_relay import EmbedRelay
@@ -198,8 +199,8 @@ class FrontEnd:
         is_batch, now_s = request.priority == BATCH, time.monotonic()
         deadline_s = self.config.deadline_s(request.timeout_s, is_batch, now_s)
         # The keys file's weight, whatever a client said: the worker shares the steps by it.
-        weight = self.requests.ledger.weight(request.tenant)
-        submit = encode(worker_submit := WorkerSubmit(request_id, request_fields(request, weight), deadline_s))
+        request = msgspec.structs.replace(request, tenant_weight=self.requests.ledger.weight(request.tenant))
+        submit = encode(worker_submit := WorkerSubmit(request, deadline_s))
         if len(submit[1]) > MAX_FRAME_BYTES:  # its floats may have been narrower in the caller's encoding
             raise CbatchError(INVALID_REQUEST, "the request is too large to forward")
         if self._is_draining:

@@ -30,12 +30,13 @@ MAX_PROBATION_REQUESTS = 4096
 
 
 def request_fingerprint(submit: WorkerSubmit, body_frame: bytes) -> int:
-    """The hash of submit.request's encoding inside body_frame (encode(submit)'s body). The
-    struct is an array of its fields in order (worker_messages.py): a one-byte header for
-    its three fields, the request id, the request, the deadline; so the request's fields are
-    the bytes between the encoded request id and the encoded deadline, each encoded as
-    msgpack encodes it (the smallest integer form, a float as 64 bits)."""
-    start = 1 + len(msgpack.packb(submit.request_id))
+    """The hash of submit.request's encoding inside body_frame (encode(submit)'s body) but
+    its id. Both structs are arrays of their fields in order (worker_messages.py, params.py):
+    a one-byte header for the submit's two fields, one for the request's nine, the request
+    id, the request's other fields, the deadline; so the fingerprint's bytes are those
+    between the encoded request id and the encoded deadline, each encoded as msgpack
+    encodes it (the smallest integer form, a float as 64 bits)."""
+    start = 2 + len(msgpack.packb(submit.request_id))
     end = len(body_frame) - len(msgpack.packb(submit.deadline_s))
     return hash(memoryview(body_frame)[start:end])
 

@@ -14,7 +14,6 @@ refused is kept here:
 Both live as long as the daemon and hold at most MAX_SHAPES and MAX_REQUESTS (the oldest go first).
 """
 
-import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
@@ -31,7 +30,7 @@ CRASHED_TWICE_MESSAGE = ("this exact request was in the decode worker at two of 
                          "until it restarts; report the request")
 
 
-_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "seed")
+_SHAPE_FIELDS = tuple(name for name in SamplingParams.__struct_fields__ if name != "seed")
 
 
 def shape_fields(params: SamplingParams) -> dict:

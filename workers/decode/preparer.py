@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 from cbatch.errors import INTERNAL, INVALID_REQUEST, CbatchError
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded, WorkerReject, WorkerSubmit
-from cbatch.params import request_from_fields
 from cbatch.workers.engine.embedder import Embedder, EmbedJob
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sequence import Sequence
@@ -30,15 +29,11 @@ MIN_LARGE_PROMPT_CHARS = 1 << 16
 
 
 def is_large_prompt(submit: WorkerSubmit) -> bool:
-    """The prompt, or the chat messages' text, judged on the I/O thread before the request
-    is rebuilt; a request with images is large too (the vision encoder runs in its
-    preparation). A malformed request (a front-end bug) is not large: the preparer rejects it."""
-    try:
-        prompt, messages, images = submit.request[0], submit.request[1], submit.request[7]
-        num_chars = len(prompt) if prompt is not None else sum(len(content) for _, content in messages)
-    except (TypeError, ValueError, IndexError, KeyError):
-        return False
-    return num_chars >= MIN_LARGE_PROMPT_CHARS or bool(images)
+    """The prompt, or the chat messages' text, judged on the I/O thread; a request with
+    images is large too (the vision encoder runs in its preparation)."""
+    request = submit.request
+    num_chars = len(request.prompt) if request.prompt is not None else sum(map(len, (c for _, c in request.messages)))
+    return num_chars >= MIN_LARGE_PROMPT_CHARS or bool(request.images)
 
 
 class RequestPreparer(threading.Thread):
@@ -66,7 +61,7 @@ class RequestPreparer(threading.Thread):
             return self._prepare_embed(submit)
         try:
             self._mark_preparing(submit.request_id)
-            seq = self._engine.prepare(request_from_fields(submit.request_id, submit.request))
+            seq = self._engine.prepare(submit.request)
             if submit.deadline_s:  # counted from the request's arrival at the front-end
                 seq.deadline_s = submit.deadline_s
             return seq
