@@ -1,11 +1,12 @@
 """What the optional installs bring, and the one clear line when one is missing.
 
 `pip install cbatch` is the client (cbatch.Client, AsyncClient, cbatch-submit and
-cbatch-status to a daemon): pyzmq, msgpack, numpy and jinja2 (a model's chat template,
-rendered for tool calls). The daemon is the `server` extra: llama.cpp's bindings, the
-HTTP stack, its metrics and the default model's package. `cbatch-submit --url` is the
-`url` extra (an HTTP client). Each group is checked where it is first needed, so a
-command or a request without its extra says which one to install, never an ImportError
+cbatch-status to a daemon): pyzmq, msgpack, msgspec (a request's struct, checked where it
+is made), numpy and jinja2 (a model's chat template, rendered for tool calls). The daemon
+is the `server` extra: llama.cpp's bindings, the HTTP stack, its metrics and the default
+model's package. `cbatch-submit --url` is the `url` extra (an HTTP client). Each group is
+checked where it is first needed, so a command or a request without its extra says which
+one to install, never an ImportError
 from deep inside.
 """
 
