@@ -6,8 +6,7 @@ is made), numpy and jinja2 (a model's chat template, rendered for tool calls). T
 is the `server` extra: llama.cpp's bindings, the HTTP stack, its metrics and the default
 model's package. `cbatch-submit --url` is the `url` extra (an HTTP client). Each group is
 checked where it is first needed, so a command or a request without its extra says which
-one to install, never an ImportError
-from deep inside.
+one to install, never an ImportError from deep inside.
 """
 
 import importlib.util
