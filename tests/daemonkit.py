@@ -1,5 +1,6 @@
 """Start and stop a real cbatch-worker daemon (its console script) for tests."""
 
+import json
 import os
 import shutil
 import signal
@@ -152,6 +153,17 @@ def wait_until(predicate, timeout_s: float, poll_s: float = 0.05) -> float:
         assert time.monotonic() - started < timeout_s, "condition not reached in time"
         time.sleep(poll_s)
     return time.monotonic() - started
+
+
+def submit_lines(env: dict, lines: list[dict], folder: Path,
+                 timeout_s: float) -> tuple[subprocess.CompletedProcess, dict]:
+    """cbatch-submit over a file of `lines` (each with an "id") in folder: its run, and
+    its results by id."""
+    source, output = folder / "in.jsonl", folder / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(source), "-o", str(output)], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    return done, {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
 
 
 class RawPeer:

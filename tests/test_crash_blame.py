@@ -4,15 +4,13 @@ its suspects are resent on probation, one at a time, the innocents complete, and
 is refused (exactly) at its second crash, after which the worker stops crashing.
 tests/crash_on_poison/sitecustomize.py crashes the worker on two poison prompts."""
 
-import json
-import subprocess
 import timeit
 from pathlib import Path
 
 import msgpack
 import msgspec
 import pytest
-from daemonkit import SCRIPTS_DIR, wait_until
+from daemonkit import submit_lines, wait_until
 
 from cbatch.errors import CbatchError
 from cbatch.ipc.worker_messages import WorkerSubmit, encode
@@ -162,11 +160,7 @@ def test_a_batch_file_with_a_poison_line_completes_every_other_line(tiny_model_p
     daemon = start_daemon(tiny_model_path, "--parallel", "4", "--ctx-size", str(4 * 1024))
     lines = [{"id": f"b{i}", "prompt": f"a bystander {i}", "max_tokens": 200, "ignore_eos": True} for i in range(6)]
     lines.insert(3, {"id": "poison", "prompt": DECODE_POISON, "max_tokens": 4})
-    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    done = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(source), "-o", str(output)], env=daemon.env,
-                          capture_output=True, text=True, timeout=600)
-    results = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    done, results = submit_lines(daemon.env, lines, tmp_path, timeout_s=600)
     assert done.returncode == 1, done.stderr  # the poison line fails, alone
     assert all(results[f"b{i}"]["finish_reason"] == "length" for i in range(6)), results
     assert results["poison"]["error"]["code"] == "invalid_request"

@@ -5,13 +5,11 @@ on its own (as `stop` once its grammar is complete, else with invalid_request), 
 native client, HTTP (grammar, json_schema, a forced tool call) and a batch file, while the
 worker's pid stays the same and a bystander's stream goes on."""
 
-import json
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
-from daemonkit import SCRIPTS_DIR, serve_module, wait_until
+from daemonkit import serve_module, submit_lines, wait_until
 from httpkit import HttpDaemon
 
 from cbatch.errors import CbatchError
@@ -99,11 +97,7 @@ def test_a_batch_file_of_dead_end_grammars_is_answered(daemon, tmp_path):
     pid = worker_pid(daemon)
     lines = [{"id": f"a{i}", "prompt": "say a", "max_tokens": 6, "grammar": ONE_A, "min_tokens": 4} for i in range(6)]
     lines += [{"id": "nul", "prompt": "x", "max_tokens": 4, "grammar": NUL_ONLY}]
-    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    done = subprocess.run([str(SCRIPTS_DIR / "cbatch-submit"), str(source), "-o", str(output)], env=daemon.env,
-                          capture_output=True, text=True, timeout=180)
-    results = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    done, results = submit_lines(daemon.env, lines, tmp_path, timeout_s=180)
     assert done.returncode == 1, done.stderr  # the unsatisfiable line fails, alone
     assert all(results[f"a{i}"]["text"] == "a" and results[f"a{i}"]["finish_reason"] == "stop" for i in range(6))
     assert results["nul"]["error"]["code"] == "invalid_request"
