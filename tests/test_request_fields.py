@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
-from cbatch.params import SamplingParams, parse_request
+from cbatch.params import Request, SamplingParams, parse_request
 from cbatch.workers.decode.preparer import MIN_LARGE_PROMPT_CHARS, is_large_prompt
 
 TEXT = st.text(min_size=1, max_size=12)  # hypothesis draws no lone surrogates, which parse_request refuses
@@ -75,3 +75,5 @@ def test_a_large_prompt_is_told_from_the_fields_alone():
     assert is_large_prompt(worker_submit(1, {"messages": [{"role": "system", "content": half},
                                                           {"role": "user", "content": half}]}))
     assert not is_large_prompt(worker_submit(1, {"messages": [{"role": "user", "content": half}]}))
+    # A malformed one (a front-end bug) is not large: the preparer rejects it, the I/O thread lives on.
+    assert not is_large_prompt(WorkerSubmit(Request(1)))

@@ -5,6 +5,7 @@ import pytest
 from cbatch.errors import INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, CbatchError
 from cbatch.ipc.records import TokenEvent, frame_events, record_request_ids, relay_rows
 from cbatch.ipc.worker_messages import WorkerEvents, WorkerReject, WorkerSubmit, decode, encode
+from cbatch.params import parse_request
 from cbatch.workers.daemon.request_table import RequestTable, TrackedRequest
 
 FINISH = {"finish_reason": "stop"}
@@ -87,7 +88,7 @@ def test_worker_messages_round_trip_as_their_structs():
     step = [TokenEvent(7, [1, 2], "hi", logprobs=[{"a": 1}, {"b": 2}]),
             TokenEvent(8, [], "", "stop", {"prompt_tokens": 1}, index=3)]
     events = WorkerEvents.of_step(step, frame_events(step)[0], stats={"num_active": 1})
-    submit = WorkerSubmit(5, ["x", None, [], "interactive", None, "default", 1.0])
+    submit = WorkerSubmit(parse_request(5, {"prompt": "x", "stop": "\n", "logit_bias": {"3": 1}}), 12.5)
     for message in (events, submit, WorkerReject(5, "invalid_request", "bad")):
         assert decode(encode(message)) == message
     assert record_request_ids(events.records) == [7, 7, 8]

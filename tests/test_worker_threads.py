@@ -31,6 +31,7 @@ from cbatch.ipc.worker_messages import (
     decode,
     encode,
 )
+from cbatch.params import Request
 from cbatch.protocol import MsgType
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT
@@ -194,8 +195,8 @@ def test_a_dead_io_thread_ends_the_worker(front_end):
 
 def test_a_command_the_worker_cannot_read_ends_its_request(front_end):
     stand_in = front_end()
-    # A submit of one field: it names its request, which must still end.
-    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack_fields(MsgType.WORKER_SUBMIT, [7])])
+    # A submit whose request's prompt is a number: it names its request, which must still end.
+    stand_in.socket.send_multipart([worker_identity(GENERATION), *pack_fields(MsgType.WORKER_SUBMIT, [[7, 42]])])
     reject = stand_in.recv(WorkerReject)
     assert (reject.request_id, reject.code) == (7, "internal")
     assert run_to_finish(stand_in, 8) == "length"  # and the worker serves on
@@ -203,7 +204,7 @@ def test_a_command_the_worker_cannot_read_ends_its_request(front_end):
 
 def test_a_submit_the_worker_cannot_rebuild_ends_only_its_request(front_end):
     stand_in = front_end()
-    stand_in.send(WorkerSubmit(7, ["x"]))  # as a front-end bug would: too few fields
+    stand_in.send(WorkerSubmit(Request(7)))  # as a front-end bug would: neither a prompt nor messages
     reject = stand_in.recv(WorkerReject)
     assert (reject.request_id, reject.code) == (7, "internal"), reject.message
     assert run_to_finish(stand_in, 8) == "length"  # and the worker serves on

@@ -155,7 +155,7 @@ class WorkerIO(threading.Thread):
 
 def _named_request_id(frames: list[bytes]) -> int | None:
     """The request a command that could not be read names: the first field of those whose
-    first field is a request id, if it is one."""
+    first field is a request id (a submit's request's first field), if it is one."""
     try:
         msg_type, body = split_frames(frames)
         fields = msgspec.msgpack.decode(body)
@@ -164,4 +164,6 @@ def _named_request_id(frames: list[bytes]) -> int | None:
     if msg_type not in REQUEST_COMMANDS or not isinstance(fields, list) or not fields:
         return None
     request_id = fields[0]
+    if msg_type is MsgType.WORKER_SUBMIT and isinstance(request_id, list) and request_id:
+        request_id = request_id[0]  # the Request's own array, its id first
     return request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None

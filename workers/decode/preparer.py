@@ -30,9 +30,14 @@ MIN_LARGE_PROMPT_CHARS = 1 << 16
 
 def is_large_prompt(submit: WorkerSubmit) -> bool:
     """The prompt, or the chat messages' text, judged on the I/O thread; a request with
-    images is large too (the vision encoder runs in its preparation)."""
+    images is large too (the vision encoder runs in its preparation). One with neither a
+    prompt nor messages (a front-end bug) is not large: the preparer rejects it, and the
+    I/O thread lives on."""
     request = submit.request
-    num_chars = len(request.prompt) if request.prompt is not None else sum(map(len, (c for _, c in request.messages)))
+    if request.prompt is not None:
+        num_chars = len(request.prompt)
+    else:
+        num_chars = sum(len(content) for _, content in request.messages or ())
     return num_chars >= MIN_LARGE_PROMPT_CHARS or bool(request.images)
 
 
