@@ -31,7 +31,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def _ranged(kind: type, lo, hi, *, is_lo_open: bool = False):
-    """A number in [lo, hi] ((lo, hi] when is_lo_open); NaN fails the bound, as must."""
+    """A number in [lo, hi] ((lo, hi] when is_lo_open); NaN fails the bound, as it must."""
     return Annotated[kind, Meta(gt=lo, le=hi) if is_lo_open else Meta(ge=lo, le=hi)]
 
 
