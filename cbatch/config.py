@@ -45,6 +45,15 @@ class EngineConfig:
     # ones hold; 0 = one sequence's context. Every token attends over the pool's used
     # range, so idle cached cells are not free: this bounds what they add.
     cache_tokens: int = 0
+    # The host-memory tier below the KV slots (workers/engine/kv/host_tier.py): MiB of saved
+    # prefix states, so conversations beyond the slots come back at the cost of their new
+    # tokens; -1 = as llama-server (8192), at most a quarter of the memory available at
+    # start; 0 = off.
+    cache_ram_mib: int = -1
+    # The disk tier below it (kv/disk_tier.py): saved states kept in this directory across
+    # restarts, at most cache_dir_max_gb of them; "" = off.
+    cache_dir: str = ""
+    cache_dir_max_gb: float = 16.0
     # Sample inside llama_decode's graph when the request allows (only token ids come back);
     # None = on with a GPU build of llama.cpp, off on a CPU build (measured: README).
     backend_sampling: bool | None = None
@@ -85,6 +94,10 @@ class EngineConfig:
         check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
         check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
         check(self.cache_tokens >= 0, f"--cache-tokens must be >= 0, got {self.cache_tokens}")
+        check(self.cache_ram_mib >= -1, f"--cache-ram must be >= 0 (MiB), got {self.cache_ram_mib}")
+        check(not self.cache_dir or self.cache_ram_mib != 0,
+              "--cache-dir needs the host-memory tier: leave out --cache-ram 0")
+        check(self.cache_dir_max_gb > 0, f"--cache-dir-max-gb must be > 0, got {self.cache_dir_max_gb:g}")
         check(self.pooling in POOLING_NAMES,
               f"--pooling must be one of {', '.join(POOLING_NAMES)}, got {self.pooling!r}")
         check(self.reasoning in ("auto", "off"), f"--reasoning must be auto or off, got {self.reasoning!r}")

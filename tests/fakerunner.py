@@ -2,18 +2,32 @@
 decode failures.
 
 It keeps what llama.cpp's KV would hold (the token at every position of every sequence
-id, moved by the KV manager's copy and remove operations) and its "model" picks the next
-token from the whole sequence it holds. So any mistake in what the engine reuses, trims or
-recomputes changes the output, as it would with a real model.
+id, moved by the KV manager's copy, remove, save and restore operations) and its "model"
+picks the next token from the whole sequence it holds. So any mistake in what the engine
+reuses, trims or recomputes changes the output, as it would with a real model.
+
+With `has_swa`, a saved state keeps the sliding-window cells within SWA_WINDOW of its end
+only, as llama.cpp's does: a sequence restored from it lacks them below that, and a decode
+whose window reaches a missing cell fails the test.
 """
 
 import numpy as np
 
-from cbatch.workers.engine.kv.base import OP_COPY
+from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_COPY, OP_REMOVE, OP_SAVE
 from cbatch.workers.engine.kv.streams import WHOLE_STREAM
 
 NUM_VOCAB = 97
 EOG_ID = 0
+SWA_WINDOW = 2 * BLOCK_TOKENS + 5
+
+
+def encode_state(tokens: list[int], swa_from: int) -> bytearray:
+    return bytearray(np.asarray([swa_from, *tokens], "<i8").tobytes())
+
+
+def decode_state(state: bytearray) -> tuple[list[int], int]:
+    swa_from, *tokens = np.frombuffer(bytes(state), "<i8").tolist()
+    return tokens, swa_from
 
 
 class FakeRunner:
@@ -36,6 +50,9 @@ class FakeRunner:
         self.max_token_bytes = 4  # a token per character
         self.description = "fake"
         self.kv: dict[int, list[int]] = {}
+        # Sliding-window models: positions below this lack their sliding-window cells (a restore's).
+        self.swa_gaps: dict[int, int] = {}
+        self.num_failing_restores = 0  # the next restores llama.cpp would refuse
         self.fail_next: list[int] = []  # statuses the next decodes return instead of 0
         self.num_decodes = 0
         self._rows: list[list[int]] = []
@@ -49,20 +66,56 @@ class FakeRunner:
     def token_piece(self, token: int) -> bytes:
         return bytes([ord("a") + token % 26])
 
-    def apply_memory_ops(self, ops) -> None:
+    def apply_memory_ops(self, ops) -> list[int]:
+        failed_ids = []
         for op in ops:
             if op[0] == OP_COPY:
                 _, src, dst, start, end = op
                 if end == WHOLE_STREAM:  # per-sequence streams: llama.cpp replaces dst's stream
                     assert start == 0 and not self.unified
                     self.kv[dst] = list(self.kv[src])
+                    self.swa_gaps[dst] = self.swa_gaps.get(src, 0)
                     continue
                 assert self.unified, "only the unified pool copies part of a sequence"
                 assert len(self.kv.setdefault(dst, [])) == start, "a copy continues where dst ends"
                 self.kv[dst] += self.kv[src][start:end]
-            else:
+                if start < self.swa_gaps.get(src, 0):
+                    self.swa_gaps[dst] = min(self.swa_gaps[src], end)
+            elif op[0] == OP_REMOVE:
                 _, seq_id, start = op
                 del self.kv.setdefault(seq_id, [])[start:]
+                self.swa_gaps[seq_id] = min(self.swa_gaps.get(seq_id, 0), start)
+            elif op[0] == OP_SAVE:
+                self._save(*op[1:])
+            elif not self._restore(*op[1:]):
+                failed_ids.append(op[1])
+        return failed_ids
+
+    def _save(self, seq_id: int, entry) -> None:
+        held = self.kv[seq_id]
+        assert len(held) == entry.num_tokens and held == entry.tokens(), "a save holds exactly the entry's tokens"
+        entry.state = encode_state(held, self._swa_from(seq_id, len(held)))
+        if entry.checkpoint_tokens:
+            del held[entry.checkpoint_tokens:]
+            entry.checkpoint_state = encode_state(held, self._swa_from(seq_id, len(held)))
+
+    def _swa_from(self, seq_id: int, num_tokens: int) -> int:
+        """The first position whose sliding-window cell a state saved now keeps."""
+        return max(num_tokens - SWA_WINDOW, self.swa_gaps.get(seq_id, 0)) if self.has_swa else 0
+
+    def _restore(self, seq_id: int, restore) -> bool:
+        assert not self.kv.get(seq_id), "a restore writes into an empty sequence"
+        if self.num_failing_restores:
+            self.num_failing_restores -= 1
+            return False
+        tokens, swa_from = decode_state(restore.state)
+        assert restore.num_tokens <= len(tokens)
+        self.kv[seq_id] = tokens[:restore.num_tokens]
+        self.swa_gaps[seq_id] = min(swa_from, restore.num_tokens)
+        if restore.checkpoint_state is not None:
+            checkpoint_tokens, self.swa_gaps[seq_id] = decode_state(restore.checkpoint_state)
+            assert checkpoint_tokens == self.kv[seq_id], "a checkpoint is restored at its own length"
+        return True
 
     def decode(self, spans) -> int:
         self.num_decodes += 1
@@ -72,6 +125,8 @@ class FakeRunner:
         for span in spans:
             held = self.kv.setdefault(span.seq.seq_id, [])
             assert len(held) == span.start, "a span continues exactly where the sequence's KV ends"
+            assert max(0, span.start - SWA_WINDOW + 1) >= self.swa_gaps.get(span.seq.seq_id, 0) or not self.has_swa, \
+                "a token's sliding window reaches a cell the sequence lacks"
             held += span.seq.token_slice(span.start, span.start + span.num_tokens)
             if span.wants_logits:
                 self._rows.append(list(held))
@@ -85,6 +140,9 @@ class FakeRunner:
             if self.eog_at_length is not None and len(tokens) >= self.eog_at_length:
                 logits[row, EOG_ID] = 2.0
         return logits
+
+    def state_fingerprint(self, config) -> str:
+        return f"fake-{NUM_VOCAB}-{self.has_swa}-{self.unified}"
 
     def close(self) -> None:
         pass

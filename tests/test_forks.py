@@ -42,9 +42,10 @@ def test_four_choices_compute_a_30_token_prompt_once_and_match_a_single_request(
     assert engine.is_overlapped is overlap
     choices = generate(engine, expand_choices({"prompt": prompt, "n": 4, "max_tokens": 12, **GREEDY}))
     assert [c.token_ids for c in choices] == [single.token_ids] * 4
-    assert all(c.usage == {"prompt_tokens": 30, "completion_tokens": 12} for c in choices)
+    assert all((c.usage["prompt_tokens"], c.usage["completion_tokens"]) == (30, 12) for c in choices)
     stats = engine.snapshot()
     assert (stats["prompt_tokens_computed"], stats["prompt_tokens_reused"]) == (30, 90)
+    assert [c.usage["cached_tokens"] for c in choices] == [0, 30, 30, 30]  # each fork's usage names its copy
 
 
 @LAYOUTS

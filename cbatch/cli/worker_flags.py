@@ -56,6 +56,14 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"embedding pooling for a model whose GGUF declares none, a causal LM (default {ENGINE.pooling})")
     add("--cache-tokens", type=int, default=ENGINE.cache_tokens,
         help="unified pool: KV cells kept for finished requests' prefixes (default: one sequence's context)")
+    add("--cache-ram", type=int, default=ENGINE.cache_ram_mib, metavar="MiB",
+        help="host memory for saved KV states of prefixes the slots gave up, so conversations beyond --parallel "
+             "come back at the cost of their new tokens (default: 8192, at most a quarter of the memory available at "
+             "start; 0 = off)")
+    add("--cache-dir", default=ENGINE.cache_dir, metavar="DIR",
+        help="also keep saved KV states in this directory, across restarts (default: off)")
+    add("--cache-dir-max-gb", type=float, default=ENGINE.cache_dir_max_gb, metavar="GB",
+        help=f"the most --cache-dir holds, least recently used out first (default {ENGINE.cache_dir_max_gb:g})")
     switch("--backend-sampling", "sample inside llama.cpp's graph when a request allows (default: on a GPU build only)")
     switch("--overlap", "decode step N+1 while step N's text is made and published (default: on when layers "
                         "are offloaded to a GPU, off on a CPU)")
@@ -147,7 +155,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           max_queue=args.max_queue, max_batch_queue=args.max_batch_queue,
                           kv_unified=args.kv_unified, prefix_cache=args.prefix_cache, preempt_batch=args.preempt_batch,
                           fair_share=args.fair_share,
-                          cache_tokens=args.cache_tokens, backend_sampling=args.backend_sampling,
+                          cache_tokens=args.cache_tokens, cache_ram_mib=args.cache_ram,
+                          cache_dir=os.path.abspath(args.cache_dir) if args.cache_dir else "",
+                          cache_dir_max_gb=args.cache_dir_max_gb, backend_sampling=args.backend_sampling,
                           overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
                           reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None,
                           mmproj_path=os.path.abspath(args.mmproj) if args.mmproj else None,

@@ -19,6 +19,7 @@ from cbatch.errors import INVALID_CONFIG, SHUTDOWN_MESSAGE, SHUTTING_DOWN, Cbatc
 from cbatch.ipc.records import TokenEvent
 from cbatch.model import resolve_model_path
 from cbatch.params import Request
+from cbatch.workers.engine.cache_tiers import make_host_tier
 from cbatch.workers.engine.image_steps import image_writer
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.kv.streams import StreamCacheManager
@@ -41,6 +42,11 @@ class Engine:
     def __init__(self, config: EngineConfig, runner=None, mark_sampling=None):
         self.config = config
         self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
+        try:  # saved prefix states below the slots (kv/host_tier.py), or None
+            self.host_tier = make_host_tier(config, self.runner) if not config.kv_unified else None
+        except CbatchError:
+            self.runner.close()
+            raise
         if config.kv_unified:
             kv = PoolCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
                                 config.max_cached_cells, pin_indexed_cells=self.runner.has_swa)
@@ -52,7 +58,8 @@ class Engine:
                                   f"{self.runner.num_seq_ids // 2} run at once; lower --parallel or leave out "
                                   f"--kv-unified")
         else:
-            kv = StreamCacheManager(self.runner.num_seq_ids, self.runner.ctx_per_seq, self.runner.has_prefix_cache)
+            kv = StreamCacheManager(self.runner.num_seq_ids, self.runner.ctx_per_seq, self.runner.has_prefix_cache,
+                                    self.host_tier)
         self.scheduler = Scheduler(kv, config.parallel, config.batch_size, *config.max_queues, config.preempt_batch,
                                    config.fair_share)
         self.stats = EngineStats()
@@ -99,8 +106,12 @@ class Engine:
         return self.scheduler.has_work or self._in_flight is not None or bool(self._cancel_ids)
 
     def prepare(self, request: Request) -> Sequence:
-        """A validated request as a Sequence (preparation.py): safe off the loop thread."""
-        return prepare_sequence(self.runner, request, self.ctx_per_seq, self.reasoning)
+        """A validated request as a Sequence (preparation.py), its saved prefix read from
+        the disk tier into memory where only the disk holds it: safe off the loop thread."""
+        seq = prepare_sequence(self.runner, request, self.ctx_per_seq, self.reasoning)
+        if self.host_tier is not None:
+            self.host_tier.prefetch(seq.prompt_ids)
+        return seq
 
     def add(self, seq: Sequence) -> None:
         """Queue a prepared sequence; on error (a full queue, a taken id) its sampler is freed."""
@@ -168,7 +179,7 @@ class Engine:
         Returns the events of forks that sampled from the last decode's rows first."""
         spans = self.scheduler.schedule()
         events = self._sample_row_forks() if self.scheduler.row_forks else []
-        self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
+        spans = self._apply_memory_ops(spans)
         if self._images is not None and self._images.has_chunks(self.scheduler):
             # In a decode of their own before the batch's, which overwrites the last rows.
             self._last_rows = []
@@ -185,6 +196,18 @@ class Engine:
             self._status = self.runner.decode(spans)
         self._decode_s = time.perf_counter() - t0
         return events
+
+    def _apply_memory_ops(self, spans: list[BatchSpan]) -> list[BatchSpan]:
+        """The KV manager's operations before the decode; a sequence whose restore failed
+        leaves this batch and prefills from its first token (the batch without it is
+        returned). Saved states then count in the host tier."""
+        failed_ids = self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
+        if failed_ids:
+            spans = self.scheduler.on_restores_failed(failed_ids, spans)
+            self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
+        if self.host_tier is not None:
+            self.host_tier.settle()
+        return spans
 
     def _sample_row_forks(self) -> list[TokenEvent]:
         """Forks just admitted whose parent sampled its first token in the last decode
@@ -221,7 +244,7 @@ class Engine:
             spans = [c for c in spans if c.seq is not seq and c.seq.status is not SeqStatus.FINISHED]
             if not spans:
                 return spans, 0
-            self.runner.apply_memory_ops(self.scheduler.kv.take_ops())
+            self._apply_memory_ops(spans)
             t0 = time.perf_counter()
             status = self.runner.decode(spans)
             self._decode_s += time.perf_counter() - t0
@@ -272,7 +295,8 @@ class Engine:
             # A cancelled or failed sequence keeps what it produced: text held back for
             # stop-string matching can no longer become a stop string.
             text = seq.text.finish()
-        usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens}
+        usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
+                 "cached_tokens": seq.num_prompt_cached}
         return TokenEvent(seq.request_id, token_ids or [], text, reason.value, usage, error, error_code=error_code)
 
     def _free_sampler(self, seq: Sequence) -> None:
@@ -288,13 +312,19 @@ class Engine:
         running requests paused for a slow client."""
         num_checked, num_missed = self._sampler.constraint_counts
         vision = self.runner.vision
-        return {**engine_snapshot(self.stats, self.scheduler), "constrained_tokens": num_checked,
+        tiers = self.host_tier.snapshot() if self.host_tier is not None else {}
+        return {**engine_snapshot(self.stats, self.scheduler), **tiers, "constrained_tokens": num_checked,
                 "constraint_misses": num_missed, "num_images_encoded": vision.num_encoded if vision else 0,
                 "num_paused": sum(seq.is_paused for seq in self.scheduler.running)}
 
     def close(self) -> None:
         if self._in_flight is not None:
             self._wait()
+        if self.host_tier is not None:
+            if self.host_tier.disk is not None:  # what the streams hold outlives the daemon too
+                self.scheduler.kv.spill_all()
+                self._apply_memory_ops([])
+            self.host_tier.close()
         for seq in list(self._seqs.values()):
             self._free_sampler(seq)
         self._seqs.clear()

@@ -8,9 +8,12 @@ threads of the worker (socket I/O) run while llama_decode computes.
 """
 
 import ctypes
+import hashlib
+import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import llama_cpp
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
@@ -19,13 +22,15 @@ from cbatch.errors import INVALID_CONFIG, INVALID_REQUEST, CbatchError
 from cbatch.tools.template import compiled_template
 from cbatch.workers.engine.chat_texts import chat_texts
 from cbatch.workers.engine.decode_mark import marked_decode, no_mark
-from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE
+from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE, OP_RESTORE, OP_SAVE
 from cbatch.workers.engine.sampling.backend import BackendSamplers
 from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
+from cbatch.workers.engine.seq_states import restore_entry, save_entry
 from cbatch.workers.engine.step_batch import BatchSpan
 from cbatch.workers.engine.vision import load_vision
 
 MAX_PIECE_BYTES = 256
+FINGERPRINT_SAMPLE_BYTES = 4 << 20  # of the model file's head, and of its tail
 ALL_LAYERS = 1 << 30  # as n_gpu_layers: more than any model has
 
 
@@ -130,6 +135,7 @@ class LlamaRunner:
         self.max_token_bytes = self._longest_token_bytes()
         self.vision = load_vision(config, self.model, self.has_gpu, self.ctx is not None, _quiet_log)  # or None
         self.description = self._describe(model_path, model_params.n_gpu_layers)
+        self.model_path = model_path
 
     def _new_context(self, config: EngineConfig):
         """The generation context: every running sequence's KV, one decode per step."""
@@ -171,6 +177,22 @@ class LlamaRunner:
         serves = "embeddings only" if self.is_embedding_only else f"sampling {sampling}"
         serves += f", takes images (projector {self.vision.path})" if self.vision else ""
         return f"{buf.value.decode(errors='replace')} ({model_path}) on {where}, {serves}"
+
+    def state_fingerprint(self, config: EngineConfig) -> str:
+        """What a saved sequence state (seq_states.py) depends on, for the disk tier's
+        directory: the model file (its size, head and tail: a GGUF's header names every
+        tensor), llama.cpp's build and the CPU features it uses, and the KV layout: its
+        streams, sliding-window cache and where its layers run."""
+        digest = hashlib.sha256()
+        size = os.path.getsize(self.model_path)
+        with open(self.model_path, "rb") as model_file:
+            digest.update(model_file.read(FINGERPRINT_SAMPLE_BYTES))
+            model_file.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
+            digest.update(model_file.read())
+        layout = (size, llama_cpp.__version__, lc.llama_print_system_info(), config.kv_unified,
+                  lc.llama_n_seq_max(self.ctx), self.has_swa and self.has_prefix_cache, self.num_gpu_layers)
+        digest.update(repr(layout).encode())
+        return digest.hexdigest()
 
     def _longest_token_bytes(self) -> int:
         """At least the most prompt bytes one token can stand for, so a prompt longer than
@@ -282,16 +304,24 @@ class LlamaRunner:
         """Detach a backend-sampled request's chain from the context before it is freed."""
         self.backend_samplers.release(chain)
 
-    def apply_memory_ops(self, ops: list[tuple]) -> None:
-        """The KV manager's operations, in order (see workers/engine/kv/base.py)."""
+    def apply_memory_ops(self, ops: list[tuple]) -> list[int]:
+        """The KV manager's operations, in order (see workers/engine/kv/base.py). Returns
+        the sequence ids whose restore failed (each left empty)."""
+        failed_ids = []
         for op in ops:
             if op[0] == OP_COPY:
                 _, src, dst, start, end = op
                 lc.llama_memory_seq_cp(self.memory, src, dst, start, end)
-            else:
-                assert op[0] == OP_REMOVE
+            elif op[0] == OP_REMOVE:
                 _, seq_id, start = op
                 lc.llama_memory_seq_rm(self.memory, seq_id, start, -1)
+            elif op[0] == OP_SAVE:
+                save_entry(self.ctx, self.memory, op[1], op[2])
+            else:
+                assert op[0] == OP_RESTORE
+                if not restore_entry(self.ctx, self.memory, op[1], op[2]):
+                    failed_ids.append(op[1])
+        return failed_ids
 
     def close(self) -> None:
         if self._decode_thread is not None:  # a decode in flight finishes before the context goes

@@ -168,6 +168,18 @@ class Scheduler:
             for fork in self.forks.take(seq):
                 self._fork(seq, fork, seq.num_prompt_tokens - (not can_share_row(seq, fork)))
 
+    def on_restores_failed(self, failed_ids: list[int], spans: list[BatchSpan]) -> list[BatchSpan]:
+        """Sequences whose saved prefix llama.cpp refused at admission (a host tier restore)
+        hold nothing: they prefill from their first token, from the next step on. Returns
+        the batch without them."""
+        failed = [seq for seq in self.running if seq.seq_id in failed_ids]
+        for seq in failed:
+            self.kv.forget(seq.seq_id)
+            self.kv.num_tokens_reused -= seq.num_cached
+            seq.num_cached = seq.num_prompt_cached = 0
+            seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING
+        return [span for span in spans if span.seq not in failed]
+
     def finish(self, seq: Sequence, keep_cached: bool) -> None:
         """Drop a sequence from the queue or the running set. A running one's KV stays
         cached for later prompts when `keep_cached` (it is known to be sound)."""
@@ -181,7 +193,7 @@ class Scheduler:
             return  # already dropped from the queue (drop_waiting)
         else:
             self.running.remove(seq)
-            self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
+            self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached, seq.num_prompt_tokens)
             seq.seq_id = None
             self._requeue_forks(seq)
         self._ended(seq)
@@ -220,7 +232,7 @@ class Scheduler:
         """A running sequence back to the head of its priority's queue, keeping its output
         and sampler; with `keep_cached` its computed prefix stays in the prefix cache."""
         self.running.remove(seq)
-        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached)
+        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached, seq.num_prompt_tokens)
         seq.seq_id, seq.num_cached, seq.status, seq.is_resumed = None, 0, SeqStatus.WAITING, True
         self._requeue_forks(seq)
         self.waiting.push_front(seq)
@@ -243,6 +255,7 @@ class Scheduler:
         if num_tokens:
             self.kv.fork(parent.seq_id, fork.seq_id, num_tokens)
         fork.num_cached = num_tokens
+        fork.num_prompt_cached = min(num_tokens, fork.num_prompt_tokens)
         fork.status = SeqStatus.DECODING  # at most the last prompt token left to compute
         self.running.append(fork)
 
@@ -268,6 +281,8 @@ class Scheduler:
                 self.waiting.push_front(seq)
                 break
             seq.seq_id, seq.num_cached = placed
+            if not seq.is_resumed:
+                seq.num_prompt_cached = min(seq.num_cached, seq.num_prompt_tokens)
             seq.is_resumed = False
             self.waiting.share.on_admitted(seq)
             if parent is None:

@@ -48,6 +48,7 @@ class Sequence:
     seq_id: int | None = None  # KV sequence id while running (prefilling or decoding)
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # leading tokens of prompt + output whose KV is computed
+    num_prompt_cached: int = 0  # prompt tokens its first admission found computed (any cache tier, or a fork's copy)
     sampler: object | None = None  # llama.cpp sampler chain, None for plain greedy
     is_backend_sampled: bool = False  # sampled inside llama_decode's graph (backend sampling)
     matcher: object | None = None  # its constraint's llguidance matcher, at the end of output_ids

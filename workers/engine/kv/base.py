@@ -5,6 +5,11 @@ shared prefixes share cells, and per-sequence streams (kv/streams.py, the defaul
 a prefix is reused in place or by copying a whole stream. Both index computed prompt
 blocks in a radix tree of BLOCK_TOKENS-token edges, matched by `match_prefix`.
 
+Below both, a host-memory tier (kv/host_tier.py, and a disk tier under it) keeps the
+states of prefixes the device tier gives up: a KV manager saves a sequence before it is
+trimmed or overwritten, and restores a saved prefix into a new sequence when that reuses
+more than the device tier would.
+
 Neither calls llama.cpp: each collects the memory operations llama.cpp must apply before
 the next decode (`take_ops`), so both are tested without a model.
 """
@@ -14,6 +19,12 @@ from typing import Callable, Protocol
 BLOCK_TOKENS = 16
 OP_COPY = "copy"  # (OP_COPY, src_seq_id, dst_seq_id, start, end): positions [start, end)
 OP_REMOVE = "remove"  # (OP_REMOVE, seq_id, start): positions [start, end of the sequence)
+# (OP_SAVE, seq_id, SavedPrefix): fill the entry's states from the sequence, which holds
+# exactly its tokens; with a checkpoint, the sequence is left trimmed to the checkpoint.
+OP_SAVE = "save"
+# (OP_RESTORE, seq_id, Restore): the sequence, empty, takes the saved state's first
+# num_tokens positions; the runner reports a failed one, which the engine recomputes.
+OP_RESTORE = "restore"
 
 TokenSlice = Callable[[int, int], list[int]]  # tokens [start, stop) of a sequence
 
@@ -74,7 +85,15 @@ class KVManager(Protocol):
     def commit(self, seq_id: int, token_slice: TokenSlice, num_computed: int) -> None:
         """Positions [0, num_computed) are computed: index the blocks that became full."""
 
-    def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool) -> None:
-        """The sequence ended; with keep, its computed prefix stays cached."""
+    def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool,
+                num_prompt_tokens: int = 0) -> None:
+        """The sequence ended; with keep, its computed prefix stays cached. Its prompt's
+        end is where a later turn of the same conversation most likely diverges from it."""
+
+    def forget(self, seq_id: int) -> None:
+        """A running sequence's restore failed: it holds nothing and recomputes from 0."""
+
+    def spill_all(self) -> None:
+        """Save every cached prefix to the host tier (before the daemon stops)."""
 
     def clear_cache(self) -> None: ...

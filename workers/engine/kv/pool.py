@@ -206,7 +206,8 @@ class PoolCacheManager:
             self.ops.append((OP_COPY, seq_id, holder.pin_id, first_new * BLOCK_TOKENS,
                              holder.num_indexed * BLOCK_TOKENS))
 
-    def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool) -> None:
+    def release(self, seq_id: int, token_slice: TokenSlice, num_computed: int, keep: bool,
+                num_prompt_tokens: int = 0) -> None:
         """A running holder is done. With `keep` (and the cache on) its indexed blocks stay
         cached if any of them is not held by another holder already; the rest is freed."""
         holder = self._holders[seq_id]
