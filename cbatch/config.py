@@ -54,6 +54,9 @@ class EngineConfig:
     # restarts, at most cache_dir_max_gb of them; "" = off.
     cache_dir: str = ""
     cache_dir_max_gb: float = 16.0
+    # Leave Claude Code's per-request billing line in the system prompt of chats over HTTP
+    # (cbatch/openai/billing_header.py); by default it is removed, so turns share a prefix.
+    keep_billing_header: bool = False
     # Sample inside llama_decode's graph when the request allows (only token ids come back);
     # None = on with a GPU build of llama.cpp, off on a CPU build (measured: README).
     backend_sampling: bool | None = None

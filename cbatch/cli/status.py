@@ -37,6 +37,21 @@ def job_lines(jobs: dict) -> list[str]:
     return lines
 
 
+def cache_tier_lines(stats: dict) -> list[str]:
+    """The host-memory and disk tiers below the slots, when on."""
+    if "host_cache_bytes" not in stats:
+        return []
+    lines = [f"host cache: {stats['host_cache_bytes'] / 2**20:.0f} of {stats['host_cache_max_bytes'] / 2**20:.0f} MiB, "
+             f"{stats['host_cache_entries']} saved prefixes; "
+             f"{counted(stats['host_cache_hits'], 'hit')}, {counted(stats['host_cache_saved'], 'state')} saved, "
+             f"{counted(stats['host_cache_evictions'], 'eviction')}"]
+    if "disk_cache_bytes" in stats:
+        lines.append(f"disk cache: {stats['disk_cache_bytes'] / 1e9:.2f} of {stats['disk_cache_max_bytes'] / 1e9:.1f} "
+                     f"GB in {counted(stats['disk_cache_files'], 'file')}; {counted(stats['disk_cache_hits'], 'hit')}, "
+                     f"{stats['disk_cache_written']} written, {stats['disk_cache_skipped']} skipped")
+    return lines
+
+
 def format_status(endpoint: str, health: dict, stats: dict) -> str:
     if health["status"] == "starting":  # the model, the worker and the context are not known yet
         about = (f"starting: the decode worker is loading the model; parallel {stats['parallel']}; "
@@ -62,6 +77,7 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
             f"prefix cache {'on' if stats['prefix_cache'] else 'off'}: hit rate {100 * stats['cache_hit_rate']:.0f}%, "
             f"{counted(stats['prompt_tokens_reused'], 'prompt token')} reused; KV cells {stats['kv_cells_used']} of "
             f"{stats['kv_cells_total']} used, {stats['kv_cells_evictable']} evictable")
+        lines += cache_tier_lines(stats)
     lines += [f"tenant {tenant}: {usage['num_in_flight']} in flight, {counted(usage['num_requests'], 'request')} "
               f"finished, {usage['num_prompt_tokens']} prompt + {usage['num_generated_tokens']} generated tokens"
               for tenant, usage in (stats.get("tenants") or {}).items()]

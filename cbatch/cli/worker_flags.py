@@ -64,6 +64,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="also keep saved KV states in this directory, across restarts (default: off)")
     add("--cache-dir-max-gb", type=float, default=ENGINE.cache_dir_max_gb, metavar="GB",
         help=f"the most --cache-dir holds, least recently used out first (default {ENGINE.cache_dir_max_gb:g})")
+    add("--keep-billing-header", action="store_true",
+        help="leave Claude Code's per-request 'x-anthropic-billing-header: ...' line in chats' system prompts; by "
+             "default it is removed, as it differs on every request and no two turns would share a cached prefix")
     switch("--backend-sampling", "sample inside llama.cpp's graph when a request allows (default: on a GPU build only)")
     switch("--overlap", "decode step N+1 while step N's text is made and published (default: on when layers "
                         "are offloaded to a GPU, off on a CPU)")
@@ -157,7 +160,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           fair_share=args.fair_share,
                           cache_tokens=args.cache_tokens, cache_ram_mib=args.cache_ram,
                           cache_dir=os.path.abspath(args.cache_dir) if args.cache_dir else "",
-                          cache_dir_max_gb=args.cache_dir_max_gb, backend_sampling=args.backend_sampling,
+                          cache_dir_max_gb=args.cache_dir_max_gb, keep_billing_header=args.keep_billing_header,
+                          backend_sampling=args.backend_sampling,
                           overlap=args.overlap, pooling=args.pooling, reasoning=args.reasoning,
                           reasoning_tags=tuple(args.reasoning_tags) if args.reasoning_tags else None,
                           mmproj_path=os.path.abspath(args.mmproj) if args.mmproj else None,

@@ -50,11 +50,13 @@ def _parse(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, Respon
     and a JSON schema's conversion to a grammar take a while (both bounded), and the event
     loop meanwhile serves the other requests' streams."""
     raw = json_body(body)
+    keeps_billing_header = bool(state.client.info.get("keeps_billing_header"))  # --keep-billing-header
     if kind == RESPONSES:
-        api = parse_responses_request(raw, state.model_names, state.reasoning, chat_template=state.client.chat_template)
+        api = parse_responses_request(raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
+                                      keeps_billing_header=keeps_billing_header)
         return api, ResponseEvents(api, echoed_fields(raw))
-    return parse_api_request(kind, raw, state.model_names, state.reasoning,
-                             chat_template=state.client.chat_template), None
+    return parse_api_request(kind, raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
+                             keeps_billing_header=keeps_billing_header), None
 
 
 def is_parsed_inline(body: bytes) -> bool:

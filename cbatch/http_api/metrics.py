@@ -31,6 +31,19 @@ _DAEMON_FIGURES = {
     "prompt_tokens_computed": (COUNTER, "cbatch_prompt_tokens_computed",
                                "Prompt tokens computed (not served by the prefix cache)"),
     "prompt_tokens_reused": (COUNTER, "cbatch_prompt_tokens_reused", "Prompt tokens reused from the prefix cache"),
+    "host_cache_bytes": (GAUGE, "cbatch_host_cache_bytes", "Bytes of saved KV states in host memory (--cache-ram)"),
+    "host_cache_entries": (GAUGE, "cbatch_host_cache_entries", "Saved prefixes indexed (in host memory or on disk)"),
+    "host_cache_saved": (COUNTER, "cbatch_host_cache_saved", "KV states saved to host memory"),
+    "host_cache_tokens_restored": (COUNTER, "cbatch_host_cache_tokens_restored",
+                                   "Prompt tokens restored from saved states (host memory or disk)"),
+    "host_cache_evictions": (COUNTER, "cbatch_host_cache_evictions",
+                             "Saved states dropped from host memory for room (kept on disk where it holds them)"),
+    "disk_cache_bytes": (GAUGE, "cbatch_disk_cache_bytes", "Bytes of saved KV states in --cache-dir"),
+    "disk_cache_files": (GAUGE, "cbatch_disk_cache_files", "Saved KV state files in --cache-dir"),
+    "disk_cache_written": (COUNTER, "cbatch_disk_cache_written", "KV state files written to --cache-dir"),
+    "disk_cache_loaded": (COUNTER, "cbatch_disk_cache_loaded", "KV state files read back from --cache-dir"),
+    "disk_cache_skipped": (COUNTER, "cbatch_disk_cache_skipped",
+                           "KV state files skipped and removed: truncated, corrupt or foreign"),
     "num_preemptions": (COUNTER, "cbatch_preemptions",
                         "Running sequences sent back to the queue (for an interactive request, or for KV room)"),
     "num_embedding_decodes": (COUNTER, "cbatch_embedding_decodes",
@@ -72,6 +85,7 @@ class _DaemonStats:
         for key, (family_class, name, help_text) in _DAEMON_FIGURES.items():
             if self.stats.get(key) is not None:
                 yield _one_value(family_class, name, help_text, self.stats[key])
+        yield from cache_tier_counters(self.stats)
         yield from router_gauges(self.stats)
         yield from job_gauges(self.stats.get("jobs"))
         tenants = self.stats.get("tenants") or {}
@@ -80,6 +94,22 @@ class _DaemonStats:
             for tenant, usage in tenants.items():
                 family.add_metric([tenant], float(usage[key]))
             yield family
+
+
+def cache_tier_counters(stats: dict):
+    """Admissions served by each KV cache tier (device: a slot's cached prefix; host and
+    disk: a saved state restored), and those none served."""
+    if "kv_cache_lookups" not in stats:
+        return
+    hits = {"device": stats["kv_cache_device_hits"], "host": stats.get("host_cache_hits", 0),
+            "disk": stats.get("disk_cache_hits", 0)}
+    family = CounterMetricFamily("cbatch_kv_cache_hits", "Admissions whose prompt prefix a KV cache tier served",
+                                 labels=["tier"])
+    for tier, count in hits.items():
+        family.add_metric([tier], float(count))
+    yield family
+    yield _one_value(COUNTER, "cbatch_kv_cache_misses", "Admissions no KV cache tier served a prefix of",
+                     stats["kv_cache_lookups"] - sum(hits.values()))
 
 
 def job_gauges(jobs: dict | None):

@@ -33,16 +33,20 @@ class ResponseBuilder:
         self._splitters = [ReasoningSplitter(request.reasoning) for _ in request.bodies] if request.reasoning else None
 
     def usage(self, usages: list[dict | None]) -> dict:
-        """Prompt tokens once per prompt (its choices share it), completion tokens summed."""
-        prompt_tokens, seen = 0, set()
+        """Prompt tokens once per prompt (its choices share it), with those the prefix cache
+        served (`prompt_tokens_details.cached_tokens`, as OpenAI's), completion tokens summed."""
+        prompt_tokens = cached_tokens = 0
+        seen = set()
         for choice, usage in enumerate(usages):
             prompt = self.request.prompt_of_choice[choice]
             if usage and prompt not in seen:
                 seen.add(prompt)
                 prompt_tokens += usage["prompt_tokens"]
+                cached_tokens += usage.get("cached_tokens", 0)
         completion_tokens = sum(u["completion_tokens"] for u in usages if u)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def logprobs(self, choice: int, entries) -> dict | None:
         """A chunk's `logprobs` entries (one per token) in the endpoint's shape."""

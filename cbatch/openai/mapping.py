@@ -28,6 +28,7 @@ from cbatch.errors import (
     WORKER_RESTARTED,
     CbatchError,
 )
+from cbatch.openai.billing_header import strip_billing_header
 from cbatch.openai.image_parts import take_images
 from cbatch.openai.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
@@ -151,13 +152,15 @@ def check_model(model, model_names: list[str]) -> str:
 
 
 def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | None = None, *,
-                      chat_template: ChatTemplate | None = None, forwards_tools: bool = False) -> ApiRequest:
+                      chat_template: ChatTemplate | None = None, forwards_tools: bool = False,
+                      keeps_billing_header: bool = False) -> ApiRequest:
     """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
     `model`, when given, must be one of `model_names`; `reasoning` is the model's thinking
     tags (None: its answers are left as they are); `chat_template` is the model's own when
     it knows tools (cbatch.tools.template_of), which then renders chats with tools. With
     `forwards_tools` (bodies bound for another OpenAI server) a chat's messages and tools
-    stay as they are: that server renders them and reads the calls."""
+    stay as they are: that server renders them and reads the calls. Claude Code's billing
+    line leaves the system prompt unless `keeps_billing_header` (billing_header.py)."""
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
     model = check_model(raw.get("model"), model_names)
@@ -184,7 +187,8 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
     tools = None
     if kind == CHAT:
         body.update(reasoning_fields(raw.get("reasoning_budget"), raw.get("reasoning_effort"), reasoning))
-        chat = {"messages": raw.get("messages"), **{name: raw[name] for name in TOOL_FIELDS if name in raw}}
+        messages = raw.get("messages") if keeps_billing_header else strip_billing_header(raw.get("messages"))
+        chat = {"messages": messages, **{name: raw[name] for name in TOOL_FIELDS if name in raw}}
         if not forwards_tools:  # image parts become cbatch's images, each at a marker in the text
             chat["messages"], images = take_images(chat["messages"])
             body.update({"images": images} if images else {})

@@ -69,7 +69,7 @@ class ResponseEvents:
                 "usage": usage and {
                     "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                     "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
-                    "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                    "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0), "cache_write_tokens": 0},
                     "output_tokens_details": {"reasoning_tokens": self._num_reasoning_tokens}},
                 **self.echoed}
 

@@ -79,7 +79,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
                             engine.reasoning,
                             {**chat_texts(engine.runner.model, engine.runner.vocab),
-                             "takes_images": engine.runner.vision is not None}))
+                             "takes_images": engine.runner.vision is not None,
+                             "keeps_billing_header": plan.engine.keep_billing_header}))
         handler = CommandHandler(engine, embedder, io, io.commands, publisher)
         run_engine_loop(engine, embedder, handler.apply_pending, publisher.publish, io.send)
     finally:

@@ -107,6 +107,8 @@ def engine_snapshot(stats: EngineStats, scheduler) -> dict:
         "num_queued": len(scheduler.waiting),
         "prefix_cache": kv.enable_prefix_cache,
         "prompt_tokens_reused": reused,
+        "kv_cache_lookups": kv.num_lookups,
+        "kv_cache_device_hits": kv.num_device_hits,
         "cache_hit_rate": reused / (reused + computed) if reused + computed else 0.0,
         "kv_cells_total": kv.num_cells,
         "kv_cells_used": kv.num_cells_used,

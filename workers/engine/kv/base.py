@@ -14,7 +14,10 @@ Neither calls llama.cpp: each collects the memory operations llama.cpp must appl
 the next decode (`take_ops`), so both are tested without a model.
 """
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from cbatch.workers.engine.kv.host_tier import HostTier
 
 BLOCK_TOKENS = 16
 OP_COPY = "copy"  # (OP_COPY, src_seq_id, dst_seq_id, start, end): positions [start, end)
@@ -49,6 +52,9 @@ class KVManager(Protocol):
     enable_prefix_cache: bool
     pin_indexed_cells: bool
     num_tokens_reused: int  # prompt tokens served from the cache at admission
+    num_lookups: int  # admissions that looked for a cached prefix
+    num_device_hits: int  # ... and found one on the device (not restored from the host tier)
+    host: "HostTier | None"  # the host-memory tier below the device, or None
     # A running sequence's computed prefix is reused by another admission only when they
     # share at least this many tokens (the pool shares any block; a stream is copied
     # whole, which pays only for longer prefixes).

@@ -68,6 +68,7 @@ class SavedPrefix:
     disk_name: str = ""  # the disk tier's file, once written
     is_writing: bool = False  # queued for the disk tier
     is_loading: bool = False  # a preparer reads it from disk
+    is_from_disk: bool = False  # its state in memory was read back from disk
     last_used: int = 0
 
     @property
@@ -85,12 +86,14 @@ class Restore:
     num_tokens: int
     state: bytearray
     checkpoint_state: bytearray | None
+    is_from_disk: bool = False
 
 
 @dataclass
 class TierCounts:
     num_saved: int = 0  # states saved into memory
     num_restored: int = 0  # admissions served by a restore
+    num_restored_from_disk: int = 0  # ... of a state read back from disk
     num_tokens_restored: int = 0
     num_evicted: int = 0  # states dropped from memory for room (kept on disk where it holds them)
     num_replaced: int = 0  # entries a longer saved state made useless
@@ -127,17 +130,18 @@ class HostTier:
             self._touch(entry)
             num_tokens = BLOCK_TOKENS * depth
             checkpoint = entry.checkpoint_state if num_tokens < entry.num_tokens and self.has_swa else None
-            return Restore(num_tokens, entry.state, checkpoint)
+            return Restore(num_tokens, entry.state, checkpoint, entry.is_from_disk)
 
     def num_usable(self, token_slice: TokenSlice, num_tokens: int) -> int:
         with self.lock:
             found = self._best(token_slice, num_tokens, in_memory_only=True)
         return BLOCK_TOKENS * found[0] if found else 0
 
-    def on_restored(self, num_tokens: int) -> None:
+    def on_restored(self, restore: Restore) -> None:
         with self.lock:
             self.counts.num_restored += 1
-            self.counts.num_tokens_restored += num_tokens
+            self.counts.num_restored_from_disk += restore.is_from_disk
+            self.counts.num_tokens_restored += restore.num_tokens
 
     def plan_save(self, keys: list[tuple[int, ...]], checkpoint_tokens: int) -> SavedPrefix | None:
         """An entry for a sequence about to be trimmed, holding the blocks `keys`, for the
@@ -215,6 +219,7 @@ class HostTier:
                 self._drop(entry)
             elif self._is_registered(entry) and entry.state is None:
                 entry.state, entry.checkpoint_state = states
+                entry.is_from_disk = True
                 entry.num_bytes = len(entry.state) + len(entry.checkpoint_state or b"")
                 self.counts.num_loaded += 1
                 self._touch(entry)
@@ -267,7 +272,9 @@ class HostTier:
             counts = self.counts
             return {"host_cache_bytes": self.num_bytes, "host_cache_max_bytes": self.max_bytes,
                     "host_cache_entries": self._num_entries, "host_cache_in_memory": len(self._in_memory),
-                    "host_cache_saved": counts.num_saved, "host_cache_hits": counts.num_restored,
+                    "host_cache_saved": counts.num_saved,
+                    "host_cache_hits": counts.num_restored - counts.num_restored_from_disk,
+                    "disk_cache_hits": counts.num_restored_from_disk,
                     "host_cache_tokens_restored": counts.num_tokens_restored,
                     "host_cache_evictions": counts.num_evicted, "host_cache_replaced": counts.num_replaced,
                     "disk_cache_loaded": counts.num_loaded, "disk_cache_load_failures": counts.num_load_failures,

@@ -78,6 +78,7 @@ class PoolCacheManager:
         self.num_cells_used = 0
         self.num_cells_evictable = 0
         self.num_tokens_reused = 0  # prompt tokens served from the cache at admission
+        self.num_lookups = self.num_device_hits = 0  # admissions that looked for a prefix; those the pool served
         self.ops: list[tuple] = []
         self._free_seq_ids = list(range(num_seq_ids - 1, -1, -1))  # pop() hands out 0 first
         self._holders: dict[int, Holder] = {}
@@ -137,6 +138,8 @@ class PoolCacheManager:
         is_reserved = self.grow(holder.seq_id, num_tokens)
         assert is_reserved, "room was checked above"
         self.num_tokens_reused += BLOCK_TOKENS * len(shared)
+        self.num_lookups += reuse and self.enable_prefix_cache
+        self.num_device_hits += bool(shared)
         return holder.seq_id, BLOCK_TOKENS * len(shared)
 
     def fork(self, src_seq_id: int, dst_seq_id: int, num_tokens: int) -> None:

@@ -66,6 +66,7 @@ class StreamCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.host = host if enable_prefix_cache else None
         self.num_tokens_reused = 0
+        self.num_lookups = self.num_device_hits = 0  # admissions that looked for a prefix; those the streams served
         self.ops: list[tuple] = []
         self._checkpoints = [0] * num_streams  # a free stream's last prompt end, in whole blocks (see release)
         # Sliding-window models: a restore brings those layers' cells within the window of
@@ -116,7 +117,7 @@ class StreamCacheManager:
             seq_id, kept_path, num_reused = next(iter(self._free)), [], restore.num_tokens
             self._spill(seq_id, 0)
             self.ops += [(OP_REMOVE, seq_id, 0), (OP_RESTORE, seq_id, restore)]
-            self.host.on_restored(num_reused)
+            self.host.on_restored(restore)
             self._floors[seq_id] = num_reused if self.host.has_swa else 0
         else:
             if is_copied:
@@ -132,6 +133,8 @@ class StreamCacheManager:
                 self._spill(seq_id, 0)
                 self._floors[seq_id] = 0
             num_reused = BLOCK_TOKENS * len(kept_path)
+        self.num_lookups += reuse and self.enable_prefix_cache
+        self.num_device_hits += bool(kept_path)
         self.ops.append((OP_REMOVE, seq_id, num_reused))
         self._set_path(seq_id, kept_path)
         del self._free[seq_id]
