@@ -9,7 +9,6 @@ from common import GREEDY
 from enginekit import generate
 
 from cbatch.config import EngineConfig
-from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_REMOVE, OP_RESTORE, OP_SAVE
 from cbatch.workers.engine.kv.host_tier import Restore, SavedPrefix
 from cbatch.workers.engine.runner import LlamaRunner
