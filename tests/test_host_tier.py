@@ -136,8 +136,8 @@ def test_the_device_wins_unless_the_saved_prefix_is_longer_by_a_restores_worth()
     run(kv, [8] * (3 * B))  # takes p + q's stream: saved, 8 blocks
     run(kv, p + r)  # a free stream now holds p
     settle(kv, tier)
-    near = p + q[:2 * B] + [7] * 5  # the saved state has 6 blocks of it, a free stream 4: not worth a restore
-    assert MIN_RESTORE_TOKENS > 2 * B
+    near = p + q[:B] + [7] * 5  # the saved state has 5 blocks of it, a free stream 4: not worth a restore
+    assert MIN_RESTORE_TOKENS > B
     assert kv.admit(slicer(near), len(near))[1] == 4 * B
     assert all(op[0] != OP_RESTORE for op in settle(kv, tier))
     far = p + q + [7] * 5  # 8 blocks saved, 4 on the device

@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, TokenSlice
 
-# A restore is worth it from this many tokens more than the device tier reuses: it copies
-# the whole state (about 9 KB a token for gemma-3-270m, ~1.4 ms for 1,400 tokens on a CPU),
-# where a few blocks of prefill cost about as much on a fast device.
-MIN_RESTORE_TOKENS = 4 * BLOCK_TOKENS
+# A restore is worth it from this many tokens more than the device tier reuses in place: it
+# copies the whole state (about 9 KB a token for gemma-3-270m: 1.4 ms for 1,300 tokens on a
+# CPU, where 32 tokens of prefill take ~40 ms; on a GPU the copy crosses PCIe and prefill is
+# fast, so a block or two is about even).
+MIN_RESTORE_TOKENS = 2 * BLOCK_TOKENS
 
 
 @dataclass(eq=False)
