@@ -162,13 +162,16 @@ def test_a_restored_sliding_window_stream_serves_no_shorter_prefix_in_place():
     assert reused == 0
 
 
-@pytest.mark.parametrize("has_swa", [False, True], ids=["full-attention", "sliding-window"])
-def test_sixteen_conversations_on_four_streams_compute_only_their_new_tokens(has_swa):
+@pytest.mark.parametrize("unified, has_swa", [(False, False), (False, True), (True, False)],
+                         ids=["streams", "streams-sliding-window", "pool"])
+def test_sixteen_conversations_on_four_slots_compute_only_their_new_tokens(unified, has_swa):
     """Outputs exact against the cache off; on the fake runner a sliding-window decode that
-    reaches a cell a restore did not bring fails the test."""
-    on = fake_engine(unified=False, has_swa=has_swa, num_cells=4 * 512)
+    reaches a cell a restore did not bring fails the test. The pool keeps few cached cells
+    here, so that its conversations come back from the host tier too."""
+    on = fake_engine(unified=unified, has_swa=has_swa, num_cells=4 * 512, cache_tokens=300)
     off = fake_engine(unified=False, prefix_cache=False, num_cells=4 * 512)
-    histories = [f"conversation {i} " + "abcdefgh"[i % 8] * (90 + 7 * i) for i in range(16)]
+    system = "system: answer briefly and kindly. " * 2  # shared: three blocks every slot may hold
+    histories = [f"{system}conversation {i} " + "abcdefgh"[i % 8] * (90 + 7 * i) for i in range(16)]
     computed = []
     for turn in range(4):
         bodies = [{"prompt": h, "max_tokens": 9, **GREEDY} for h in histories]

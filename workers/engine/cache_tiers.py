@@ -32,8 +32,11 @@ def cache_ram_bytes(cache_ram_mib: int) -> int:
 
 def make_host_tier(config: EngineConfig, runner) -> HostTier | None:
     """The host tier (with the disk tier under it when a directory is set), or None when
-    off: --cache-ram 0, no prefix cache, or no generation context."""
+    off: --cache-ram 0, no prefix cache, no generation context, or the unified pool on a
+    model with sliding-window layers (kv/pool.py says why)."""
     if config.cache_ram_mib == 0 or not runner.has_prefix_cache or runner.is_embedding_only:
+        return None
+    if config.kv_unified and runner.has_swa:
         return None
     disk = None
     if config.cache_dir:

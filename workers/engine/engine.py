@@ -43,15 +43,15 @@ class Engine:
         self.config = config
         self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
         try:  # saved prefix states below the slots (kv/host_tier.py), or None
-            self.host_tier = make_host_tier(config, self.runner) if not config.kv_unified else None
+            self.host_tier = make_host_tier(config, self.runner)
         except CbatchError:
             self.runner.close()
             raise
         if config.kv_unified:
             kv = PoolCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
-                                config.max_cached_cells, pin_indexed_cells=self.runner.has_swa)
+                                  config.max_cached_cells, pin_indexed_cells=self.runner.has_swa, host=self.host_tier)
             if kv.pin_indexed_cells and config.parallel > self.runner.num_seq_ids // 2:
-                self.runner.close()
+                self.runner.close()  # no host tier on such a model (cache_tiers.py): nothing else to stop
                 raise CbatchError(INVALID_CONFIG, f"--parallel {config.parallel} with --kv-unified on a model with "
                                   f"sliding-window layers: each running sequence holds two of llama.cpp's "
                                   f"{self.runner.num_seq_ids} KV sequence ids there, so at most "

@@ -87,6 +87,7 @@ class Restore:
     num_tokens: int
     state: bytearray
     checkpoint_state: bytearray | None
+    num_state_tokens: int  # the whole state's, before the trim
     is_from_disk: bool = False
 
 
@@ -131,7 +132,7 @@ class HostTier:
             self._touch(entry)
             num_tokens = BLOCK_TOKENS * depth
             checkpoint = entry.checkpoint_state if num_tokens < entry.num_tokens and self.has_swa else None
-            return Restore(num_tokens, entry.state, checkpoint, entry.is_from_disk)
+            return Restore(num_tokens, entry.state, checkpoint, entry.num_tokens, entry.is_from_disk)
 
     def num_usable(self, token_slice: TokenSlice, num_tokens: int) -> int:
         with self.lock:

@@ -27,6 +27,13 @@ prefix reused from a holder that has moved past it would then miss part of its w
 With `pin_indexed_cells`, every holder has a twin sequence id (its pin) that owns the
 holder's indexed cells too, so they are never owned by one sequence alone.
 
+The host tier (kv/host_tier.py), for a model without sliding-window layers only (a state
+saved there must hold every cell of its window, which the pool does not keep for cells it
+has handed out): a cached holder's prefix is saved before it is evicted, and so is what a
+finished holder computed beyond what the index took (another lineage indexed the same
+tokens first, as a restored holder's shared system prompt); a request whose saved prefix
+is longer than the pool shares by MIN_RESTORE_TOKENS gets it restored into its own cells.
+
 The memory operations llama.cpp must apply, in order, before the next decode collect in
 `ops` (see kv/base.py).
 """
@@ -34,7 +41,16 @@ The memory operations llama.cpp must apply, in order, before the next decode col
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_COPY, OP_REMOVE, TokenSlice, match_prefix
+from cbatch.workers.engine.kv.base import (
+    BLOCK_TOKENS,
+    OP_COPY,
+    OP_REMOVE,
+    OP_RESTORE,
+    OP_SAVE,
+    TokenSlice,
+    match_prefix,
+)
+from cbatch.workers.engine.kv.host_tier import MIN_RESTORE_TOKENS, HostTier
 
 
 @dataclass(eq=False)
@@ -70,9 +86,11 @@ class PoolCacheManager:
 
     min_reuse_tokens = BLOCK_TOKENS  # any full block is shared
     def __init__(self, num_cells: int, num_seq_ids: int, enable_prefix_cache: bool, max_cached_cells: int,
-                 pin_indexed_cells: bool = False):
+                 pin_indexed_cells: bool = False, host: HostTier | None = None):
         self.num_cells = num_cells
         self.pin_indexed_cells = pin_indexed_cells and enable_prefix_cache
+        assert host is None or not host.has_swa, "the pool keeps no sliding-window cells out of a window"
+        self.host = host if enable_prefix_cache else None
         self.enable_prefix_cache = enable_prefix_cache
         self.max_cached_cells = max_cached_cells
         self.num_cells_used = 0
@@ -98,9 +116,12 @@ class PoolCacheManager:
         return ops
 
     def num_reusable(self, token_slice: TokenSlice, num_tokens: int) -> int:
-        """Tokens of a prompt the index holds, in whole blocks, leaving at least the last
-        token to compute (its logits give the first sample)."""
-        return BLOCK_TOKENS * len(self._match(token_slice, num_tokens))
+        """Tokens of a prompt the index (or the host tier) holds, in whole blocks, leaving at
+        least the last token to compute (its logits give the first sample)."""
+        num_reusable = BLOCK_TOKENS * len(self._match(token_slice, num_tokens))
+        if self.host is not None:
+            num_reusable = max(num_reusable, self.host.num_usable(token_slice, num_tokens))
+        return num_reusable
 
     def admit(self, token_slice: TokenSlice, num_tokens: int, reuse: bool = True) -> tuple[int, int] | None:
         """Give a sequence of `num_tokens` tokens a KV sequence id holding its longest
@@ -108,6 +129,11 @@ class PoolCacheManager:
         tokens reused), or None (and changes nothing) when the pool cannot make room even
         by eviction."""
         path = self._match(token_slice, num_tokens) if reuse else []
+        restore = self.host.match(token_slice, num_tokens) if self.host is not None and reuse else None
+        if restore is not None and restore.num_tokens - BLOCK_TOKENS * len(path) < MIN_RESTORE_TOKENS:
+            restore = None
+        if restore is not None:  # restored into cells of its own: nothing shared
+            path = []
         source = self._owner_of(path[-1].block) if path else None
         shared = source.blocks[: len(path)] if source else []
         pinned = sum(b.size for b in shared if b.num_running_owners == 0)
@@ -137,10 +163,19 @@ class PoolCacheManager:
                 self.ops.append((OP_COPY, source.seq_id, holder.pin_id, 0, holder.num_tokens))
         is_reserved = self.grow(holder.seq_id, num_tokens)
         assert is_reserved, "room was checked above"
-        self.num_tokens_reused += BLOCK_TOKENS * len(shared)
+        num_reused = BLOCK_TOKENS * len(shared)
+        if restore is not None:
+            # The whole state lands before it is trimmed: make room for what exceeds the
+            # reservation (a restore llama.cpp still refuses is recomputed, see OP_RESTORE).
+            while self.num_cells_free < restore.num_state_tokens - num_tokens and self._cached:
+                self._evict(next(iter(self._cached.values())))
+            self.ops += [(OP_REMOVE, holder.seq_id, 0), (OP_RESTORE, holder.seq_id, restore)]
+            self.host.on_restored(restore)
+            num_reused = restore.num_tokens
+        self.num_tokens_reused += num_reused
         self.num_lookups += reuse and self.enable_prefix_cache
         self.num_device_hits += bool(shared)
-        return holder.seq_id, BLOCK_TOKENS * len(shared)
+        return holder.seq_id, num_reused
 
     def fork(self, src_seq_id: int, dst_seq_id: int, num_tokens: int) -> None:
         """dst (admitted, nothing computed) gives back the cells it reserved and shares
@@ -216,6 +251,8 @@ class PoolCacheManager:
         holder = self._holders[seq_id]
         if keep and self.enable_prefix_cache:
             self.commit(seq_id, token_slice, num_computed)
+            if self.host is not None and holder.num_indexed < num_computed // BLOCK_TOKENS:
+                self._save_unindexed(holder, token_slice, num_computed // BLOCK_TOKENS)
             kept = holder.blocks[: holder.num_indexed]
             if any(len(b.owner_ids) == 1 for b in kept):
                 self._drop_blocks(holder, holder.num_indexed)
@@ -228,6 +265,30 @@ class PoolCacheManager:
                 return
         self._drop_blocks(holder, 0)
         self._free_holder(holder)
+
+    def forget(self, seq_id: int) -> None:
+        """Its cells stay reserved: it recomputes into them from position 0."""
+        self.ops.append((OP_REMOVE, seq_id, 0))
+
+    def spill_all(self) -> None:
+        for holder in self._cached.values():
+            self._spill(holder)
+
+    def _spill(self, holder: Holder) -> None:
+        """A cached holder (every block indexed) is about to be evicted: save its prefix."""
+        if self.host is None or not holder.blocks:
+            return
+        entry = self.host.plan_save([block.node.key for block in holder.blocks], 0)
+        if entry is not None:
+            self.ops.append((OP_SAVE, holder.seq_id, entry))
+
+    def _save_unindexed(self, holder: Holder, token_slice: TokenSlice, num_blocks: int) -> None:
+        """A finished holder computed `num_blocks` whole blocks the index did not take all of:
+        save them to the host tier before the rest is dropped."""
+        keys = [tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)) for i in range(num_blocks)]
+        entry = self.host.plan_save(keys, 0)
+        if entry is not None:
+            self.ops += [(OP_REMOVE, holder.seq_id, num_blocks * BLOCK_TOKENS), (OP_SAVE, holder.seq_id, entry)]
 
     def clear_cache(self) -> None:
         """Evict every cached holder (running ones are untouched)."""
@@ -244,6 +305,7 @@ class PoolCacheManager:
         return next((h for h in owners if h.is_running), owners[0])
 
     def _evict(self, holder: Holder) -> None:
+        self._spill(holder)
         del self._cached[holder.seq_id]
         self._drop_blocks(holder, 0)
         self._free_holder(holder)
