@@ -13,6 +13,12 @@ from cbatch.params import parse_request
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
+def without_cached(usage: dict) -> dict:
+    """A usage's counts that do not depend on what a KV cache held when the request ran
+    (native `cached_tokens`, OpenAI's `prompt_tokens_details`)."""
+    return {name: value for name, value in usage.items() if name not in ("cached_tokens", "prompt_tokens_details")}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -53,6 +53,7 @@ def chunk_from_response(label, path: str, response: dict) -> Chunk:
         choice = response["choices"][0]
         text = choice["text"] if path == COMPLETIONS_PATH else choice["message"]["content"]
         usage = {name: response["usage"][name] for name in ("prompt_tokens", "completion_tokens")}
+        usage["cached_tokens"] = (response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         message = {} if path == COMPLETIONS_PATH else choice["message"]
         # A server that splits thinking says so by the key, even when there was none (null):
         # "" then keeps the answer from being split again.

@@ -1,0 +1,124 @@
+"""What moving KV states between the slots and the host tier costs the decode loop: the
+engine in-process (the decode worker's loop, without its sockets) runs --streams long
+generations beside --conversations conversations that take turns on --slots more slots,
+so that every few steps a stream's state is saved to host memory or restored from it.
+
+Printed: the median step with no state moved and with one, the slowest of each, the
+slowest step with a state moved against the median step (the target: at most 2x), and
+the saves' and restores' own times and sizes.
+
+    .venv/bin/python scripts/bench_state_moves.py [--model GGUF] [--streams 16] [--slots 4]
+"""
+
+import argparse
+import statistics
+import time
+
+from cbatch.config import EngineConfig
+from cbatch.model import resolve_model_path
+from cbatch.params import parse_request
+from cbatch.workers.engine.engine import Engine
+from cbatch.workers.engine.kv.base import OP_RESTORE, OP_SAVE
+
+WORDS = "river stone light garden window paper music winter market engine story number silver forest".split()
+
+
+class TimedOps:
+    """Wraps the runner's apply_memory_ops: the time and bytes of each save and restore."""
+
+    def __init__(self, runner):
+        self.runner, self.apply = runner, runner.apply_memory_ops
+        self.saves: list[tuple[float, int]] = []
+        self.restores: list[tuple[float, int]] = []
+        self.moved_in_step = False
+        runner.apply_memory_ops = self
+
+    def __call__(self, ops):
+        failed = []
+        for op in ops:
+            started = time.perf_counter()
+            failed += self.apply([op])
+            elapsed = time.perf_counter() - started
+            if op[0] == OP_SAVE and op[2].state is not None:
+                self.saves.append((elapsed, len(op[2].state) + len(op[2].checkpoint_state or b"")))
+                self.moved_in_step = True
+            elif op[0] == OP_RESTORE:
+                self.restores.append((elapsed, len(op[2].state) + len(op[2].checkpoint_state or b"")))
+                self.moved_in_step = True
+        return failed
+
+
+def words(rng_index: int, count: int) -> str:
+    return " ".join(WORDS[(rng_index * 7 + i * 3) % len(WORDS)] for i in range(count))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
+    parser.add_argument("--streams", type=int, default=16, help="long generations decoding all along")
+    parser.add_argument("--slots", type=int, default=4, help="slots the conversations share")
+    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--history-words", type=int, default=1000)
+    parser.add_argument("--ctx-per-seq", type=int, default=4096)
+    args = parser.parse_args(argv)
+    parallel = args.streams + args.slots
+    engine = Engine(EngineConfig(model_path=resolve_model_path(args.model), parallel=parallel,
+                                 ctx_size=parallel * args.ctx_per_seq))
+    timed = TimedOps(engine.runner)
+    ids = iter(range(1, 1 << 30))
+    # Step times of steps with no state moved and of those with one.
+    still, moved = [], []
+
+    def submit(body: dict) -> int:
+        request = parse_request(next(ids), body)
+        engine.add_request(request)
+        return request.request_id
+
+    for i in range(args.streams):
+        submit({"prompt": f"Story {i}: " + words(i, 40), "max_tokens": 1 << 20, "temperature": 0, "ignore_eos": True})
+    histories = [f"Conversation {i}: " + words(100 + i, args.history_words) for i in range(args.conversations)]
+    waiting = {submit({"prompt": h, "max_tokens": 16, "temperature": 0, "ignore_eos": True}): (i, 0)
+               for i, h in enumerate(histories)}
+    texts: dict[int, str] = {}
+    while waiting:
+        timed.moved_in_step = False
+        started = time.perf_counter()
+        events = engine.step()
+        (moved if timed.moved_in_step else still).append(time.perf_counter() - started)
+        for event in events:
+            if event.request_id in waiting:
+                texts[event.request_id] = texts.get(event.request_id, "") + event.text
+                if event.finish_reason:
+                    conversation, turn = waiting.pop(event.request_id)
+                    histories[conversation] += texts.pop(event.request_id) + " " + words(turn, 12)
+                    if turn + 1 < args.turns:
+                        request_id = submit({"prompt": histories[conversation], "max_tokens": 16, "temperature": 0,
+                                             "ignore_eos": True})
+                        waiting[request_id] = (conversation, turn + 1)
+    stats = engine.snapshot()
+    engine.close()
+    median = statistics.median(still + moved)
+
+    def ms(seconds: float) -> str:
+        return f"{1000 * seconds:.1f} ms"
+
+    print(f"{args.streams} streams decoding beside {args.conversations} conversations x {args.turns} turns on "
+          f"{args.slots} slots ({args.history_words}-word histories); {len(still) + len(moved)} steps")
+    print(f"  steps without a state moved: {len(still)}, median {ms(statistics.median(still))}, slowest "
+          f"{ms(max(still))}")
+    if moved:
+        print(f"  steps with a state moved:    {len(moved)}, median {ms(statistics.median(moved))}, slowest "
+              f"{ms(max(moved))}: {max(moved) / median:.2f}x the median step (target: at most 2x)")
+    for name, timings in (("saves", timed.saves), ("restores", timed.restores)):
+        if timings:
+            slowest = max(t for t, _ in timings)
+            print(f"  {name}: {len(timings)}, median {ms(statistics.median(t for t, _ in timings))}, slowest "
+                  f"{ms(slowest)} ({100 * slowest / median:.0f}% of the median step), median size "
+                  f"{statistics.median(b for _, b in timings) / 1e6:.1f} MB")
+    print(f"  host tier hits {stats.get('host_cache_hits', 0)}, prompt tokens computed "
+          f"{stats['prompt_tokens_computed']}, reused {stats['prompt_tokens_reused']}")
+
+
+if __name__ == "__main__":
+    main()
