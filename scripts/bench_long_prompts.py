@@ -40,6 +40,7 @@ WORDS = ("river stone light garden window paper music winter market engine story
          "question answer morning doctor letter summer island bridge planet coffee village animal ocean").split()
 CONFIGS = {  # name -> extra cbatch-worker flags
     "streams": [],  # the default: per-sequence KV streams with the prefix cache
+    "streams-no-tier": ["--cache-ram", "0"],  # ... without the host-memory tier below the streams
     "no-cache": ["--no-prefix-cache"],
     "pool": ["--kv-unified"],  # one unified KV pool with the prefix cache
     "pool-no-cache": ["--kv-unified", "--no-prefix-cache"],

@@ -3,9 +3,11 @@ engine in-process (the decode worker's loop, without its sockets) runs --streams
 generations beside --conversations conversations that take turns on --slots more slots,
 so that every few steps a stream's state is saved to host memory or restored from it.
 
-Printed: the median step with no state moved and with one, the slowest of each, the
-slowest step with a state moved against the median step (the target: at most 2x), and
-the saves' and restores' own times and sizes.
+Printed, for the steps that decode only and for those that also compute prompt tokens
+(the step that admits a returning turn prefills its new tokens too): the median and the
+slowest step with no state moved and with one, the slowest with one against the median
+step of its kind (the target: at most 2x); then the saves' and restores' own times and
+sizes against the median step.
 
     .venv/bin/python scripts/bench_state_moves.py [--model GGUF] [--streams 16] [--slots 4]
 """
@@ -67,8 +69,8 @@ def main(argv=None) -> None:
                                  ctx_size=parallel * args.ctx_per_seq))
     timed = TimedOps(engine.runner)
     ids = iter(range(1, 1 << 30))
-    # Step times of steps with no state moved and of those with one.
-    still, moved = [], []
+    # Step times by (computes prompt tokens, moved a state)
+    steps: dict[tuple[bool, bool], list[float]] = {(p, m): [] for p in (False, True) for m in (False, True)}
 
     def submit(body: dict) -> int:
         request = parse_request(next(ids), body)
@@ -83,9 +85,10 @@ def main(argv=None) -> None:
     texts: dict[int, str] = {}
     while waiting:
         timed.moved_in_step = False
-        started = time.perf_counter()
+        computed_before, started = engine.stats.num_prompt_tokens_computed, time.perf_counter()
         events = engine.step()
-        (moved if timed.moved_in_step else still).append(time.perf_counter() - started)
+        is_prefill = engine.stats.num_prompt_tokens_computed > computed_before
+        steps[is_prefill, timed.moved_in_step].append(time.perf_counter() - started)
         for event in events:
             if event.request_id in waiting:
                 texts[event.request_id] = texts.get(event.request_id, "") + event.text
@@ -98,18 +101,24 @@ def main(argv=None) -> None:
                         waiting[request_id] = (conversation, turn + 1)
     stats = engine.snapshot()
     engine.close()
-    median = statistics.median(still + moved)
+    median = statistics.median(t for times in steps.values() for t in times)
 
     def ms(seconds: float) -> str:
         return f"{1000 * seconds:.1f} ms"
 
     print(f"{args.streams} streams decoding beside {args.conversations} conversations x {args.turns} turns on "
-          f"{args.slots} slots ({args.history_words}-word histories); {len(still) + len(moved)} steps")
-    print(f"  steps without a state moved: {len(still)}, median {ms(statistics.median(still))}, slowest "
-          f"{ms(max(still))}")
-    if moved:
-        print(f"  steps with a state moved:    {len(moved)}, median {ms(statistics.median(moved))}, slowest "
-              f"{ms(max(moved))}: {max(moved) / median:.2f}x the median step (target: at most 2x)")
+          f"{args.slots} slots ({args.history_words}-word histories); "
+          f"{sum(len(times) for times in steps.values())} steps, median {ms(median)}")
+    for is_prefill, kind in ((False, "decode only"), (True, "with prompt tokens")):
+        still, moved = steps[is_prefill, False], steps[is_prefill, True]
+        line = f"  {kind:18}: no state moved {len(still)} steps"
+        if still:
+            line += f", median {ms(statistics.median(still))}, slowest {ms(max(still))}"
+        if moved:
+            reference = statistics.median(still) if still else median
+            line += (f"; a state moved {len(moved)} steps, median {ms(statistics.median(moved))}, slowest "
+                     f"{ms(max(moved))}: {max(moved) / reference:.2f}x its kind's median (target: at most 2x)")
+        print(line)
     for name, timings in (("saves", timed.saves), ("restores", timed.restores)):
         if timings:
             slowest = max(t for t, _ in timings)

@@ -97,11 +97,11 @@ def test_a_sliding_window_restore_at_its_checkpoint_holds_the_state_saved_there(
         assert load_state(runner.ctx, 1, saved_at_checkpoint, WHOLE)
         reference = decode(1, checkpoint, checkpoint + 100)
         runner.apply_memory_ops([(OP_REMOVE, 1, 0)])
-        with_checkpoint = restored_then_decoded(Restore(checkpoint, entry.state, entry.checkpoint_state, end))
-        without = restored_then_decoded(Restore(checkpoint, entry.state, None, end))
+        with_checkpoint = restored_then_decoded(Restore(checkpoint, entry.state, entry.checkpoint_state, end, entry))
+        without = restored_then_decoded(Restore(checkpoint, entry.state, None, end, entry))
         assert np.array_equal(with_checkpoint, reference)
         assert np.abs(without - reference).max() > 1e-3  # the window's start is missing without it
-        whole = restored_then_decoded(Restore(end, entry.state, None, end))
+        whole = restored_then_decoded(Restore(end, entry.state, None, end, entry))
         assert whole.shape == reference.shape and len(entry.state) > len(entry.checkpoint_state)
     finally:
         runner.close()

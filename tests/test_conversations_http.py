@@ -3,9 +3,12 @@ slots over HTTP (SmolLM2's own template, and the ChatML tools template), the usa
 metrics that count what the cache tiers served, Claude Code's billing line, and a restart
 that finds the conversations in --cache-dir."""
 
+import os
+import signal
+
 import pytest
 from common import GREEDY, free_port
-from daemonkit import Daemon, serve_module
+from daemonkit import Daemon, serve_module, wait_until
 from httpkit import HttpDaemon
 
 from cbatch.cli.status import format_status
@@ -118,6 +121,25 @@ def test_conversations_come_back_from_the_cache_directory_after_a_restart(tiny_m
     assert sorted(r.usage["cached_tokens"] > 0 for r in returning) == [False, True, True]
     assert stats["disk_cache_hits"] == 2 and stats["disk_cache_skipped"] == 1
     assert second.log().count("skipped the KV cache file") == 1
+
+
+def test_after_a_decode_worker_crash_the_tier_comes_back_from_the_directory(tiny_model_path, tmp_path, start_daemon):
+    """What was written before the crash serves the new worker; what it had in memory only
+    is gone, never half restored."""
+    cache_dir = tmp_path / "kv"
+    prompts = [f"Talk {i}: " + "the market and the engine and the story of the number " * 6 for i in range(3)]
+    daemon = start_daemon(tiny_model_path, "--parallel", "1", "--cache-dir", str(cache_dir))
+    with daemon.client() as client:
+        answers = [client.generate(prompt=p, max_tokens=8, **GREEDY).text for p in prompts]
+        wait_until(lambda: len(list(cache_dir.glob("*/*.kv"))) == 2, timeout_s=60.0)  # the third is in its slot
+        old_pid = client.health()["worker_pid"]
+        os.kill(old_pid, signal.SIGKILL)
+        wait_until(lambda: client.health()["worker_pid"] not in (0, old_pid), timeout_s=120.0)
+        returning = [client.generate(prompt=p + a + " and then?", max_tokens=8, **GREEDY)
+                     for p, a in zip(prompts, answers)]
+        stats = client.stats()
+    assert [r.usage["cached_tokens"] > 0 for r in returning] == [True, True, False]
+    assert stats["disk_cache_hits"] == 2
 
 
 def test_a_cache_directory_that_cannot_be_made_stops_the_start_naming_the_flag(tiny_model_path, tmp_path):

@@ -88,7 +88,7 @@ class Restore:
     state: bytearray
     checkpoint_state: bytearray | None
     num_state_tokens: int  # the whole state's, before the trim
-    is_from_disk: bool = False
+    entry: SavedPrefix
 
 
 @dataclass
@@ -123,16 +123,15 @@ class HostTier:
 
     def match(self, token_slice: TokenSlice, num_tokens: int) -> Restore | None:
         """The longest usable prefix of a prompt whose state is in memory (the last token
-        excluded: its logits must be computed)."""
+        excluded: its logits must be computed), for the KV manager to restore or not."""
         with self.lock:
             found = self._best(token_slice, num_tokens, in_memory_only=True)
             if found is None:
                 return None
             depth, entry = found
-            self._touch(entry)
             num_tokens = BLOCK_TOKENS * depth
             checkpoint = entry.checkpoint_state if num_tokens < entry.num_tokens and self.has_swa else None
-            return Restore(num_tokens, entry.state, checkpoint, entry.num_tokens, entry.is_from_disk)
+            return Restore(num_tokens, entry.state, checkpoint, entry.num_tokens, entry)
 
     def num_usable(self, token_slice: TokenSlice, num_tokens: int) -> int:
         with self.lock:
@@ -140,9 +139,11 @@ class HostTier:
         return BLOCK_TOKENS * found[0] if found else 0
 
     def on_restored(self, restore: Restore) -> None:
+        """The KV manager restores it: its entry is the most recently used."""
         with self.lock:
+            self._touch(restore.entry)
             self.counts.num_restored += 1
-            self.counts.num_restored_from_disk += restore.is_from_disk
+            self.counts.num_restored_from_disk += restore.entry.is_from_disk
             self.counts.num_tokens_restored += restore.num_tokens
 
     def plan_save(self, keys: list[tuple[int, ...]], checkpoint_tokens: int) -> SavedPrefix | None:
