@@ -130,8 +130,8 @@ def test_a_prompt_waits_while_another_sequence_computes_the_prefix_it_would_reus
     chunks = sched.schedule()
     # second is passed over, keeping its place; other (nothing shared) is admitted.
     assert sched.running == [first, other] and list(sched.waiting) == [second]
-    assert [(c.seq, c.num_tokens) for c in chunks] == [(first, 40)]
-    feed(sched, chunks)  # first has computed 40 tokens: two whole blocks are indexed
+    assert [(c.seq, c.num_tokens) for c in chunks] == [(first, 35), (other, 5)]  # the fewest left first
+    feed(sched, chunks)  # first has computed 35 tokens: two whole blocks are indexed
     chunks = sched.schedule()
     assert second not in [c.seq for c in chunks], "its third block is still being computed"
     feed(sched, chunks)

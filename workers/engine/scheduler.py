@@ -16,8 +16,8 @@ Policy:
   the same uncached prefix at the same time (forks.is_prefilled_elsewhere); that block is
   done within a step or two, and the request is then admitted before anything behind it;
 - every generating sequence gets its one decode token first, then prefilling sequences
-  share the rest of the step's token budget, interactive ones first, each priority in
-  admission order (chunked prefill: a long prompt costs the others at most one span of
+  share the rest of the step's token budget, interactive ones first, each priority the
+  fewest tokens left first (chunked prefill: a long prompt costs the others at most one span of
   latency per step, never a stall); beside interactive work batch chunks get at most a
   quarter of the step, so an interactive request's first token never waits on a step
   filled with batch prompts;

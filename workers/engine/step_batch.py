@@ -26,27 +26,26 @@ class BatchSpan:
         return f"BatchSpan(request {self.seq.request_id}, start {self.start}, {self.num_tokens} tokens)"
 
 
-_SPAN_SEQ_ID = attrgetter("seq.seq_id")
-_IS_BATCH = attrgetter("is_batch")
-# Beside running interactive sequences, batch prompt chunks take at most this fraction
-# (1/N) of a step's token budget (Scheduler._prefill_spans).
-BATCH_PREFILL_DIVISOR = 4
-
-
 # The unified pool takes a batch in any order, but with per-sequence streams llama.cpp cuts
 # a batch into one micro-batch per run of consecutive seq ids (and equal token counts): in
 # id order a step stays one or two micro-batches, in admission order it falls apart once
 # reused slots interleave.
 span_order = attrgetter("seq.seq_id")
-_IS_BATCH = attrgetter("is_batch")
+
+
+def _chunk_order(seq: Sequence) -> tuple[bool, int]:
+    return seq.is_batch, seq.num_uncached
 
 
 def prefill_spans(running: list[Sequence], budget: int, max_step_tokens: int) -> list[BatchSpan]:
     """The prompt chunks of `budget` tokens: interactive sequences' first, then batch ones',
-    each priority in admission order (`running`'s). Beside interactive work the batch chunks
-    take at most 1/BATCH_PREFILL_DIVISOR of a step of `max_step_tokens`, so that the steps an
-    interactive request waits on for its first token stay short."""
-    prefilling = sorted((seq for seq in running if seq.status is SeqStatus.PREFILLING), key=_IS_BATCH)
+    within each priority the fewest tokens left first, then in admission order (`running`'s):
+    a conversation's returning turn, most of it cached, finishes its prefill in the step
+    that admits it instead of after a long cold prompt's chunk, which loses only those few
+    tokens of its step. Beside interactive work the batch chunks take at most
+    1/BATCH_PREFILL_DIVISOR of a step of `max_step_tokens`, so that the steps an interactive
+    request waits on for its first token stay short."""
+    prefilling = sorted((seq for seq in running if seq.status is SeqStatus.PREFILLING), key=_chunk_order)
     is_batch_only = all(seq.is_batch for seq in running)
     max_batch_tokens = budget if is_batch_only else max(1, max_step_tokens // BATCH_PREFILL_DIVISOR)
     spans = []

@@ -251,7 +251,8 @@ class PoolCacheManager:
         holder = self._holders[seq_id]
         if keep and self.enable_prefix_cache:
             self.commit(seq_id, token_slice, num_computed)
-            if self.host is not None and holder.num_indexed < num_computed // BLOCK_TOKENS:
+            num_unindexed = num_computed // BLOCK_TOKENS - holder.num_indexed
+            if self.host is not None and num_unindexed * BLOCK_TOKENS >= MIN_RESTORE_TOKENS:
                 self._save_unindexed(holder, token_slice, num_computed // BLOCK_TOKENS)
             kept = holder.blocks[: holder.num_indexed]
             if any(len(b.owner_ids) == 1 for b in kept):
@@ -276,15 +277,15 @@ class PoolCacheManager:
 
     def _spill(self, holder: Holder) -> None:
         """A cached holder (every block indexed) is about to be evicted: save its prefix."""
-        if self.host is None or not holder.blocks:
+        if self.host is None or len(holder.blocks) * BLOCK_TOKENS < MIN_RESTORE_TOKENS:
             return
         entry = self.host.plan_save([block.node.key for block in holder.blocks], 0)
         if entry is not None:
             self.ops.append((OP_SAVE, holder.seq_id, entry))
 
     def _save_unindexed(self, holder: Holder, token_slice: TokenSlice, num_blocks: int) -> None:
-        """A finished holder computed `num_blocks` whole blocks the index did not take all of:
-        save them to the host tier before the rest is dropped."""
+        """A finished holder computed `num_blocks` whole blocks the index did not take a
+        restore's worth of: save them to the host tier before the rest is dropped."""
         keys = [tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)) for i in range(num_blocks)]
         entry = self.host.plan_save(keys, 0)
         if entry is not None:

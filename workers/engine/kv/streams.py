@@ -215,10 +215,10 @@ class StreamCacheManager:
     def _spill(self, seq_id: int, num_kept_blocks: int) -> None:
         """A free stream is about to keep only its first `num_kept_blocks` blocks: save the
         prefix it holds to the host tier first (with its checkpoint when the trim leaves
-        that position whole; see OP_SAVE)."""
+        that position whole; see OP_SAVE), unless it loses less than a restore's worth."""
         path = self._paths[seq_id]
-        if self.host is None or len(path) <= num_kept_blocks:
-            return
+        if self.host is None or (len(path) - num_kept_blocks) * BLOCK_TOKENS < MIN_RESTORE_TOKENS:
+            return  # what the trim loses could never be worth a restore (many prompts sharing a prefix)
         checkpoint = self._checkpoints[seq_id]
         if not max(num_kept_blocks * BLOCK_TOKENS, self._floors[seq_id]) <= checkpoint < len(path) * BLOCK_TOKENS:
             checkpoint = 0
