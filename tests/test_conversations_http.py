@@ -40,8 +40,10 @@ def chat(api, messages: list[dict], max_tokens: int = 12):
 def three_conversations_twice(api) -> tuple[list, list]:
     """Three conversations on one slot, two turns each: every second turn comes back to a
     slot another conversation has taken since. The usages of both turns."""
+    # Each has a history of its own as long as the shared system prompt: worth saving.
     conversations = [[{"role": "system", "content": SYSTEM},
-                      {"role": "user", "content": f"Question {i}: how often should I water a {plant}?"}]
+                      {"role": "user", "content": f"Question {i}: my {plant} " + "sits by a north window, " * 12
+                       + "so how often should I water it?"}]
                      for i, plant in enumerate(("fern", "cactus", "tomato"))]
     first = []
     for messages in conversations:

@@ -145,6 +145,19 @@ def test_the_device_wins_unless_the_saved_prefix_is_longer_by_a_restores_worth()
     assert any(op[0] == OP_RESTORE for op in settle(kv, tier))
 
 
+def test_questions_on_one_document_save_no_near_copies_of_it_but_a_conversation_is_saved():
+    kv, tier = streams_with_tier(num_streams=2)
+    document = [1] * (40 * B)
+    for i in range(6):  # each question's stream holds the document and a two-block tail of its own
+        run(kv, document + [100 + i] * (2 * B))
+    assert all(op[0] != OP_SAVE for op in settle(kv, tier)) and tier.snapshot()["host_cache_entries"] == 0
+    conversation = [1] * (4 * B) + [7] * (20 * B)  # a short shared system prompt, then its own history
+    run(kv, conversation)
+    run(kv, [1] * (4 * B) + [8] * (20 * B))
+    run(kv, [1] * (4 * B) + [9] * (20 * B))  # takes the conversation's stream
+    assert any(op[0] == OP_SAVE and op[2].num_tokens == 24 * B for op in settle(kv, tier))
+
+
 def test_a_restored_sliding_window_stream_serves_no_shorter_prefix_in_place():
     kv, tier = streams_with_tier(num_streams=2, has_swa=True)
     conversation = [1] * (6 * B)

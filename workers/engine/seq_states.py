@@ -9,21 +9,26 @@ saved after trimming the sequence to the checkpoint's length.
 """
 
 import ctypes
+import mmap
 
 import llama_cpp.llama_cpp as lc
+
+from cbatch.workers.engine.kv.host_tier import state_buffer
 
 WHOLE = 0
 PARTIAL_ONLY = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
-def save_state(ctx, seq_id: int, flags: int) -> bytearray | None:
+def save_state(ctx, seq_id: int, flags: int) -> mmap.mmap | None:
     size = lc.llama_state_seq_get_size_ext(ctx, seq_id, flags)
-    data = bytearray(size)
+    if not size:
+        return None
+    data = state_buffer(size)
     written = lc.llama_state_seq_get_data_ext(ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq_id, flags)
-    return data if size and written == size else None
+    return data if written == size else None
 
 
-def load_state(ctx, seq_id: int, data: bytearray, flags: int) -> bool:
+def load_state(ctx, seq_id: int, data, flags: int) -> bool:
     size = len(data)
     return lc.llama_state_seq_set_data_ext(ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq_id, flags) > 0
 

@@ -33,6 +33,8 @@ from collections import OrderedDict
 import msgpack
 import numpy as np
 
+from cbatch.workers.engine.kv.host_tier import state_buffer
+
 MAGIC = b"CBKVST1\n"
 HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 << 20  # tokens of a sequence of a few million at most
@@ -102,7 +104,7 @@ class DiskTier:
 
     # --- from the host tier, with its lock held: queued for the writer ---
 
-    def write(self, entry, tokens: list[int], state: bytearray, checkpoint_state: bytearray | None) -> None:
+    def write(self, entry, tokens: list[int], state, checkpoint_state) -> None:
         size = len(state) + len(checkpoint_state or b"")
         if self._num_queued_bytes + size > MAX_QUEUED_BYTES:
             self.num_write_failures += 1
@@ -119,7 +121,7 @@ class DiskTier:
 
     # --- from a preparer thread ---
 
-    def load(self, name: str, tokens: list[int]) -> tuple[bytearray, bytearray | None] | None:
+    def load(self, name: str, tokens: list[int]) -> tuple | None:
         """The states of `name`, checked against its header, its checksums and `tokens`;
         None (the file removed, one log line) when any check fails."""
         try:
@@ -166,7 +168,7 @@ class DiskTier:
             except OSError as err:
                 log.warning("cbatch-worker: the KV cache directory %s: %s", self.dir, err)
 
-    def _write(self, entry, tokens: list[int], state: bytearray, checkpoint_state: bytearray | None) -> None:
+    def _write(self, entry, tokens: list[int], state, checkpoint_state) -> None:
         name = file_name(tokens)
         path = os.path.join(self.dir, name)
         checkpoint_state = checkpoint_state or b""
@@ -246,8 +248,8 @@ class DiskTier:
         _remove(os.path.join(self.dir, name))
 
 
-def _read_checked(file, size: int, crc: int) -> bytearray:
-    data = bytearray(size)
+def _read_checked(file, size: int, crc: int):
+    data = state_buffer(size)
     if file.readinto(data) != size or zlib.crc32(data) != crc:
         raise BadFile("its state fails its checksum")
     return data

@@ -50,7 +50,7 @@ from cbatch.workers.engine.kv.base import (
     TokenSlice,
     match_prefix,
 )
-from cbatch.workers.engine.kv.host_tier import MIN_RESTORE_TOKENS, HostTier
+from cbatch.workers.engine.kv.host_tier import MIN_RESTORE_TOKENS, HostTier, is_worth_saving
 
 
 @dataclass(eq=False)
@@ -251,9 +251,10 @@ class PoolCacheManager:
         holder = self._holders[seq_id]
         if keep and self.enable_prefix_cache:
             self.commit(seq_id, token_slice, num_computed)
-            num_unindexed = num_computed // BLOCK_TOKENS - holder.num_indexed
-            if self.host is not None and num_unindexed * BLOCK_TOKENS >= MIN_RESTORE_TOKENS:
-                self._save_unindexed(holder, token_slice, num_computed // BLOCK_TOKENS)
+            num_blocks = num_computed // BLOCK_TOKENS
+            if self.host is not None and is_worth_saving((num_blocks - holder.num_indexed) * BLOCK_TOKENS,
+                                                         num_blocks * BLOCK_TOKENS):
+                self._save_unindexed(holder, token_slice, num_blocks)
             kept = holder.blocks[: holder.num_indexed]
             if any(len(b.owner_ids) == 1 for b in kept):
                 self._drop_blocks(holder, holder.num_indexed)
@@ -276,16 +277,19 @@ class PoolCacheManager:
             self._spill(holder)
 
     def _spill(self, holder: Holder) -> None:
-        """A cached holder (every block indexed) is about to be evicted: save its prefix."""
-        if self.host is None or len(holder.blocks) * BLOCK_TOKENS < MIN_RESTORE_TOKENS:
+        """A cached holder (every block indexed) is about to be evicted: save its prefix,
+        unless the blocks no other holder owns are too few for a save to be worth it."""
+        num_shared = max((i for i, block in enumerate(holder.blocks, 1) if len(block.owner_ids) > 1), default=0)
+        if self.host is None or not is_worth_saving((len(holder.blocks) - num_shared) * BLOCK_TOKENS,
+                                                    len(holder.blocks) * BLOCK_TOKENS):
             return
         entry = self.host.plan_save([block.node.key for block in holder.blocks], 0)
         if entry is not None:
             self.ops.append((OP_SAVE, holder.seq_id, entry))
 
     def _save_unindexed(self, holder: Holder, token_slice: TokenSlice, num_blocks: int) -> None:
-        """A finished holder computed `num_blocks` whole blocks the index did not take a
-        restore's worth of: save them to the host tier before the rest is dropped."""
+        """A finished holder computed `num_blocks` whole blocks the index did not take enough
+        of (host_tier.is_worth_saving): save them to the host tier before the rest is dropped."""
         keys = [tuple(token_slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)) for i in range(num_blocks)]
         entry = self.host.plan_save(keys, 0)
         if entry is not None:

@@ -41,7 +41,7 @@ from cbatch.workers.engine.kv.base import (
     TokenSlice,
     match_prefix,
 )
-from cbatch.workers.engine.kv.host_tier import MIN_RESTORE_TOKENS, HostTier
+from cbatch.workers.engine.kv.host_tier import MIN_RESTORE_TOKENS, HostTier, is_worth_saving
 
 MIN_COPY_BLOCKS = 4  # a whole-stream copy is a memcpy of every layer's stream: worth it past 64 tokens
 WHOLE_STREAM = -1  # as the end of an OP_COPY: llama.cpp copies whole streams only
@@ -215,10 +215,18 @@ class StreamCacheManager:
     def _spill(self, seq_id: int, num_kept_blocks: int) -> None:
         """A free stream is about to keep only its first `num_kept_blocks` blocks: save the
         prefix it holds to the host tier first (with its checkpoint when the trim leaves
-        that position whole; see OP_SAVE), unless it loses less than a restore's worth."""
+        that position whole; see OP_SAVE), unless the device loses too little of it for a
+        save to be worth it (host_tier.is_worth_saving): what the stream keeps, or another
+        stream holds too, is not lost."""
         path = self._paths[seq_id]
-        if self.host is None or (len(path) - num_kept_blocks) * BLOCK_TOKENS < MIN_RESTORE_TOKENS:
-            return  # what the trim loses could never be worth a restore (many prompts sharing a prefix)
+        if self.host is None:
+            return
+        num_elsewhere = max((depth for depth, node in enumerate(path, 1)
+                             if any(s != seq_id and self._floors[s] <= depth * BLOCK_TOKENS for s in node.stream_ids)),
+                            default=0)
+        if not is_worth_saving((len(path) - max(num_kept_blocks, num_elsewhere)) * BLOCK_TOKENS,
+                               len(path) * BLOCK_TOKENS):
+            return
         checkpoint = self._checkpoints[seq_id]
         if not max(num_kept_blocks * BLOCK_TOKENS, self._floors[seq_id]) <= checkpoint < len(path) * BLOCK_TOKENS:
             checkpoint = 0
