@@ -207,3 +207,26 @@ def test_bench_request_path_prints_both_sides_of_every_body():
     rows = re.findall(rf"^ *([A-Za-z0-9 ,]+?) +({NUMBER}) +({NUMBER})$", out, re.M)
     assert [name for name, *_ in rows] == ["short prompt", "chat, 4 messages", "every parameter", "64 KiB prompt"], out
     assert all(float(front_us) > 0 for _, front_us, _ in rows), out
+
+
+@pytest.mark.slow
+def test_bench_conversations_prints_every_figure_and_the_restart(tiny_model_path):
+    """llama-server is left out: a checkout need not have built it."""
+    out = run_script("bench_conversations", "--model", tiny_model_path, "--conversations", "3", "--turns", "2",
+                     "--parallel", "1", "--system-tokens", "20", "--history-tokens", "60", "--answer-tokens", "4",
+                     "--configs", "cbatch,cbatch-no-tier", "--restart", "1")
+    rows = {name: line for name in ("cbatch ", "cbatch-no-tier") for line in out.splitlines()
+            if line.strip().startswith(name)}
+    for line in rows.values():
+        assert re.search(rf"wall +{NUMBER} s .*TTFT median +{NUMBER} s, p99 +{NUMBER} s .*RSS {NUMBER} MB .*"
+                         rf"callers' CPU {NUMBER} s", line), line
+    assert re.search(r"'host hits': [1-9]", rows["cbatch "]) and "'host bytes'" not in rows["cbatch-no-tier"]
+    assert re.search(rf"restart after turn 1: turn 2 TTFT median cold {NUMBER} s, from --cache-dir {NUMBER} s", out)
+
+
+@pytest.mark.slow
+def test_bench_state_moves_prints_the_steps_with_and_without_a_move(tiny_model_path):
+    out = run_script("bench_state_moves", "--model", tiny_model_path, "--streams", "2", "--slots", "1",
+                     "--conversations", "3", "--turns", "2", "--history-words", "40", "--ctx-per-seq", "512")
+    assert re.search(rf"with prompt tokens: .*a state moved \d+ steps, median {NUMBER} ms", out), out
+    assert re.search(rf"saves: \d+, median {NUMBER} ms.*restores: \d+, median {NUMBER} ms", out, re.S), out
