@@ -4,7 +4,7 @@ on the fake runner (exact outputs), sliding-window models included."""
 
 import pytest
 from common import GREEDY
-from enginekit import generate
+from enginekit import collect, generate, run_to_completion, submit
 from test_engine_cache import fake_engine
 
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_REMOVE, OP_RESTORE, OP_SAVE
@@ -210,3 +210,21 @@ def test_a_restore_llama_cpp_refuses_is_recomputed_with_the_same_output():
     reference = generate(fake_engine(unified=False, prefix_cache=False), returning)
     assert [r.text for r in results] == [r.text for r in reference]
     assert sorted(r.usage["cached_tokens"] == 0 for r in results) == [False, False, True, True]
+
+
+def test_a_preempted_batch_sequence_parks_its_state_in_the_tier_and_resumes_from_it():
+    engine = fake_engine(unified=False, num_cells=2 * 512, parallel=2)
+    batch = [{"prompt": f"batch line {i} " + "mnop"[i] * 200, "max_tokens": 30, "priority": "batch", **GREEDY}
+             for i in range(2)]
+    ids = [submit(engine, body) for body in batch]
+    results = {}
+    for _ in range(10):  # both prefilled and generating
+        collect(results, engine.step())
+    for i in range(2):  # interactive requests take both slots; the batch states go to the tier
+        submit(engine, {"prompt": f"question {i} " + "qrst"[i] * 150, "max_tokens": 5, **GREEDY})
+    run_to_completion(engine, results)
+    reference = generate(fake_engine(unified=False, num_cells=2 * 512, parallel=2), batch)
+    assert [results[i].text for i in ids] == [r.text for r in reference]
+    stats = engine.snapshot()
+    assert stats["num_preemptions"] == 2 and stats["host_cache_hits"] == 2
+    assert stats["prompt_tokens_computed"] < 2 * 212 + 2 * 162 + 2 * 2 * B  # the resumed ones recomputed little

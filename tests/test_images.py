@@ -192,3 +192,20 @@ def test_a_request_with_images_is_prepared_beside_short_text_ones_not_before_the
 
     assert is_large_prompt(worker_submit(1, {"prompt": "<__media__>?", "images": [png_bytes(4, 4)]}))
     assert not is_large_prompt(worker_submit(2, {"prompt": "?"}))
+
+
+def test_an_image_conversation_back_after_its_slot_was_taken_restores_its_state_and_only_its_image(
+        make_vision_engine):
+    """The image's pixel hash is in the host tier's key as it is in the slots'."""
+    prompt = IMAGE_PROMPT + " Then tell me about its colours and shapes," + " in detail" * 12
+    image, other_image = png_bytes(40, 24), png_bytes(40, 24, seed=5)
+    engine = make_vision_engine(parallel=1)
+    run_engine(engine, [{"prompt": prompt, "images": [image]}])
+    run_engine(engine, [{"prompt": "Something else entirely, " * 12}])  # takes the only slot: the image turn is saved
+    returning = {"prompt": prompt + " And the light?", "images": [image]}
+    assert run_engine(engine, [returning]) == run_engine(make_vision_engine(), [returning])
+    assert engine.snapshot()["host_cache_hits"] == 1
+    run_engine(engine, [{"prompt": "Something else entirely, " * 12}])  # restored itself, and saves the image turn
+    hits = engine.snapshot()["host_cache_hits"]
+    run_engine(engine, [{**returning, "images": [other_image]}])
+    assert engine.snapshot()["host_cache_hits"] == hits  # another image: nothing of the saved state matches
