@@ -52,6 +52,8 @@ def reference(prompts: list[str]) -> list[str]:
 def test_conversations_come_back_after_a_restart_from_the_directory(tmp_path):
     returning = first_turns(tmp_path, 6, has_swa=True)
     assert len(state_files(tmp_path)) == 6  # 4 saved as streams were reused, 2 saved at the stop
+    assert {path.stat().st_mode & 0o777 for path in state_files(tmp_path)} == {0o600}  # the prompts' tokens
+    assert state_files(tmp_path)[0].parent.stat().st_mode & 0o777 == 0o700
     engine = disk_engine(tmp_path, has_swa=True)
     results = generate(engine, bodies(returning))
     assert [r.text for r in results] == reference(returning)

@@ -93,6 +93,8 @@ class JobRun:
             return True
         if self.batch["status"] == FINALIZING:  # every line was answered: its window no longer matters
             return self._finish(COMPLETED)
+        if self.end_waiting():  # cancelled, or out of its window, before it started: its requests counted
+            return True
         if self.store.cancel_asked_at(batch_id) is not None:
             return self._finish(CANCELLED)
         if self.batch["status"] == VALIDATING:

@@ -40,6 +40,9 @@ HEADER_LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 << 20  # tokens of a sequence of a few million at most
 MAX_QUEUED_BYTES = 512 << 20
 SUFFIX = ".kv"
+# A state holds its conversation's tokens and what the model computed from them: the
+# daemon's user alone may read them.
+PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
 
 log = logging.getLogger("cbatch.kv")
 
@@ -56,7 +59,7 @@ class DiskTier:
     def __init__(self, root: str, fingerprint: str, max_bytes: int):
         self.fingerprint = fingerprint
         self.dir = os.path.join(root, fingerprint[:32])
-        os.makedirs(self.dir, exist_ok=True)
+        os.makedirs(self.dir, mode=PRIVATE_DIR_MODE, exist_ok=True)
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_written = self.num_removed = self.num_write_failures = self.num_skipped = 0
@@ -178,7 +181,7 @@ class DiskTier:
             "checkpoint_bytes": len(checkpoint_state), "checkpoint_crc": zlib.crc32(checkpoint_state)})
         temporary = f"{path}.{os.getpid()}.tmp"
         try:
-            with open(temporary, "wb") as file:
+            with open(temporary, "wb", opener=_private_file) as file:
                 file.write(MAGIC + HEADER_LENGTH.pack(len(header)) + header)
                 file.write(state)
                 file.write(checkpoint_state)
@@ -253,6 +256,10 @@ def _read_checked(file, size: int, crc: int):
     if file.readinto(data) != size or zlib.crc32(data) != crc:
         raise BadFile("its state fails its checksum")
     return data
+
+
+def _private_file(path: str, flags: int) -> int:
+    return os.open(path, flags, PRIVATE_FILE_MODE)
 
 
 def _remove(path: str) -> None:
