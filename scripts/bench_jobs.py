@@ -246,9 +246,15 @@ def memory(daemon: Daemon, args) -> None:
 def restart(model: str, args, state_dir: str) -> None:
     daemon = Daemon(model, args, state_dir)
     batch_id = daemon.create_job(batch_lines(args.kill_lines, args.max_tokens, "k"))
-    daemon.wait([batch_id], lambda batch: batch["request_counts"]["completed"] >= KILL_AFTER_LINES)
-    daemon.stop(signal.SIGKILL)
     log_path = Path(state_dir) / "batches" / f"{batch_id}.results.jsonl"
+    # The results log, not request_counts (written every half second), says when to kill: a fast machine
+    # finishes hundreds of lines between two writes of the counts.
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not log_path.exists() or log_path.read_bytes().count(b"\n") < KILL_AFTER_LINES:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the job finished no line")
+        time.sleep(0.005)
+    daemon.stop(signal.SIGKILL)
     num_before = log_path.read_bytes().count(b"\n")
     if num_before >= args.kill_lines:
         raise RuntimeError(f"the job had ended before the kill: give it more than {args.kill_lines} --kill-lines")

@@ -147,13 +147,13 @@ def test_bench_fair_share_prints_both_settings(tiny_model_path):
 @pytest.mark.slow
 def test_bench_jobs_prints_every_figure(tiny_model_path):
     out = run_script("bench_jobs", "--model", tiny_model_path, "--parallel", "2", "--lines", "10", "--max-tokens", "4",
-                     "--ttft-probes", "6", "--ttft-callers", "2", "--rss-lines", "30", "--kill-lines", "300")
+                     "--ttft-probes", "6", "--ttft-callers", "2", "--rss-lines", "30", "--kill-lines", "600")
     assert re.search(rf"job / submit {NUMBER}x; caller CPU per line: cbatch-submit {NUMBER} ms, job runner {NUMBER} ms",
                      out), out
     assert re.search(rf"from 2 callers: idle p50 {NUMBER} ms.*; beside a running job p50 {NUMBER} ms.*"
                      rf"\(the job was \w+, \d+ lines done\); p99 beside / idle {NUMBER}x", out), out
     assert re.search(rf"memory, 30 lines of 1 token in 1 jobs: 30 completed .* {NUMBER} MB above idle", out), out
-    assert re.search(rf"the first new line {NUMBER} s after the start .* the job then completed with 300 lines",
+    assert re.search(rf"the first new line {NUMBER} s after the start .* the job then completed with 600 lines",
                      out), out
 
 
