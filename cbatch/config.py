@@ -38,6 +38,10 @@ class EngineConfig:
     # An interactive request that finds every slot taken preempts a running batch sequence
     # (workers/engine/preemption.py) rather than wait for one to end.
     preempt_batch: bool = True
+    # A request paused this long in all for its slow client (seconds since its admission)
+    # gives its slot to waiting requests, its KV kept, and resumes once its client catches
+    # up (workers/engine/scheduler.py).
+    park_after_s: float = 30.0
     # Admission within a priority shares the steps among tenants by weight
     # (workers/engine/fair_share.py); off, it is in arrival order, whoever sends more.
     fair_share: bool = True
@@ -96,6 +100,7 @@ class EngineConfig:
         )
         check(self.threads >= 0, f"--threads must be >= 0, got {self.threads}")
         check(self.n_gpu_layers >= -1, f"--n-gpu-layers must be >= -1, got {self.n_gpu_layers}")
+        check(self.park_after_s > 0, f"--park-after must be > 0 (seconds), got {self.park_after_s:g}")
         check(self.cache_tokens >= 0, f"--cache-tokens must be >= 0, got {self.cache_tokens}")
         check(self.cache_ram_mib >= -1, f"--cache-ram must be >= 0 (MiB), got {self.cache_ram_mib}")
         check(not self.cache_dir or self.cache_ram_mib != 0,

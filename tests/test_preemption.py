@@ -150,9 +150,16 @@ def test_interactive_prompt_chunks_take_the_step_first_and_batch_ones_a_quarter_
     assert [(s.seq, s.num_tokens) for s in sched.schedule()] == [(batch, 64)]  # alone: the whole step
     interactive = make_seq(1, 40, False)
     sched.add(interactive)
-    spans = {span.seq: span.num_tokens for span in sched.schedule()}
+    step = sched.schedule()
+    spans = {span.seq: span.num_tokens for span in step}
     # Admitted after the batch prompt, it is served first; the batch chunk gets a quarter.
     assert spans == {interactive: 40, batch: 64 // 4}
+    for span in step:
+        sched.on_computed(span)
+    interactive.output_ids.append(7)  # it sampled its first token; its slow client then pauses it
+    sched.set_paused(interactive, True)
+    spans = {span.seq: span.num_tokens for span in sched.schedule()}
+    assert spans == {batch: 64}  # a paused request waits on no step: the batch chunk gets the whole step
 
 
 def test_out_of_cells_a_batch_sequence_is_preempted_before_a_newer_interactive_one():

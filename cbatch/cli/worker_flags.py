@@ -49,6 +49,10 @@ def make_parser() -> argparse.ArgumentParser:
     switch("--prefix-cache", "reuse the KV of cached prompt prefixes (default on)")
     switch("--preempt-batch", "an interactive request that finds every slot taken preempts a running "
                               "batch-priority one, which resumes later with the same output (default on)")
+    add("--park-after", type=float, default=ENGINE.park_after_s, metavar="S",
+        help="a request paused this long in all for a client that reads slower than it generates gives its slot "
+             "to waiting requests, its KV kept, and resumes once the client catches up (default "
+             f"{ENGINE.park_after_s:g})")
     switch("--fair-share", "within a priority, admit requests to free slots by their tenants' (API key names) "
                            "tokens served per weight; off, requests are admitted in arrival order, however many a "
                            "tenant sends (default on)")
@@ -157,7 +161,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                           n_gpu_layers=ENGINE.n_gpu_layers if args.n_gpu_layers is None else args.n_gpu_layers,
                           max_queue=args.max_queue, max_batch_queue=args.max_batch_queue,
                           kv_unified=args.kv_unified, prefix_cache=args.prefix_cache, preempt_batch=args.preempt_batch,
-                          fair_share=args.fair_share,
+                          fair_share=args.fair_share, park_after_s=args.park_after,
                           cache_tokens=args.cache_tokens, cache_ram_mib=args.cache_ram,
                           cache_dir=os.path.abspath(args.cache_dir) if args.cache_dir else "",
                           cache_dir_max_gb=args.cache_dir_max_gb, keep_billing_header=args.keep_billing_header,

@@ -61,7 +61,7 @@ class Engine:
             kv = StreamCacheManager(self.runner.num_seq_ids, self.runner.ctx_per_seq, self.runner.has_prefix_cache,
                                     self.host_tier)
         self.scheduler = Scheduler(kv, config.parallel, config.batch_size, *config.max_queues, config.preempt_batch,
-                                   config.fair_share)
+                                   config.fair_share, config.park_after_s)
         self.stats = EngineStats()
         self.reasoning = model_reasoning(config, self.runner)  # the tags it thinks in, or None
         self._seqs: dict[int, Sequence] = {}
@@ -139,10 +139,11 @@ class Engine:
 
     def pause(self, request_id: int, is_paused: bool) -> None:
         """Back-pressure from a slow client: a paused request leaves the steps, keeping its
-        slot and its KV, until it is told to go on (scheduler.py). Unknown ids are ignored."""
+        slot and its KV until requests wait for it past the parking bound, until it is told
+        to go on (scheduler.py). Unknown ids are ignored."""
         seq = self._seqs.get(request_id)
         if seq is not None:
-            seq.is_paused = is_paused
+            self.scheduler.set_paused(seq, is_paused)
 
     def step(self) -> list[TokenEvent]:
         """One step's events; with overlap the next batch decodes while they are published."""
@@ -315,7 +316,8 @@ class Engine:
         tiers = self.host_tier.snapshot() if self.host_tier is not None else {}
         return {**engine_snapshot(self.stats, self.scheduler), **tiers, "constrained_tokens": num_checked,
                 "constraint_misses": num_missed, "num_images_encoded": vision.num_encoded if vision else 0,
-                "num_paused": sum(seq.is_paused for seq in self.scheduler.running)}
+                "num_paused": sum(seq.is_paused for seq in self.scheduler.running),
+                "num_parked": len(self.scheduler.parked), "num_parks": self.scheduler.num_parks}
 
     def close(self) -> None:
         if self._in_flight is not None:

@@ -28,10 +28,22 @@ Policy:
 - an interactive request that finds too few free slots takes running batch sequences'
   (preemption.py, unless `preempt_batch` is off): they go back the same way, their KV kept
   in the prefix cache so that resuming costs little;
+- a sequence paused for its slow client (set_paused) keeps its slot while nobody waits for
+  one; once it has been paused `park_after_s` in all since its admission (a reader that
+  takes a little now and then adds up as one that stopped) and requests wait, it is parked:
+  it leaves the running set, its KV kept in the prefix cache like a preempted batch
+  sequence's, and is requeued behind the other resumed ones of its priority when its client
+  catches up. A stalled reader thus costs the others at most one bound of waiting;
 - a request past its deadline ends: one still queued leaves the queue in the same one
-  pass as cancels (drop_waiting), however many expire at once.
+  pass as cancels (drop_waiting), however many expire at once;
+- nothing to do is nothing done: while every running sequence is paused and the queue waits
+  for their slots, has_work is False until a command changes that or the next parking or
+  deadline is due (the loop then sleeps instead of stepping empty batches).
 No model here: it is tested on its own.
 """
+
+import math
+import time
 
 from cbatch.workers.engine.forks import (
     PendingForks,
@@ -54,7 +66,8 @@ MAX_EXPIRIES_PER_PASS = 128
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_running: int, max_batch_tokens: int, max_queue: int,
-                 max_batch_queue: int, preempt_batch: bool = True, fair_share: bool = True):
+                 max_batch_queue: int, preempt_batch: bool = True, fair_share: bool = True,
+                 park_after_s: float = 30.0, clock=time.monotonic):
         if max_batch_tokens < max_running:
             raise ValueError("max_batch_tokens must cover one token per running sequence")
         self.kv = kv
@@ -70,18 +83,38 @@ class Scheduler:
         self.is_last_row_kept = True
         self.preempt_batch = preempt_batch  # batch sequences give their slots to interactive requests
         self.num_preemptions = 0  # running sequences sent back to the queue, for any reason
+        self.park_after_s = park_after_s
+        self.parked: list[Sequence] = []  # paused, holding no slot: see set_paused
+        self.num_parks = 0  # sequences parked since start
+        self.clock = clock
+        # While the queue can only wait (no free slot, every running sequence paused): when
+        # the next parking or deadline is due. 0.0 once anything changes.
+        self._idle_until_s = 0.0
 
     @property
     def has_work(self) -> bool:
-        """Something a step can do: paused sequences alone have nothing to do (the loop then
-        waits for a command, such as the one that lets them go on)."""
-        return bool(self.waiting or len(self.forks) or self.row_forks
-                    or any(not seq.is_paused for seq in self.running))
+        """Something a step can do: paused sequences alone have nothing to do, nor has a
+        queue waiting for their slots before one of them may be parked (the loop then waits
+        for a command, such as the one that lets them go on, or for that time)."""
+        if len(self.forks) or self.row_forks or any(not seq.is_paused for seq in self.running):
+            return True
+        return bool(self.waiting) and self.clock() >= self._idle_until_s
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; QUEUE_FULL (nothing changes) when its priority's room is full."""
         self.waiting.add(seq)
         self.deadlines.add(seq)
+        self._idle_until_s = 0.0
+
+    def set_paused(self, seq: Sequence, is_paused: bool) -> None:
+        """Its client fell behind (it decodes no more) or caught up; a parked one then goes
+        back to the queue, behind the resumed sequences of its priority."""
+        seq.set_paused(is_paused, self.clock())
+        if not is_paused and seq.status is SeqStatus.PARKED:
+            self.parked.remove(seq)
+            seq.status = SeqStatus.WAITING
+            self.waiting.push_resumed(seq)
+            self._idle_until_s = 0.0
 
     def take_expired(self, now_s: float) -> tuple[list[Sequence], list[Sequence]]:
         """The sequences whose deadline has passed by now_s, at most MAX_EXPIRIES_PER_PASS
@@ -93,6 +126,9 @@ class Scheduler:
         return queued, [seq for seq in due if seq.status is not SeqStatus.FINISHED]
 
     def schedule(self) -> list[BatchSpan]:
+        now_s = self.clock()
+        if self.waiting:
+            self._park_stalled(now_s)
         self._admit()
         running, i = self.running, 0
         while i < len(running):
@@ -110,7 +146,31 @@ class Scheduler:
         if len(spans) < len(running):
             spans += prefill_spans(running, self.max_batch_tokens - len(spans), self.max_batch_tokens)
         spans.sort(key=span_order)  # in seq id order: llama.cpp's micro-batches (step_batch.py)
+        if not spans and self.waiting:
+            self._idle_until_s = self._next_change_s(now_s)
         return spans
+
+    def _park_stalled(self, now_s: float) -> None:
+        """Paused sequences past the parking bound give their slots to the waiting requests,
+        the longest paused first, as many as those need."""
+        num_free = self.max_running - len(self.running) - len(self.forks) - len(self.row_forks)
+        num_wanted = len(self.waiting) - num_free
+        stalled = [seq for seq in self.running if seq.is_paused and seq.paused_for_s(now_s) >= self.park_after_s]
+        stalled.sort(key=lambda seq: -seq.paused_for_s(now_s))
+        for seq in stalled[:max(0, num_wanted)]:
+            self._vacate(seq, keep_cached=True)
+            self._park(seq)
+
+    def _park(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.PARKED
+        self.parked.append(seq)
+        self.num_parks += 1
+
+    def _next_change_s(self, now_s: float) -> float:
+        """When a queue that can only wait may move: the first paused sequence's parking, or
+        the first deadline (which may end a sequence or free its slot)."""
+        parkings = (now_s + self.park_after_s - seq.paused_for_s(now_s) for seq in self.running if seq.is_paused)
+        return min(min(parkings, default=math.inf), self.deadlines.next_s)
 
     def row_sharers(self, seq: Sequence) -> list[Sequence]:
         """The forks that sample their first token from `seq`'s logits row of the step that
@@ -191,6 +251,8 @@ class Scheduler:
             seq.seq_id = None
         elif seq.status is SeqStatus.FINISHED:
             return  # already dropped from the queue (drop_waiting)
+        elif seq.status is SeqStatus.PARKED:
+            self.parked.remove(seq)  # it holds no KV
         else:
             self.running.remove(seq)
             self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached, seq.num_prompt_tokens)
@@ -216,6 +278,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         self.waiting.on_ended(seq)
         self.deadlines.discard(seq)
+        self._idle_until_s = 0.0
 
     def preempt_for_cells(self) -> Sequence:
         """Send the lowest-priority running sequence, the most recently admitted among equals,
@@ -231,12 +294,17 @@ class Scheduler:
     def preempt(self, seq: Sequence, keep_cached: bool) -> None:
         """A running sequence back to the head of its priority's queue, keeping its output
         and sampler; with `keep_cached` its computed prefix stays in the prefix cache."""
-        self.running.remove(seq)
-        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached, seq.num_prompt_tokens)
-        seq.seq_id, seq.num_cached, seq.status, seq.is_resumed = None, 0, SeqStatus.WAITING, True
-        self._requeue_forks(seq)
+        self._vacate(seq, keep_cached)
+        seq.status = SeqStatus.WAITING
         self.waiting.push_front(seq)
         self.num_preemptions += 1
+
+    def _vacate(self, seq: Sequence, keep_cached: bool) -> None:
+        """A running sequence leaves its slot, keeping its output and sampler."""
+        self.running.remove(seq)
+        self.kv.release(seq.seq_id, seq.token_slice, seq.num_cached, keep_cached, seq.num_prompt_tokens)
+        seq.seq_id, seq.num_cached, seq.is_resumed = None, 0, True
+        self._requeue_forks(seq)
 
     def _requeue_forks(self, parent: Sequence) -> None:
         """The parent ended or was preempted before its prompt was computed: its forks go
@@ -272,6 +340,9 @@ class Scheduler:
             if num_taken >= self.max_running:
                 break
             seq = self.waiting.popleft()
+            if seq.is_paused:  # preempted while paused: it would hold a slot doing nothing
+                self._park(seq)
+                continue
             parent = find_parent(seq, self.running) if self.kv.enable_prefix_cache else None
             if parent is None and is_prefilled_elsewhere(seq, self.running, self.kv):
                 passed_over.append(seq)
@@ -283,7 +354,7 @@ class Scheduler:
             seq.seq_id, seq.num_cached = placed
             if not seq.is_resumed:
                 seq.num_prompt_cached = min(seq.num_cached, seq.num_prompt_tokens)
-            seq.is_resumed = False
+            seq.is_resumed, seq.num_paused_s = False, 0.0  # a new bound of pausing for each admission
             self.waiting.share.on_admitted(seq)
             if parent is None:
                 seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING

@@ -21,6 +21,9 @@ class SeqStatus(enum.Enum):
     FORKING -> DECODING (the parent's prompt is computed and copied)
     PREFILLING / DECODING -> WAITING (preempted: recomputed on re-admission)
     FORKING -> WAITING (its parent ended or was preempted first)
+    PREFILLING / DECODING / WAITING -> PARKED (paused for its slow client while others wait:
+               it holds no slot, its KV kept in the prefix cache)
+    PARKED -> WAITING (its client caught up)
     any -> FINISHED
     """
 
@@ -28,6 +31,7 @@ class SeqStatus(enum.Enum):
     PREFILLING = "prefilling"
     FORKING = "forking"
     DECODING = "decoding"
+    PARKED = "parked"
     FINISHED = "finished"
 
 
@@ -62,12 +66,30 @@ class Sequence:
     tenant_weight: float = 1.0
     is_charged: bool = False  # its prompt was charged to its tenant (at its first admission)
     is_resumed: bool = False  # preempted or requeued, waiting to be admitted again (waiting_queue.py)
-    is_paused: bool = False  # its client reads slower than it generates: it decodes no more until told (engine.pause)
+    # Its client reads slower than it generates: it decodes no more until told (engine.pause).
+    paused_since_s: float | None = None  # when its current pause began (monotonic), None while not paused
+    num_paused_s: float = 0.0  # its ended pauses since its last admission, in seconds
     images: tuple = ()  # the prompt's vision.ImageSpans, in position order
 
     def __post_init__(self):
         if self.text is None:
             self.text = TextStream(self.params.stop)
+
+    @property
+    def is_paused(self) -> bool:
+        return self.paused_since_s is not None
+
+    def set_paused(self, is_paused: bool, now_s: float) -> None:
+        if is_paused and self.paused_since_s is None:
+            self.paused_since_s = now_s
+        elif not is_paused and self.paused_since_s is not None:
+            self.num_paused_s += now_s - self.paused_since_s
+            self.paused_since_s = None
+
+    def paused_for_s(self, now_s: float) -> float:
+        """Seconds paused since its last admission, the pause under way included: a reader
+        that takes a little now and then adds up as one that stopped."""
+        return self.num_paused_s + (now_s - self.paused_since_s if self.paused_since_s is not None else 0.0)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -44,9 +44,9 @@ def prefill_spans(running: list[Sequence], budget: int, max_step_tokens: int) ->
     that admits it instead of after a long cold prompt's chunk, which loses only those few
     tokens of its step. Beside interactive work the batch chunks take at most
     1/BATCH_PREFILL_DIVISOR of a step of `max_step_tokens`, so that the steps an interactive
-    request waits on for its first token stay short."""
+    request waits on for its first token stay short (a paused one waits on none)."""
     prefilling = sorted((seq for seq in running if seq.status is SeqStatus.PREFILLING), key=_chunk_order)
-    is_batch_only = all(seq.is_batch for seq in running)
+    is_batch_only = all(seq.is_batch or seq.is_paused for seq in running)  # a paused one waits on no step
     max_batch_tokens = budget if is_batch_only else max(1, max_step_tokens // BATCH_PREFILL_DIVISOR)
     spans = []
     for seq in prefilling:

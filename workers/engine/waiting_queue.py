@@ -99,6 +99,11 @@ class WaitingQueue:
         else:
             self._queues[seq.is_batch].appendleft(seq)
 
+    def push_resumed(self, seq: Sequence) -> None:
+        """To the tail of its priority's resume queue: a parked sequence whose client caught
+        up goes before new requests but after those preempted before it came back."""
+        self._resumed[seq.is_batch].append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """One sequence out of the queue (a search of its FIFO: for one at a time only)."""
         resumed = self._resumed[seq.is_batch]
@@ -150,6 +155,11 @@ class DeadlineHeap:
         if len(self._heap) > 2 * len(self._live) + MIN_STALE_DEADLINES:
             self._heap = [entry for entry in self._heap if self._is_live(entry)]
             heapq.heapify(self._heap)
+
+    @property
+    def next_s(self) -> float:
+        """The soonest deadline, or one that has ended since (inf: none)."""
+        return self._heap[0][0] if self._heap else math.inf
 
     def take_due(self, now_s: float, max_count: int) -> list[Sequence]:
         """The live sequences whose deadline is at or before now_s, soonest first and at
