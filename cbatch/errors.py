@@ -20,6 +20,7 @@ UNAUTHORIZED = "unauthorized"  # HTTP without the API key
 FORBIDDEN = "forbidden"  # HTTP: a valid API key that may not use this path (/metrics without metrics=1)
 DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's timeout passed while it was queued
 MODEL_EMBEDS_ONLY = "model_embeds_only"  # a generation request to an embedding-only model (BERT and kin)
+TOO_LARGE = "too_large"  # HTTP: a request body past the server's bound (413)
 RATE_LIMITED = "rate_limited"  # the API key's tenant is past one of its limits; `retry_after_s` says when to retry
 # A request a draining daemon ended before it finished: not an answer, the same request sent again succeeds.
 SHUTDOWN_MESSAGE = "the daemon shut down before the request finished; send it again"

@@ -23,6 +23,7 @@ from cbatch.http_api.auth import (
     check_choices_fit,
 )
 from cbatch.http_api.batches_api import batch_routes
+from cbatch.http_api.body_limit import DEFAULT_MAX_BODY_BYTES, BoundedBodies
 from cbatch.http_api.embeddings import embeddings_endpoint
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.hangup import wait_disconnect
@@ -157,8 +158,10 @@ async def _metrics(state: HttpState, request: Request) -> Response:
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStore | None = None) -> Starlette:
-    """`store`: the daemon's files and batch jobs (/v1/files, /v1/batches); None serves neither."""
+def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStore | None = None,
+             max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """`store`: the daemon's files and batch jobs (/v1/files, /v1/batches); None serves neither.
+    A body past `max_body_bytes` is refused (body_limit.py)."""
     def bind(handler, *args):
         async def endpoint(request: Request) -> Response:
             return await handler(state, request, *args)
@@ -174,7 +177,8 @@ def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStor
                                          "/v1/models, /v1/files, /v1/batches, /v1/loads, /health, /metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
-    middleware = [Middleware(AccessLog)] + ([Middleware(RequireApiKey, api_keys=api_keys)] if api_keys else [])
+    middleware = [Middleware(AccessLog), *([Middleware(RequireApiKey, api_keys=api_keys)] if api_keys else []),
+                  Middleware(BoundedBodies, max_bytes=max_body_bytes)]  # after the key check: no reading for strangers
     return Starlette(middleware=middleware, exception_handlers={404: no_route, 405: no_route}, routes=[
         Route("/v1/completions", bind(_generate, COMPLETION), methods=["POST"]),
         Route("/v1/chat/completions", bind(_generate, CHAT), methods=["POST"]),

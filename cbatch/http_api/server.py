@@ -18,6 +18,7 @@ import uvicorn
 
 from cbatch.http_api.app import make_app
 from cbatch.http_api.auth import API_KEY_ENV, API_KEYS_FILE_ENV, ApiKeys
+from cbatch.http_api.body_limit import DEFAULT_MAX_BODY_BYTES
 from cbatch.http_api.connection import choose_event_loop, timed_protocol
 from cbatch.http_api.state import HttpState
 from cbatch.jobs.batches import BatchStore
@@ -80,6 +81,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model-id", action="append", required=True, dest="model_names",
                         help="a name the model is served under, the first the default (repeatable)")
     parser.add_argument("--state-dir", help="the daemon's files and batch jobs (cbatch.jobs)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="the largest request body read (body_limit.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     state = HttpState(args.endpoint, args.model_names)
@@ -89,8 +92,9 @@ def main(argv=None) -> None:
     if api_keys is not None:  # the daemon forwards its SIGHUP: read the keys file again
         signal.signal(signal.SIGHUP, lambda signum, frame: api_keys.reload())
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # started blocked: one sent meanwhile comes now
-    config = uvicorn.Config(make_app(state, api_keys, store), http=timed_protocol(), log_level="warning",
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    app = make_app(state, api_keys, store, args.max_body_bytes)
+    config = uvicorn.Config(app, http=timed_protocol(), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=5)
     server = DrainingServer(config, state)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which drains us with SIGTERM
     choose_event_loop()

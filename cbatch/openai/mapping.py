@@ -23,6 +23,7 @@ from cbatch.errors import (
     QUEUE_FULL,
     RATE_LIMITED,
     SHUTTING_DOWN,
+    TOO_LARGE,
     UNAUTHORIZED,
     UNAVAILABLE,
     WORKER_RESTARTED,
@@ -48,6 +49,7 @@ ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object
 _STATUS = {code: status for codes, status in (
     ((INVALID_REQUEST, PROMPT_TOO_LONG, MODEL_EMBEDS_ONLY), (400, "invalid_request_error")),
     ((NOT_FOUND,), (404, "invalid_request_error")),
+    ((TOO_LARGE,), (413, "invalid_request_error")),
     ((DEADLINE_EXCEEDED,), (408, "timeout_error")),
     ((UNAUTHORIZED,), (401, "authentication_error")),
     ((FORBIDDEN,), (403, "permission_error")),

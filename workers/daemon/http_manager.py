@@ -51,7 +51,8 @@ class HttpServers:
     runner that runs the batches they take (both read and write `state_dir`)."""
 
     def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int,
-                 state_dir: str, api_key: str = "", api_keys_file: str = "", batch_retention_s: float = 0.0):
+                 state_dir: str, max_body_bytes: int, api_key: str = "", api_keys_file: str = "",
+                 batch_retention_s: float = 0.0):
         self.sock = sock
         env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
         if api_keys_file:  # each server reads the file itself, and again on SIGHUP (reload)
@@ -64,7 +65,8 @@ class HttpServers:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             os.makedirs(self.metrics_dir, mode=0o700)
             env = {**(env or os.environ), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
-        self.processes = [HttpProcess(sock, endpoint, model_names, i, env, state_dir) for i in range(num_processes)]
+        self.processes = [HttpProcess(sock, endpoint, model_names, i, env, state_dir, max_body_bytes)
+                          for i in range(num_processes)]
         self.job_runner = JobRunnerProcess(endpoint, state_dir, batch_retention_s)
 
     def start(self) -> None:
@@ -106,10 +108,10 @@ class HttpProcess(ChildProcess):
     """One server process on the daemon's listening socket (which it does not own)."""
 
     def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], number: int, env: dict | None,
-                 state_dir: str):
+                 state_dir: str, max_body_bytes: int):
         super().__init__(log, env)
         self.sock, self.endpoint, self.model_names, self.number = sock, endpoint, model_names, number
-        self.state_dir = state_dir
+        self.state_dir, self.max_body_bytes = state_dir, max_body_bytes
         self.host, self.port = sock.getsockname()[:2]
         self.title = f"cbatch http: server {number}"
 
@@ -117,7 +119,7 @@ class HttpProcess(ChildProcess):
         self.pass_fds = (self.sock.fileno(),)
         names = [arg for name in self.model_names for arg in ("--model-id", name)]
         return module_argv("cbatch.http_api.server", "--endpoint", self.endpoint, "--fd", str(self.sock.fileno()),
-                           "--state-dir", self.state_dir, *names)
+                           "--state-dir", self.state_dir, "--max-body-bytes", str(self.max_body_bytes), *names)
 
     def start(self) -> None:
         super().start()

@@ -28,6 +28,7 @@ from cbatch.errors import (
     WORKER_RESTARTED,
     CbatchError,
 )
+from cbatch.http_api.body_limit import max_body_bytes
 from cbatch.ipc.ring import SHM_DIR, RingError, create_ring
 from cbatch.ipc.worker_messages import WorkerStop
 from cbatch.model import resolve_model_path, served_model_names
@@ -73,6 +74,7 @@ class Supervisor:
         if http_socket is not None:
             model_names = served_model_names(config.engine.model_path, config.aliases)
             self.http = HttpServers(http_socket, config.endpoint, model_names, config.http_processes, config.state_dir,
+                                    max_body_bytes(config.engine.max_images, config.engine.max_image_bytes),
                                     config.api_key, config.api_keys_file, config.batch_retention_s)
         self._tag = tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
