@@ -6,7 +6,7 @@ import concurrent.futures
 import httpx
 import pytest
 from daemonkit import serve_module
-from imagekit import image_part, png_bytes
+from imagekit import image_part, png_bomb, png_bytes
 
 MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS = 20_000, 10_000
 GREEDY = {"temperature": 0, "max_tokens": 8}
@@ -81,7 +81,8 @@ def test_an_image_url_that_is_not_inline_base64_is_a_400(daemon, image_url, name
     ([png_bytes(200, 100)], "--max-image-pixels"),
     ([b"GIF89a\x10\x00\x10\x00" + bytes(32)], "could not be decoded"),
     ([b"RIFF....WEBPVP8 "], "is not a PNG, JPEG, GIF or BMP"),
-], ids=["too-many", "too-large", "too-many-pixels", "broken", "not-an-image"])
+    ([png_bomb(1, 1, 16 << 20)], "inflates to more than the 1x1 pixels"),
+], ids=["too-many", "too-large", "too-many-pixels", "broken", "not-an-image", "zlib-bomb"])
 def test_a_bad_image_is_a_400_naming_why_and_changes_nothing(daemon, images, named):
     before = answer(daemon, question(png_bytes(40, 24)))
     response = chat(daemon, question(*images))

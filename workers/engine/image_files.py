@@ -3,9 +3,17 @@
 The size an image decodes to is read from its header, so an image file of a few kilobytes
 that would decode to gigabytes of pixels (a decompression bomb) is refused unread. Only the
 formats llama.cpp's image reader (stb_image) decodes and this header reader knows are taken.
+
+A PNG's pixel data is one zlib stream, which stb_image inflates whole into a buffer it grows
+as it goes, whatever the header says: a 1x1 PNG whose stream inflates to gigabytes would
+take them. So a PNG's stream is inflated here first, in bounded pieces that are counted and
+dropped, and refused past the size its header makes it (height rows of a filter byte and
+the row's bytes, per Adam7 pass when interlaced). GIF, BMP and JPEG decode into buffers
+their headers size.
 """
 
 import struct
+import zlib
 
 from cbatch.config import EngineConfig
 from cbatch.errors import INVALID_REQUEST, CbatchError
@@ -52,6 +60,52 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+# A PNG colour type's channels: grey, RGB, palette index, grey + alpha, RGBA.
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+# Adam7's passes: (first column, first row, column step, row step).
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+INFLATE_PIECE_BYTES = 1 << 20  # the most inflated at once while a PNG's stream is counted
+
+
+def png_raw_bytes(data: bytes) -> int | None:
+    """The bytes a PNG's pixel stream inflates to by its header; None for a header stb_image
+    would refuse anyway (an unknown colour type)."""
+    try:
+        width, height, bit_depth, colour_type, _, _, interlace = struct.unpack(">IIBBBBB", data[16:29])
+    except struct.error:  # cut short
+        return None
+    channels = _PNG_CHANNELS.get(colour_type)
+    if channels is None:
+        return None
+
+    def rows(num_columns: int, num_rows: int) -> int:
+        return num_rows * (1 + (num_columns * channels * bit_depth + 7) // 8) if num_columns else 0
+
+    if not interlace:
+        return rows(width, height)
+    return sum(rows((width - x0 + dx - 1) // dx, (height - y0 + dy - 1) // dy) for x0, y0, dx, dy in _ADAM7)
+
+
+def png_inflates_within(data: bytes, max_bytes: int) -> bool:
+    """Whether the PNG's IDAT stream inflates to at most max_bytes (False for a stream zlib
+    refuses), holding at most INFLATE_PIECE_BYTES of it at once."""
+    inflater, num_bytes, at = zlib.decompressobj(), 0, 8
+    try:
+        while at + 8 <= len(data):
+            length, kind = struct.unpack(">I4s", data[at:at + 8])
+            if kind == b"IDAT":
+                piece = data[at + 8:at + 8 + length]
+                while piece and not inflater.eof:
+                    num_bytes += len(inflater.decompress(piece, INFLATE_PIECE_BYTES))
+                    if num_bytes > max_bytes:
+                        return False
+                    piece = inflater.unconsumed_tail
+            at += 12 + length
+    except zlib.error:
+        return False
+    return True
+
+
 def check_image_files(images: tuple[bytes, ...], config: EngineConfig) -> None:
     """Raises INVALID_REQUEST naming the image and the bound (the flag that sets it) it passes."""
     if len(images) > config.max_images:
@@ -68,3 +122,8 @@ def check_image_files(images: tuple[bytes, ...], config: EngineConfig) -> None:
         if width * height > config.max_image_pixels:
             raise CbatchError(INVALID_REQUEST, f"images[{i}] is {width}x{height} pixels; this server takes at most "
                                                f"{config.max_image_pixels} pixels per image (--max-image-pixels)")
+        if data.startswith(b"\x89PNG"):
+            raw_bytes = png_raw_bytes(data)
+            if raw_bytes is None or not png_inflates_within(data, raw_bytes):
+                raise CbatchError(INVALID_REQUEST, f"images[{i}]: its PNG pixel data inflates to more than the "
+                                                   f"{width}x{height} pixels its header says, or is corrupt")
