@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from common import without_cached
@@ -243,6 +244,33 @@ def test_cbatch_submit_detaches_a_file_and_waits_for_its_job(daemon, api, tmp_pa
     out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [o["custom_id"] for o in out] == ["r0", "r1", "r2", "bad"]  # the output file's lines, then the errors'
     assert out[3]["response"]["status_code"] == 400
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/v1/files/file-{long}"), ("GET", "/v1/files/file-{long}/content"), ("DELETE", "/v1/files/file-{long}"),
+    ("GET", "/v1/batches/batch_{long}"), ("POST", "/v1/batches/batch_{long}/cancel"),
+])
+def test_an_id_too_long_for_a_file_name_is_unknown(daemon, method, path):
+    answer = httpx.request(method, daemon.base_url + path.format(long="a" * 10_000), timeout=60)
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found", answer.text
+
+
+def test_a_jobs_line_runs_at_batch_priority_whatever_its_body_asks(daemon, api):
+    body = {"prompt": "I ask to go first", "priority": "interactive", "max_tokens": 4000, "ignore_eos": True,
+            "temperature": 0}
+    batch = api.batches.create(input_file_id=_upload(api, [_line("pushy", body)]), endpoint="/v1/completions",
+                               completion_window="24h")
+    seen = []
+
+    def slots() -> list[dict]:
+        with daemon.client() as client:
+            seen[:] = client.stats()["slots"]
+        return seen
+
+    wait_until(slots, JOB_TIMEOUT_S, poll_s=0.02)
+    assert [slot["priority"] for slot in seen] == ["batch"]
+    api.batches.cancel(batch.id)
+    assert _wait_final(api, batch.id).status == "cancelled"
 
 
 def test_a_waiting_job_ends_when_its_window_does_or_it_is_cancelled_while_another_runs(daemon, api):

@@ -61,10 +61,12 @@ class OpenAILine:
     `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings,
     held through transient failures: one it raises means the run must stop); `reasoning` is
     the model's thinking tags, as the HTTP server splits answers by them; `forwards_tools`:
-    the line goes to another OpenAI server, which takes its tools itself."""
+    the line goes to another OpenAI server, which takes its tools itself; `priority`: the
+    priority every line runs at whatever its body says (a job's), None = `batch` unless the
+    body says otherwise (a file the caller runs itself)."""
 
     def __init__(self, number: int, item, model_names: list[str], embed=None, chat_template=None, reasoning=None,
-                 forwards_tools: bool = False):
+                 forwards_tools: bool = False, priority: str | None = None):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
         self.whole: WholeResponse | WholeResponseEvents | None = None
@@ -88,8 +90,11 @@ class OpenAILine:
                 response = embedding_response(embedding_request, result.data, result.prompt_tokens)
                 self._succeed(uuid.uuid4().hex, response)
                 return
-            # A batch file's lines yield to interactive requests unless a body says otherwise.
+            # A batch file's lines yield to interactive requests unless a body says otherwise;
+            # a job's, whoever sent it, always do.
             body = {"priority": BATCH, **item["body"], "stream": False}
+            if priority is not None:
+                body["priority"] = priority
             if kind == RESPONSES:  # a chat request, answered in the Responses API's shapes
                 request = parse_responses_request(body, model_names, reasoning, chat_template=chat_template)
                 self.bodies = request.bodies

@@ -15,7 +15,7 @@ import time
 import uuid
 
 from cbatch.errors import INVALID_REQUEST, NOT_FOUND, CbatchError
-from cbatch.jobs.files import BATCH, OWNER, FileStore, is_visible, public
+from cbatch.jobs.files import BATCH, MAX_ID_CHARS, OWNER, FileStore, is_visible, public
 from cbatch.jobs.progress import initial_progress
 from cbatch.jobs.state_dir import STATE_DIR_MODE, fsync_dir, read_json, write_json
 
@@ -86,7 +86,7 @@ class BatchStore:
 
     def stored(self, batch_id: str) -> dict | None:
         """The job as last written, or None."""
-        is_id = batch_id.startswith("batch_") and batch_id[6:].isalnum()
+        is_id = batch_id.startswith("batch_") and batch_id[6:].isalnum() and len(batch_id) <= MAX_ID_CHARS
         return read_json(self._path(batch_id, ".json")) if is_id else None
 
     def cancel_asked_at(self, batch_id: str) -> int | None:

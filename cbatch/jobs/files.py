@@ -20,6 +20,9 @@ PURPOSES = (BATCH,)  # what an upload may be for
 COPY_CHUNK_BYTES = 1 << 20
 
 
+MAX_ID_CHARS = 64  # longer than any id the stores make (file-<24 hex>, batch_<32 hex>): such an id is unknown
+
+
 def new_file_id() -> str:
     return f"file-{uuid.uuid4().hex[:24]}"
 
@@ -136,5 +139,6 @@ class FileStore:
 
 
 def _is_file_id(file_id: str) -> bool:
-    """An id this store could have made: never a path that leads elsewhere."""
-    return file_id.startswith("file-") and file_id[5:].isalnum()
+    """An id this store could have made: never a path that leads elsewhere, nor a name too
+    long for the file system."""
+    return file_id.startswith("file-") and file_id[5:].isalnum() and len(file_id) <= MAX_ID_CHARS

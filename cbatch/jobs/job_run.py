@@ -39,6 +39,7 @@ from cbatch.jobs.files import BATCH_OUTPUT, OWNER
 from cbatch.jobs.progress import RunProgress
 from cbatch.jobs.results import ResultsLog, input_lines, write_outputs
 from cbatch.jobs.state_dir import fsync_dir
+from cbatch.params import BATCH
 
 log = logging.getLogger("cbatch.jobs")
 
@@ -147,7 +148,7 @@ class JobRun:
 
         def make_line(number, item) -> OpenAILine:
             line = OpenAILine(number, item, self.health["model_names"], embed=embed, chat_template=client.chat_template,
-                              reasoning=self.health.get("reasoning"))
+                              reasoning=self.health.get("reasoning"), priority=BATCH)
             if tenant is not None:
                 line.bodies = [{**body, "tenant": tenant} for body in line.bodies]
             return line

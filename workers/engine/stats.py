@@ -9,6 +9,7 @@ chunks only counts as prefill.
 import time
 from dataclasses import dataclass
 
+from cbatch.params import PRIORITIES
 from cbatch.workers.engine.sequence import Sequence
 
 MIN_TIMED_DECODE_S = 0.001  # shorter decodes say little about the threads' share (clock granularity)
@@ -88,6 +89,7 @@ def slot_snapshot(seq: Sequence, now_s: float) -> dict:
         "request_id": seq.request_id,
         "seq_id": seq.seq_id,
         "state": "prefill" if seq.is_prefilling else "decode",
+        "priority": PRIORITIES[seq.is_batch],
         "prompt_tokens": seq.num_prompt_tokens,
         "prompt_tokens_done": min(seq.num_cached, seq.num_prompt_tokens),
         "tokens": seq.num_output_tokens,
