@@ -8,11 +8,9 @@ embeddings request, is measured on gemma (test_embeddings_beside_streams.py)."""
 
 from types import SimpleNamespace
 
-import numpy as np
-
 from cbatch.ipc.worker_messages import WorkerEmbed
 from cbatch.workers.decode.worker import IDLE_EMBED_STEP_S, MIN_EMBED_STEP_S, run_engine_loop
-from cbatch.workers.engine.embedder import Embedder
+from cbatch.workers.engine.embedder import PIECE_TOKENS, Embedder
 
 TEXT = "the cat sat on the mat by the dog"  # about one token a character on the tiny model
 
@@ -64,25 +62,45 @@ def test_the_loop_gives_an_embedding_decode_a_steps_time_beside_generation_and_m
     assert len(budgets_given(engine, 5)) == 5 and engine.num_steps == 0
 
 
-def test_a_real_embedder_decodes_a_budgets_worth_of_tokens(make_engine):
-    engine = make_engine(batch_size=64)
+def embed_pieces(embedder: Embedder, embed_id: int, texts: list[str], s_per_token: float) -> tuple[list, list]:
+    """(each decode's number of tokens, the reply's vectors), the embedder's rate set to
+    s_per_token before each decode (it is measured anew by each) and a budget of 8 ms."""
+    job = embedder.prepare(WorkerEmbed(embed_id, texts))
+    embedder.add(job)
+    num_decodes_before, sizes, reply = embedder.num_decodes, [], None
+
+    def num_done() -> int:
+        return sum(len(tokens) for tokens in job.token_lists[:len(job.vectors)]) + job.num_done_tokens
+
+    while embedder.has_work:
+        embedder.s_per_token = s_per_token
+        done_before = num_done()
+        replies = embedder.step(budget_s=0.008)
+        reply = replies[0] if replies else None
+        sizes.append((job.num_tokens if reply else num_done()) - done_before)
+    assert embedder.num_decodes - num_decodes_before == len(sizes) and reply.code == "", reply
+    return sizes, reply.vectors
+
+
+def test_a_split_input_gets_the_same_decodes_and_the_same_vector_whatever_the_budget(make_engine):
+    engine = make_engine(batch_size=128)
     embedder = Embedder(engine.runner, engine.config)
     try:
-        job = embedder.prepare(WorkerEmbed(1, [TEXT]))
-        num_tokens = job.num_tokens
-        assert num_tokens > 3 * 8, "a longer text: it must span several small decodes"
-        alone = np.frombuffer(embed_whole(embedder, WorkerEmbed(2, [TEXT])), np.float32)
+        text = " ".join([TEXT] * 3)
+        num_tokens = len(embedder.prepare(WorkerEmbed(0, [text])).token_lists[0])
+        assert num_tokens > 2 * PIECE_TOKENS, "a longer text: it must span several pieces"
+        num_whole, rest = divmod(num_tokens, PIECE_TOKENS)
+        pieces = [PIECE_TOKENS] * num_whole + [rest] * bool(rest)
+        runs = [embed_pieces(embedder, i + 1, [text], rate) for i, rate in enumerate((1.0, 0.001, 1e-9, 0.001))]
+        # A budget worth less than a token, 8 tokens, or a whole decode: the same pieces, one a
+        # decode, and the same vector bit for bit.
+        assert all(sizes == pieces for sizes, _ in runs), [sizes for sizes, _ in runs]
+        assert len({vectors[0] for _, vectors in runs}) == 1
 
-        embedder.add(job)
-        sizes = []
-        while embedder.has_work:
-            embedder.s_per_token = 0.001  # measured anew by each decode; set so that 8 tokens fit the budget
-            before = job.num_done_tokens
-            (reply,) = embedder.step(budget_s=0.008) or [None]
-            sizes.append((job.num_tokens if reply else job.num_done_tokens) - before)
-        assert sizes[:-1] == [8] * (len(sizes) - 1) and 0 < sizes[-1] <= 8 and sum(sizes) == num_tokens
-        # Split across decodes, the input is pooled as one: the vector it gets alone in one decode.
-        assert reply.code == "" and np.allclose(np.frombuffer(reply.vectors[0], np.float32), alone, atol=5e-4)
+        # Short inputs share a decode as the budget allows, at least one whole input each.
+        short = ["a cat", "a dog", "a mat", "a hat"]
+        assert len(embed_pieces(embedder, 9, short, 1.0)[0]) == 4
+        assert len(embed_pieces(embedder, 10, short, 1e-9)[0]) == 1
 
         embedder.s_per_token = 1e-9  # a budget worth more tokens than a decode holds: --batch-size
         assert embedder.max_step_tokens(0.2) == engine.config.batch_size
@@ -90,12 +108,3 @@ def test_a_real_embedder_decodes_a_budgets_worth_of_tokens(make_engine):
         assert embedder.max_step_tokens(0.008) == 1
     finally:
         embedder.close()
-
-
-def embed_whole(embedder: Embedder, message: WorkerEmbed) -> bytes:
-    embedder.add(embedder.prepare(message))
-    embedder.s_per_token = None  # the first decode's fixed size, FIRST_STEP_TOKENS, then the measured rate
-    while True:
-        for reply in embedder.step(budget_s=IDLE_EMBED_STEP_S):
-            assert reply.code == "", reply.message
-            return reply.vectors[0]

@@ -15,9 +15,14 @@ token about 7 ms on 2 cores), so a token count taken from the generation step wo
 the streams for seconds.
 
 A causal LM (no pooling declared in its GGUF) is pooled here, not by llama.cpp: its context
-keeps one row per token (pooling NONE), and an input may be split across steps, its KV
-kept between them, its rows summed (mean) or the first or last one kept (cls, last), so a
-long input never makes one long decode. An encoder (BERT-family: it declares its pooling)
+keeps one row per token (pooling NONE), and an input longer than PIECE_TOKENS is split
+across steps, its KV kept between them, its rows summed (mean) or the first or last one
+kept (cls, last), so a long input never makes one long decode. Where an input is split does
+not depend on timing: always at multiples of PIECE_TOKENS, one piece of it per decode, so
+the same input gets the same decodes and the same vector, bit for bit, however busy the
+host is; the budget only says how many inputs' pieces share a decode, and a decode holds
+at least one whole piece (a busy host never shrinks it to a token or two, each paying a
+whole decode's fixed cost). An encoder (BERT-family: it declares its pooling)
 sees its whole input at once, so each input is whole in one decode, pooled by llama.cpp;
 it holds at most --batch-size tokens, and no more than the model's training context.
 Memory of finished inputs is removed after each decode: no input sees another's.
@@ -46,6 +51,10 @@ POOLING_TYPES = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "cls": lc.LLAMA_POOLING_TYP
                  "last": lc.LLAMA_POOLING_TYPE_LAST}
 POOLING_NAMES = {value: name for name, value in POOLING_TYPES.items()}
 MAX_SEQS_PER_DECODE = 64  # inputs in one llama_decode: each is a sequence id of the context
+# A split input's piece per decode: small enough that a decode of it beside generation stays
+# near a step's time on a CPU with a large vocabulary (gemma-3-270m: ~7 ms a token on 2
+# cores), large enough to cost near a batched token each.
+PIECE_TOKENS = 32
 FIRST_STEP_TOKENS = 8  # the first step beside generation, before any embedding token was timed
 TOKEN_TIME_SMOOTHING = 0.3  # weight of the latest decode in the seconds-per-token estimate
 MIN_TOKEN_SHARE = 0.25  # of a decode's time, counted as its tokens' own whatever the budget
@@ -89,6 +98,7 @@ class Embedder:
         self.is_split = declared_type is None  # a causal LM: inputs may span decodes, pooled here
         self.num_dims = lc.llama_model_n_embd_out(runner.model)
         self.max_input_tokens = min(config.batch_size, lc.llama_model_n_ctx_train(runner.model))
+        self.piece_tokens = min(PIECE_TOKENS, config.batch_size)  # a decode holds at most --batch-size
         self._jobs: list[EmbedJob] = []
         self._open: Piece | None = None  # the input a decode ended inside of: its KV is kept for the next
         self._ctx = None
@@ -186,21 +196,20 @@ class Embedder:
         return replies
 
     def _place(self, max_tokens: int) -> list[Piece]:
-        """The next decode's pieces, in arrival order, within max_tokens (an encoder's first
-        input whole whatever its length); a causal LM's last piece may end inside its input."""
+        """The next decode's pieces, in arrival order, within max_tokens but at least one
+        (an encoder's input whole, a causal LM's next PIECE_TOKENS of one); a causal LM's
+        last piece may end inside its input, whose next piece then opens the next decode."""
         pieces, num_tokens = [], 0
         free_seq_ids = iter(i for i in range(MAX_SEQS_PER_DECODE)
                             if self._open is None or i != self._open.seq_id)
         for job in self._jobs:
             for index in range(len(job.vectors), len(job.token_lists)):
                 tokens = job.token_lists[index]
-                room = max_tokens - num_tokens
-                if pieces and (room <= 0 or len(pieces) == MAX_SEQS_PER_DECODE
-                               or (not self.is_split and len(tokens) > room)):
-                    return pieces
                 is_open = self._open is not None and self._open.job is job and index == len(job.vectors)
                 start = job.num_done_tokens if is_open else 0
-                end = min(len(tokens), start + max(room, 1)) if self.is_split else len(tokens)
+                end = min(len(tokens), start + self.piece_tokens) if self.is_split else len(tokens)
+                if pieces and (num_tokens + end - start > max_tokens or len(pieces) == MAX_SEQS_PER_DECODE):
+                    return pieces
                 pieces.append(Piece(job, tokens, start, end, self._open.seq_id if is_open else next(free_seq_ids)))
                 num_tokens += end - start
                 if end < len(tokens):
