@@ -31,6 +31,7 @@ class Daemon:
         # A given workdir is another daemon's: this one starts where that one ran. A launcher
         # (a command line that runs cbatch-worker's main) stands in for the console script;
         # `prefix` runs it through another command (`ip netns exec NAME`), which must exec it.
+        self.model_path = model_path
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="cbt-"))
         self.runtime_dir = self.workdir / "run"
         self.runtime_dir.mkdir(mode=0o700, exist_ok=True)
@@ -46,6 +47,12 @@ class Daemon:
             env=self.env, stdout=self._stderr, stderr=subprocess.STDOUT, start_new_session=start_new_session,
         )
         self.health = self.stopped_unless(self._wait_ready)
+
+    def state_dir(self) -> Path:
+        """Its default state directory (--http's files and batches): under its workdir's XDG_STATE_HOME."""
+        from cbatch.jobs.state_dir import endpoint_dir_name, model_dir_name
+
+        return self.workdir / "state" / "cbatch" / endpoint_dir_name(self.endpoint) / model_dir_name(self.model_path)
 
     def stopped_unless(self, wait_ready):
         """wait_ready()'s answer; a daemon that never gets ready is stopped before the error

@@ -47,6 +47,7 @@ class FakeRunner:
         self.is_embedding_only = False
         self.vision = None  # no projector: no images
         self.num_gpu_layers = 0
+        self.num_threads = 1
         self.max_token_bytes = 4  # a token per character
         self.description = "fake"
         self.kv: dict[int, list[int]] = {}
@@ -116,6 +117,9 @@ class FakeRunner:
             checkpoint_tokens, self.swa_gaps[seq_id] = decode_state(restore.checkpoint_state)
             assert checkpoint_tokens == self.kv[seq_id], "a checkpoint is restored at its own length"
         return True
+
+    def set_threads(self, num_threads: int) -> None:
+        self.num_threads = num_threads
 
     def decode(self, spans) -> int:
         self.num_decodes += 1

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 from daemonkit import wait_until
-from test_batches_api import _line, _lines, _long_lines, _started, _upload, _wait_final, state_dir
+from test_batches_api import _line, _lines, _long_lines, _num_answered, _upload, _wait_final
 
 from cbatch.jobs.results import parsed_result
 
@@ -19,11 +19,16 @@ SMALL_DISK = "128k"  # the state directory's tmpfs: room for the job's input, no
 def test_a_damaged_line_in_the_middle_of_the_log_is_run_again(start_http_daemon, tiny_tools_model_path):
     args = (tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     daemon = start_http_daemon(*args)
-    ids, lines = _long_lines(12)
-    batch = _started(daemon.openai(), lines, 3)
+    ids, lines = _long_lines(60)
+    api = daemon.openai()
+    batch = api.batches.create(input_file_id=_upload(api, lines), endpoint="/v1/completions", completion_window="24h")
+    # The log itself says when lines are done (request counts are written only every half
+    # second, in which a fast machine runs many lines).
+    wait_until(lambda: _num_answered(daemon, batch.id) >= 3, 180, poll_s=0.005)
     assert daemon.stop() == 0  # a drain: the finished lines stay in the log
-    log_path = state_dir(daemon) / "batches" / f"{batch.id}.results.jsonl"
+    log_path = daemon.state_dir() / "batches" / f"{batch.id}.results.jsonl"
     logged = log_path.read_bytes().splitlines(keepends=True)
+    assert len(logged) < len(ids), "the job ended before the stop: it needs more lines"
     damaged_id = json.loads(logged[1])["custom_id"]
     # A middle line damaged on disk, and a last one cut short.
     log_path.write_bytes(b"".join([logged[0], b'{"custom_id": "req-\x00\xff garbage\n', *logged[2:], b'{"cust']))

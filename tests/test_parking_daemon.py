@@ -86,20 +86,22 @@ def test_the_worker_sleeps_while_paused_requests_hold_every_slot_and_others_wait
 
 def test_sse_readers_that_keep_their_sockets_but_read_nothing_do_not_keep_a_bystander_out(start_http_daemon,
                                                                                            tiny_model_path):
-    daemon = start_http_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 17000),
+    daemon = start_http_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 13000),
                                "--park-after", str(PARK_AFTER_S))
-    port = daemon.port
-    body = json.dumps({"prompt": "a stalled reader", "max_tokens": 16000, "stream": True, "ignore_eos": True,
-                       "temperature": 0}).encode()
+    # Large events (20 log-probabilities a token) fill the kernel's and uvicorn's buffers, then
+    # the HTTP server's client holds the untaken tokens until it pauses the request.
+    body = json.dumps({"prompt": "a stalled reader", "max_tokens": 12000, "stream": True, "ignore_eos": True,
+                       "temperature": 0, "logprobs": 20}).encode()
     stalled = []
     for _ in range(2):  # what `curl -N ... | sleep 9999` does: the socket stays open, nothing is read
-        sock = socket.create_connection(("127.0.0.1", port))
+        sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", daemon.port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         stalled.append(sock)
     with daemon.client() as client:
-        wait_until(lambda: client.stats()["num_paused"] == 2, LOOK_S)
+        wait_until(lambda: client.stats()["num_paused"] == 2, 2 * LOOK_S)
         answer = httpx.post(f"{daemon.base_url}/v1/completions", json={"prompt": "a bystander", "max_tokens": 8},
                             timeout=BYSTANDER_TIMEOUT_S)
         assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"

@@ -1,6 +1,7 @@
-"""A state directory belongs to one daemon and one model: two daemons on one host get a
-directory each by default, and a daemon refuses, at its start and naming the directory,
-one another running daemon uses or one made for another model."""
+"""A state directory belongs to one daemon and one model: two daemons on one host, or one
+endpoint served with one model and then another, get a directory each by default, and a
+daemon refuses, at its start, in one line naming the directory, an explicit --state-dir
+that another running daemon uses or that was made for another model."""
 
 import subprocess
 
@@ -23,7 +24,7 @@ def test_two_daemons_keep_their_files_apart(start_http_daemon, tiny_model_path):
     # The same $XDG_STATE_HOME (the workdir's), another endpoint: as two daemons on one host.
     second = start_http_daemon(tiny_model_path, "--parallel", "1", workdir=first.workdir,
                                endpoint=f"ipc://{first.workdir}/second.sock")
-    assert len(list((first.workdir / "state" / "cbatch").iterdir())) == 2
+    assert first.state_dir() != second.state_dir() and first.state_dir().is_dir() and second.state_dir().is_dir()
     uploaded = first.openai().files.create(file=("in.jsonl", b'{"a": 1}\n'), purpose="batch")
     assert uploaded.id in [f.id for f in first.openai().files.list()]
     assert uploaded.id not in [f.id for f in second.openai().files.list()]
@@ -31,16 +32,24 @@ def test_two_daemons_keep_their_files_apart(start_http_daemon, tiny_model_path):
 
 def test_a_directory_another_daemon_runs_is_refused(start_http_daemon, tiny_model_path):
     running = start_http_daemon(tiny_model_path, "--parallel", "1")
-    state_dir = next((running.workdir / "state" / "cbatch").iterdir())
+    state_dir = running.state_dir()
     done = refusal(tiny_model_path, state_dir, running.env)
     assert done.returncode == 2 and "in use by another running daemon" in done.stderr and str(state_dir) in done.stderr
+    assert done.stderr.count("\n") == 1 and "usage:" not in done.stderr  # one line: what to change
 
 
 def test_a_directory_made_for_another_model_is_refused(start_http_daemon, tiny_model_path, tiny_tools_model_path):
     first = start_http_daemon(tiny_model_path, "--parallel", "1")
-    state_dir = next((first.workdir / "state" / "cbatch").iterdir())
+    uploaded = first.openai().files.create(file=("in.jsonl", b'{"a": 1}\n'), purpose="batch")
+    state_dir = first.state_dir()
     first.stop()
     done = refusal(tiny_tools_model_path, state_dir, first.env)
     assert done.returncode == 2 and "holds the files and jobs of model 'tiny-llama.gguf'" in done.stderr, done.stderr
-    again = start_http_daemon(tiny_model_path, "--parallel", "1", workdir=first.workdir)  # its own model: taken
-    assert again.openai().files.list() is not None
+    # By default the same endpoint with another model is another directory: it starts.
+    other = start_http_daemon(tiny_tools_model_path, "--parallel", "1", workdir=first.workdir,
+                              endpoint=first.endpoint)
+    assert uploaded.id not in [f.id for f in other.openai().files.list()]
+    other.stop()
+    again = start_http_daemon(tiny_model_path, "--parallel", "1", workdir=first.workdir,
+                              endpoint=first.endpoint)  # its own model: its own files again
+    assert uploaded.id in [f.id for f in again.openai().files.list()]

@@ -10,8 +10,6 @@ import openai
 import pytest
 from daemonkit import wait_until
 
-from cbatch.jobs.state_dir import endpoint_dir_name
-
 JOB_TIMEOUT_S = 180.0
 HOUR_S = 3600
 
@@ -35,7 +33,7 @@ def test_leftovers_and_jobs_past_their_retention_are_removed_the_rest_kept(start
     api = daemon.openai()
     old, recent = _job(api, "old"), _job(api, "recent")
     assert daemon.stop() == 0
-    state = daemon.workdir / "state" / "cbatch" / endpoint_dir_name(daemon.endpoint)
+    state = daemon.state_dir()
     job_path = state / "batches" / f"{old.id}.json"
     stored = json.loads(job_path.read_text())
     job_path.write_text(json.dumps({**stored, "completed_at": stored["completed_at"] - 2 * 24 * HOUR_S}))

@@ -60,7 +60,8 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
     lines = [
         f"cbatch-worker at {endpoint}: {health['status']}, model {health['model']}, worker pid {health['worker_pid']}",
         f"parallel {stats['parallel']}, context {health['ctx_per_seq']} per sequence; "
-        f"{stats['num_active']} active, {stats['num_queued']} queued, "
+        f"{stats['num_active']} active ({stats.get('num_paused', 0)} paused), {stats['num_queued']} queued, "
+        f"{stats.get('num_parked', 0)} parked for slow readers, "
         f"{counted(stats.get('num_in_flight', 0), 'request')} in flight, "
         f"{counted(stats['num_requests_ended'], 'request')} ended, "
         f"{counted(stats.get('num_preemptions', 0), 'preemption')}",
@@ -68,6 +69,10 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
         f"prefill {stats.get('prefill_tokens_per_s', 0.0):.1f} tok/s, "
         f"{stats.get('avg_concurrent_seqs', 0.0):.1f} sequences per decode step on average",
     ]
+    num_threads, max_threads = stats.get("compute_threads", 0), stats.get("compute_threads_max", 0)
+    if num_threads < max_threads:
+        lines.append(f"busy host: decoding with {num_threads} compute thread(s) instead of {max_threads} while other "
+                     "processes take the cores (the default --threads adapts; set --threads to fix a count)")
     share = stats.get("compute_cpu_share", 1.0)
     if share < STARVED_CPU_SHARE:
         lines.append(f"slow steps: llama.cpp's compute threads got {100 * share:.0f}% of their cores while decoding "

@@ -34,8 +34,8 @@ def main(argv=None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
         try:
             config = config_from_args(args)
-        except CbatchError as err:
-            parser.error(err.message)
+        except CbatchError as err:  # a value the flags allow but this machine or setting does not: one line
+            exit_with(PROG, err.message, EXIT_USAGE)
         try:  # before the seconds of importing the rest: a client started beside this one waits for it
             lock_fd = lock_endpoint(config.endpoint)
         except CbatchError as err:

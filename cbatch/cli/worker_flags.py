@@ -149,8 +149,9 @@ def _state_dir(args, endpoint: str) -> str:
     from cbatch.jobs.state_dir import check_state_dir, claim_state_dir, default_state_dir
     from cbatch.model import resolve_model_path
 
-    path = check_state_dir(args.state_dir or default_state_dir(endpoint))
-    claim_state_dir(path, resolve_model_path(args.model))
+    model_path = resolve_model_path(args.model)
+    path = check_state_dir(args.state_dir or default_state_dir(endpoint, model_path))
+    claim_state_dir(path, model_path)
     return path
 
 

@@ -32,11 +32,19 @@ def endpoint_dir_name(endpoint: str) -> str:
     return f"{readable}-{hashlib.sha256(endpoint.encode()).hexdigest()[:8]}"
 
 
-def default_state_dir(endpoint: str) -> str:
-    """$XDG_STATE_HOME/cbatch/<endpoint>, or ~/.local/state/cbatch/<endpoint>: one per
-    endpoint, so that two daemons on one host never share one."""
+def model_dir_name(model_path: str) -> str:
+    """The model file as a directory name: its name, and a hash of its name and size."""
+    name, size = os.path.basename(model_path), os.path.getsize(model_path)
+    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_")[:64]
+    return f"{readable}-{hashlib.sha256(f'{name}:{size}'.encode()).hexdigest()[:8]}"
+
+
+def default_state_dir(endpoint: str, model_path: str) -> str:
+    """$XDG_STATE_HOME/cbatch/<endpoint>/<model>, or the same under ~/.local/state: one per
+    endpoint and model, so that two daemons on one host never share one, and a daemon
+    started on the same endpoint with another model has its own jobs, not a refusal."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "cbatch", endpoint_dir_name(endpoint))
+    return os.path.join(base, "cbatch", endpoint_dir_name(endpoint), model_dir_name(model_path))
 
 
 def _is_free(path: str) -> bool:

@@ -12,6 +12,7 @@ The engine owns no sockets and no threads but the runner's decode thread; the de
 worker drives it (workers/decode/worker.py), tests and benchmarks drive it in-process.
 """
 
+import logging
 import time
 
 from cbatch.config import EngineConfig
@@ -33,6 +34,9 @@ from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 from cbatch.workers.engine.stats import CPU_TIMED_EVERY_STEPS, EngineStats, engine_snapshot
 from cbatch.workers.engine.step_batch import BatchSpan
+from cbatch.workers.engine.thread_governor import ThreadGovernor
+
+log = logging.getLogger("cbatch.worker")
 
 LLAMA_DECODE_NO_KV_ROOM = 1
 NO_KV_ROOM_MESSAGE = "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
@@ -81,6 +85,11 @@ class Engine:
         self._last_rows: list[tuple[Sequence, int, int]] = []
         self._last_num_outputs = 0
         self._images = image_writer(self.runner, config.batch_size)  # with a projector (--mmproj)
+        # Fewer compute threads while other processes take the cores (thread_governor.py):
+        # on a CPU, with --threads left to its default.
+        self.thread_governor = (ThreadGovernor(config.num_threads, self.runner.set_threads,
+                                       lambda message: log.warning("cbatch-worker: %s", message))
+                        if not config.threads and not self.is_overlapped and config.num_threads > 1 else None)
 
     @property
     def ctx_per_seq(self) -> int:
@@ -172,7 +181,12 @@ class Engine:
         step_s = time.perf_counter() - started
         self.stats.record_step(step_s, llama_decode_s, *self._step_counts)
         if is_cpu_timed:  # with overlap the decode runs beside the loop thread's work: never timed
-            self.stats.record_cpu(time.process_time() - cpu_started, step_s, llama_decode_s, self.config.num_threads)
+            share = self.stats.record_cpu(time.process_time() - cpu_started, step_s, llama_decode_s,
+                                          self.runner.num_threads)
+            if share is not None and self.thread_governor is not None:
+                self.thread_governor.on_share(share)
+        if self.thread_governor is not None:
+            self.thread_governor.on_step()
         return events
 
     def _launch(self) -> list[TokenEvent]:
@@ -317,7 +331,8 @@ class Engine:
         return {**engine_snapshot(self.stats, self.scheduler), **tiers, "constrained_tokens": num_checked,
                 "constraint_misses": num_missed, "num_images_encoded": vision.num_encoded if vision else 0,
                 "num_paused": sum(seq.is_paused for seq in self.scheduler.running),
-                "num_parked": len(self.scheduler.parked), "num_parks": self.scheduler.num_parks}
+                "num_parked": len(self.scheduler.parked), "num_parks": self.scheduler.num_parks,
+                "compute_threads": self.runner.num_threads, "compute_threads_max": self.config.num_threads}
 
     def close(self) -> None:
         if self._in_flight is not None:

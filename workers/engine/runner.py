@@ -150,7 +150,7 @@ class LlamaRunner:
         ctx_params.n_outputs_max = self.num_seq_ids
         if self.has_backend_sampling:
             ctx_params.n_outputs_max_per_seq = 1  # see workers/engine/sampling/backend.py
-        ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
+        ctx_params.n_threads = ctx_params.n_threads_batch = self.num_threads = config.num_threads
         ctx_params.kv_unified = config.kv_unified
         # A sliding-window layer normally keeps only each sequence's last window of cells;
         # a reused prefix longer than the window needs the cells before its end, so with
@@ -266,6 +266,11 @@ class LlamaRunner:
             piece = self._piece_buf.raw[: max(n, 0)]
             self._pieces[token] = piece
         return piece
+
+    def set_threads(self, num_threads: int) -> None:
+        """The compute threads of the next decodes (thread_governor.py); between decodes only."""
+        lc.llama_set_n_threads(self.ctx, num_threads, num_threads)
+        self.num_threads = num_threads
 
     def decode(self, spans: list[BatchSpan]) -> int:
         """One llama_decode over the spans; returns llama.cpp's status (0 = ok)."""

@@ -40,13 +40,15 @@ class EngineStats:
     # so they use their cores whole unless other processes take them.
     compute_cpu_share: float = 1.0
 
-    def record_cpu(self, step_cpu_s: float, step_s: float, llama_decode_s: float, num_threads: int) -> None:
+    def record_cpu(self, step_cpu_s: float, step_s: float, llama_decode_s: float, num_threads: int) -> float | None:
         """One step without overlap: the process's CPU time in it, less the loop thread's own
-        (one core outside llama_decode), is the compute threads'."""
+        (one core outside llama_decode), is the compute threads'. Returns that share (None
+        for a decode too short to say)."""
         if llama_decode_s < MIN_TIMED_DECODE_S:
-            return
-        share = (step_cpu_s - (step_s - llama_decode_s)) / (llama_decode_s * num_threads)
-        self.compute_cpu_share += CPU_SHARE_SMOOTHING * (min(max(share, 0.0), 1.0) - self.compute_cpu_share)
+            return None
+        share = min(max((step_cpu_s - (step_s - llama_decode_s)) / (llama_decode_s * num_threads), 0.0), 1.0)
+        self.compute_cpu_share += CPU_SHARE_SMOOTHING * (share - self.compute_cpu_share)
+        return share
 
     def record_step(self, step_s: float, llama_decode_s: float, num_batch_tokens: int, num_prompt_tokens: int,
                     num_decode_seqs: int, num_generated: int) -> None:

@@ -1,0 +1,109 @@
+"""The daemon on a busy host: other CPU-bound processes beside it, one per core.
+
+llama.cpp's compute threads spin at their barriers, so with as many threads as cores and
+other processes wanting those cores a step can take many times as long as with one thread;
+the daemon's default (--threads left out) drops to one thread while that lasts
+(workers/engine/thread_governor.py). This runs the same requests (concurrent greedy
+generations from one light client) against a daemon with the default threads, with `-t 1`
+and with `-t N` (every core, the default's count), first with a CPU-bound busy loop per
+core beside it, then on the quiet host, and prints each wall time, the default's ratio to
+the best fixed count, the thread count the default ended on, and the CPU the client used.
+
+Usage: .venv/bin/python scripts/bench_busy_host.py [--model PATH] [--requests 10] [--max-tokens 64]
+"""
+
+import argparse
+import multiprocessing
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cbatch.client import Client
+from cbatch.config import num_usable_cpus
+
+START_TIMEOUT_S = 180.0
+SCRIPTS_DIR = Path(sys.executable).parent
+
+
+def busy_loop() -> None:
+    while True:
+        pass
+
+
+def start_daemon(model: str | None, threads: list[str]) -> tuple[subprocess.Popen, str, str]:
+    workdir = tempfile.mkdtemp(prefix="cbbh-")
+    endpoint = f"ipc://{workdir}/d.sock"
+    log_path = os.path.join(workdir, "daemon.log")
+    args = [str(SCRIPTS_DIR / "cbatch-worker"), "--endpoint", endpoint, "--parallel", "4", "-q", *threads,
+            *(["--model", model] if model else [])]
+    process = subprocess.Popen(args, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                               env={**os.environ, "XDG_RUNTIME_DIR": workdir})
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            with Client(endpoint, connect_timeout_s=1.0) as client:
+                if client.health()["status"] == "ready":
+                    return process, endpoint, log_path
+        except Exception:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not start: {open(log_path).read()[-2000:]}")
+        time.sleep(0.2)
+
+
+def run_once(model: str | None, threads: list[str], args) -> tuple[float, int, str]:
+    """(wall seconds for the requests, the compute threads the daemon ended on, its log's governor lines)."""
+    process, endpoint, log_path = start_daemon(model, threads)
+    try:
+        with Client(endpoint) as client:
+            items = [{"prompt": f"Write about request {i}:", "max_tokens": args.max_tokens, "temperature": 0,
+                      "ignore_eos": True} for i in range(args.requests)]
+            started = time.perf_counter()
+            results = client.generate_batch(items)
+            wall_s = time.perf_counter() - started
+            assert all(not isinstance(result, Exception) for result in results), results
+            num_threads = client.stats().get("compute_threads", 0)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    lines = [line.strip() for line in open(log_path) if "compute threads got" in line]
+    return wall_s, num_threads, "; ".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded default model)")
+    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    num_cpus = num_usable_cpus()
+    configs = {"default": [], "-t 1": ["-t", "1"], f"-t {num_cpus}": ["-t", str(num_cpus)]}
+    for is_busy in (True, False):
+        hogs = [multiprocessing.Process(target=busy_loop, daemon=True) for _ in range(num_cpus if is_busy else 0)]
+        for hog in hogs:
+            hog.start()
+        try:
+            walls = {}
+            for name, threads in configs.items():
+                wall_s, num_threads, lines = run_once(args.model, threads, args)
+                walls[name] = wall_s
+                print(f"{'busy' if is_busy else 'quiet'} host, {name}: {wall_s:.1f} s for {args.requests} x "
+                      f"{args.max_tokens} tokens, ending on {num_threads} compute threads"
+                      + (f" ({lines})" if lines else ""), flush=True)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.join()
+        best = min(wall for name, wall in walls.items() if name != "default")
+        print(f"{'busy' if is_busy else 'quiet'} host ({len(hogs)} busy loops beside the daemon): default / best "
+              f"fixed -t {walls['default'] / best:.2f}x", flush=True)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"client CPU: {usage.ru_utime + usage.ru_stime:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
