@@ -47,7 +47,7 @@ def start_daemon(model: str | None, threads: list[str]) -> tuple[subprocess.Pope
     while True:
         try:
             with Client(endpoint, connect_timeout_s=1.0) as client:
-                if client.health()["status"] == "ready":
+                if client.health()["status"] == "ok":
                     return process, endpoint, log_path
         except Exception:
             if process.poll() is not None or time.monotonic() > deadline:

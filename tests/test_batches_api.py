@@ -178,7 +178,6 @@ def test_cancel_keeps_the_finished_lines(start_http_daemon, tiny_tools_model_pat
 def test_kill_9_of_the_daemon_mid_job_loses_no_line_and_answers_none_twice(start_http_daemon, tiny_tools_model_path):
     args = (tiny_tools_model_path, "--parallel", "1", "--alias", "m")
     daemon = start_http_daemon(*args)
-    api = daemon.openai()
     ids, lines = _long_lines(60)
     batch = _started(daemon, lines, 3)
     daemon.process.send_signal(signal.SIGKILL)

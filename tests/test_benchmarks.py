@@ -230,3 +230,15 @@ def test_bench_state_moves_prints_the_steps_with_and_without_a_move(tiny_model_p
                      "--conversations", "3", "--turns", "2", "--history-words", "40", "--ctx-per-seq", "512")
     assert re.search(rf"with prompt tokens: .*a state moved \d+ steps, median {NUMBER} ms", out), out
     assert re.search(rf"saves: \d+, median {NUMBER} ms.*restores: \d+, median {NUMBER} ms", out, re.S), out
+
+
+@pytest.mark.slow
+def test_bench_busy_host_prints_each_setting_on_a_busy_and_a_quiet_host(tiny_model_path):
+    out = run_script("bench_busy_host", "--model", tiny_model_path, "--requests", "4", "--max-tokens", "16")
+    for host in ("busy", "quiet"):
+        for name in ("default", "-t 1", r"-t \d+"):
+            assert re.search(rf"^{host} host, {name}: {NUMBER} s for 4 x 16 tokens, ending on \d+ compute threads",
+                             out, re.M), out
+        assert re.search(rf"^{host} host \(\d+ busy loops beside the daemon\): default / best fixed -t {NUMBER}x",
+                         out, re.M), out
+    assert re.search(rf"^client CPU: {NUMBER} s$", out, re.M), out
