@@ -143,6 +143,31 @@ def test_images_beside_text_streams_whatever_the_step_layout(make_engine, make_v
     assert run_engine(make_vision_engine(**overrides), bodies) == whole
 
 
+def test_image_chunks_go_interactive_first_and_batch_ones_within_their_share(make_vision_engine):
+    engine = make_vision_engine(batch_size=8)
+    batch = engine.prepare(parse_request(0, {**GREEDY_8, "prompt": IMAGE_PROMPT, "images": [png_bytes(40, 24)],
+                                             "priority": "batch"}))
+    interactive = engine.prepare(parse_request(1, {**GREEDY_8, "prompt": IMAGE_PROMPT,
+                                                   "images": [png_bytes(40, 24, seed=5)]}))
+
+    def written(seq) -> int:
+        image = seq.images[0]
+        return min(max(seq.num_cached - image.start, 0), image.end - image.start)
+
+    engine.add(batch)  # alone, it takes whole steps, into its image
+    while written(batch) == 0:
+        engine.step()
+    engine.add(interactive)  # image chunks in admission order would go on serving the batch one first
+    steps = []
+    while written(interactive) < interactive.images[0].end - interactive.images[0].start:
+        before = written(batch), written(interactive)
+        engine.step()
+        steps.append((written(batch) - before[0], written(interactive) - before[1]))
+    # Beside the interactive image, the batch one gets at most a quarter of each step.
+    assert all(num_batch <= 8 // 4 for num_batch, _ in steps), steps
+    assert written(batch) < batch.images[0].end - batch.images[0].start, steps
+
+
 def test_the_same_image_in_two_requests_is_computed_once(make_vision_engine):
     engine = make_vision_engine()
     image_request = {"prompt": IMAGE_PROMPT, "images": [png_bytes(40, 24)]}

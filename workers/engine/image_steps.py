@@ -4,8 +4,10 @@ A llama_batch carries token ids or embeddings, never both, so a step that has im
 write makes one more llama_decode, of embeddings only, before its token batch. A prompt
 chunk stops where an image starts (Sequence.num_text_ahead), so a text chunk never needs
 an image's cells before they are written; the image then takes the room the step's token
-batch leaves of --batch-size, shared by the sequences waiting at an image in admission
-order, and its sequence's next text chunk comes in a later step. An image's positions
+batch leaves of --batch-size, shared by the sequences waiting at an image in the order of
+text chunks (interactive first, then the fewest tokens left; batch sequences' images within
+the batch chunks' share beside interactive work, step_batch.py), and its sequence's next
+text chunk comes in a later step. An image's positions
 produce no logits: a prompt never ends with one (preparation.py).
 """
 
@@ -14,7 +16,7 @@ import numpy as np
 
 from cbatch.workers.engine.decode_mark import marked_decode
 from cbatch.workers.engine.sequence import SeqStatus
-from cbatch.workers.engine.step_batch import BatchSpan
+from cbatch.workers.engine.step_batch import BatchSpan, chunk_order, max_batch_chunk_tokens
 
 
 class EmbeddingBatch:
@@ -62,15 +64,20 @@ class ImageWriter:
         """Write this step's image chunks, in the room `spans` leave; counts them computed.
         Returns (sequence, error message) for each sequence whose chunk failed."""
         room = self._max_batch_tokens - sum(span.num_tokens for span in spans)
+        batch_room = max_batch_chunk_tokens(scheduler.running, room, self._max_batch_tokens) - sum(
+            span.num_tokens for span in spans if span.seq.is_batch and span.seq.status is SeqStatus.PREFILLING)
+        at_images = [seq for seq in scheduler.running
+                     if seq.status is SeqStatus.PREFILLING and seq.image_at(seq.num_cached) is not None]
         chunks = []
-        for seq in scheduler.running:
-            if room <= 0:
-                break
-            image = seq.image_at(seq.num_cached) if seq.status is SeqStatus.PREFILLING else None
-            if image is not None:
-                num_positions = min(image.end - seq.num_cached, room)
-                chunks.append((seq, image, seq.num_cached, num_positions))
-                room -= num_positions
+        for seq in sorted(at_images, key=chunk_order):
+            limit = min(room, batch_room) if seq.is_batch else room
+            if limit <= 0:
+                continue
+            image = seq.image_at(seq.num_cached)
+            num_positions = min(image.end - seq.num_cached, limit)
+            chunks.append((seq, image, seq.num_cached, num_positions))
+            room -= num_positions
+            batch_room -= num_positions if seq.is_batch else 0
         if not chunks:
             return []
         self._batch.fill(chunks)

@@ -33,8 +33,17 @@ class BatchSpan:
 span_order = attrgetter("seq.seq_id")
 
 
-def _chunk_order(seq: Sequence) -> tuple[bool, int]:
+def chunk_order(seq: Sequence) -> tuple[bool, int]:
+    """Prompt chunks (text or image) go interactive first, then the fewest tokens left."""
     return seq.is_batch, seq.num_uncached
+
+
+def max_batch_chunk_tokens(running: list[Sequence], budget: int, max_step_tokens: int) -> int:
+    """What batch prompt chunks may take of a step: all of `budget` when only batch work (or
+    paused work, which waits on no step) runs, else 1/BATCH_PREFILL_DIVISOR of a step."""
+    if all(seq.is_batch or seq.is_paused for seq in running):
+        return budget
+    return max(1, max_step_tokens // BATCH_PREFILL_DIVISOR)
 
 
 def prefill_spans(running: list[Sequence], budget: int, max_step_tokens: int) -> list[BatchSpan]:
@@ -45,9 +54,8 @@ def prefill_spans(running: list[Sequence], budget: int, max_step_tokens: int) ->
     tokens of its step. Beside interactive work the batch chunks take at most
     1/BATCH_PREFILL_DIVISOR of a step of `max_step_tokens`, so that the steps an interactive
     request waits on for its first token stay short (a paused one waits on none)."""
-    prefilling = sorted((seq for seq in running if seq.status is SeqStatus.PREFILLING), key=_chunk_order)
-    is_batch_only = all(seq.is_batch or seq.is_paused for seq in running)  # a paused one waits on no step
-    max_batch_tokens = budget if is_batch_only else max(1, max_step_tokens // BATCH_PREFILL_DIVISOR)
+    prefilling = sorted((seq for seq in running if seq.status is SeqStatus.PREFILLING), key=chunk_order)
+    max_batch_tokens = max_batch_chunk_tokens(running, budget, max_step_tokens)
     spans = []
     for seq in prefilling:
         room = min(budget, max_batch_tokens) if seq.is_batch else budget
