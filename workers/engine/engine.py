@@ -87,9 +87,11 @@ class Engine:
         self._images = image_writer(self.runner, config.batch_size)  # with a projector (--mmproj)
         # Fewer compute threads while other processes take the cores (thread_governor.py):
         # on a CPU, with --threads left to its default.
-        self.thread_governor = (ThreadGovernor(config.num_threads, self.runner.set_threads,
-                                       lambda message: log.warning("cbatch-worker: %s", message))
-                        if not config.threads and not self.is_overlapped and config.num_threads > 1 else None)
+        is_governed = (not config.threads and not self.is_overlapped and config.num_threads > 1
+                       and not self.runner.is_embedding_only)
+        self.thread_governor = ThreadGovernor(config.num_threads, self.runner.set_threads,
+                                              lambda message: log.warning("cbatch-worker: %s", message)) \
+            if is_governed else None
 
     @property
     def ctx_per_seq(self) -> int:

@@ -113,6 +113,7 @@ class LlamaRunner:
                                   or self.metadata(f"{self.architecture}.attention.causal") == "false")
         self.has_swa = lc.llama_model_n_swa(self.model) > 0
         self.has_backend_sampling = self.has_gpu if config.backend_sampling is None else config.backend_sampling
+        self.num_threads = config.num_threads  # of the generation context's decodes (set_threads)
         self.ctx = None if self.is_embedding_only else self._new_context(config)
         self.backend_samplers = BackendSamplers(self.ctx) if self.has_backend_sampling and self.ctx else None
         self.vocab = lc.llama_model_get_vocab(self.model)
@@ -150,7 +151,7 @@ class LlamaRunner:
         ctx_params.n_outputs_max = self.num_seq_ids
         if self.has_backend_sampling:
             ctx_params.n_outputs_max_per_seq = 1  # see workers/engine/sampling/backend.py
-        ctx_params.n_threads = ctx_params.n_threads_batch = self.num_threads = config.num_threads
+        ctx_params.n_threads = ctx_params.n_threads_batch = config.num_threads
         ctx_params.kv_unified = config.kv_unified
         # A sliding-window layer normally keeps only each sequence's last window of cells;
         # a reused prefix longer than the window needs the cells before its end, so with
