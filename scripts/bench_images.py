@@ -85,6 +85,7 @@ def streams_gaps(url: str, model: str, args, load: str = "") -> tuple[list[float
 
 def concurrent_images(daemon, url: str, model: str, images: list[bytes]) -> tuple[float, int]:
     """(seconds, vision encoder runs) for one concurrent request per image."""
+    time.sleep(2 * STATS_INTERVAL_S)  # the worker's stats lag its work by up to this: the last phase's images too
     with Client(daemon.endpoint) as client:
         encoded_before = client.stats()["num_images_encoded"]
     clients = [httpx.Client(base_url=url, timeout=600) for _ in images]

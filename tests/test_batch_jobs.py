@@ -40,7 +40,9 @@ def daemon(tiny_tools_model_path):
 
 
 def test_a_running_job_shows_progress_in_the_batch_status_and_metrics(daemon, api):
-    num_lines, max_tokens = 80, 64  # long enough to be seen midway: progress is written every half second
+    # Long enough to be seen midway and read twice more (progress is written every half second;
+    # a fast machine runs a line in a few ms).
+    num_lines, max_tokens = 400, 64
     body = {"model": "m", "prompt": "count", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     batch = _create(api, [_line(f"r{i}", body) for i in range(num_lines)])
     seen = []  # (lines done, progress) while the job ran
@@ -53,9 +55,9 @@ def test_a_running_job_shows_progress_in_the_batch_status_and_metrics(daemon, ap
         return len(seen) >= 1 and seen[-1][0] >= 2 or got["status"] in FINAL
 
     wait_until(is_midway, JOB_TIMEOUT_S, poll_s=0.05)
+    metrics = daemon.metrics()
     status = subprocess.run([str(SCRIPTS_DIR / "cbatch-status"), "--endpoint", daemon.endpoint], capture_output=True,
                             text=True, timeout=60)
-    metrics = daemon.metrics()
     batch = _wait_final(api, batch.id)
     assert batch.status == "completed" and batch.request_counts.completed == num_lines, daemon.log()
     assert seen, "the job was never seen midway"
@@ -68,7 +70,7 @@ def test_a_running_job_shows_progress_in_the_batch_status_and_metrics(daemon, ap
     final = batch.model_extra["progress"]
     assert final["generated_tokens"] == num_lines * max_tokens and final["eta_s"] == 0
     assert final["prompt_tokens"] == num_lines * progress["prompt_tokens"] // done
-    # cbatch-status and /metrics, read while the job ran (the status a little after the progress above)
+    # /metrics and cbatch-status, read while the job ran (a little after the progress above)
     assert status.returncode == 0, status.stderr
     job_line = [line for line in status.stdout.splitlines() if line.startswith(f"batch {batch.id} ")]
     assert job_line and f"/{num_lines} lines done" in job_line[0] and "lines/s" in job_line[0], status.stdout

@@ -113,7 +113,7 @@ def test_status_shows_each_running_request_from_the_engine(tiny_model_path, star
     assert all(rows[str(i)][2] in ("prefill", "decode") for i in ids)
     assert raw["health"]["status"] == "ok" and {s["request_id"] for s in raw["stats"]["slots"]} >= ids
     assert [sorted(s) for s in raw["stats"]["slots"]][0] == sorted(
-        ["request_id", "seq_id", "state", "prompt_tokens", "prompt_tokens_done", "tokens", "age_s"])
+        ["request_id", "seq_id", "state", "priority", "prompt_tokens", "prompt_tokens_done", "tokens", "age_s"])
 
 
 def test_status_without_a_daemon_is_one_line_and_exit_3(tmp_path):
