@@ -38,3 +38,11 @@ def test_the_test_images_pass_and_adam7_adds_a_filter_byte_per_pass_row():
     # 8x8 RGB in seven passes: rows x (filter byte + row bytes), pass by pass.
     assert png_raw_bytes(png_file(8, 8, b"", interlace=1)) == sum(
         rows * (1 + 3 * cols) for cols, rows in ((1, 1), (1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4)))
+
+
+def test_a_png_whose_stream_has_a_wrong_checksum_passes_as_llama_cpps_reader_takes_it():
+    width, height = 5, 3
+    stream = bytearray(zlib.compress(bytes(png_raw_bytes(png_file(width, height, b"")))))
+    stream[-1] ^= 0xFF  # the Adler-32 at the stream's end, which stb_image never checks
+    check_image_files((png_file(width, height, bytes(stream)),), EngineConfig())
+

@@ -2,11 +2,15 @@
 waiting requests once paused past the parking bound, and the scheduler does nothing,
 rather than step empty batches, while the queue can only wait for them. No model here."""
 
+import numpy as np
+
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
+from cbatch.workers.engine.step_batch import BatchSpan
+from cbatch.workers.engine.vision import ImageSpan
 
 PARK_AFTER_S = 30.0
 
@@ -137,3 +141,44 @@ def test_a_sequence_preempted_while_paused_is_parked_rather_than_admitted():
     sched.set_paused(first, False)
     step(sched)
     assert first in sched.running
+
+
+def test_the_queue_is_looked_at_again_once_a_sequence_that_ran_pauses():
+    """A step with nothing to compute while a running sequence is not paused (it waits at
+    an image, written beside the token batch) must not leave the scheduler asleep: once that
+    sequence pauses, its parking is due as for any other."""
+    clock = Clock()
+    kv = PoolCacheManager(4096, 8, True, max_cached_cells=2048)
+    sched = Scheduler(kv, 1, 128, 8, 8, park_after_s=PARK_AFTER_S, clock=clock)
+    first = make_seq(0)
+    first.images = (ImageSpan(0, np.zeros((8, 4), np.float32)),)
+    sched.add(first)
+    sched.add(make_seq(1))
+    assert sched.schedule() == []  # at its image: no text to compute this step
+    assert sched.has_work
+    sched.on_computed(BatchSpan(first, 0, 8))  # the image written
+    step(sched)
+    step(sched)
+    sched.set_paused(first, True)
+    clock.now_s += PARK_AFTER_S
+    assert sched.has_work
+    step(sched)
+    assert first.status is SeqStatus.PARKED
+
+
+def test_paused_sequences_that_fill_a_unified_pool_are_parked_for_a_request_with_a_free_slot():
+    clock = Clock()
+    kv = PoolCacheManager(96, 8, True, max_cached_cells=0)
+    sched = Scheduler(kv, 2, 128, 8, 8, park_after_s=PARK_AFTER_S, clock=clock)
+    first = make_seq(0, num_prompt=80)
+    sched.add(first)
+    step(sched)
+    sched.set_paused(first, True)
+    newcomer = make_seq(1)  # a slot is free, the cells are not
+    sched.add(newcomer)
+    assert step(sched) == [] and newcomer.status is SeqStatus.WAITING and not sched.has_work
+    clock.now_s += PARK_AFTER_S
+    assert sched.has_work
+    step(sched)
+    assert first.status is SeqStatus.PARKED and newcomer in sched.running
+

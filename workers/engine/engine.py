@@ -88,7 +88,7 @@ class Engine:
         # Fewer compute threads while other processes take the cores (thread_governor.py):
         # on a CPU, with --threads left to its default.
         is_governed = (not config.threads and not self.is_overlapped and config.num_threads > 1
-                       and not self.runner.is_embedding_only)
+                       and not self.runner.is_embedding_only and self.runner.num_gpu_layers == 0)
         self.thread_governor = ThreadGovernor(config.num_threads, self.runner.set_threads,
                                               lambda message: log.warning("cbatch-worker: %s", message)) \
             if is_governed else None

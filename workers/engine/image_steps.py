@@ -64,8 +64,9 @@ class ImageWriter:
         """Write this step's image chunks, in the room `spans` leave; counts them computed.
         Returns (sequence, error message) for each sequence whose chunk failed."""
         room = self._max_batch_tokens - sum(span.num_tokens for span in spans)
-        batch_room = max_batch_chunk_tokens(scheduler.running, room, self._max_batch_tokens) - sum(
-            span.num_tokens for span in spans if span.seq.is_batch and span.seq.status is SeqStatus.PREFILLING)
+        batch_room = min(room, max_batch_chunk_tokens(scheduler.running, self._max_batch_tokens,
+                                                      self._max_batch_tokens) - sum(
+            span.num_tokens for span in spans if span.seq.is_batch and span.seq.status is SeqStatus.PREFILLING))
         at_images = [seq for seq in scheduler.running
                      if seq.status is SeqStatus.PREFILLING and seq.image_at(seq.num_cached) is not None]
         chunks = []

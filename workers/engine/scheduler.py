@@ -90,6 +90,7 @@ class Scheduler:
         # While the queue can only wait (no free slot, every running sequence paused): when
         # the next parking or deadline is due. 0.0 once anything changes.
         self._idle_until_s = 0.0
+        self._is_short_of_cells = False  # the last admission stopped for want of KV cells
 
     @property
     def has_work(self) -> bool:
@@ -127,6 +128,7 @@ class Scheduler:
 
     def schedule(self) -> list[BatchSpan]:
         now_s = self.clock()
+        self._idle_until_s = 0.0
         if self.waiting:
             self._park_stalled(now_s)
         self._admit()
@@ -146,18 +148,24 @@ class Scheduler:
         if len(spans) < len(running):
             spans += prefill_spans(running, self.max_batch_tokens - len(spans), self.max_batch_tokens)
         spans.sort(key=span_order)  # in seq id order: llama.cpp's micro-batches (step_batch.py)
-        if not spans and self.waiting:
+        if (not spans and self.waiting and self.running and not len(self.forks) and not self.row_forks
+                and all(seq.is_paused for seq in self.running)):
             self._idle_until_s = self._next_change_s(now_s)
         return spans
 
     def _park_stalled(self, now_s: float) -> None:
         """Paused sequences past the parking bound give their slots to the waiting requests,
-        the longest paused first, as many as those need."""
-        num_free = self.max_running - len(self.running) - len(self.forks) - len(self.row_forks)
-        num_wanted = len(self.waiting) - num_free
+        the longest paused first, as many as those need: a slot each beyond the free ones,
+        or one when the last admission found no KV cells (a unified pool that paused
+        sequences fill)."""
         stalled = [seq for seq in self.running if seq.is_paused and seq.paused_for_s(now_s) >= self.park_after_s]
+        if not stalled:
+            return
+        num_free = self.max_running - len(self.running) - len(self.forks) - len(self.row_forks)
+        num_admissible = sum(not seq.is_paused for seq in self.waiting)  # a paused one is parked, not admitted
+        num_wanted = max(num_admissible - num_free, int(self._is_short_of_cells and num_admissible > 0))
         stalled.sort(key=lambda seq: -seq.paused_for_s(now_s))
-        for seq in stalled[:max(0, num_wanted)]:
+        for seq in stalled[:num_wanted]:
             self._vacate(seq, keep_cached=True)
             self._park(seq)
 
@@ -348,6 +356,7 @@ class Scheduler:
                 passed_over.append(seq)
                 continue
             placed = self.kv.admit(seq.token_slice, seq.num_tokens, reuse=parent is None)
+            self._is_short_of_cells = placed is None
             if placed is None:
                 self.waiting.push_front(seq)
                 break
