@@ -14,20 +14,17 @@ Usage: .venv/bin/python scripts/bench_busy_host.py [--model PATH] [--requests 10
 
 import argparse
 import multiprocessing
-import os
 import resource
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from cbatch.client import Client
-from cbatch.config import num_usable_cpus
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_long_prompts import CbatchDaemon  # noqa: E402
 
-START_TIMEOUT_S = 180.0
-SCRIPTS_DIR = Path(sys.executable).parent
+from cbatch.client import Client  # noqa: E402
+from cbatch.config import num_usable_cpus  # noqa: E402
+from cbatch.model import resolve_model_path  # noqa: E402
 
 
 def busy_loop() -> None:
@@ -35,31 +32,11 @@ def busy_loop() -> None:
         pass
 
 
-def start_daemon(model: str | None, threads: list[str]) -> tuple[subprocess.Popen, str, str]:
-    workdir = tempfile.mkdtemp(prefix="cbbh-")
-    endpoint = f"ipc://{workdir}/d.sock"
-    log_path = os.path.join(workdir, "daemon.log")
-    args = [str(SCRIPTS_DIR / "cbatch-worker"), "--endpoint", endpoint, "--parallel", "4", "-q", *threads,
-            *(["--model", model] if model else [])]
-    process = subprocess.Popen(args, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                               env={**os.environ, "XDG_RUNTIME_DIR": workdir})
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            with Client(endpoint, connect_timeout_s=1.0) as client:
-                if client.health()["status"] == "ok":
-                    return process, endpoint, log_path
-        except Exception:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not start: {open(log_path).read()[-2000:]}")
-        time.sleep(0.2)
-
-
-def run_once(model: str | None, threads: list[str], args) -> tuple[float, int, str]:
+def run_once(model: str, threads: list[str], args) -> tuple[float, int, str]:
     """(wall seconds for the requests, the compute threads the daemon ended on, its log's governor lines)."""
-    process, endpoint, log_path = start_daemon(model, threads)
+    daemon = CbatchDaemon(model, 4, ["-q", *threads])
     try:
-        with Client(endpoint) as client:
+        with Client(daemon.endpoint) as client:
             items = [{"prompt": f"Write about request {i}:", "max_tokens": args.max_tokens, "temperature": 0,
                       "ignore_eos": True} for i in range(args.requests)]
             started = time.perf_counter()
@@ -67,10 +44,10 @@ def run_once(model: str | None, threads: list[str], args) -> tuple[float, int, s
             wall_s = time.perf_counter() - started
             assert all(not isinstance(result, Exception) for result in results), results
             num_threads = client.stats().get("compute_threads", 0)
+        lines = [line.strip() for line in (daemon.workdir / "daemon.log").read_text().splitlines()
+                 if "compute threads got" in line]
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
-    lines = [line.strip() for line in open(log_path) if "compute threads got" in line]
+        daemon.stop()
     return wall_s, num_threads, "; ".join(lines)
 
 
@@ -89,7 +66,7 @@ def main(argv=None) -> None:
         try:
             walls = {}
             for name, threads in configs.items():
-                wall_s, num_threads, lines = run_once(args.model, threads, args)
+                wall_s, num_threads, lines = run_once(resolve_model_path(args.model), threads, args)
                 walls[name] = wall_s
                 print(f"{'busy' if is_busy else 'quiet'} host, {name}: {wall_s:.1f} s for {args.requests} x "
                       f"{args.max_tokens} tokens, ending on {num_threads} compute threads"
