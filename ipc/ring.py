@@ -7,10 +7,12 @@ read and changed together.
 
 Layout (little-endian; one segment per decode worker, created by the supervisor so that it
 survives a worker restart):
-  header   128 bytes = 16 x uint64: magic, layout_version, capacity (records, power of two),
-           record_size (bytes), write_cursor (records ever published, monotonic),
+  header   4096 bytes = 512 x uint64: magic, layout_version, capacity (records, power of
+           two), record_size (bytes), write_cursor (records ever published, monotonic),
            heartbeat_ns (writer's time.monotonic_ns(), system-wide on Linux), then the crash
-           marks (CrashMark: one per marking thread of the worker), then zeros.
+           marks (CrashMark: one per marking thread of the worker), zeros up to field 16,
+           then the roster: the request ids of the generation llama_decode that runs (up to
+           MAX_ROSTER_IDS; its mark holds how many).
   records  capacity x 64 bytes (RECORD_DTYPE). The record published at cursor position p
            lives in slot p % capacity and carries seq = p + 1 (0: never written, or being
            rewritten right now).
@@ -66,7 +68,7 @@ import struct
 import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -85,15 +87,17 @@ from cbatch.ipc.records import (
 )
 
 MAGIC = int.from_bytes(b"CBRING01", "little")
-LAYOUT_VERSION = 3  # 3: a 128-byte header, one crash mark per marking thread
-HEADER_SIZE_BYTES = 128
+LAYOUT_VERSION = 4  # 4: the generation decode's roster in a 4096-byte header
+HEADER_SIZE_BYTES = 4096
 MAX_CAPACITY_RECORDS = 1 << 24  # 1 GiB of records; anything bigger is a corrupt header
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory segments
 
 # Positions of the mutable uint64 header fields (0..3: magic, version, capacity, record_size).
 _H_WRITE_CURSOR, _H_HEARTBEAT_NS = 4, 5
 _H_FIRST_MARK = 6
+_H_ROSTER = 16
 _NUM_HEADER_FIELDS = HEADER_SIZE_BYTES // 8
+MAX_ROSTER_IDS = _NUM_HEADER_FIELDS - _H_ROSTER  # a larger decode's ids are not kept: all are suspects
 
 _SEQ_BYTES = 8  # the writer stores the body (bytes 8..64) and the seq marker separately
 _VALID_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -113,8 +117,9 @@ class CrashMark(enum.IntEnum):
     """The header's crash marks, which the supervisor reads when the worker dies, to tell who
     crashed it (workers/daemon/crash_blame.py). Each belongs to one thread of the worker, so no
     thread overwrites another's: the request the decode loop samples for alone, the one each
-    preparer prepares (request ids, 0 = none), and whether llama_decode runs on the generation
-    context or the embeddings' (1 = yes: a decode computes for every request in it)."""
+    preparer prepares (request ids, 0 = none), and how many requests the llama_decode that runs
+    on the generation context or the embeddings' computes for (0 = none runs); the generation
+    decode's request ids are in the roster."""
 
     SAMPLING = 0
     PREPARING = 1
@@ -130,6 +135,8 @@ _DECODING_MARKS = (CrashMark.DECODING, CrashMark.EMBEDDING)
 class CrashMarks:
     request_ids: tuple[int, ...]  # the requests the worker was inside native code for alone
     is_decoding: bool  # inside llama_decode, which computes for many requests at once
+    # The requests of the generation llama_decode that ran; None: more than the roster holds.
+    decoding_ids: tuple[int, ...] | None = ()
 
 
 class RingError(Exception):
@@ -175,12 +182,28 @@ class TokenRing:
                 self.header[_H_FIRST_MARK + mark] = value
         return set_mark
 
+    def decode_marker(self, mark: CrashMark) -> Callable[[Sequence[int]], None]:
+        """What the one thread that owns a decoding mark calls with the request ids of the
+        llama_decode it enters, and with () after: the mark holds their number, the roster
+        the generation decode's ids (the embeddings' are ids of another kind)."""
+        def set_decoding(request_ids: Sequence[int]) -> None:
+            if self.header is None:
+                return
+            num_ids = len(request_ids)
+            if mark is CrashMark.DECODING and num_ids <= MAX_ROSTER_IDS:
+                self.header[_H_ROSTER:_H_ROSTER + num_ids] = request_ids
+            self.header[_H_FIRST_MARK + mark] = num_ids
+        return set_decoding
+
     def take_crash_marks(self) -> CrashMarks:
         """The marks a dead worker left, cleared for the next worker."""
         marks = self.header[_H_FIRST_MARK:_H_FIRST_MARK + len(CrashMark)].tolist()
         self.header[_H_FIRST_MARK:_H_FIRST_MARK + len(CrashMark)] = 0
+        num_decoding = marks[CrashMark.DECODING]
+        decoding_ids = (tuple(self.header[_H_ROSTER:_H_ROSTER + num_decoding].tolist())
+                        if num_decoding <= MAX_ROSTER_IDS else None)
         return CrashMarks(tuple(marks[mark] for mark in CrashMark if mark not in _DECODING_MARKS and marks[mark]),
-                          any(marks[mark] for mark in _DECODING_MARKS))
+                          any(marks[mark] for mark in _DECODING_MARKS), decoding_ids)
 
     def close(self) -> None:
         if self._owner is None:

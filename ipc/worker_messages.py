@@ -80,7 +80,9 @@ class WorkerEmbed(_Message):
 
 
 class WorkerEmbedCancel(_Message):
-    """The caller of a WorkerEmbed has gone: none of its inputs is decoded from now on; no reply."""
+    """The caller of a WorkerEmbed has gone: none of its inputs is decoded from now on. Its one
+    WorkerEmbedded (the cancel's, without vectors, or the finished one already sent) says the
+    tokens decoded for it."""
 
     embed_id: int
 

@@ -15,7 +15,7 @@ from daemonkit import submit_lines, wait_until
 from cbatch.errors import CbatchError
 from cbatch.ipc.worker_messages import WorkerSubmit, encode
 from cbatch.params import parse_request
-from cbatch.workers.daemon.probation import MAX_PROBATION_REQUESTS, Probation, request_fingerprint
+from cbatch.workers.daemon.probation import MAX_PROBATION_REQUESTS, TURN_S, Probation, request_fingerprint
 from cbatch.workers.daemon.quarantine import CRASHED_TWICE_MESSAGE, QUARANTINED_MESSAGE
 from cbatch.workers.daemon.request_table import TrackedRequest
 
@@ -77,6 +77,25 @@ def test_requests_on_probation_take_turns_in_arrival_order():
     assert len(probation) == MAX_PROBATION_REQUESTS and 1 not in probation  # the oldest go first
 
 
+def test_a_turn_on_probation_ends_after_its_bound():
+    """A request on probation still in the worker after TURN_S (paused by its reader, or long)
+    lets the next one in, and leaves probation when it finishes all the same."""
+    active, clock = {}, [0.0]
+    probation = Probation(active, clock=lambda: clock[0])
+    first, second = (TrackedRequest(i, b"owner", False, submit=[b""], fingerprint=i) for i in (1, 2))
+    active.update({1: first, 2: second})
+    probation.put([1, 2])
+    assert probation.take_turn(first) and not probation.take_turn(second)
+    first.submit = None
+    clock[0] = TURN_S - 1
+    assert probation.next_turn() == []
+    clock[0] = TURN_S + 1
+    assert probation.next_turn() == [second] and probation.take_turn(second)
+    first.finish = {"finish_reason": "length"}
+    del active[1]
+    assert probation.next_turn() == [] and 1 not in probation and 2 in probation
+
+
 def outcome(chunks):
     """How a request ended: its finish reason, or the error it failed with."""
     try:
@@ -123,6 +142,36 @@ def test_a_crash_inside_llama_decode_catches_the_poison_not_its_batch_mates(tiny
         assert client.health()["worker_pid"] == third_pid
     log = daemon.log()
     assert "its shape is quarantined" not in log and log.count("that exact request is quarantined") == 1
+
+
+def test_requests_queued_or_paused_in_the_worker_are_not_suspects(tiny_model_path, start_daemon, monkeypatch):
+    """A crash inside llama_decode puts only that decode's requests on probation: those queued
+    in the worker behind a full batch, and a paused one in a slot, were in no batch; sent again,
+    they are not held for turns, while the poison alone is caught at its second crash."""
+    monkeypatch.setenv("PYTHONPATH", str(CRASH_ON_POISON))
+    daemon = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 8192), "--park-after", "3600")
+    holders = [{"prompt": f"a holder {i}", "max_tokens": 7000, "ignore_eos": True} for i in range(2)]
+    queued = [{"prompt": f"queued {i}", "max_tokens": 8, "ignore_eos": True, "priority": "batch"} for i in range(3)]
+    poison = {"prompt": DECODE_POISON, "max_tokens": 4}
+    with daemon.client() as client:
+        first_pid = client.health()["worker_pid"]
+        held = [client.submit(**body) for body in holders]  # never read: they pause, and keep the slots
+        streams = [client.submit(**body) for body in queued] + [client.submit(**poison)]
+        wait_until(lambda: (stats := client.stats())["num_queued"] == len(streams) and stats["num_paused"] == 2,
+                   timeout_s=120)
+        client.cancel(held[0].request_id)  # the poison (interactive) takes that slot first
+        # The poison's end first: reading the paused holder would let it back into the batch.
+        results = [outcome(client.read(stream)) for stream in [streams[-1], held[1], *streams[:-1]]]
+        assert all(isinstance(err, CbatchError) and err.code == "worker_restarted" for err in results), results
+        second_pid = new_worker_pid(client, first_pid)
+
+        resent = [client.submit(**body) for body in queued]
+        assert [outcome(client.read(stream)) for stream in resent] == ["length"] * len(queued)
+        poison_end = outcome(client.stream(**poison))  # on probation: caught at its second crash
+        assert isinstance(poison_end, CbatchError) and poison_end.message == CRASHED_TWICE_MESSAGE
+        new_worker_pid(client, second_pid)
+    log = daemon.log()
+    assert "crashed inside llama_decode; 1 requests go on probation" in log, log
 
 
 def test_a_crash_with_two_preparers_marked_blames_no_shape(tiny_model_path, start_daemon, monkeypatch, tmp_path):

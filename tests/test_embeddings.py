@@ -213,6 +213,41 @@ def test_beside_a_generation_an_embedding_gets_the_same_vectors_in_no_fewer_deco
     assert np.allclose(beside_vectors, idle_vectors, atol=TOLERANCE)
 
 
+def test_a_cancelled_embedding_charges_its_tenant_what_was_decoded(daemon):
+    """A caller that gives up on a long embedding call pays for the tokens the worker decoded
+    for it, no more and no less, so that tokens_per_min bounds embed-and-cancel too."""
+    inputs = [f"{TEXTS[i % len(TEXTS)]} " * 9 for i in range(2048)]  # 64 messages of 32 inputs
+
+    def charged(stats: dict) -> int:
+        return stats["tenants"].get("default", {}).get("num_prompt_tokens", 0)
+
+    async def embed_then_cancel(client) -> dict:
+        before = await client.stats()
+        call = asyncio.create_task(client.embeddings(inputs))
+        while (await client.stats())["num_embedding_inputs"] == before["num_embedding_inputs"]:
+            assert not call.done(), "the call finished before it could be cancelled"
+            await asyncio.sleep(0.02)
+        call.cancel()
+        while (stats := await client.stats())["tenants"].get("default", {}).get("num_in_flight"):
+            await asyncio.sleep(0.05)
+        # The worker's counters reach the front-end every 0.25 s; its cancel replies come first.
+        deadline_s = time.monotonic() + 60
+        while charged(stats) - charged(before) != stats["num_embedding_tokens"] - before["num_embedding_tokens"] \
+                and time.monotonic() < deadline_s:
+            await asyncio.sleep(0.05)
+            stats = await client.stats()
+        return before, stats
+
+    async def main():
+        async with await AsyncClient.connect(daemon.endpoint) as client:
+            return await embed_then_cancel(client)
+
+    before, after = asyncio.run(main())
+    decoded = after["num_embedding_tokens"] - before["num_embedding_tokens"]
+    assert decoded > 0 and charged(after) - charged(before) == decoded
+    assert after["num_embedding_inputs"] - before["num_embedding_inputs"] < len(inputs)  # the cancel cut it short
+
+
 def test_embedding_only_model_refuses_generation(daemon, model_id):
     if "bert" not in model_id:
         pytest.skip("the causal model generates")

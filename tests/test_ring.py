@@ -24,7 +24,10 @@ from cbatch.ipc.records import (
     TokenEvent,
 )
 from cbatch.ipc.ring import (
+    MAX_ROSTER_IDS,
     SHM_DIR,
+    CrashMark,
+    CrashMarks,
     RingError,
     RingOverrun,
     RingReader,
@@ -360,6 +363,30 @@ def test_attach_rejects_bad_header(rings, field, value):
     ring.header[field] = value
     with pytest.raises(RingError):
         attach_ring(ring.name)
+
+
+def test_crash_marks_name_the_generation_decodes_requests(rings):
+    """The worker writes the request ids of the llama_decode it enters; a dead worker's marks
+    say them, and are cleared for the next; a batch larger than the roster is unknown (None)."""
+    ring = rings.create(capacity=8)
+    worker_view = attach_ring(ring.name)
+    try:
+        decoding, embedding = (worker_view.decode_marker(mark) for mark in (CrashMark.DECODING, CrashMark.EMBEDDING))
+        sampling = worker_view.marker(CrashMark.SAMPLING)
+        decoding([7, 3, 12])
+        marks = ring.take_crash_marks()
+        assert marks.is_decoding and marks.decoding_ids == (7, 3, 12) and marks.request_ids == ()
+        decoding([5])
+        decoding(())  # left llama_decode
+        sampling(9)
+        assert ring.take_crash_marks() == CrashMarks((9,), False, ())
+        embedding([1, 2])  # embed ids are of another kind: the roster keeps generation ids only
+        assert ring.take_crash_marks() == CrashMarks((), True, ())
+        decoding(range(1, MAX_ROSTER_IDS + 2))
+        assert ring.take_crash_marks() == CrashMarks((), True, None)
+        assert ring.take_crash_marks() == CrashMarks((), False, ())
+    finally:
+        worker_view.close()
 
 
 @pytest.mark.parametrize("size_bytes", [0, 10])

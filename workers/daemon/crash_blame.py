@@ -1,14 +1,18 @@
 """Who crashed the decode worker: read from the crash marks it left in the ring's header.
 
 Each marking thread of the worker has its own mark (ipc/ring.py CrashMark): the decode loop's
-sampling, each preparer's preparation (a request id), and llama_decode on the generation or
-the embeddings context (yes or no). The rule, when the worker died of a crash signal:
+sampling, each preparer's preparation (a request id), and llama_decode on the generation
+context (the request ids of its batch, in the ring's roster) or the embeddings' (how many).
+The rule, when the worker died of a crash signal:
   * Exactly one mark is set and it names a request: that request crashed the worker. It fails
     with `invalid_request`, and its shape is quarantined (quarantine.py).
   * Otherwise the crash is ambiguous (inside llama_decode, which computes for every request in
     its batch; several threads marked; or nothing marked) and no shape is quarantined. The
-    suspects are the marked requests, or every request the worker held when llama_decode was
-    running or nothing was marked. Suspects fail with `worker_restarted` like the rest of the
+    suspects are the marked requests and those of the generation decode that ran; requests
+    queued in the worker, or paused, were in no batch and are not suspects, nor is any
+    generation request when only the embeddings' decode ran. When the roster could not hold
+    the batch, or nothing was marked (the crash was outside every marked call), every request
+    the worker held is a suspect. Suspects fail with `worker_restarted` like the rest of the
     dead worker's requests, and go on probation (probation.py), unless exactly one of them was
     on probation already: that request was a suspect of two crashes, and only it is
     quarantined, exactly (its fingerprint), failing with `invalid_request`.
@@ -36,8 +40,13 @@ def blame_crash(marks: CrashMarks, frontend) -> None:
             frontend.quarantine.add(culprit.shape)
             frontend.fail(culprit, INVALID_REQUEST, QUARANTINED_MESSAGE)
         return
-    is_all_suspect = marks.is_decoding or not marks.request_ids
-    suspects = [tracked for tracked in active.values() if not tracked.is_held] if is_all_suspect else marked
+    is_all_suspect = marks.decoding_ids is None or not (marks.is_decoding or marks.request_ids)
+    if is_all_suspect:
+        suspects = [tracked for tracked in active.values() if not tracked.is_held]
+    else:
+        marked_ids = {tracked.request_id for tracked in marked}
+        suspects = marked + [active[request_id] for request_id in dict.fromkeys(marks.decoding_ids)
+                             if request_id in active and request_id not in marked_ids]
     repeated = [tracked for tracked in suspects if tracked.fingerprint in frontend.probation]
     if len(repeated) == 1:
         culprit = repeated[0]

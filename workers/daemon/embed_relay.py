@@ -38,6 +38,9 @@ class EmbedRelay:
         self._owners: dict[int, tuple[bytes, int, str, bool]] = {}
         self._ids: dict[tuple[bytes, int], int] = {}  # (client identity, nonce) -> embed id, while it runs
         self._held: dict[int, WorkerEmbed] = {}  # not yet sent: no worker is ready
+        # Cancelled in the worker: embed id -> (its tenant, part 0 or not), charged for the
+        # tokens decoded when the worker's one reply to it comes.
+        self._cancelled: dict[int, tuple[str, bool]] = {}
         self._refused: OrderedDict[bytes, tuple[int, CbatchError]] = OrderedDict()  # identity -> (part 0's nonce, why)
         self._next_id = 0
 
@@ -84,19 +87,25 @@ class EmbedRelay:
 
     def on_cancel(self, identity: bytes, nonce: int) -> None:
         """Its caller has gone: the worker drops what it has not embedded yet, and the
-        tenant's slot is free now (usage counts nothing for it). Unknown: answered already."""
+        tenant's slot is free now; its usage and bucket are charged the tokens the worker
+        decoded for it, when the worker says how many. Unknown: answered already."""
         embed_id = self._ids.pop((identity, nonce), None)
         if embed_id is None:
             return
-        _, _, tenant, _ = self._owners.pop(embed_id)
+        _, _, tenant, is_first = self._owners.pop(embed_id)
         self._ledger.release(tenant)
         if self._held.pop(embed_id, None) is None:
+            self._cancelled[embed_id] = (tenant, is_first)
             self._worker.send(WorkerEmbedCancel(embed_id))
 
     def on_embedded(self, message: WorkerEmbedded) -> None:
         owner = self._owners.pop(message.embed_id, None)
-        if owner is None:
-            return  # failed already (a worker restart), or cancelled
+        if owner is None:  # failed already (a worker restart), or cancelled
+            tenant, is_first = self._cancelled.pop(message.embed_id, (None, False))
+            if tenant is not None and message.num_tokens:
+                self._ledger.on_finished(tenant, {"prompt_tokens": message.num_tokens}, time.monotonic(),
+                                         int(is_first))
+            return
         identity, nonce, tenant, is_first = owner
         del self._ids[identity, nonce]
         self._ledger.release(tenant)
@@ -111,7 +120,9 @@ class EmbedRelay:
                                                            "usage": usage})
 
     def fail_all(self, code: str, message: str, include_held: bool) -> None:
-        """End the requests sent to a worker (and, with include_held, those still here)."""
+        """End the requests sent to a worker (and, with include_held, those still here);
+        what the worker decoded for the cancelled ones is lost with it."""
+        self._cancelled.clear()
         for embed_id in list(self._owners):
             if include_held or embed_id not in self._held:
                 self._held.pop(embed_id, None)

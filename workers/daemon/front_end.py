@@ -126,13 +126,16 @@ class FrontEnd:
     def flush_clients(self) -> None:
         """Send what waits for slow clients; pause the requests whose records pile up for
         one that reads slower than they come, and let them go on as it catches up; cancel
-        the requests of one that stopped reading."""
+        the requests of one that stopped reading; hand the worker the next request on
+        probation once a turn is free (every round of the loop: a turn can end by time)."""
         self.clients.flush(time.monotonic())
         changes = self.clients.pauses.changes
         while changes:
             request_id, is_paused = changes.popitem()
             self._set_paused(self.requests.active.get(request_id), BACKLOG, is_paused)
         self._cancel_stalled()
+        for tracked in self.probation.next_turn():  # held while another request on probation had its turn
+            self._forward(tracked)
 
     def _set_paused(self, tracked: TrackedRequest | None, reason: str, is_paused: bool) -> None:
         """The worker pauses a request while any reason to holds, and is told when that changes."""
@@ -290,8 +293,6 @@ class FrontEnd:
             elif isinstance(message, WorkerEvents):
                 self._on_step(message)
             self._cancel_stalled()
-        for tracked in self.probation.next_turn():  # held while another request on probation ran
-            self._forward(tracked)
 
     def _on_step(self, step: WorkerEvents, *, is_front_end_finish: bool = False) -> None:
         """A step's records are kept and relayed (record_relay), then its ends are

@@ -7,8 +7,10 @@ that is submitted again is handed to the worker only while no other request on p
 is in it (the others are held in the front-end, in arrival order, until its turn ends): so a
 poison request crashes the worker again alone among the suspects, and is then quarantined
 exactly (quarantine.py), while the innocents it shared a batch with are resent and complete.
-A request on probation that finishes in the worker leaves probation. At most
-MAX_PROBATION_REQUESTS fingerprints are kept (the oldest go first).
+A request on probation that finishes in the worker leaves probation. A turn lasts at most
+TURN_S: a request that is still in the worker then (its reader paused it, or it generates
+for long) lets the next one in, so no caller holds the others' turns; it stays on probation
+until it finishes. At most MAX_PROBATION_REQUESTS fingerprints are kept (the oldest go first).
 
 A fingerprint is the exact request (prompt or messages, every parameter, tenant) without its
 id or deadline: Python's hash of the bytes the front-end encodes for the worker anyway, taken
@@ -18,6 +20,7 @@ per process, so a caller cannot aim a collision at another's request; fingerprin
 leave the front-end's process.
 """
 
+import time
 from collections import OrderedDict
 
 import msgpack
@@ -27,6 +30,9 @@ from cbatch.workers.daemon.quarantine import add_bounded
 from cbatch.workers.daemon.request_table import TrackedRequest
 
 MAX_PROBATION_REQUESTS = 4096
+# A turn long enough for a poison request's prefill and first tokens, in which its crashes
+# come (a crash later, beside another turn's request, puts both on probation again).
+TURN_S = 30.0
 
 
 def request_fingerprint(submit: WorkerSubmit, body_frame: bytes) -> int:
@@ -45,10 +51,12 @@ class Probation:
     """Which fingerprints are on probation, the one such request in the worker, and those held
     for their turn. `active` is the request table's dict of active requests (read only)."""
 
-    def __init__(self, active: dict[int, TrackedRequest]):
-        self._active = active
+    def __init__(self, active: dict[int, TrackedRequest], clock=time.monotonic):
+        self._active, self._clock = active, clock
         self._fingerprints: OrderedDict[int, None] = OrderedDict()
-        self._in_worker: TrackedRequest | None = None  # the one request on probation handed to the worker
+        self._in_worker: TrackedRequest | None = None  # the one request on probation whose turn it is
+        self._turn_ends_s = 0.0
+        self._turn_over: dict[int, TrackedRequest] = {}  # request id -> still in the worker after its turn
         self._waiting: dict[int, TrackedRequest] = {}  # request id -> held for its turn, in arrival order
 
     def __contains__(self, fingerprint: int) -> bool:
@@ -68,28 +76,38 @@ class Probation:
             return True
         if self._is_turn_free():
             self._waiting.pop(tracked.request_id, None)
-            self._in_worker = tracked
+            self._in_worker, self._turn_ends_s = tracked, self._clock() + TURN_S
             return True
         self._waiting.setdefault(tracked.request_id, tracked)
         return False
 
     def next_turn(self) -> list[TrackedRequest]:
         """The first request still held for its turn, once the turn is free (none: [])."""
-        while self._waiting and self._is_turn_free():
+        while self._is_turn_free() and self._waiting:
             tracked = self._waiting.pop(next(iter(self._waiting)))
             if tracked.is_held and self._active.get(tracked.request_id) is tracked:
                 return [tracked]
         return []
 
     def _is_turn_free(self) -> bool:
-        """No request on probation is in the worker. One whose turn ended with a finish (the
-        worker survived it) leaves probation; one that failed (a crash) stays."""
+        """No request on probation has its turn in the worker. One that ended with a finish
+        (the worker survived it) leaves probation; one that failed (a crash) stays."""
+        for request_id, tracked in list(self._turn_over.items()):
+            if self._active.get(request_id) is not tracked:
+                del self._turn_over[request_id]
+                self._on_ended(tracked)
         tracked = self._in_worker
         if tracked is None:
             return True
         if self._active.get(tracked.request_id) is tracked:
-            return False
-        if tracked.finish is not None:
-            self._fingerprints.pop(tracked.fingerprint, None)
+            if self._clock() < self._turn_ends_s:
+                return False
+            self._turn_over[tracked.request_id] = tracked
+        else:
+            self._on_ended(tracked)
         self._in_worker = None
         return True
+
+    def _on_ended(self, tracked: TrackedRequest) -> None:
+        if tracked.finish is not None:
+            self._fingerprints.pop(tracked.fingerprint, None)

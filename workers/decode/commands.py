@@ -84,10 +84,16 @@ class CommandHandler:
             self._io.preparing_embeds.discard(item.embed_id)
             if item.embed_id in self._early_embed_cancels:
                 self._early_embed_cancels.remove(item.embed_id)
+                self._io.send(WorkerEmbedded(item.embed_id))  # cancelled: nothing decoded
             else:
                 self._embedder.add(item)
         elif isinstance(item, WorkerEmbedCancel):
-            if not self._embedder.cancel(item.embed_id) and item.embed_id in self._io.preparing_embeds:
+            # Answered once, with what its tenant is charged: now, later (still being
+            # prepared), or by the reply already on its way (finished).
+            num_done_tokens = self._embedder.cancel(item.embed_id)
+            if num_done_tokens is not None:
+                self._io.send(WorkerEmbedded(item.embed_id, num_tokens=num_done_tokens))
+            elif item.embed_id in self._io.preparing_embeds:
                 self._early_embed_cancels.add(item.embed_id)
         elif isinstance(item, WorkerEmbedded):  # an embedding request the preparer refused
             self._io.preparing_embeds.discard(item.embed_id)

@@ -62,8 +62,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             engine = Engine(plan.engine, mark_sampling=ring.marker(CrashMark.SAMPLING))
             embedder = Embedder(engine.runner, plan.engine)
             # Each marking thread has its own mark (the ring's CrashMark): who crashed the worker.
-            engine.runner.mark_decoding = ring.marker(CrashMark.DECODING)
-            embedder.mark_decoding = ring.marker(CrashMark.EMBEDDING)
+            engine.runner.mark_decoding = ring.decode_marker(CrashMark.DECODING)
+            embedder.mark_decoding = ring.decode_marker(CrashMark.EMBEDDING)
         except Exception as exc:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)

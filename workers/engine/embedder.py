@@ -106,7 +106,8 @@ class Embedder:
         self.s_per_token: float | None = None  # measured over the recent decodes
         self.num_decodes = 0
         self.num_inputs = 0  # embedded, over all decodes
-        self.mark_decoding = no_mark  # the decode worker's crash mark (ring.marker), told around llama_decode
+        self.num_tokens = 0  # decoded, over all decodes (cancelled jobs' too)
+        self.mark_decoding = no_mark  # the decode worker's crash mark (ring.decode_marker), told around llama_decode
 
     @property
     def has_work(self) -> bool:
@@ -141,17 +142,18 @@ class Embedder:
     def add(self, job: EmbedJob) -> None:
         self._jobs.append(job)
 
-    def cancel(self, embed_id: int) -> bool:
+    def cancel(self, embed_id: int) -> int | None:
         """Drop a job whose caller has gone: none of its inputs is decoded from now on.
-        False if no such job waits (finished, or not prepared yet)."""
+        Returns the tokens decoded for it (what its tenant is charged), or None if no such
+        job waits (finished, or not prepared yet)."""
         job = next((job for job in self._jobs if job.embed_id == embed_id), None)
         if job is None:
-            return False
+            return None
         self._jobs.remove(job)
         if self._open is not None and self._open.job is job:
             lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), self._open.seq_id, -1, -1)
             self._open = None
-        return True
+        return sum(len(tokens) for tokens in job.token_lists[:len(job.vectors)]) + job.num_done_tokens
 
     def max_step_tokens(self, budget_s: float) -> int:
         """The tokens of the next step: a time budget's worth at the measured rate."""
@@ -173,6 +175,7 @@ class Embedder:
         started_s = time.perf_counter()
         status = self._decode(pieces)
         num_tokens = sum(piece.end - piece.start for piece in pieces)
+        self.num_tokens += num_tokens
         # A token's own cost, less the decode's fixed one, so that a small decode does not
         # look dear per token.
         decode_s = time.perf_counter() - started_s
@@ -226,7 +229,7 @@ class Embedder:
             n += num
         batch.wants_logits[:n] = 1  # pooling reads every token's output
         batch.batch.n_tokens = n
-        status = marked_decode(self.mark_decoding, self._ctx, batch.batch)
+        status = marked_decode(self.mark_decoding, [piece.job.embed_id for piece in pieces], self._ctx, batch.batch)
         self.num_decodes += 1
         return status
 
@@ -284,6 +287,7 @@ class Embedder:
     def snapshot(self) -> dict:
         """For the daemon's stats: inputs per decode shows how well callers were batched."""
         return {"num_embedding_decodes": self.num_decodes, "num_embedding_inputs": self.num_inputs,
+                "num_embedding_tokens": self.num_tokens,
                 "embedding_pooling": self.pooling}
 
     def close(self) -> None:

@@ -82,7 +82,8 @@ class ImageWriter:
         if not chunks:
             return []
         self._batch.fill(chunks)
-        status = marked_decode(self._runner.mark_decoding, self._runner.ctx, self._batch.batch)
+        status = marked_decode(self._runner.mark_decoding, [seq.request_id for seq, *_ in chunks], self._runner.ctx,
+                               self._batch.batch)
         if status != 0:
             return [(seq, f"llama_decode failed with status {status} writing an image") for seq, *_ in chunks]
         for seq, _, start, num_positions in chunks:

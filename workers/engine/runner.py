@@ -26,7 +26,7 @@ from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE, OP_RESTORE, OP_SAV
 from cbatch.workers.engine.sampling.backend import BackendSamplers
 from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
 from cbatch.workers.engine.seq_states import restore_entry, save_entry
-from cbatch.workers.engine.step_batch import BatchSpan
+from cbatch.workers.engine.step_batch import BatchSpan, request_ids
 from cbatch.workers.engine.vision import load_vision
 
 MAX_PIECE_BYTES = 256
@@ -132,7 +132,7 @@ class LlamaRunner:
         self._piece_buf = ctypes.create_string_buffer(MAX_PIECE_BYTES)
         self._decode_thread: ThreadPoolExecutor | None = None  # made by the first start_decode
         self._decoding: Future | None = None
-        self.mark_decoding = no_mark  # the decode worker's crash mark (ring.marker), told around llama_decode
+        self.mark_decoding = no_mark  # the decode worker's crash mark (ring.decode_marker), told around llama_decode
         self.max_token_bytes = self._longest_token_bytes()
         self.vision = load_vision(config, self.model, self.has_gpu, self.ctx is not None, _quiet_log)  # or None
         self.description = self._describe(model_path, model_params.n_gpu_layers)
@@ -278,7 +278,7 @@ class LlamaRunner:
         if self.backend_samplers is not None:
             self.backend_samplers.prepare(spans)
         self._batch.fill(spans)
-        return marked_decode(self.mark_decoding, self.ctx, self._batch.batch)
+        return marked_decode(self.mark_decoding, request_ids(spans), self.ctx, self._batch.batch)
 
     def start_decode(self, spans: list[BatchSpan]) -> None:
         """Fill the batch and queue its llama_decode on the decode thread; the caller may
@@ -289,7 +289,8 @@ class LlamaRunner:
         if self.backend_samplers is not None:
             self.backend_samplers.prepare(spans)
         self._batch.fill(spans)
-        self._decoding = self._decode_thread.submit(marked_decode, self.mark_decoding, self.ctx, self._batch.batch)
+        self._decoding = self._decode_thread.submit(marked_decode, self.mark_decoding, request_ids(spans), self.ctx,
+                                                    self._batch.batch)
 
     def wait_decode(self) -> int:
         """The status of the decode that start_decode queued, once it is done."""

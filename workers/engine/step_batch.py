@@ -26,6 +26,11 @@ class BatchSpan:
         return f"BatchSpan(request {self.seq.request_id}, start {self.start}, {self.num_tokens} tokens)"
 
 
+def request_ids(spans: list[BatchSpan]) -> list[int]:
+    """The request ids of a batch's spans, in order (the decode's crash mark)."""
+    return [span.seq.request_id for span in spans]
+
+
 # The unified pool takes a batch in any order, but with per-sequence streams llama.cpp cuts
 # a batch into one micro-batch per run of consecutive seq ids (and equal token counts): in
 # id order a step stays one or two micro-batches, in admission order it falls apart once
