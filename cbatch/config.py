@@ -231,6 +231,8 @@ class DaemonConfig:
     state_dir: str = ""  # with http_address: the uploaded files and batch jobs (cbatch.jobs), kept across restarts
     # Ended batch jobs and their output files are removed this long after they ended; 0 = kept.
     batch_retention_s: float = 30 * 24 * 3600.0
+    # A running batch job gives its place to a waiting tenant's after this long (cbatch.jobs.job_runner).
+    batch_job_slice_s: float = 60.0
     # More names the model answers to (HTTP `model`, OpenAI batch files), beside its file's name.
     aliases: tuple[str, ...] = ()
     # Timeouts of requests that give none, by priority: seconds from arrival; 0 = none.
@@ -300,5 +302,7 @@ class DaemonConfig:
                 raise CbatchError(INVALID_CONFIG, f"{flag} must be in [0, {MAX_TIMEOUT_S:g}] seconds, got {value:g}")
         if self.retention_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--retention must be >= 0, got {self.retention_s}")
+        if self.batch_job_slice_s <= 0:
+            raise CbatchError(INVALID_CONFIG, f"--batch-job-slice must be > 0, got {self.batch_job_slice_s}")
         if self.reconnect_grace_s < 0:
             raise CbatchError(INVALID_CONFIG, f"--reconnect-grace must be >= 0, got {self.reconnect_grace_s}")

@@ -177,3 +177,28 @@ def test_jobs_of_different_tenants_run_side_by_side_and_a_tenants_own_jobs_in_tu
     alice.batches.cancel(long_job.id)
     assert _wait_final(alice, long_job.id).status == "cancelled"
     assert _wait_final(alice, second_job.id).status == "completed"
+
+
+def test_a_ninth_tenants_job_runs_while_eight_long_jobs_take_turns(start_http_daemon, tiny_tools_model_path,
+                                                                   tmp_path):
+    """Eight tenants' long jobs fill the runner; a ninth tenant's job starts once the longest
+    running one has had its slice, and ends while the eight are still in progress."""
+    tenants = [f"t{i}" for i in range(9)]
+    (tmp_path / "keys").write_text("".join(f"{tenant} key-{tenant}\n" for tenant in tenants))
+    daemon = start_http_daemon(tiny_tools_model_path, "--parallel", "2", "--alias", "m", "--batch-job-slice", "2",
+                               "--api-keys-file", str(tmp_path / "keys"))
+    apis = {tenant: daemon.openai(api_key=f"key-{tenant}") for tenant in tenants}
+    body = {"model": "m", "prompt": "go", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    long_jobs = {tenant: _create(apis[tenant], [_line(f"{tenant}-{i}", body) for i in range(5000)])
+                 for tenant in tenants[:8]}
+    wait_until(lambda: all(apis[tenant].batches.retrieve(job.id).status == "in_progress"
+                           for tenant, job in long_jobs.items()), JOB_TIMEOUT_S, poll_s=0.2)
+    ninth = _create(apis["t8"], [_line(f"t8-{i}", body) for i in range(3)])
+    wait_until(lambda: apis["t8"].batches.retrieve(ninth.id).status in FINAL, 120, poll_s=0.2)
+    assert apis["t8"].batches.retrieve(ninth.id).status == "completed"
+    assert all(apis[tenant].batches.retrieve(job.id).status == "in_progress" for tenant, job in long_jobs.items())
+    assert "gives its place to a waiting tenant's job" in daemon.log()
+    for tenant, job in long_jobs.items():
+        apis[tenant].batches.cancel(job.id)
+    for tenant, job in long_jobs.items():
+        assert _wait_final(apis[tenant], job.id).status == "cancelled"

@@ -121,6 +121,10 @@ def make_parser() -> argparse.ArgumentParser:
     add("--batch-retention-days", type=float, default=DAEMON.batch_retention_s / 86400, metavar="DAYS",
         help="ended batch jobs and their output and error files are removed this many days after they ended "
              f"(default {DAEMON.batch_retention_s / 86400:g}; 0 keeps them); uploaded files stay until deleted")
+    add("--batch-job-slice", type=float, default=DAEMON.batch_job_slice_s, metavar="SECONDS",
+        help="batch jobs run one per tenant, up to 8 at once; past that a job that ran this long gives its place to "
+             "a waiting tenant's and goes on later from its finished lines "
+             f"(default {DAEMON.batch_job_slice_s:g})")
     add("--http-processes", type=int, default=0, metavar="N",
         help="HTTP server processes sharing the --http port (default: one per 8 CPUs this daemon may use, 1 to 4)")
     return parser
@@ -182,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
                         http_processes=args.http_processes, api_key=_api_key(args), aliases=tuple(args.alias),
                         state_dir=_state_dir(args, args.endpoint or default_endpoint()),
                         api_keys_file=args.api_keys_file, batch_retention_s=args.batch_retention_days * 86400,
+                        batch_job_slice_s=args.batch_job_slice,
                         interactive_timeout_s=args.interactive_timeout, batch_timeout_s=args.batch_timeout)
 
 

@@ -57,7 +57,8 @@ def output_file_id(batch_id: str, kind: str) -> str:
 
 class JobRun:
     """`client` is the job's own (a cbatch Client); `health` the daemon's, once ready (its
-    model names and thinking tags); `is_runner_stopping()` says the runner drains."""
+    model names and thinking tags); `is_runner_stopping()` says the runner drains, or wants
+    the job's place for a waiting tenant's."""
 
     def __init__(self, store: BatchStore, batch_id: str, client=None, health: dict | None = None,
                  is_runner_stopping=lambda: False):

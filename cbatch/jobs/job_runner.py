@@ -4,11 +4,13 @@ processes take them: they only write the state directory, which this process sca
 
 Jobs run side by side, one per tenant (the tenant of the API key that created the job;
 jobs made without keys are all one tenant's), each tenant's oldest first, up to
-MAX_RUNNING_JOBS at once (past that, the tenants whose job is oldest go first). So a
-tenant's 50,000-line job never holds another tenant's job past its window, and the
-daemon divides the slots between the jobs' lines as it divides them between live
-requests (--fair-share weighs each tenant's tokens). Nothing is paused or thrown away
-to make room: a job ends its lines as they finish.
+MAX_RUNNING_JOBS at once. Past that, tenants take turns: the tenants whose jobs ran least
+lately go first (one never run, the oldest job first), and while one waits, the job that
+has run longest, once past its slice (--batch-job-slice), stops between two arrivals and
+goes on later from its finished lines (the lines it had in flight are sent again then).
+So a tenant's 50,000-line job never holds another tenant's job past its window, however
+many tenants there are, and the daemon divides the slots between the jobs' lines as it
+divides them between live requests (--fair-share weighs each tenant's tokens).
 
 Each running job has a thread and a client of the daemon of its own, with up to
 DEFAULT_MAX_IN_FLIGHT requests outstanding (or the daemon's --parallel, where that is
@@ -23,6 +25,7 @@ import argparse
 import errno
 import fcntl
 import logging
+import math
 import os
 import signal
 import threading
@@ -46,16 +49,20 @@ WAITING_CHECK_S = 1.0  # how often waiting jobs are looked at for a cancel or th
 
 
 class JobRunner:
-    def __init__(self, endpoint: str, state_dir: str, retention_s: float = 0.0):
+    def __init__(self, endpoint: str, state_dir: str, retention_s: float = 0.0, slice_s: float = 60.0):
         self.endpoint = endpoint
         self.state_dir = state_dir
         self.retention_s = retention_s  # ended jobs are removed this long after they ended (0: kept)
+        self.slice_s = slice_s  # a job runs at least this long before it gives its place to a waiting tenant's
         self.store = BatchStore(state_dir)
         self.parent_pid = os.getppid()
         self.is_stopping = False  # SIGTERM, or the daemon is gone
         self._running: dict[str, threading.Thread] = {}  # batch id -> the thread running it
         self._running_tenants: dict[str, str | None] = {}  # batch id -> its tenant
         self._retry_at_s: dict[str, float] = {}  # batch id -> when a job that stopped unfinished may run again
+        self._started_s: dict[str, float] = {}  # batch id -> when its current run started
+        self._last_turn_s: dict[str | None, float] = {}  # tenant -> when its last run started
+        self._yielding: set[str] = set()  # batch ids asked to give their place back (read by their threads)
         self._ended_ids: set[str] = set()
 
     def _is_parent_gone(self) -> bool:
@@ -83,26 +90,41 @@ class JobRunner:
                 log.exception("cbatch jobs: %s could not be ended", batch["id"])
 
     def _start_due(self, pending: list[dict]) -> None:
-        """Start the oldest job of each tenant that runs none, while there is room."""
+        """Start the oldest job of each tenant that runs none, the tenants that ran least
+        lately first, while there is room; without room, a due job asks one to yield."""
         now_s = time.monotonic()
         busy_tenants = set(self._running_tenants.values())
-        for batch in pending:
-            if len(self._running) >= MAX_RUNNING_JOBS:
-                return
+        for batch in sorted(pending, key=lambda batch: self._last_turn_s.get(batch.get(OWNER), -math.inf)):
             batch_id, tenant = batch["id"], batch.get(OWNER)
             if batch_id in self._running or tenant in busy_tenants:
                 continue
             busy_tenants.add(tenant)  # a tenant's later job waits for its earlier one, even one not due
             if self._retry_at_s.get(batch_id, 0.0) > now_s:
                 continue
+            if len(self._running) >= MAX_RUNNING_JOBS:
+                self._ask_to_yield(now_s)
+                return
             thread = threading.Thread(target=self._run_job, args=(batch_id,), name=f"job-{batch_id}", daemon=True)
             self._running[batch_id], self._running_tenants[batch_id] = thread, tenant
+            self._started_s[batch_id] = self._last_turn_s[tenant] = now_s
             thread.start()
+
+    def _ask_to_yield(self, now_s: float) -> None:
+        """A tenant's job waits for room: the job that has run longest, once past its slice,
+        stops between two arrivals (one at a time: the room it leaves goes to the waiting)."""
+        if self._yielding:
+            return
+        batch_id = min(self._running, key=self._started_s.__getitem__)
+        if now_s - self._started_s[batch_id] >= self.slice_s:
+            log.info("cbatch jobs: %s gives its place to a waiting tenant's job after %.0f s; it goes on later",
+                     batch_id, now_s - self._started_s[batch_id])
+            self._yielding.add(batch_id)
 
     def _reap(self) -> None:
         for batch_id, thread in list(self._running.items()):
             if not thread.is_alive():
-                del self._running[batch_id], self._running_tenants[batch_id]
+                del self._running[batch_id], self._running_tenants[batch_id], self._started_s[batch_id]
+                self._yielding.discard(batch_id)
 
     def _run_job(self, batch_id: str) -> None:
         """A job's thread: its own client, one run of the job (to its end, or until it stops)."""
@@ -111,7 +133,8 @@ class JobRunner:
             return
         retry_after_s = PAUSED_RETRY_S
         try:
-            job = JobRun(self.store, batch_id, client, health, lambda: self.is_stopping)
+            job = JobRun(self.store, batch_id, client, health,
+                         lambda: self.is_stopping or batch_id in self._yielding)
             try:
                 is_done = job.run()
             except OSError as err:
@@ -201,9 +224,10 @@ def main(argv=None) -> None:
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--retention-s", type=float, default=0.0)
+    parser.add_argument("--slice-s", type=float, default=60.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    runner = JobRunner(args.endpoint, args.state_dir, args.retention_s)
+    runner = JobRunner(args.endpoint, args.state_dir, args.retention_s, args.slice_s)
 
     def stop(signum, frame):
         runner.is_stopping = True  # each running job stops between two arrivals

@@ -52,7 +52,7 @@ class HttpServers:
 
     def __init__(self, sock: socket.socket, endpoint: str, model_names: list[str], num_processes: int,
                  state_dir: str, max_body_bytes: int, api_key: str = "", api_keys_file: str = "",
-                 batch_retention_s: float = 0.0):
+                 batch_retention_s: float = 0.0, batch_job_slice_s: float = 60.0):
         self.sock = sock
         env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
         if api_keys_file:  # each server reads the file itself, and again on SIGHUP (reload)
@@ -67,7 +67,7 @@ class HttpServers:
             env = {**(env or os.environ), "PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}
         self.processes = [HttpProcess(sock, endpoint, model_names, i, env, state_dir, max_body_bytes)
                           for i in range(num_processes)]
-        self.job_runner = JobRunnerProcess(endpoint, state_dir, batch_retention_s)
+        self.job_runner = JobRunnerProcess(endpoint, state_dir, batch_retention_s, batch_job_slice_s)
 
     def start(self) -> None:
         for process in self.processes:
@@ -136,10 +136,10 @@ class JobRunnerProcess(ChildProcess):
     # says so in the log, /health, cbatch-status and /metrics while it is restarted.
     max_quick_deaths = None
 
-    def __init__(self, endpoint: str, state_dir: str, retention_s: float):
+    def __init__(self, endpoint: str, state_dir: str, retention_s: float, slice_s: float):
         super().__init__(log, None)
-        self.endpoint, self.state_dir, self.retention_s = endpoint, state_dir, retention_s
+        self.endpoint, self.state_dir, self.retention_s, self.slice_s = endpoint, state_dir, retention_s, slice_s
 
     def argv(self) -> list[str]:
         return module_argv("cbatch.jobs.job_runner", "--endpoint", self.endpoint, "--state-dir", self.state_dir,
-                           "--retention-s", str(self.retention_s))
+                           "--retention-s", str(self.retention_s), "--slice-s", str(self.slice_s))

@@ -75,7 +75,8 @@ class Supervisor:
             model_names = served_model_names(config.engine.model_path, config.aliases)
             self.http = HttpServers(http_socket, config.endpoint, model_names, config.http_processes, config.state_dir,
                                     max_body_bytes(config.engine.max_images, config.engine.max_image_bytes),
-                                    config.api_key, config.api_keys_file, config.batch_retention_s)
+                                    config.api_key, config.api_keys_file, config.batch_retention_s,
+                                    config.batch_job_slice_s)
         self._tag = tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
