@@ -242,3 +242,15 @@ def test_bench_busy_host_prints_each_setting_on_a_busy_and_a_quiet_host(tiny_mod
         assert re.search(rf"^{host} host \(\d+ busy loops beside the daemon\): default / best fixed -t {NUMBER}x",
                          out, re.M), out
     assert re.search(rf"^client CPU: {NUMBER} s$", out, re.M), out
+
+
+@pytest.mark.slow
+def test_bench_stalled_readers_prints_the_idle_figure_and_both_kinds_of_stalled_readers(tiny_model_path):
+    out = run_script("bench_stalled_readers", "--model", tiny_model_path, "--parallel", "2", "--park-after", "1",
+                     "--probes", "2")
+    assert re.search(rf"^idle: time to first token median {NUMBER} ms, max {NUMBER} ms \(2 probes\)", out, re.M), out
+    for name in ("zmq", "sse"):
+        assert re.search(rf"^{name}: 2 stalled readers, time to first token first {NUMBER} s, median {NUMBER} ms, "
+                         rf"max {NUMBER} s; [1-9]\d* parks; stalled streams whole once read: True; target (met|missed)$",
+                         out, re.M), out
+    assert re.search(rf"^CPU: the script used {NUMBER} s$", out, re.M), out

@@ -6,6 +6,7 @@ engine's clock, and a real Embedder's decodes (real llama_decode on the tiny mod
 its rate set before each one. The daemon-level effect, a stream's gaps beside a large
 embeddings request, is measured on gemma (test_embeddings_beside_streams.py)."""
 
+import math
 from types import SimpleNamespace
 
 from cbatch.ipc.worker_messages import WorkerEmbed
@@ -17,6 +18,8 @@ TEXT = "the cat sat on the mat by the dog"  # about one token a character on the
 
 class FakeEngine:
     """Generates for `num_steps` steps, each taking `recent_step_s` by its stats."""
+
+    idle_wait_s = math.inf  # nothing waits for a parking or a deadline
 
     def __init__(self, num_steps: int, recent_step_s: float):
         self.num_steps, self.stats = num_steps, SimpleNamespace(recent_step_s=recent_step_s)

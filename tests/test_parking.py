@@ -2,6 +2,8 @@
 waiting requests once paused past the parking bound, and the scheduler does nothing,
 rather than step empty batches, while the queue can only wait for them. No model here."""
 
+import math
+
 import numpy as np
 
 from cbatch.params import SamplingParams
@@ -53,7 +55,7 @@ def test_paused_sequences_keep_their_slots_while_nobody_waits():
     for seq in seqs:
         sched.set_paused(seq, True)
     clock.now_s += 10 * PARK_AFTER_S
-    assert not sched.has_work
+    assert not sched.has_work and sched.idle_wait_s == math.inf
     assert step(sched) == [] and sched.running == seqs and not sched.parked
 
 
@@ -65,9 +67,9 @@ def test_a_waiting_request_is_admitted_once_a_paused_one_passes_the_bound():
     newcomer = make_seq(2)
     sched.add(newcomer)
     assert step(sched) == []  # nothing can run yet: no empty steps until the first parking is due
-    assert not sched.has_work
+    assert not sched.has_work and sched.idle_wait_s == PARK_AFTER_S - 1  # the loop waits that long at most
     clock.now_s += PARK_AFTER_S - 1.5
-    assert not sched.has_work
+    assert not sched.has_work and sched.idle_wait_s == 0.5
     clock.now_s += 0.5
     assert sched.has_work
     spans = step(sched)

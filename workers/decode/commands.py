@@ -39,19 +39,19 @@ class CommandHandler:
         self._early_cancels: dict[int, bool] = {}
         self._early_embed_cancels: set[int] = set()  # the same for embedding requests
 
-    def apply_pending(self, wait_for_one: bool) -> bool:
-        """Apply every command waiting (first waiting up to IDLE_WAIT_S for one when
-        `wait_for_one`: the engine is idle); return whether the loop goes on."""
+    def apply_pending(self, wait_s: float) -> bool:
+        """Apply every command waiting (first waiting up to wait_s, at most IDLE_WAIT_S, for
+        one: the engine is idle); return whether the loop goes on."""
         expired_ids = self._engine.expired_while_queued  # thousands may expire at once: sent over several steps
         for request_id in expired_ids[:MAX_COMMANDS_PER_STEP]:
             self._io.send(WorkerReject(request_id, DEADLINE_EXCEEDED, "the request's timeout passed while it waited "
                                                                       "in the queue; nothing was generated"))
         del expired_ids[:MAX_COMMANDS_PER_STEP]
-        wait_for_one = wait_for_one and not expired_ids
+        wait_for_one = wait_s > 0 and not expired_ids
         if wait_for_one:
             self._publisher.send_stats()  # the engine just went idle: report zero active
         try:
-            item = self._inbox.get(timeout=IDLE_WAIT_S) if wait_for_one else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=min(wait_s, IDLE_WAIT_S)) if wait_for_one else self._inbox.get_nowait()
             for _ in range(MAX_COMMANDS_PER_STEP - 1):
                 self._apply(item)
                 item = self._inbox.get_nowait()

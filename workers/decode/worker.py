@@ -99,13 +99,14 @@ def run_engine_loop(engine: Engine, embedder: Embedder, apply_pending: Callable[
                     publish: Callable[[list[TokenEvent]], None], send: Callable) -> None:
     """Drive the engine and the embedder until `apply_pending` returns False.
 
-    `apply_pending(wait_for_one)` applies pending add/cancel commands to the engine
-    (waiting for one when both are idle) and says whether to go on;
+    `apply_pending(wait_s)` applies pending add/cancel commands to the engine (waiting up
+    to wait_s for one when both are idle: until a parking or a deadline is due) and says
+    whether to go on;
     `publish(events)` gets every step's events, possibly none; `send` takes the
     embedder's replies. With overlap on, the next step is already decoding while
     `publish`, `apply_pending` and an embedding decode run.
     """
-    while apply_pending(not engine.has_work and not embedder.has_work):
+    while apply_pending(0.0 if engine.has_work or embedder.has_work else engine.idle_wait_s):
         if embedder.has_work:  # one embedding decode between two generation steps, at most
             # Beside generation it takes about as long as a step (embedder.py).
             step_s = engine.stats.recent_step_s

@@ -116,6 +116,11 @@ class Engine:
         # A cancel counts: it ends a request even when every running one is paused.
         return self.scheduler.has_work or self._in_flight is not None or bool(self._cancel_ids)
 
+    @property
+    def idle_wait_s(self) -> float:
+        """While has_work is False: how long until a step has work again without a command."""
+        return self.scheduler.idle_wait_s
+
     def prepare(self, request: Request) -> Sequence:
         """A validated request as a Sequence (preparation.py), its saved prefix read from
         the disk tier into memory where only the disk holds it: safe off the loop thread."""

@@ -101,6 +101,12 @@ class Scheduler:
             return True
         return bool(self.waiting) and self.clock() >= self._idle_until_s
 
+    @property
+    def idle_wait_s(self) -> float:
+        """While has_work is False: how long the loop may wait for a command before a step
+        has work again (a parking, or a deadline, is due), or math.inf."""
+        return max(0.0, self._idle_until_s - self.clock()) if self.waiting else math.inf
+
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; QUEUE_FULL (nothing changes) when its priority's room is full."""
         self.waiting.add(seq)
