@@ -77,3 +77,15 @@ def test_a_budget_needs_tags_from_the_request_or_the_model(make_engine):
             "logit_bias": never_closing(engine), "reasoning_budget": 4}
     lent, named = generate(engine, [body, {**body, "reasoning_tags": TAGS}])
     assert len(thinking_of(lent.text)) == 4 and (lent.text, lent.token_ids) == (named.text, named.token_ids)
+
+
+def test_a_mask_made_ahead_before_the_close_tag_is_forced_is_not_used_after_it(make_engine):
+    """With overlap on, a row that missed its constraint gets its next mask while the next
+    batch decodes; when the budget then forces the close tag instead, that mask is of the
+    thinking block's state, and the answer after the tag (digits only) must not be picked by it."""
+    engine = make_engine(overlap=True)
+    body = {"prompt": "hello", "max_tokens": 30, "temperature": 0, "logit_bias": never_closing(engine),
+            "grammar": 'root ::= "<think>" [a-z ]+ "</think>" [0-9]+', "reasoning_budget": 5, "reasoning_tags": TAGS}
+    result = generate(engine, [body])[0]
+    assert result.finish_reason == "length", result
+    assert len(thinking_of(result.text)) == 5 and result.text.split("</think>", 1)[1].isdigit()

@@ -129,3 +129,32 @@ def test_a_request_shape_that_crashed_the_worker_is_refused(tiny_model_path, sta
         assert client.generate(prompt="plain", max_tokens=3).usage["completion_tokens"] == 3
         assert client.health()["worker_pid"] == second_pid
     assert "its shape is quarantined" in crashing.log()
+
+
+CRASH_IN_MASKS = Path(__file__).parent / "crash_in_masks"  # a sitecustomize that aborts filling constrained masks
+ANY_BYTES = 'root ::= [\\x00-\\xff]*'  # every byte token: the plain pick always passes, no mask is made
+
+
+def test_a_crash_filling_one_rows_mask_names_that_row_not_the_last_checked(tiny_model_path, start_daemon,
+                                                                           monkeypatch):
+    """Two constrained rows in a step, the first in the batch missing its constraint, the
+    second passing it: a crash while the first's mask is made quarantines the first's shape."""
+    monkeypatch.setenv("PYTHONPATH", str(CRASH_IN_MASKS))
+    daemon = start_daemon(tiny_model_path, "--parallel", "2", "--ctx-size", str(2 * 8192))
+    passing = {"prompt": "any bytes", "max_tokens": 6000, "grammar": ANY_BYTES, "min_tokens": 6000}
+    with daemon.client() as client:
+        first_pid = client.health()["worker_pid"]
+        holder = client.submit(prompt="a holder", max_tokens=6000, ignore_eos=True)  # the first slot
+        passing_stream = client.stream(**passing)  # the second slot
+        next(passing_stream)
+        client.cancel(holder.request_id)
+        list(client.read(holder))
+        with pytest.raises(CbatchError) as caught:  # in the first slot, before the passing row
+            client.generate(prompt="x", max_tokens=4, grammar=ONE_A, min_tokens=2)
+        assert caught.value.code == "invalid_request" and "made the decode worker crash" in caught.value.message
+        with pytest.raises(CbatchError) as lost:
+            list(passing_stream)
+        assert lost.value.code == "worker_restarted"
+        wait_until(lambda: client.health()["worker_pid"] not in (0, first_pid), timeout_s=120)
+        assert client.generate(**{**passing, "max_tokens": 8, "min_tokens": 8}).finish_reason == "length"  # not refused
+    assert daemon.log().count("its shape is quarantined") == 1

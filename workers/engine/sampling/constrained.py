@@ -14,7 +14,8 @@ With overlap on (a GPU build), the rows that missed at one step get their next m
 while the next batch decodes (prefetch_masks: llguidance and llama_decode both release
 the GIL), and their next pick skips the check: a row that misses tends to miss again (a
 literal the model does not expect, a closing bracket it does not want). The mask is of
-the matcher's state after its last token, which is the state its next pick starts from.
+the matcher's state after its last token, which is the state its next pick starts from;
+a row whose matcher consumes a token elsewhere meanwhile (a forced close tag) drops it.
 
 Invariants: a matcher never consumes a token it rejects, and a chain accepts only the
 token kept; a masked row is a copy, so a fork that shares the row reads it raw. When the
@@ -109,7 +110,8 @@ class ConstrainedRows:
 
     def resolve(self, proposals: list[Proposal], logits: np.ndarray, mark) -> tuple[list, list]:
         """(sequence, token) for each row that keeps a token, and (sequence, error or None)
-        for each dead end. `mark` is told the id of each request whose matcher runs."""
+        for each dead end. `mark` is told the id of each request whose matcher runs: while
+        the masks of several rows are filled at once, none (a crash there names no one)."""
         sampled, dead_ends, misses, ahead = [], [], [], []
         prefetched, self._prefetched = self._prefetched, {}
         for proposal in proposals:
@@ -124,6 +126,8 @@ class ConstrainedRows:
         self.num_checked += len(proposals) - len(ahead)
         self.num_missed += len(misses)
         self.num_prefetched += len(ahead)
+        if misses:
+            mark(misses[0].seq.request_id if len(misses) == 1 else 0)
         masks = self._fill_masks([proposal.seq.matcher for proposal in misses]) if misses else []
         for proposal, mask in [*zip(misses, masks), *((p, prefetched[p.seq]) for p in ahead)]:
             mark(proposal.seq.request_id)
@@ -138,6 +142,12 @@ class ConstrainedRows:
         self._last_missed = []
         if seqs:
             self._prefetched = dict(zip(seqs, self._fill_masks([seq.matcher for seq in seqs]).copy()))
+
+    def drop_masks_ahead(self, seqs) -> None:
+        """Their matchers consumed a token outside resolve (a forced one): the masks made
+        ahead for them are of the state before it."""
+        for seq in seqs:
+            self._prefetched.pop(seq, None)
 
     def _fill_masks(self, matchers: list) -> np.ndarray:
         """The matchers' masks, one row each, in a buffer reused by the next call."""

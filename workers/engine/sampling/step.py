@@ -40,6 +40,8 @@ class StepSampler:
         forced = forced_tokens(budgeted) if budgeted else {}
         if forced:  # their logit rows are read for logprobs only
             logit_rows = [entry for entry in logit_rows if entry[0] not in forced]
+            if self._constrained is not None:  # their matchers moved on: a mask made ahead is stale
+                self._constrained.drop_masks_ahead(forced)
         raw_rows = self._rows_before_masking(logit_rows, num_outputs)
         backend_seqs = [seq for seq, _, _ in logit_rows if seq.is_backend_sampled]
         backend_indices = [index for seq, _, index in logit_rows if seq.is_backend_sampled]
