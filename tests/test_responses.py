@@ -88,6 +88,15 @@ def test_a_tool_calling_loop(api):
     assert final.output[-1].type == "message" and final.output_text
 
 
+def test_a_forced_call_cut_by_max_output_tokens_is_a_call_of_an_incomplete_response(api):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    response = checked(api.responses.create(model="m", input=ask, tools=[WEATHER], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_output_tokens=22))
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    [call] = response.output  # no message item: the cut answer is a call
+    assert call.type == "function_call" and call.name == "get_weather" and call.arguments.startswith("{")
+
+
 def test_structured_output_through_text_format(api):
     schema = {"type": "object", "additionalProperties": False, "required": ["colour"],
               "properties": {"colour": {"type": "string", "maxLength": 12}}}

@@ -72,18 +72,26 @@ def test_required_streamed_gives_tool_call_deltas_and_one_call_without_parallel_
     assert not any(c.choices[0].delta.content for c in chunks)
 
 
-def test_a_forced_call_cut_by_max_tokens_says_length_and_keeps_its_text(api):
-    """SmolLM2 with parallel calls (the default) calls again and again until max_tokens:
-    the answer is not a call, and says so (finish_reason "length", as OpenAI's does for a
-    cut answer), with what the model wrote as content, the same streamed and not."""
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call_and_says_length(api):
+    """SmolLM2 with parallel calls (the default) calls again and again until max_tokens: the
+    answer is the calls as far as written, never content (finish_reason "length", as OpenAI
+    answers a cut call), the whole ones with their arguments, the cut one's as written, the
+    same streamed and not, after a first chunk that promised no content."""
     ask = {"model": model(api), "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
-           "temperature": 0, "max_tokens": 20}
+           "temperature": 0, "max_tokens": 60}
     choice = api.chat.completions.create(**ask).choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith('{"tool_calls": [{"name": "get_weather"')
+    assert choice.finish_reason == "length" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(call.function.name == "get_weather" for call in calls)
+    for call in calls[:-1]:
+        assert_weather_arguments(call.function.arguments)
+    last = calls[-1].function.arguments  # cut as far as written (greedy: the same place every time)
+    assert last.startswith('{"city": "') and not last.endswith("}"), calls
     chunks = [c.choices[0] for c in api.chat.completions.create(**ask, stream=True) if c.choices]
-    assert chunks[-1].finish_reason == "length" and not any(c.delta.tool_calls for c in chunks)
-    assert "".join(c.delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].finish_reason == "length" and not any(c.delta.content for c in chunks)
+    streamed = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [(call.function.name, call.function.arguments) for call in streamed] == \
+        [(call.function.name, call.function.arguments) for call in calls]
 
 
 DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_tools.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)

@@ -80,6 +80,9 @@ class ResponseBuilder:
             if parsed:
                 choice["message"] = {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}
                 choice["finish_reason"] = "tool_calls"
+            elif self.request.tools and self.request.tools.is_forced and reason == "length":  # a call cut short
+                choice["message"] = {"role": "assistant", "content": None,
+                                     "tool_calls": self.request.tools.cut_calls(text) or None}
             elif self.request.kind == CHAT:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

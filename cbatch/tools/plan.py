@@ -4,7 +4,9 @@ which format the model writes them (formats.py).
 With `tool_choice` "required" or a named function the answer is constrained by a grammar
 around the functions' parameter schemas (call_grammar.py), so it is always a call whose arguments
 match its function's schema; with "auto" the model answers freely and an answer that is
-a call becomes `tool_calls`; with "none" the tools are not offered.
+a call becomes `tool_calls`; with "none" the tools are not offered. A forced answer that
+max_tokens cut short is still a call, never content: its calls as far as they were
+written (cut_calls), with `finish_reason: "length"`, as OpenAI answers it.
 """
 
 import json
@@ -18,6 +20,8 @@ from cbatch.tools.formats import JSON_ANSWER, JsonAnswer
 
 MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# How every forced call begins (call_grammar.py): its name, then its arguments' key.
+_CALL_HEAD = re.compile(r'\{"name": ("[A-Za-z0-9_-]{1,64}"), "(?:arguments|parameters)": ')
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
 
 
@@ -70,10 +74,28 @@ class ToolPlan:
         if parsed is None:
             return None
         content, calls = parsed
-        return content or None, [
-            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-            for c in calls]
+        return content or None, [_openai_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+                                 for c in calls]
+
+    def cut_calls(self, text: str) -> list[dict]:
+        """The calls of a forced answer that max_tokens cut short, in OpenAI's shape: each
+        whose name was written, its arguments as JSON when whole, else as far as written
+        (the cut one). None begun: []."""
+        heads = list(_CALL_HEAD.finditer(text))
+        calls = []
+        for head, after in zip(heads, [*(h.start() for h in heads[1:]), len(text)]):
+            written = text[head.end():after]
+            try:
+                arguments = json.dumps(json.JSONDecoder().raw_decode(written)[0], ensure_ascii=False)
+            except json.JSONDecodeError:
+                arguments = written
+            calls.append(_openai_call(json.loads(head.group(1)), arguments))
+        return calls
+
+
+def _openai_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _functions(tools) -> dict[str, dict]:

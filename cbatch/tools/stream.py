@@ -6,7 +6,8 @@ from cbatch.tools.plan import ToolPlan
 class ToolCallStream:
     """One streamed choice of a request with tools: text goes out as content as soon as it
     cannot be (part of) a call (a forced answer always is one); what may be a call is held
-    back and at the end goes out as one `tool_calls` delta, or as content if it was not a call."""
+    back and at the end goes out as one `tool_calls` delta, or as content if it was not a call
+    (a forced answer cut by max_tokens: the calls as far as written, finishing `length`)."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
@@ -22,6 +23,10 @@ class ToolCallStream:
             self.is_start = self.is_start and not released
             return ([{"content": released}] if released else []), None
         parsed = self.plan.parse(self.held)
+        if parsed is None and self.plan.is_forced and finish_reason == "length":
+            calls = self.plan.cut_calls(self.held)
+            return ([{"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}] if calls else []), \
+                finish_reason
         if parsed is None:
             return ([{"content": self.held}] if self.held else []), finish_reason
         content, calls = parsed
