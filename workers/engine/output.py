@@ -42,6 +42,8 @@ class OutputProcessor:
                 continue
             output_ids = seq.output_ids
             output_ids.append(token)
+            if seq.gate is not None and seq.gate.passes(self._token_piece(token)):  # the constraint starts now
+                seq.matcher, seq.gate = seq.gate.matcher, None
             is_complete = seq.matcher is not None and seq.matcher.is_stopped()
             if is_complete or len(output_ids) >= seq.max_output_tokens:
                 text = seq.text.push(self._token_piece(token))

@@ -9,6 +9,7 @@ from cbatch.errors import INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG, C
 from cbatch.params import BATCH, Request
 from cbatch.workers.engine.sampling.budget import ThinkingBudget
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
+from cbatch.workers.engine.sampling.thinking_gate import thinking_gate
 from cbatch.workers.engine.sequence import Sequence
 
 
@@ -40,8 +41,9 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
     text_ids = [token for token in prompt_ids if token >= 0] if images else prompt_ids
     sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, text_ids, on_backend)
     deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
-    return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler, matcher=matcher,
-                    is_backend_sampled=on_backend,
+    gate = thinking_gate(matcher, text, _tags(request, model_reasoning))
+    return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler,
+                    matcher=None if gate is not None else matcher, gate=gate, is_backend_sampled=on_backend,
                     is_batch=request.priority == BATCH, deadline_s=deadline_s,
                     budget=_budget(runner, request, text, model_reasoning),
                     tenant=request.tenant, tenant_weight=request.tenant_weight, images=images)
@@ -64,15 +66,19 @@ def _budget(runner, request: Request, prompt_text: str, model_reasoning: dict | 
     """The request's thinking budget, in the request's tags or else the model's; the block is
     open from the start when the prompt ends in its open tag (a chat template whose generation
     prompt opens it)."""
-    params = request.params
-    if params.reasoning_budget is None:
+    if request.params.reasoning_budget is None:
         return None
-    tags = params.reasoning_tags or (tuple(model_reasoning["tags"]) if model_reasoning else None)
+    tags = _tags(request, model_reasoning)
     if tags is None:
         raise CbatchError(INVALID_REQUEST, "reasoning_budget needs the thinking block's tags, and the daemon knows "
                                           "none for this model: send reasoning_tags [open, close], or start the "
                                           "daemon with --reasoning-tags OPEN CLOSE")
     open_tag, close_tag = tags
     close_ids = runner.tokenize(close_tag, add_special=False)
-    return ThinkingBudget(params.reasoning_budget, tags, close_ids,
+    return ThinkingBudget(request.params.reasoning_budget, tags, close_ids,
                           is_open=prompt_text.rstrip().endswith(open_tag))
+
+
+def _tags(request: Request, model_reasoning: dict | None) -> tuple[str, str] | None:
+    """The thinking block's tags: the request's, else the model's, else None."""
+    return request.params.reasoning_tags or (tuple(model_reasoning["tags"]) if model_reasoning else None)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.sampling.budget import ThinkingBudget
+from cbatch.workers.engine.sampling.thinking_gate import ThinkingGate
 from cbatch.workers.engine.text_stream import TextStream
 
 
@@ -56,6 +57,7 @@ class Sequence:
     sampler: object | None = None  # llama.cpp sampler chain, None for plain greedy
     is_backend_sampled: bool = False  # sampled inside llama_decode's graph (backend sampling)
     matcher: object | None = None  # its constraint's llguidance matcher, at the end of output_ids
+    gate: ThinkingGate | None = None  # holds the matcher while the thinking block the prompt opened is open
     text: TextStream = None  # type: ignore[assignment]
     max_output_tokens: int = 0  # the output length that ends it (set by the engine when it is added)
     arrived_s: float = field(default_factory=time.monotonic)  # when the engine got it (monotonic clock)
