@@ -44,15 +44,16 @@ SPACE_ID = FIRST_BYTE_ID + 256        # "▁" (id 259): spaces round-trip as " "
 BIAS_CHANNEL, BIAS_VALUE, PENALTY = 0, 1.0, -30.0
 
 
-def build_vocab(num_tokens: int | None = None) -> tuple[list[str], list[int]]:
+def build_vocab(num_tokens: int | None = None, user_defined: tuple[str, ...] = ()) -> tuple[list[str], list[int]]:
     """The byte-level vocabulary; `num_tokens` pads it with filler words ("▁w<i>") to a
-    full-size vocabulary, for measuring per-step work that scales with its size."""
+    full-size vocabulary, for measuring per-step work that scales with its size;
+    `user_defined` adds tokens of that type at the end (as Qwen's `<tool_call>`)."""
     T = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581"]
     types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL]
     num_fillers = max(0, (num_tokens or 0) - len(tokens))
-    tokens += [f"\u2581w{i}" for i in range(num_fillers)]
-    types += [T.NORMAL] * num_fillers
+    tokens += [f"\u2581w{i}" for i in range(num_fillers)] + list(user_defined)
+    types += [T.NORMAL] * num_fillers + [T.USER_DEFINED] * len(user_defined)
     return tokens, [int(t) for t in types]
 
 
@@ -114,8 +115,9 @@ class RandomTensors:
         return {f"{name}.weight": np.ones(self._n_embd, np.float32), f"{name}.bias": np.zeros(self._n_embd, np.float32)}
 
 
-def write_gguf(path: str, num_tokens: int | None = None, chat_template: str | None = None) -> None:
-    tokens, token_types = build_vocab(num_tokens)
+def write_gguf(path: str, num_tokens: int | None = None, chat_template: str | None = None,
+               user_defined: tuple[str, ...] = ()) -> None:
+    tokens, token_types = build_vocab(num_tokens, user_defined)
     writer = new_writer(path, "llama", len(tokens), CONTEXT_LENGTH, N_EMBD, N_LAYER, N_FF, N_HEAD)
     writer.add_head_count_kv(N_HEAD_KV)
     writer.add_rope_dimension_count(N_EMBD // N_HEAD)
@@ -161,10 +163,10 @@ def finish_writing(writer: gguf.GGUFWriter, tensors: dict[str, np.ndarray]) -> N
 
 
 def make_tiny_model(path: str | os.PathLike[str] = DEFAULT_PATH, num_tokens: int | None = None,
-                    chat_template: str | None = None) -> str:
+                    chat_template: str | None = None, user_defined: tuple[str, ...] = ()) -> str:
     """Write the model to `path` (atomically; untouched if already identical); see
-    build_vocab for `num_tokens`; `chat_template` is the Jinja text of its template."""
-    return write_atomically(path, lambda tmp: write_gguf(tmp, num_tokens, chat_template))
+    build_vocab for `num_tokens` and `user_defined`; `chat_template` is the Jinja text of its template."""
+    return write_atomically(path, lambda tmp: write_gguf(tmp, num_tokens, chat_template, user_defined))
 
 
 def write_atomically(path: str | os.PathLike[str], write: Callable[[str], None]) -> str:

@@ -35,8 +35,10 @@ LARK_MARKER = "%llguidance"
 MAX_COMPILED = 128  # compiled constraints kept for reuse, the least recently used dropped first
 MAX_TIMINGS = 1024  # compile times kept for the statistics
 MAX_PIECE_BYTES = 1 << 14
-# Tokens a grammar's text can never produce (their text is a control token's): llguidance
-# marks them with this first byte.
+# Tokens a grammar's text can never produce (control tokens: the end of a turn, a chat
+# template's role markers): llguidance marks them with this first byte. User-defined tokens
+# (Qwen's `<tool_call>`, `<think>`) are text: a grammar's `<tool_call>` may be that one
+# token, as the model was trained to write it, or its bytes.
 SPECIAL_PREFIX = b"\xff"
 # llguidance's own bounds on a grammar's size and on each step's work: a hostile schema
 # fails to compile, or its request ends with an error, in bounded time and memory.
@@ -65,16 +67,16 @@ def _llguidance_grammar(params: SamplingParams) -> tuple[str, str]:
 
 def vocabulary_adapter(vocab, eog_ids: list[int]) -> llguidance.LLTokenizer:
     """llguidance's tokenizer over llama.cpp's vocabulary, as `llguidance.llamacpp` makes it
-    but with llama.cpp's current attribute call (its deprecated one warns per token)."""
+    but with llama.cpp's current attribute call (its deprecated one warns per token), and
+    user-defined tokens as text (above)."""
     buffer = ctypes.create_string_buffer(MAX_PIECE_BYTES)
     special = lc.LLAMA_TOKEN_ATTR_CONTROL
-    user_defined = lc.LLAMA_TOKEN_ATTR_USER_DEFINED
     pieces = []
     for token in range(lc.llama_vocab_n_tokens(vocab)):
         n = lc.llama_token_to_piece(vocab, token, buffer, MAX_PIECE_BYTES, 0, True)
         piece = ctypes.string_at(buffer, max(n, 0))  # not buffer.raw: that copies the whole buffer
         attr = lc.llama_vocab_get_attr(vocab, token)
-        if attr & special or (attr & user_defined and piece.startswith(b"<") and piece.endswith(b">")):
+        if attr & special:
             piece = SPECIAL_PREFIX + piece
         pieces.append(piece)
     tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
