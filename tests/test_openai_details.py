@@ -28,6 +28,24 @@ def test_models_lists_the_file_name_then_the_aliases(api):
     assert [m.id for m in api.models.list().data] == [CHAT_MODEL_FILE, *ALIASES]
 
 
+def test_models_tell_the_context_each_request_gets_under_every_name_clients_read(daemon, api):
+    """--ctx-size 2048 over --parallel 2: 1024 tokens a sequence, in OpenRouter's, vLLM's
+    and llama-server's fields; SmolLM2 was trained on 8192. One model by its id, a 404 for
+    another; Anthropic's list shape for a request with anthropic-version."""
+    served = [CHAT_MODEL_FILE, *ALIASES]
+    for model in api.models.list().data:
+        extra = model.model_extra
+        assert extra["context_length"] == extra["max_model_len"] == extra["meta"]["n_ctx"] == 1024
+        assert extra["meta"]["n_ctx_train"] == 8192
+    one = httpx.get(f"{daemon.base_url}/v1/models/{ALIASES[0]}", timeout=10).json()
+    assert one["id"] == ALIASES[0] and one["context_length"] == 1024
+    missing = httpx.get(f"{daemon.base_url}/v1/models/gpt-4", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    listed = httpx.get(f"{daemon.base_url}/v1/models", headers={"anthropic-version": "2023-06-01"}, timeout=10).json()
+    assert [entry["id"] for entry in listed["data"]] == served and listed["has_more"] is False
+    assert listed["data"][0]["type"] == "model" and listed["first_id"] == served[0] and listed["last_id"] == served[-1]
+
+
 def test_an_alias_is_served_and_echoed_and_an_unknown_name_is_a_404_naming_the_served_ones(api):
     reply = api.completions.create(model="local", prompt="Hello", max_tokens=3, temperature=0)
     assert reply.model == "local" and reply.usage.completion_tokens == 3

@@ -29,6 +29,7 @@ from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.hangup import wait_disconnect
 from cbatch.http_api.json_io import json_body, json_response
 from cbatch.http_api.metrics import kv_cache_usage
+from cbatch.http_api.model_list import anthropic_model, anthropic_models, model_entry
 from cbatch.http_api.responses_stream import collect_response, stream_response
 from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState
 from cbatch.jobs.batches import BatchStore
@@ -114,15 +115,19 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
 
 
 async def _models(state: HttpState, request: Request) -> Response:
-    """OpenAI's model objects, and cbatch's `reasoning`: the tags the model thinks in, or null
-    (also while the model loads); `takes_images`: whether chat messages may carry images."""
+    """Every name the model is served under (model_list.py), or the one a path names."""
     if not state.has_been_ready:
-        await state.status()  # the tags come with the daemon's first "ok"
-    takes_images = bool(state.client and state.client.info.get("takes_images"))
-    return json_response({"object": "list", "data": [{"id": name, "object": "model", "created": state.started,
-                                                      "owned_by": "cbatch", "reasoning": state.reasoning,
-                                                      "takes_images": takes_images}
-                                                     for name in state.model_names]})
+        await state.status()  # the tags and the context come with the daemon's first "ok"
+    info = state.client.info if state.client else {}
+    model_id = request.path_params.get("model_id")
+    if model_id is not None and model_id not in state.model_names:
+        return state.error("models", CbatchError(NOT_FOUND, f"model {model_id!r} is not served here; "
+                                                            f"GET /v1/models lists {state.model_names}"))
+    names = state.model_names if model_id is None else [model_id]
+    entries = [model_entry(name, state.started, state.ctx_per_seq, info, state.reasoning) for name in names]
+    if b"anthropic-version" in dict(request.scope["headers"]):  # Anthropic's SDKs read their own shape
+        return json_response(anthropic_models(entries) if model_id is None else anthropic_model(entries[0]))
+    return json_response({"object": "list", "data": entries} if model_id is None else entries[0])
 
 
 async def _health(state: HttpState, request: Request) -> Response:
@@ -185,6 +190,7 @@ def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStor
         Route("/v1/embeddings", bind(embeddings_endpoint), methods=["POST"]),
         Route("/v1/responses", bind(_generate, RESPONSES), methods=["POST"]),
         Route("/v1/models", bind(_models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", bind(_models), methods=["GET"]),
         Route("/health", bind(_health), methods=["GET"]),
         Route("/metrics", bind(_metrics), methods=["GET"]),
         Route("/v1/loads", bind(_loads), methods=["GET"]),

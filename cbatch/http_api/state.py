@@ -32,6 +32,7 @@ class HttpState:
         self.has_been_ready = False  # the daemon answered "ok" once: the model has loaded
         self.num_in_flight = 0
         self.reasoning: dict | None = None  # the tags the model thinks in, from the daemon once ready
+        self.ctx_per_seq: int | None = None  # the context each sequence is served, from the daemon once ready
         self.batch_jobs: str | None = None  # the job runner's state at the last health check ("running", ...)
 
     async def connect(self, keep_trying=lambda: True) -> None:
@@ -68,6 +69,7 @@ class HttpState:
             return "unavailable"
         if reply["status"] == "ok":
             self.has_been_ready, self.reasoning = True, reply.get("reasoning")
+            self.ctx_per_seq = reply.get("ctx_per_seq")
         self.batch_jobs = reply.get("batch_jobs")
         return reply["status"]
 

@@ -80,6 +80,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
                             engine.reasoning,
                             {**chat_texts(engine.runner.model, engine.runner.vocab),
                              "takes_images": engine.runner.vision is not None,
+                             "n_ctx_train": llama_cpp.llama_model_n_ctx_train(engine.runner.model),
                              "keeps_billing_header": plan.engine.keep_billing_header}))
         handler = CommandHandler(engine, embedder, io, io.commands, publisher)
         run_engine_loop(engine, embedder, handler.apply_pending, publisher.publish, io.send)
