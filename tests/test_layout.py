@@ -4,7 +4,9 @@
     cbatch/tools  ->  the shared ones and its own modules (tool calling, for the client and HTTP alike)
     cbatch/client  ->  never cbatch.workers
     cbatch/openai  ->  the shared ones, cbatch/tools and its own modules (OpenAI's shapes, never HTTP or Starlette)
-    cbatch/http_api  ->  the client, cbatch/tools, cbatch/openai, the batch jobs' store and its own modules only
+    cbatch/anthropic  ->  the shared ones, cbatch/tools, cbatch/openai and its own (Anthropic's shapes on chat)
+    cbatch/http_api  ->  the client, cbatch/tools, cbatch/openai, cbatch/anthropic, the batch jobs' store and its own
+                         modules only
     cbatch/batch  ->  never cbatch.workers, cbatch.cli or cbatch.jobs (the batch-file engine both use)
     cbatch/jobs  ->  never cbatch.workers or cbatch.cli (the job runner is one more client of the daemon)
     cbatch/ipc (ipc/)  ->  never cbatch.workers
@@ -76,8 +78,10 @@ def outside(*forbidden: str):
                                       "cbatch.http_api", "cbatch.cli")),
     ("cbatch.tools", lambda name: name in SHARED or name.startswith("cbatch.tools")),
     ("cbatch.openai", lambda name: name in SHARED or name.startswith(("cbatch.tools", "cbatch.openai"))),
+    ("cbatch.anthropic", lambda name: name in SHARED or name.startswith(("cbatch.tools", "cbatch.openai",
+                                                                         "cbatch.anthropic"))),
     ("cbatch.http_api", lambda name: name in SHARED or name in JOB_STORE or name.startswith((
-        "cbatch.client", "cbatch.tools", "cbatch.openai", "cbatch.http_api"))),
+        "cbatch.client", "cbatch.tools", "cbatch.openai", "cbatch.anthropic", "cbatch.http_api"))),
     ("cbatch.batch", outside("cbatch.workers", "cbatch.cli", "cbatch.jobs", "cbatch.http_api")),
     ("cbatch.jobs", outside("cbatch.workers", "cbatch.cli", "cbatch.http_api")),
     ("cbatch.protocol", lambda name: False),

@@ -14,6 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from cbatch.anthropic.messages_output import MessageEvents, anthropic_error_body
+from cbatch.anthropic.messages_request import parse_messages_request
 from cbatch.errors import INVALID_REQUEST, NOT_FOUND, SHUTTING_DOWN, UNAVAILABLE, CbatchError
 from cbatch.http_api.access_log import AccessLog
 from cbatch.http_api.auth import (
@@ -28,6 +30,7 @@ from cbatch.http_api.embeddings import embeddings_endpoint
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.hangup import wait_disconnect
 from cbatch.http_api.json_io import json_body, json_response
+from cbatch.http_api.messages_stream import collect_message, stream_message
 from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.model_list import anthropic_model, anthropic_models, model_entry
 from cbatch.http_api.responses_stream import collect_response, stream_response
@@ -38,7 +41,13 @@ from cbatch.openai.responses_output import ResponseEvents, echoed_fields
 from cbatch.openai.responses_request import parse_responses_request
 
 RESPONSES = "responses"  # POST /v1/responses: a chat request answered in the Responses API's shapes
-ENDPOINTS = {CHAT: "chat", COMPLETION: "completions", RESPONSES: "responses"}  # the metrics' endpoint label
+MESSAGES = "messages"  # POST /v1/messages: a chat request in Anthropic's Messages API's shapes
+# the metrics' endpoint label
+ENDPOINTS = {CHAT: "chat", COMPLETION: "completions", RESPONSES: "responses", MESSAGES: "messages"}
+# The APIs whose answers are events of their own: how a whole one is collected, how a stream is written.
+COLLECT = {RESPONSES: collect_response, MESSAGES: collect_message}
+STREAM = {RESPONSES: stream_response, MESSAGES: stream_message}
+ERROR_SHAPES = {MESSAGES: anthropic_error_body}
 # A body this small that names no schema (nothing to convert to a grammar) is parsed on the
 # event loop: handing it to a worker thread and back costs more CPU than parsing it, about
 # a tenth of the HTTP process's CPU for a short completion. Any body that names one of
@@ -47,7 +56,7 @@ MAX_INLINE_PARSE_BYTES = 8 << 10
 SCHEMA_FIELD_NAMES = (b'"tools"', b'"functions"', b'"response_format"', b'"text"', b'"grammar"', b'"json_schema"')
 
 
-def _parse(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, ResponseEvents | None]:
+def _parse(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, ResponseEvents | MessageEvents | None]:
     """A generation request read: run in a worker thread, as the chat template's rendering
     and a JSON schema's conversion to a grammar take a while (both bounded), and the event
     loop meanwhile serves the other requests' streams."""
@@ -57,6 +66,10 @@ def _parse(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, Respon
         api = parse_responses_request(raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
                                       keeps_billing_header=keeps_billing_header)
         return api, ResponseEvents(api, echoed_fields(raw))
+    if kind == MESSAGES:
+        api = parse_messages_request(raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
+                                     keeps_billing_header=keeps_billing_header)
+        return api, MessageEvents(api)
     return parse_api_request(kind, raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
                              keeps_billing_header=keeps_billing_header), None
 
@@ -69,9 +82,10 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     """A completions, chat or responses request: errors before the first token get their
     status; a stream then goes out as server-sent events; a caller that hangs up cancels it."""
     endpoint = ENDPOINTS[kind]
+    shape = ERROR_SHAPES.get(kind, error_body)
     refusal = await state.refusal()
     if refusal is not None:
-        return state.error(endpoint, refusal)
+        return state.error(endpoint, refusal, shape=shape)
     body = await request.body()
     try:
         if is_parsed_inline(body):
@@ -80,19 +94,20 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
             api, events = await run_in_threadpool(_parse, state, kind, body)
         check_choices_fit(request.scope, len(api.bodies))
     except CbatchError as err:
-        return state.error(endpoint, err)
+        return state.error(endpoint, err, shape=shape)
     tenant = request.scope.get(TENANT_SCOPE_KEY)
     if tenant is not None:  # the key's tenant, whatever the caller's body said
         api.bodies = [{**body, "tenant": tenant} for body in api.bodies]
     state.num_in_flight += 1
     gen = Generation(state, api, endpoint, is_cancel_an_error=kind != RESPONSES)
+    collect_events, stream_out = COLLECT.get(kind), STREAM.get(kind)
     is_streaming_out = False
     watcher = asyncio.create_task(wait_disconnect(request))
     try:
         if api.is_stream:
             work = asyncio.ensure_future(gen.next_round())
         else:
-            work = asyncio.ensure_future(collect_response(gen, events) if kind == RESPONSES else collect(gen))
+            work = asyncio.ensure_future(collect_events(gen, events) if collect_events else collect(gen))
         await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
         if not work.done():  # the client hung up: cancel its choices
             state.metrics.disconnects.labels(endpoint).inc()
@@ -103,10 +118,10 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
         if not api.is_stream:
             return json_response(result)
         is_streaming_out = True
-        stream = stream_response(gen, events, result) if kind == RESPONSES else stream_events(gen, result)
+        stream = stream_out(gen, events, result) if stream_out else stream_events(gen, result)
         return StreamingResponse(stream, media_type="text/event-stream")
     except CbatchError as err:
-        return state.error(endpoint, err)
+        return state.error(endpoint, err, shape=shape)
     finally:
         watcher.cancel()
         if not is_streaming_out:
@@ -178,8 +193,9 @@ def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStor
             err = CbatchError(INVALID_REQUEST, f"{request.method} is not allowed on {request.url.path}")
         else:
             err = CbatchError(NOT_FOUND, f"no route {request.method} {request.url.path}; this server serves "
-                                         "/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, "
-                                         "/v1/models, /v1/files, /v1/batches, /v1/loads, /health, /metrics")
+                                         "/v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, "
+                                         "/v1/embeddings, /v1/models, /v1/files, /v1/batches, /v1/loads, /health, "
+                                         "/metrics")
         return json_response(error_body(err), exc.status_code, exc.headers)
 
     middleware = [Middleware(AccessLog), *([Middleware(RequireApiKey, api_keys=api_keys)] if api_keys else []),
@@ -189,6 +205,7 @@ def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStor
         Route("/v1/chat/completions", bind(_generate, CHAT), methods=["POST"]),
         Route("/v1/embeddings", bind(embeddings_endpoint), methods=["POST"]),
         Route("/v1/responses", bind(_generate, RESPONSES), methods=["POST"]),
+        Route("/v1/messages", bind(_generate, MESSAGES), methods=["POST"]),
         Route("/v1/models", bind(_models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", bind(_models), methods=["GET"]),
         Route("/health", bind(_health), methods=["GET"]),

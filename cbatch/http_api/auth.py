@@ -17,6 +17,7 @@ import logging
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cbatch.anthropic.messages_output import anthropic_error_body
 from cbatch.api_keys import DEFAULT_TENANT, TenantKey, load_keys, tenant_of_key
 from cbatch.errors import FORBIDDEN, INVALID_REQUEST, UNAUTHORIZED, CbatchError
 from cbatch.http_api.json_io import json_response
@@ -26,6 +27,7 @@ API_KEY_ENV = "CBATCH_API_KEY"  # how the daemon hands the key to its HTTP proce
 API_KEYS_FILE_ENV = "CBATCH_API_KEYS_FILE"  # the keys file's path, read by each HTTP process itself
 OPEN_PATHS = ("/health",)
 OPERATOR_PATHS = ("/metrics",)  # for keys with metrics=1 only
+ANTHROPIC_PATHS = ("/v1/messages",)  # answered in Anthropic's error shape
 TENANT_SCOPE_KEY = "cbatch.tenant"
 MAX_CONCURRENT_SCOPE_KEY = "cbatch.max_concurrent"  # the key's max_concurrent (0: no limit)
 BEARER = b"Bearer "
@@ -52,10 +54,14 @@ class ApiKeys:
             return
         log.info("cbatch http: API keys reloaded: %d tenants", len(self.keys))
 
-    def tenant_of(self, authorization: bytes) -> str | None:
-        if not authorization.startswith(BEARER):
-            return None
-        return tenant_of_key(self.keys, authorization[len(BEARER):])
+    def tenant_of(self, headers: dict[bytes, bytes]) -> str | None:
+        """The tenant of the key in `Authorization: Bearer KEY`, or in `x-api-key: KEY` (as
+        Anthropic's SDKs send it); None without a valid one."""
+        authorization = headers.get(b"authorization", b"")
+        if authorization.startswith(BEARER):
+            return tenant_of_key(self.keys, authorization[len(BEARER):])
+        key = headers.get(b"x-api-key")
+        return None if key is None else tenant_of_key(self.keys, key)
 
 
 class RequireApiKey:
@@ -65,9 +71,9 @@ class RequireApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            tenant = self.api_keys.tenant_of(dict(scope["headers"]).get(b"authorization", b""))
+            tenant = self.api_keys.tenant_of(dict(scope["headers"]))
             if tenant is None:
-                await _unauthorized()(scope, receive, send)
+                await _unauthorized(scope["path"])(scope, receive, send)
                 return
             if scope["path"] in OPERATOR_PATHS and not self.api_keys.keys[tenant].metrics:
                 await _forbidden(scope["path"])(scope, receive, send)
@@ -88,10 +94,12 @@ def check_choices_fit(scope: Scope, num_choices: int) -> None:
                                            "lower n, or raise the key's max_concurrent in the keys file")
 
 
-def _unauthorized() -> Response:
+def _unauthorized(path: str) -> Response:
     """Names no tenant: a caller learns nothing of the keys there are."""
-    err = CbatchError(UNAUTHORIZED, "a valid API key is needed: send 'Authorization: Bearer <key>'")
-    return json_response(error_body(err), 401, {"WWW-Authenticate": "Bearer"})
+    err = CbatchError(UNAUTHORIZED, "a valid API key is needed: send 'Authorization: Bearer <key>' or "
+                                    "'x-api-key: <key>'")
+    shape = anthropic_error_body if path.startswith(ANTHROPIC_PATHS) else error_body
+    return json_response(shape(err), 401, {"WWW-Authenticate": "Bearer"})
 
 
 def _forbidden(path: str) -> Response:

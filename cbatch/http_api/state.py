@@ -85,10 +85,11 @@ class HttpState:
             return CbatchError(UNAVAILABLE, "the server is reconnecting to the daemon")
         return None
 
-    def error(self, endpoint: str, err: CbatchError, param: str | None = None) -> Response:
+    def error(self, endpoint: str, err: CbatchError, param: str | None = None, shape=error_body) -> Response:
+        """The error response, in OpenAI's shape or another API's (`shape(err, param)`)."""
         status = error_status(err.code)
         self.metrics.errors.labels(endpoint, str(status), err.code).inc()
         # A router retries these elsewhere, a client later: when the tenant's budget allows, if that is known.
         retry_after_s = RETRY_AFTER_S if err.retry_after_s is None else math.ceil(err.retry_after_s)
         headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
-        return json_response(error_body(err, param), status, headers)
+        return json_response(shape(err, param), status, headers)

@@ -1,0 +1,118 @@
+"""A `/v1/messages` answer in Anthropic's shapes: the message object, and its stream of
+events (`message_start`, then for each content block `content_block_start`, its
+`content_block_delta`s and `content_block_stop`, then `message_delta` with the stop reason
+and usage, and `message_stop`).
+
+Blocks come in the order the model wrote them: `thinking` (the text inside the thinking
+block, for a model that thinks in tags: cbatch/openai/reasoning.py), `text`, and a
+`tool_use` block per call read from the answer (cbatch/tools), whose `input` streams as one
+`input_json_delta`. Stop reasons: `end_turn`, `max_tokens`, `tool_use`. Usage:
+`input_tokens` (the prompt's tokens the prefix cache did not serve),
+`cache_read_input_tokens` (those it did) and `output_tokens`.
+"""
+
+import json
+import uuid
+
+from cbatch.errors import CbatchError
+from cbatch.openai.mapping import ApiRequest, error_status
+from cbatch.openai.reasoning import ReasoningSplitter
+from cbatch.tools import ToolCallStream
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+EMPTY_BLOCKS = {"thinking": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""}}
+DELTAS = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "text")}
+# HTTP status -> Anthropic's error type
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(err: CbatchError, param: str | None = None) -> dict:
+    """Anthropic's error shape, the type told by the status cbatch's code maps to."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(error_status(err.code), "api_error"),
+                                       "message": err.message}}
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+def message_usage(usage: dict | None) -> dict:
+    usage = usage or {}
+    cached = usage.get("cached_tokens", 0)
+    return {"input_tokens": usage.get("prompt_tokens", 0) - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": usage.get("completion_tokens", 0)}
+
+
+class MessageEvents:
+    """One request's events, pushed as its text arrives; `message` is whole at the end."""
+
+    def __init__(self, api: ApiRequest):
+        self.message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": api.model,
+                        "content": [], "stop_reason": None, "stop_sequence": None, "usage": message_usage(None)}
+        self._splitter = ReasoningSplitter(api.reasoning) if api.reasoning else None
+        self._tools = ToolCallStream(api.tools) if api.tools else None
+        self._open: dict | None = None  # the thinking or text block being streamed
+
+    def start(self) -> list[dict]:
+        return [{"type": "message_start", "message": {**self.message, "content": []}}]
+
+    def push(self, text: str, finish_reason: str | None, usage: dict | None) -> list[dict]:
+        """The events of the answer's next text (and of its end, with a finish reason)."""
+        events = []
+        content = text
+        if self._splitter is not None:
+            reasoning, content = self._splitter.push(text, is_last=finish_reason is not None)
+            if reasoning:
+                events += self._text("thinking", reasoning)
+        deltas = [{"content": content}] if content else []
+        if self._tools is not None:
+            deltas, finish_reason = self._tools.push(content, finish_reason)
+        for delta in deltas:
+            if delta.get("content"):
+                events += self._text("text", delta["content"])
+            for call in delta.get("tool_calls", []):
+                events += self._close() + self._tool_use(call)
+        if finish_reason is None:
+            return events
+        events += self._close()
+        self.message["stop_reason"] = STOP_REASONS.get(finish_reason, "end_turn")
+        self.message["usage"] = message_usage(usage)
+        return events + [{"type": "message_delta", "delta": {"stop_reason": self.message["stop_reason"],
+                                                             "stop_sequence": None},
+                          "usage": self.message["usage"]},
+                         {"type": "message_stop"}]
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close()
+            self._open = dict(EMPTY_BLOCKS[kind])
+            events.append({"type": "content_block_start", "index": len(self.message["content"]),
+                           "content_block": dict(EMPTY_BLOCKS[kind])})
+        delta_type, field = DELTAS[kind]
+        self._open[field] += text
+        return events + [{"type": "content_block_delta", "index": len(self.message["content"]),
+                          "delta": {"type": delta_type, field: text}}]
+
+    def _close(self) -> list[dict]:
+        block, self._open = self._open, None
+        if block is None:
+            return []
+        self.message["content"].append(block)
+        return [{"type": "content_block_stop", "index": len(self.message["content"]) - 1}]
+
+    def _tool_use(self, call: dict) -> list[dict]:
+        index = len(self.message["content"])
+        arguments = call["function"]["arguments"]
+        try:
+            arguments_object = json.loads(arguments)
+        except json.JSONDecodeError:  # a forced call max_tokens cut: its input as far as written is lost
+            arguments_object = {}
+        block = {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+                 "name": call["function"]["name"], "input": arguments_object}
+        self.message["content"].append(block)
+        return [{"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
+                {"type": "content_block_delta", "index": index,
+                 "delta": {"type": "input_json_delta", "partial_json": arguments}},
+                {"type": "content_block_stop", "index": index}]

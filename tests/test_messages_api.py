@@ -1,0 +1,107 @@
+"""POST /v1/messages through the official anthropic package, against a real daemon on the
+chat model (SmolLM2): text answers whole and streamed with the SDK's helpers, usage with
+the prefix cache's tokens, what Claude Code sends (system blocks, a system message in the
+middle, cache_control, blocks of unknown types), a tool round trip with tool_result, the
+errors as the SDK's exception classes, and keys sent as x-api-key."""
+
+import json
+
+import anthropic
+import httpx
+import pytest
+from daemonkit import serve_module
+from httpkit import HttpDaemon
+
+from cbatch.model import chat_model_path
+
+WEATHER = {"name": "get_weather", "description": "The weather forecast for a city.",
+           "input_schema": {"type": "object", "additionalProperties": False, "required": ["city"],
+                            "properties": {"city": {"type": "string", "maxLength": 24}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+KEY = "a-key-for-the-tests"
+GREEDY = {"temperature": 0}  # a cbatch field: the SDK names no temperature
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    yield from serve_module(HttpDaemon(chat_model_path(), "--parallel", "2", "--alias", "m", "--api-key", KEY))
+
+
+@pytest.fixture
+def claude(daemon) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=daemon.base_url, api_key=KEY, max_retries=0)
+
+
+def test_a_text_answer_whole_and_streamed_with_its_usage(claude):
+    request = {"model": "m", "max_tokens": 12, "extra_body": GREEDY,
+               "messages": [{"role": "user", "content": "Hello!"}]}
+    message = claude.messages.create(**request)
+    assert message.type == "message" and message.role == "assistant" and message.model == "m"
+    [block] = message.content
+    assert block.type == "text" and block.text and message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.output_tokens <= 12 and message.usage.input_tokens + message.usage.cache_read_input_tokens > 0
+    with claude.messages.stream(**request) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == block.text and final.content[0].text == block.text
+    assert final.stop_reason == message.stop_reason and final.usage.output_tokens == message.usage.output_tokens
+    again = claude.messages.create(**request)
+    assert again.usage.cache_read_input_tokens > 0  # the same prompt, from the prefix cache
+
+
+def test_what_claude_code_sends_is_taken(claude):
+    """System blocks with cache_control and a billing line, a system message mid-conversation,
+    a thinking block of an earlier turn and a block of a type this server does not know."""
+    message = claude.messages.create(
+        model="m", max_tokens=8, extra_body=GREEDY,
+        system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0; cch=abc;"},
+                {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]},
+                  {"role": "assistant", "content": [{"type": "thinking", "thinking": "...", "signature": "s"},
+                                                    {"type": "text", "text": "Hello."}]},
+                  {"role": "system", "content": "Answer in English."},
+                  {"role": "user", "content": [{"type": "text", "text": "Bye"}, {"type": "mystery_block"}]}],
+        metadata={"user_id": "someone"})
+    assert message.content[0].type == "text" and message.usage.output_tokens >= 1
+
+
+def test_a_tool_round_trip(claude):
+    first = claude.messages.create(model="m", max_tokens=64, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use"
+    [call] = [block for block in first.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and isinstance(call.input.get("city"), str) and call.id.startswith("toolu_")
+    with claude.messages.stream(model="m", max_tokens=64, extra_body=GREEDY, messages=ASK, tools=[WEATHER],
+                                tool_choice={"type": "any"}) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use" and streamed.content[-1].input == call.input
+    answer = claude.messages.create(model="m", max_tokens=24, extra_body=GREEDY, tools=[WEATHER], messages=[
+        *ASK, {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": [{"type": "text", "text": "Sunny, 21 C."}]}]}])
+    assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
+
+
+def test_structured_output_through_output_config(claude):
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour"],
+              "properties": {"colour": {"enum": ["red", "blue"]}}}
+    message = claude.messages.create(model="m", max_tokens=32, extra_body=GREEDY, messages=ASK,
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert message.stop_reason == "end_turn" and json.loads(message.content[0].text)["colour"] in ("red", "blue")
+
+
+def test_errors_are_the_sdks_exceptions_in_anthropics_shape(daemon, claude):
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(model="m", max_tokens=0, messages=ASK)
+    assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in bad.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.messages.create(model="claude-opus-4", max_tokens=4, messages=ASK)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=daemon.base_url, api_key="wrong", max_retries=0).messages.create(
+            model="m", max_tokens=4, messages=ASK)
+    assert refused.value.body["error"]["type"] == "authentication_error"
+    bearer = httpx.post(f"{daemon.base_url}/v1/messages", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                        json={"model": "m", "max_tokens": 2, "messages": ASK})
+    assert bearer.status_code == 200 and bearer.json()["type"] == "message"
