@@ -55,10 +55,11 @@ def test_the_fingerprint_names_the_model_and_the_kv_layout(tiny_model_path, tiny
 
 
 class Tokens:
-    """What a BatchSpan reads of a sequence."""
+    """What a BatchSpan reads of a sequence (and the decode's crash mark: its request id)."""
 
     def __init__(self, seq_id: int, tokens: list[int]):
         self.seq_id, self.tokens, self.num_tokens = seq_id, tokens, len(tokens)
+        self.request_id = seq_id
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         return self.tokens[start:stop]
