@@ -96,6 +96,20 @@ def test_response_format_json_object_constrains_the_output(api):
     assert caught.value.body["code"] == "invalid_request"
 
 
+def test_a_json_object_with_a_schema_beside_it_follows_that_schema(api):
+    """instructor's JSON_SCHEMA mode sends the schema beside json_object: it is enforced; and
+    an error about the schema names the field the caller sent, response_format."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"enum": [7, 8]}}}
+    reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=24, temperature=0,
+                                   extra_body={"response_format": {"type": "json_object", "schema": schema}})
+    assert json.loads(reply.choices[0].text)["n"] in (7, 8)
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model=MODEL_ID, prompt="x", max_tokens=2, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert caught.value.body["code"] == "invalid_request" and caught.value.body["param"] == "response_format"
+
+
 def test_logit_bias_and_min_tokens_pass_through(api):
     eos_id = "2"  # </s> of the tiny model: +100 makes it the greedy pick, min_tokens holds it off
     reply = api.completions.create(model=MODEL_ID, prompt="x", max_tokens=10, temperature=0,

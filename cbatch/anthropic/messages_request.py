@@ -167,5 +167,7 @@ def parse_messages_request(raw: dict, model_names: list[str], reasoning: dict | 
             **{name: raw[name] for name in SAME_FIELDS if raw.get(name) is not None},
             **_tools(raw.get("tools"), raw.get("tool_choice")), **_thinking(raw.get("thinking"), reasoning),
             **_output_format(raw)}
-    return parse_api_request(CHAT, chat, model_names, reasoning, chat_template=chat_template,
-                             keeps_billing_header=keeps_billing_header)
+    api = parse_api_request(CHAT, chat, model_names, reasoning, chat_template=chat_template,
+                            keeps_billing_header=keeps_billing_header)
+    api.schema_field = "output_config" if api.schema_field else None  # sent as the chat's response_format
+    return api

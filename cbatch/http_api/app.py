@@ -121,7 +121,7 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
         stream = stream_out(gen, events, result) if stream_out else stream_events(gen, result)
         return StreamingResponse(stream, media_type="text/event-stream")
     except CbatchError as err:
-        return state.error(endpoint, err, shape=shape)
+        return state.error(endpoint, err, api.param_of(err), shape=shape)
     finally:
         watcher.cancel()
         if not is_streaming_out:

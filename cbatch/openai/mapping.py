@@ -90,6 +90,12 @@ class ApiRequest:
     top_logprobs: int | None  # alternatives per token asked for; None = no logprobs
     tools: ToolPlan | None = None  # chat: the tools offered to the model
     reasoning: dict | None = None  # chat: the tags the model thinks in, split from the answer (reasoning.py)
+    schema_field: str | None = None  # the field the caller sent its schema in (response_format, text, ...)
+
+    def param_of(self, err: CbatchError) -> str | None:
+        """The field an error about the request's schema names: the one the caller sent
+        (the daemon's messages name cbatch's own, json_schema); None for other errors."""
+        return self.schema_field if self.schema_field and err.message.startswith("json_schema") else None
 
 
 def _constraint_of(response_format) -> dict:
@@ -100,8 +106,11 @@ def _constraint_of(response_format) -> dict:
     kind = response_format.get("type")
     if kind in (None, "text"):
         return {}
-    if kind == "json_object":
-        return {"json_schema": ANY_JSON_OBJECT}
+    if kind == "json_object":  # with a `schema` beside it (instructor's JSON_SCHEMA mode), that schema
+        schema = response_format.get("schema", ANY_JSON_OBJECT)
+        if not isinstance(schema, dict):
+            raise invalid("response_format.schema must be an object")
+        return {"json_schema": schema}
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -214,7 +223,8 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
         bodies += choices
         prompt_of_choice += [i] * len(choices)
     return ApiRequest(kind, model, bodies, prompt_of_choice, is_stream, bool(options.get("include_usage")),
-                      top_logprobs, tools, reasoning if kind == CHAT else None)
+                      top_logprobs, tools, reasoning if kind == CHAT else None,
+                      "response_format" if raw.get("response_format") is not None else None)
 
 
 @dataclass

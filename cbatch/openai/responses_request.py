@@ -146,4 +146,5 @@ def parse_responses_request(raw, model_names: list[str], reasoning: dict | None,
                             keeps_billing_header=keeps_billing_header)
     if len(api.bodies) != 1:
         raise invalid("a response has one output")
+    api.schema_field = "text" if api.schema_field else None  # text.format, sent as the chat's response_format
     return api
