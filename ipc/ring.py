@@ -126,9 +126,13 @@ class CrashMark(enum.IntEnum):
     PREPARING_LARGE = 2
     DECODING = 3
     EMBEDDING = 4
+    COMPILING = 5  # the preparer of requests whose constraint is compiled
 
 
 _DECODING_MARKS = (CrashMark.DECODING, CrashMark.EMBEDDING)
+# A request mark's value while its thread is in native code for several requests at once
+# (the sampling's joint mask fill): a crash there names no one request.
+SEVERAL_REQUESTS = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ class CrashMarks:
     is_decoding: bool  # inside llama_decode, which computes for many requests at once
     # The requests of the generation llama_decode that ran; None: more than the roster holds.
     decoding_ids: tuple[int, ...] | None = ()
+    is_several: bool = False  # a thread was in native code for several requests it did not name
 
 
 class RingError(Exception):
@@ -202,8 +207,9 @@ class TokenRing:
         num_decoding = marks[CrashMark.DECODING]
         decoding_ids = (tuple(self.header[_H_ROSTER:_H_ROSTER + num_decoding].tolist())
                         if num_decoding <= MAX_ROSTER_IDS else None)
-        return CrashMarks(tuple(marks[mark] for mark in CrashMark if mark not in _DECODING_MARKS and marks[mark]),
-                          any(marks[mark] for mark in _DECODING_MARKS), decoding_ids)
+        request_marks = [marks[mark] for mark in CrashMark if mark not in _DECODING_MARKS and marks[mark]]
+        return CrashMarks(tuple(value for value in request_marks if value != SEVERAL_REQUESTS),
+                          any(marks[mark] for mark in _DECODING_MARKS), decoding_ids, SEVERAL_REQUESTS in request_marks)
 
     def close(self) -> None:
         if self._owner is None:

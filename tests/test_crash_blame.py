@@ -6,6 +6,7 @@ tests/crash_on_poison/sitecustomize.py crashes the worker on two poison prompts.
 
 import timeit
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import msgspec
@@ -13,8 +14,10 @@ import pytest
 from daemonkit import submit_lines, wait_until
 
 from cbatch.errors import CbatchError
+from cbatch.ipc.ring import CrashMarks
 from cbatch.ipc.worker_messages import WorkerSubmit, encode
 from cbatch.params import parse_request
+from cbatch.workers.daemon.crash_blame import blame_crash
 from cbatch.workers.daemon.probation import MAX_PROBATION_REQUESTS, TURN_S, Probation, request_fingerprint
 from cbatch.workers.daemon.quarantine import CRASHED_TWICE_MESSAGE, QUARANTINED_MESSAGE
 from cbatch.workers.daemon.request_table import TrackedRequest
@@ -94,6 +97,35 @@ def test_a_turn_on_probation_ends_after_its_bound():
     first.finish = {"finish_reason": "length"}
     del active[1]
     assert probation.next_turn() == [] and 1 not in probation and 2 in probation
+
+
+class FakeFrontEnd:
+    """What blame_crash reads and calls of the front-end, recorded."""
+
+    def __init__(self, request_ids):
+        self.requests = SimpleNamespace(active={i: TrackedRequest(i, b"o", False, fingerprint=i) for i in request_ids})
+        self.probation = Probation(self.requests.active)
+        self.quarantined, self.failed = [], []
+        self.quarantine = SimpleNamespace(add=self.quarantined.append, add_request=self.quarantined.append)
+
+    def fail(self, tracked, code, message):
+        self.failed.append(tracked.request_id)
+
+
+@pytest.mark.parametrize("marks, suspects", [
+    (CrashMarks((7,), False, ()), None),  # one preparer's request alone: its shape is quarantined
+    (CrashMarks((7,), False, (), is_several=True), [5, 6, 7]),  # beside a joint mask fill: no one is blamed
+    (CrashMarks((), True, (5,)), [5]),  # inside llama_decode: its batch only
+    (CrashMarks((7,), True, (5, 6)), [7, 5, 6]),
+    (CrashMarks((), False, ()), [5, 6, 7]),  # nothing marked: every request the worker held
+])
+def test_who_a_crash_puts_on_probation(marks, suspects):
+    frontend = FakeFrontEnd([5, 6, 7])
+    blame_crash(marks, frontend)
+    if suspects is None:
+        assert len(frontend.quarantined) == 1 and frontend.failed == [7] and len(frontend.probation) == 0
+    else:
+        assert frontend.quarantined == [] and sorted(suspects) == [i for i in (5, 6, 7) if i in frontend.probation]
 
 
 def outcome(chunks):

@@ -25,6 +25,7 @@ from cbatch.ipc.records import (
 )
 from cbatch.ipc.ring import (
     MAX_ROSTER_IDS,
+    SEVERAL_REQUESTS,
     SHM_DIR,
     CrashMark,
     CrashMarks,
@@ -380,6 +381,8 @@ def test_crash_marks_name_the_generation_decodes_requests(rings):
         decoding(())  # left llama_decode
         sampling(9)
         assert ring.take_crash_marks() == CrashMarks((9,), False, ())
+        sampling(SEVERAL_REQUESTS)  # the sampling's joint mask fill: several requests, none named
+        assert ring.take_crash_marks() == CrashMarks((), False, (), is_several=True)
         embedding([1, 2])  # embed ids are of another kind: the roster keeps generation ids only
         assert ring.take_crash_marks() == CrashMarks((), True, ())
         decoding(range(1, MAX_ROSTER_IDS + 2))

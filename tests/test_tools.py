@@ -72,7 +72,7 @@ def test_required_streamed_gives_tool_call_deltas_and_one_call_without_parallel_
     assert not any(c.choices[0].delta.content for c in chunks)
 
 
-def test_a_forced_call_cut_by_max_tokens_is_still_a_call_and_says_length(api):
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call_and_says_length(daemon, api):
     """SmolLM2 with parallel calls (the default) calls again and again until max_tokens: the
     answer is the calls as far as written, never content (finish_reason "length", as OpenAI
     answers a cut call), the whole ones with their arguments, the cut one's as written, the
@@ -92,6 +92,9 @@ def test_a_forced_call_cut_by_max_tokens_is_still_a_call_and_says_length(api):
     streamed = [call for c in chunks for call in c.delta.tool_calls or []]
     assert [(call.function.name, call.function.arguments) for call in streamed] == \
         [(call.function.name, call.function.arguments) for call in calls]
+    with daemon.client() as client:  # the native client says the same
+        result = client.generate(messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
+    assert result.finish_reason == "length" and result.tool_calls[-1]["function"]["arguments"] == last
 
 
 DOCS_EXAMPLE = re.compile(r"<!-- readme-test: skip: run by tests/test_tools.py[^>]*-->\n```(\w*)\n(.*?)```", re.S)

@@ -29,8 +29,9 @@ class Chunk:
     # "logprob", "top_logprobs": [{"token", "bytes", "logprob"}, ...K]}; else None.
     logprobs: list[dict] | None = None
     # With `tools`: on the last chunk, the calls read from the answer, in OpenAI's shape (then
-    # finish_reason is "tool_calls"); text that may be a call is held back until then, and
-    # `text` never holds a call. Else None.
+    # finish_reason is "tool_calls", or "length" for a forced call max_tokens cut short, its
+    # last call's arguments as far as written); text that may be a call is held back until
+    # then, and `text` never holds a call. Else None.
     tool_calls: list[dict] | None = None
     # Only from an OpenAI-compatible HTTP server (cbatch-submit --url): on a chat answer's one
     # chunk, the thinking that server split off `text` (its reasoning_content; "" for none),
@@ -178,7 +179,10 @@ class RequestStream:
 
     @property
     def finish_reason(self) -> str:
-        return "tool_calls" if self.tool_calls else self.finished["finish_reason"]
+        """The daemon's, or "tool_calls" for an answer read as calls (a forced call that
+        max_tokens cut short keeps "length": its last call's arguments are cut)."""
+        is_cut = self.finished["finish_reason"] == "length"
+        return "tool_calls" if self.tool_calls and not is_cut else self.finished["finish_reason"]
 
     def completion(self) -> Completion:
         if self.error is not None:

@@ -63,6 +63,7 @@ class JobRunner:
         self._started_s: dict[str, float] = {}  # batch id -> when its current run started
         self._last_turn_s: dict[str | None, float] = {}  # tenant -> when its last run started
         self._yielding: set[str] = set()  # batch ids asked to give their place back (read by their threads)
+        self._yielded_s: dict[str | None, float] = {}  # tenant -> when its job last gave its place back
         self._ended_ids: set[str] = set()
 
     def _is_parent_gone(self) -> bool:
@@ -102,8 +103,12 @@ class JobRunner:
             if self._retry_at_s.get(batch_id, 0.0) > now_s:
                 continue
             if len(self._running) >= MAX_RUNNING_JOBS:
-                self._ask_to_yield(now_s)
-                return
+                # A job that just gave its place back waits a slice before it asks for one:
+                # the places go round, one a slice, instead of every job yielding in turn.
+                if now_s - self._yielded_s.get(tenant, -math.inf) >= self.slice_s:
+                    self._ask_to_yield(now_s)
+                    return
+                continue
             thread = threading.Thread(target=self._run_job, args=(batch_id,), name=f"job-{batch_id}", daemon=True)
             self._running[batch_id], self._running_tenants[batch_id] = thread, tenant
             self._started_s[batch_id] = self._last_turn_s[tenant] = now_s
@@ -123,8 +128,10 @@ class JobRunner:
     def _reap(self) -> None:
         for batch_id, thread in list(self._running.items()):
             if not thread.is_alive():
+                if batch_id in self._yielding:
+                    self._yielding.discard(batch_id)
+                    self._yielded_s[self._running_tenants[batch_id]] = time.monotonic()
                 del self._running[batch_id], self._running_tenants[batch_id], self._started_s[batch_id]
-                self._yielding.discard(batch_id)
 
     def _run_job(self, batch_id: str) -> None:
         """A job's thread: its own client, one run of the job (to its end, or until it stops)."""

@@ -134,8 +134,9 @@ class FrontEnd:
             request_id, is_paused = changes.popitem()
             self._set_paused(self.requests.active.get(request_id), BACKLOG, is_paused)
         self._cancel_stalled()
-        for tracked in self.probation.next_turn():  # held while another request on probation had its turn
-            self._forward(tracked)
+        if self.worker.ready is not None:  # a restarting worker gets every held request when ready
+            for tracked in self.probation.next_turn():  # held while another request on probation had its turn
+                self._forward(tracked)
 
     def _set_paused(self, tracked: TrackedRequest | None, reason: str, is_paused: bool) -> None:
         """The worker pauses a request while any reason to holds, and is told when that changes."""

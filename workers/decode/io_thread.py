@@ -14,12 +14,14 @@ import queue
 import threading
 import traceback
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from cbatch.errors import INTERNAL
 from cbatch.ipc.worker_messages import WorkerEmbed, WorkerReject, WorkerStop, WorkerSubmit, decode, encode
+from cbatch.params import Request
 from cbatch.protocol import MsgType, ProtocolError, split_frames
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 from cbatch.workers.decode.preparer import is_large_prompt
@@ -38,6 +40,9 @@ class WorkerIO(threading.Thread):
         super().__init__(name="worker-io", daemon=True)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits, for the preparer
         self.large_inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits of large prompts, for their preparer
+        self.compile_inbox: queue.SimpleQueue = queue.SimpleQueue()  # submits whose constraint is compiled
+        # Whether a request's constraint would be compiled (the engine's, set once it is made).
+        self.needs_compile: Callable[[Request], bool] = lambda request: False
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # prepared sequences and other commands, for the loop
         self.preparing: set[int] = set()  # request ids submitted, not yet through the preparer
         self.preparing_embeds: set[int] = set()  # the same of embedding requests
@@ -137,7 +142,9 @@ class WorkerIO(threading.Thread):
             return
         if isinstance(message, WorkerSubmit):
             self.preparing.add(message.request_id)  # before the preparer can hand it on
-            (self.large_inbox if is_large_prompt(message) else self.inbox).put(message)
+            inbox = (self.large_inbox if is_large_prompt(message) else
+                     self.compile_inbox if self.needs_compile(message.request) else self.inbox)
+            inbox.put(message)
         elif isinstance(message, WorkerEmbed):  # tokenized by the preparer too
             self.preparing_embeds.add(message.embed_id)
             self.inbox.put(message)

@@ -1,11 +1,13 @@
 """The decode worker's preparer threads: tokenizing, chat templates and grammars run here,
 off the decode loop's thread (ctypes releases the GIL inside llama.cpp's tokenizer).
 
-Two of them. Requests with a large prompt go to one that runs at a lower scheduling
+Three of them. Requests with a large prompt go to one that runs at a lower scheduling
 priority than the decode threads, so tokenizing a 1 MB prompt never takes a core from
 llama.cpp's threads while they wait at their barrier, and the requests behind it are not
-held up by it. The others go to one at normal priority: a thread of low priority that
-holds the GIL when it is descheduled stalls the decode loop too, which on a busy host
+held up by it. Requests whose constraint must be compiled (none kept for its text) go to
+one of their own, so a large schema's compile (a second or more) never delays the small
+requests behind it. The others go to one at normal priority: a thread of low priority
+that holds the GIL when it is descheduled stalls the decode loop too, which on a busy host
 cost short requests tens of seconds. Each keeps its requests' arrival order."""
 
 import os

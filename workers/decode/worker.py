@@ -68,8 +68,11 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
         publisher = EventPublisher(engine, embedder, ring, io, tick)
+        if not engine.runner.is_embedding_only:
+            io.needs_compile = lambda request: engine.runner.constraints.needs_compile(request.params)
         for source, mark, nice_increment in ((io.inbox, CrashMark.PREPARING, 0),
-                                             (io.large_inbox, CrashMark.PREPARING_LARGE, PREPARE_NICE_INCREMENT)):
+                                             (io.large_inbox, CrashMark.PREPARING_LARGE, PREPARE_NICE_INCREMENT),
+                                             (io.compile_inbox, CrashMark.COMPILING, 0)):
             RequestPreparer(engine, embedder, source, io.commands, ring.marker(mark), nice_increment).start()
         if not engine.runner.is_embedding_only:
             # Structured output's vocabulary adapter, before READY: llguidance builds it holding

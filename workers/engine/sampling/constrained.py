@@ -33,6 +33,7 @@ import llguidance
 import numpy as np
 
 from cbatch.errors import INVALID_REQUEST, CbatchError
+from cbatch.ipc.ring import SEVERAL_REQUESTS
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 # llama_token_data, field for field (int32 id, float logit, float p; 12 bytes, no padding).
@@ -111,7 +112,8 @@ class ConstrainedRows:
     def resolve(self, proposals: list[Proposal], logits: np.ndarray, mark) -> tuple[list, list]:
         """(sequence, token) for each row that keeps a token, and (sequence, error or None)
         for each dead end. `mark` is told the id of each request whose matcher runs: while
-        the masks of several rows are filled at once, none (a crash there names no one)."""
+        the masks of several rows are filled at once, SEVERAL_REQUESTS (a crash there names
+        no one, and puts every request on probation)."""
         sampled, dead_ends, misses, ahead = [], [], [], []
         prefetched, self._prefetched = self._prefetched, {}
         for proposal in proposals:
@@ -127,7 +129,7 @@ class ConstrainedRows:
         self.num_missed += len(misses)
         self.num_prefetched += len(ahead)
         if misses:
-            mark(misses[0].seq.request_id if len(misses) == 1 else 0)
+            mark(misses[0].seq.request_id if len(misses) == 1 else SEVERAL_REQUESTS)
         masks = self._fill_masks([proposal.seq.matcher for proposal in misses]) if misses else []
         for proposal, mask in [*zip(misses, masks), *((p, prefetched[p.seq]) for p in ahead)]:
             mark(proposal.seq.request_id)

@@ -11,7 +11,11 @@ next.
   schema or grammar gets a copy of the compiled matcher (a deep copy shares the compiled
   grammar) instead of compiling it again.
 - A constraint llguidance cannot compile, or a feature it does not implement, is an
-  invalid_request that names the field and what llguidance said.
+  invalid_request that names the field and what llguidance said; the refusal is kept by
+  the constraint's text as well, so the same bad schema sent again is refused at once.
+- needs_compile tells the decode worker's I/O thread which requests would compile: they
+  go to a preparer of their own, so a large schema's compile never holds up the small
+  requests behind it.
 
 Grammars: text that starts with `%llguidance` is llguidance's Lark (as llama.cpp's server
 takes it); any other is GBNF, converted to Lark by llguidance's own converter.
@@ -93,6 +97,7 @@ class ConstraintCompiler:
         self._tokenizer = None
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        self._refused: OrderedDict[tuple, CbatchError] = OrderedDict()  # the constraints that failed to compile
         self.adapter_build_s: float | None = None  # how long the vocabulary adapter took, once built
         self.compile_s: deque[float] = deque(maxlen=MAX_TIMINGS)  # the latest compiles' times, for the statistics
 
@@ -104,6 +109,12 @@ class ConstraintCompiler:
                 self.adapter_build_s = time.perf_counter() - started
             return self._tokenizer
 
+    def needs_compile(self, params: SamplingParams) -> bool:
+        """Whether the request's constraint would be compiled (neither it nor its refusal is kept)."""
+        key = (params.grammar, params.json_schema)
+        with self._lock:
+            return params.has_constraint and key not in self._compiled and key not in self._refused
+
     def matcher(self, params: SamplingParams) -> llguidance.LLMatcher:
         """A fresh matcher for the request's constraint; raises CbatchError if it cannot compile."""
         key = (params.grammar, params.json_schema)
@@ -112,6 +123,20 @@ class ConstraintCompiler:
             if compiled is not None:
                 self._compiled.move_to_end(key)
                 return compiled.deep_copy()
+            if key in self._refused:
+                raise self._refused[key]
+        try:
+            compiled, elapsed_s = self._compile(params)
+        except CbatchError as err:
+            with self._lock:
+                _keep(self._refused, key, err)
+            raise
+        with self._lock:
+            self.compile_s.append(elapsed_s)
+            _keep(self._compiled, key, compiled)
+        return compiled.deep_copy()
+
+    def _compile(self, params: SamplingParams) -> tuple[llguidance.LLMatcher, float]:
         field, grammar = _llguidance_grammar(params)
         tokenizer = self.tokenizer()  # waits for the adapter, outside the compile's time
         started = time.perf_counter()
@@ -119,9 +144,11 @@ class ConstraintCompiler:
         elapsed_s = time.perf_counter() - started
         if compiled.is_error():
             raise CbatchError(INVALID_REQUEST, f"{field} cannot be used as a constraint: {compiled.get_error()}")
-        with self._lock:
-            self.compile_s.append(elapsed_s)
-            self._compiled[key] = compiled
-            while len(self._compiled) > MAX_COMPILED:
-                self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        return compiled, elapsed_s
+
+
+def _keep(kept: OrderedDict, key: tuple, value) -> None:
+    """Keep value by key, the least recently kept dropped past MAX_COMPILED."""
+    kept[key] = value
+    while len(kept) > MAX_COMPILED:
+        kept.popitem(last=False)
