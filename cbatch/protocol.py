@@ -26,6 +26,7 @@ class MsgType(enum.IntEnum):
     EMBED = 0x07  # {nonce, input: [str | [token id]], dimensions?} -> EMBED_REPLY (or ERROR with nonce)
     EMBED_CANCEL = 0x08  # {nonce}: the caller of that EMBED has gone; no reply
     PAUSE = 0x09  # {request_id, is_paused}: the client holds more of it than its caller took; no reply
+    COUNT = 0x0A  # {nonce, body}: a request's prompt tokens, as the model sees it -> COUNT_REPLY (or ERROR)
     # front-end -> client
     WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring[, chat_template,
     #                 bos_token, eos_token, adds_bos]}: sent again when the worker is (re)ready
@@ -35,6 +36,7 @@ class MsgType(enum.IntEnum):
     HEALTH_REPLY = 0x25
     STATS_REPLY = 0x26
     EMBED_REPLY = 0x27  # {nonce, embeddings: [float32 little-endian bytes], usage: {prompt_tokens, total_tokens}}
+    COUNT_REPLY = 0x28  # {nonce, num_tokens}
     # front-end <-> decode worker: the bodies are the structs of cbatch.ipc.worker_messages
     WORKER_READY = 0x41
     WORKER_SUBMIT = 0x42
@@ -47,6 +49,8 @@ class MsgType(enum.IntEnum):
     WORKER_EMBEDDED = 0x49
     WORKER_PAUSE = 0x4A
     WORKER_EMBED_CANCEL = 0x4B
+    WORKER_COUNT = 0x4C
+    WORKER_COUNTED = 0x4D
 
 
 class ProtocolError(Exception):

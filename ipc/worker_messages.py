@@ -98,6 +98,23 @@ class WorkerEmbedded(_Message):
     message: str = ""
 
 
+class WorkerCount(_Message):
+    """How many tokens the request's prompt is as the model sees it (its chat template
+    applied, each image's positions counted); nothing runs."""
+
+    count_id: int
+    request: Request
+
+
+class WorkerCounted(_Message):
+    """A WorkerCount's answer, or its error (a non-empty code)."""
+
+    count_id: int
+    num_tokens: int = 0
+    code: str = ""
+    message: str = ""
+
+
 class WorkerEvents(_Message):
     """One step's output: its records as written to the ring (RECORD_DTYPE rows, in event
     order), the end of each request it finished, and the logprobs of the requests that
@@ -123,6 +140,7 @@ _TYPES = {
     WorkerCancel: MsgType.WORKER_CANCEL, WorkerStop: MsgType.WORKER_STOP, WorkerReject: MsgType.WORKER_REJECT,
     WorkerEvents: MsgType.WORKER_EVENTS, WorkerEmbed: MsgType.WORKER_EMBED, WorkerEmbedded: MsgType.WORKER_EMBEDDED,
     WorkerPause: MsgType.WORKER_PAUSE, WorkerEmbedCancel: MsgType.WORKER_EMBED_CANCEL,
+    WorkerCount: MsgType.WORKER_COUNT, WorkerCounted: MsgType.WORKER_COUNTED,
 }
 _CLASSES = {msg_type: cls for cls, msg_type in _TYPES.items()}
 

@@ -90,6 +90,17 @@ def test_structured_output_through_output_config(claude):
     assert message.stop_reason == "end_turn" and json.loads(message.content[0].text)["colour"] in ("red", "blue")
 
 
+def test_count_tokens_counts_the_prompt_as_the_model_sees_it(daemon, claude):
+    """The count of a request is its prompt tokens when it runs, tools and system included."""
+    request = {"model": "m", "system": "You are terse.", "messages": ASK, "tools": [WEATHER]}
+    counted = claude.messages.count_tokens(**request).input_tokens
+    ran = claude.messages.create(max_tokens=1, extra_body=GREEDY, **request).usage
+    assert counted == ran.input_tokens + ran.cache_read_input_tokens > 20
+    assert claude.messages.count_tokens(model="m", messages=ASK).input_tokens < counted  # no tools, no system
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.count_tokens(model="m", messages=[])
+
+
 def test_errors_are_the_sdks_exceptions_in_anthropics_shape(daemon, claude):
     with pytest.raises(anthropic.BadRequestError) as bad:
         claude.messages.create(model="m", max_tokens=0, messages=ASK)

@@ -286,6 +286,11 @@ class AsyncClient(ClientBase):
         counted in `tenant`'s usage and limits (default: "default")."""
         return joined_embeddings(await self._ask(MsgType.EMBED, embed_messages(inputs, dimensions, tenant)))
 
+    async def count_tokens(self, body: dict) -> int:
+        """The tokens of a request body's prompt (a `prompt`, or `messages` rendered by the
+        model's chat template), as the model would see it; nothing is generated."""
+        return (await self._ask(MsgType.COUNT, [{"body": body}]))[0]["num_tokens"]
+
     async def embed(self, inputs, dimensions: int | None = None) -> list[list[float]]:
         """One L2-normalized vector per input (a string or a list of token ids), in order."""
         return (await self.embeddings(inputs, dimensions)).vectors

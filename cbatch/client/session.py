@@ -260,7 +260,7 @@ class Session:
             raise error  # the handshake itself was refused
 
     def _on_health(self, body: dict) -> None:
-        """A HEALTH, STATS or EMBED reply: also the answer to a liveness ping, if it named requests."""
+        """A HEALTH, STATS, EMBED or COUNT reply: also the answer to a liveness ping, if it named requests."""
         lost_ids = set(body.get("lost_request_ids", ()))
         for request_id in self.liveness.take_pinged_ids(body.get("nonce")):
             stream = self.streams.get(request_id)
@@ -277,7 +277,7 @@ class Session:
 
     _handlers = {MsgType.WELCOME: _on_welcome, MsgType.RECORDS: _on_records, MsgType.FINISHED: _on_finished,
                  MsgType.ERROR: _on_error, MsgType.HEALTH_REPLY: _on_health, MsgType.STATS_REPLY: _on_health,
-                 MsgType.EMBED_REPLY: _on_health}
+                 MsgType.EMBED_REPLY: _on_health, MsgType.COUNT_REPLY: _on_health}
 
     def read_ring(self, is_pumped: bool = False) -> None:
         """Take what the process's ring reader put for this session; with is_pumped,

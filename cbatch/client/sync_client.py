@@ -148,6 +148,11 @@ class Client(ClientBase):
     def stats(self) -> dict:
         return self._ask(MsgType.STATS)[0]
 
+    def count_tokens(self, body: dict) -> int:
+        """The tokens of a request body's prompt (a `prompt`, or `messages` rendered by the
+        model's chat template), as the model would see it; nothing is generated."""
+        return self._ask(MsgType.COUNT, [{"body": body}])[0]["num_tokens"]
+
     def embeddings(self, inputs, dimensions: int | None = None, tenant: str | None = None) -> Embeddings:
         """Embeddings of the inputs (strings or token-id lists) with the tokens they took,
         counted in `tenant`'s usage and limits (default: "default")."""

@@ -30,6 +30,7 @@ from cbatch.http_api.embeddings import embeddings_endpoint
 from cbatch.http_api.generation import Generation, collect, stream_events
 from cbatch.http_api.hangup import wait_disconnect
 from cbatch.http_api.json_io import json_body, json_response
+from cbatch.http_api.messages_count import count_tokens_endpoint
 from cbatch.http_api.messages_stream import collect_message, stream_message
 from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.model_list import anthropic_model, anthropic_models, model_entry
@@ -206,6 +207,7 @@ def make_app(state: HttpState, api_keys: ApiKeys | None = None, store: BatchStor
         Route("/v1/embeddings", bind(embeddings_endpoint), methods=["POST"]),
         Route("/v1/responses", bind(_generate, RESPONSES), methods=["POST"]),
         Route("/v1/messages", bind(_generate, MESSAGES), methods=["POST"]),
+        Route("/v1/messages/count_tokens", bind(count_tokens_endpoint), methods=["POST"]),
         Route("/v1/models", bind(_models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", bind(_models), methods=["GET"]),
         Route("/health", bind(_health), methods=["GET"]),

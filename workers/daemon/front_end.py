@@ -19,6 +19,7 @@ from cbatch.errors import INTERNAL, INVALID_REQUEST, SHUTDOWN_MESSAGE, SHUTTING_
 from cbatch.ipc.records import TokenEvent, frame_events
 from cbatch.ipc.worker_messages import (
     WorkerCancel,
+    WorkerCounted,
     WorkerEmbedded,
     WorkerEvents,
     WorkerPause,
@@ -31,6 +32,7 @@ from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
 from cbatch.workers.daemon.client_link import ClientLink
+from cbatch.workers.daemon.count_relay import CountRelay
 from cbatch.workers.daemon.embed_relay import EmbedRelay
 from cbatch.workers.daemon.handshakes import Handshakes
 from cbatch.workers.daemon.probation import Probation, request_fingerprint
@@ -63,6 +65,7 @@ class FrontEnd:
         ledger = TenantLedger(config.api_keys_file)
         self.requests = RequestTable(engine.max_in_flight, config.retention_s, ledger)
         self.embeds = EmbedRelay(self.clients, worker, engine.parallel + engine.max_queue, ledger)
+        self.counts = CountRelay(self.clients, worker, engine.parallel + engine.max_queue)
         self._is_draining = False
         self.quarantine = Quarantine()  # shapes of requests that crashed the worker, refused
         self.probation = Probation(self.requests.active)  # suspects of crashes no one request was blamed for
@@ -275,6 +278,7 @@ class FrontEnd:
         MsgType.STATS: _stats,
         MsgType.EMBED: lambda self, identity, body: self.embeds.on_embed(identity, body, self._is_draining),
         MsgType.EMBED_CANCEL: lambda self, identity, body: self.embeds.on_cancel(identity, field(body, "nonce", int)),
+        MsgType.COUNT: lambda self, identity, body: self.counts.on_count(identity, body, self._is_draining),
     }
 
     # ---- decode worker ------------------------------------------------------------
@@ -287,6 +291,8 @@ class FrontEnd:
                 self.embeds.forward_held()
             elif isinstance(message, WorkerEmbedded):
                 self.embeds.on_embedded(message)
+            elif isinstance(message, WorkerCounted):
+                self.counts.on_counted(message)
             elif isinstance(message, WorkerReject):
                 tracked = self.requests.active.get(message.request_id)
                 if tracked is not None:
@@ -321,6 +327,7 @@ class FrontEnd:
             if include_held or not tracked.is_held:
                 self.fail(tracked, code, message)
         self.embeds.fail_all(code, message, include_held)
+        self.counts.fail_all(code, message)
 
     def cancel_all(self) -> None:
         """The drain's end: what runs ends with shutting_down, which tells every client the

@@ -5,6 +5,7 @@ import queue
 from cbatch.errors import DEADLINE_EXCEEDED, CbatchError
 from cbatch.ipc.worker_messages import (
     WorkerCancel,
+    WorkerCounted,
     WorkerEmbedCancel,
     WorkerEmbedded,
     WorkerPause,
@@ -95,6 +96,8 @@ class CommandHandler:
                 self._io.send(WorkerEmbedded(item.embed_id, num_tokens=num_done_tokens))
             elif item.embed_id in self._io.preparing_embeds:
                 self._early_embed_cancels.add(item.embed_id)
+        elif isinstance(item, WorkerCounted):  # a count the preparer made: straight back
+            self._io.send(item)
         elif isinstance(item, WorkerEmbedded):  # an embedding request the preparer refused
             self._io.preparing_embeds.discard(item.embed_id)
             self._early_embed_cancels.discard(item.embed_id)

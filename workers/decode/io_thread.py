@@ -20,7 +20,15 @@ import msgspec
 import zmq
 
 from cbatch.errors import INTERNAL
-from cbatch.ipc.worker_messages import WorkerEmbed, WorkerReject, WorkerStop, WorkerSubmit, decode, encode
+from cbatch.ipc.worker_messages import (
+    WorkerCount,
+    WorkerEmbed,
+    WorkerReject,
+    WorkerStop,
+    WorkerSubmit,
+    decode,
+    encode,
+)
 from cbatch.params import Request
 from cbatch.protocol import MsgType, ProtocolError, split_frames
 from cbatch.workers.decode.plan import WorkerPlan, worker_identity
@@ -147,6 +155,8 @@ class WorkerIO(threading.Thread):
             inbox.put(message)
         elif isinstance(message, WorkerEmbed):  # tokenized by the preparer too
             self.preparing_embeds.add(message.embed_id)
+            self.inbox.put(message)
+        elif isinstance(message, WorkerCount):  # rendered and tokenized there, nothing more
             self.inbox.put(message)
         else:
             self.commands.put(message)

@@ -17,7 +17,14 @@ import traceback
 from collections.abc import Callable
 
 from cbatch.errors import INTERNAL, INVALID_REQUEST, CbatchError
-from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded, WorkerReject, WorkerSubmit
+from cbatch.ipc.worker_messages import (
+    WorkerCount,
+    WorkerCounted,
+    WorkerEmbed,
+    WorkerEmbedded,
+    WorkerReject,
+    WorkerSubmit,
+)
 from cbatch.workers.engine.embedder import Embedder, EmbedJob
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.sequence import Sequence
@@ -63,9 +70,12 @@ class RequestPreparer(threading.Thread):
             self._mark_preparing(0)
             self.outbox.put(prepared)
 
-    def _prepare(self, submit: WorkerSubmit | WorkerEmbed) -> Sequence | WorkerReject | EmbedJob | WorkerEmbedded:
+    def _prepare(self, submit: WorkerSubmit | WorkerEmbed | WorkerCount
+                 ) -> Sequence | WorkerReject | EmbedJob | WorkerEmbedded | WorkerCounted:
         if isinstance(submit, WorkerEmbed):
             return self._prepare_embed(submit)
+        if isinstance(submit, WorkerCount):
+            return self._count(submit)
         try:
             self._mark_preparing(submit.request_id)
             seq = self._engine.prepare(submit.request)
@@ -84,6 +94,16 @@ class RequestPreparer(threading.Thread):
             return WorkerReject(submit.request_id, INTERNAL, f"the worker failed to prepare this request: "
                                                              f"{type(err).__name__}")
 
+
+    def _count(self, count: WorkerCount) -> WorkerCounted:
+        try:
+            return WorkerCounted(count.count_id, self._engine.count_prompt_tokens(count.request))
+        except CbatchError as err:
+            return WorkerCounted(count.count_id, code=err.code, message=err.message)
+        except Exception as err:  # a bug costs this count, as above
+            traceback.print_exc()
+            return WorkerCounted(count.count_id, code=INTERNAL, message=f"the worker failed to count this request's "
+                                                                        f"tokens: {type(err).__name__}")
 
     def _prepare_embed(self, embed: WorkerEmbed) -> EmbedJob | WorkerEmbedded:
         try:

@@ -25,7 +25,7 @@ from cbatch.workers.engine.image_steps import image_writer
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.output import OutputProcessor
-from cbatch.workers.engine.preparation import prepare_sequence
+from cbatch.workers.engine.preparation import count_prompt_tokens, prepare_sequence
 from cbatch.workers.engine.reasoning import model_reasoning
 from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.sampling.host import free_sampler_chain
@@ -128,6 +128,10 @@ class Engine:
         if self.host_tier is not None:
             self.host_tier.prefetch(seq.prompt_ids)
         return seq
+
+    def count_prompt_tokens(self, request: Request) -> int:
+        """The request's prompt tokens, as the model sees it (preparation.py): off the loop thread."""
+        return count_prompt_tokens(self.runner, request)
 
     def add(self, seq: Sequence) -> None:
         """Queue a prepared sequence; on error (a full queue, a taken id) its sampler is freed."""

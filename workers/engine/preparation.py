@@ -49,6 +49,15 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
                     tenant=request.tenant, tenant_weight=request.tenant_weight, images=images)
 
 
+def count_prompt_tokens(runner, request: Request) -> int:
+    """The prompt's tokens as the model sees it (the chat rendered, an image's positions
+    counted), for a count only: nothing is checked against a sequence's context."""
+    if runner.is_embedding_only:
+        raise CbatchError(MODEL_EMBEDS_ONLY, f"this model ({runner.architecture}) only computes embeddings")
+    text = request.prompt if request.messages is None else runner.render_chat(request.messages)
+    return len(prompt_tokens(runner, request, text)[0])
+
+
 def prompt_tokens(runner, request: Request, text: str) -> tuple[list[int], tuple]:
     """The prompt's token ids, and its images' embeddings and positions when it has images."""
     if not request.images:
