@@ -7,6 +7,7 @@ budget closes the block (the random-weight model would not close it by itself)."
 
 import json
 
+import anthropic
 import pytest
 from conftest import REPO, load_script
 from daemonkit import serve_module
@@ -62,3 +63,18 @@ def test_the_responses_api_gives_the_answer_as_a_message_after_the_reasoning(api
                                     text={"format": {"type": "json_schema", "name": "colour", "schema": COLOUR}})
     assert response.status == "completed" and response.output[-1].type == "message"
     assert json.loads(response.output_text)["colour"] in ("red", "blue")
+
+
+def test_the_messages_api_gives_a_thinking_block_then_the_answer(daemon):
+    claude = anthropic.Anthropic(base_url=daemon.base_url, api_key="none", max_retries=0)
+    request = {"model": "m", "max_tokens": 60, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 6},
+               "output_config": {"format": {"type": "json_schema", "schema": COLOUR}},
+               "extra_body": {"temperature": 0}}
+    message = claude.messages.create(**request)
+    thinking, text = message.content
+    assert thinking.type == "thinking" and thinking.thinking and text.type == "text"
+    assert json.loads(text.text)["colour"] in ("red", "blue") and message.stop_reason == "end_turn"
+    with claude.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    assert [(block.type, getattr(block, "thinking", None) or getattr(block, "text", None))
+            for block in streamed.content] == [("thinking", thinking.thinking), ("text", text.text)]
