@@ -5,6 +5,7 @@ middle, cache_control, blocks of unknown types), a tool round trip with tool_res
 errors as the SDK's exception classes, and keys sent as x-api-key."""
 
 import json
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -63,6 +64,32 @@ def test_what_claude_code_sends_is_taken(claude):
                   {"role": "user", "content": [{"type": "text", "text": "Bye"}, {"type": "mystery_block"}]}],
         metadata={"user_id": "someone"})
     assert message.content[0].type == "text" and message.usage.output_tokens >= 1
+
+
+RECORDED = Path(__file__).parent / "recorded" / "claude_code_request.json"
+
+
+def test_a_recorded_claude_code_request_streams_anthropics_event_sequence(daemon):
+    """Claude Code's shape, as it sends it (billing line, cache_control everywhere, a thinking
+    block of an earlier turn, a tool round, a system message mid-conversation, a block of an
+    unknown type), replayed raw: the events come in Anthropic's order, each named by its type."""
+    with httpx.stream("POST", f"{daemon.base_url}/v1/messages", json=json.loads(RECORDED.read_text()), timeout=120,
+                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+    assert all(name == event["type"] for name, event in events)
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    blocks = names[2:-2]
+    assert blocks and blocks[0] == "content_block_start" and blocks[-1] == "content_block_stop"
+    assert set(blocks) <= {"content_block_start", "content_block_delta", "content_block_stop"}
+    assert events[-2][1]["delta"]["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+    assert events[-2][1]["usage"]["output_tokens"] >= 1
 
 
 def test_a_tool_round_trip(claude):

@@ -1,5 +1,5 @@
 """A `/v1/messages` answer in Anthropic's shapes: the message object, and its stream of
-events (`message_start`, then for each content block `content_block_start`, its
+events (`message_start`, `ping`, then for each content block `content_block_start`, its
 `content_block_delta`s and `content_block_stop`, then `message_delta` with the stop reason
 and usage, and `message_stop`).
 
@@ -55,7 +55,8 @@ class MessageEvents:
         self._open: dict | None = None  # the thinking or text block being streamed
 
     def start(self) -> list[dict]:
-        return [{"type": "message_start", "message": {**self.message, "content": []}}]
+        """The stream's opening: the message without content, then a `ping`, as Anthropic's begin."""
+        return [{"type": "message_start", "message": {**self.message, "content": []}}, {"type": "ping"}]
 
     def push(self, text: str, finish_reason: str | None, usage: dict | None) -> list[dict]:
         """The events of the answer's next text (and of its end, with a finish reason)."""
