@@ -31,7 +31,7 @@ class MsgType(enum.IntEnum):
     WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring[, chat_template,
     #                 bos_token, eos_token, adds_bos]}: sent again when the worker is (re)ready
     RECORDS = 0x22  # {request_id, records: [[index, token_id, flags, finish, count, text], ...]}
-    FINISHED = 0x23  # {request_id, finish_reason, usage, num_records, error}
+    FINISHED = 0x23  # {request_id, finish_reason, usage, num_records, error[, stop_string]}
     ERROR = 0x24  # {code, message, request_id?, nonce?}
     HEALTH_REPLY = 0x25
     STATS_REPLY = 0x26

@@ -74,6 +74,7 @@ class TokenEvent:
     logprobs: list | None = None  # per token, for requests that asked (engine/sampling/logprobs.py)
     index: int = 0  # the request's record index of the event's first record
     error_code: str = ""  # with "error": the stable code the caller gets (cbatch.errors); "" = decode_failed
+    stop_string: str = ""  # with "stop": the request's stop string that ended it ("" for the model's own end)
 
     @property
     def finish(self) -> int:

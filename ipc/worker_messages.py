@@ -121,7 +121,7 @@ class WorkerEvents(_Message):
     asked. Built by `of_step`, the one place events become this message."""
 
     records: bytes
-    ends: list = field(default_factory=list)  # [request_id, finish_reason, usage, error, error_code]
+    ends: list = field(default_factory=list)  # [request_id, finish_reason, usage, error, error_code, stop_string]
     logprobs: list = field(default_factory=list)  # [request_id, index of its first token record, entries]
     stats: dict | None = None  # the engine's snapshot, at most every STATS_INTERVAL_S
 
@@ -129,7 +129,7 @@ class WorkerEvents(_Message):
     def of_step(cls, events: list[TokenEvent], framed: np.ndarray, stats: dict | None = None) -> "WorkerEvents":
         """framed: the events' records (frame_events); an event's token records come first,
         so its logprobs entries belong to the records from its index on."""
-        ends = [[event.request_id, event.finish_reason, event.usage, event.error, event.error_code]
+        ends = [[event.request_id, event.finish_reason, event.usage, event.error, event.error_code, event.stop_string]
                 for event in events if event.finish_reason]
         logprobs = [[event.request_id, event.index, event.logprobs] for event in events if event.logprobs]
         return cls(framed.tobytes(), ends, logprobs, stats)

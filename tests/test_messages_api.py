@@ -50,6 +50,22 @@ def test_a_text_answer_whole_and_streamed_with_its_usage(claude):
     assert again.usage.cache_read_input_tokens > 0  # the same prompt, from the prefix cache
 
 
+def test_a_stop_sequence_is_named_in_the_stop_reason(daemon, claude):
+    request = {"model": "m", "max_tokens": 16, "extra_body": GREEDY, "messages": [{"role": "user", "content": "Hi"}]}
+    text = claude.messages.create(**request).content[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert len(stop) == 3, text
+    message = claude.messages.create(**request, stop_sequences=["never written", stop])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
+    assert message.content[0].text == text[:text.index(stop)]
+    with claude.messages.stream(**request, stop_sequences=[stop]) as stream:
+        assert stream.get_final_message().stop_sequence == stop
+    with daemon.client() as client:  # the native client names it on its last chunk
+        chunks = list(client.stream(messages=[{"role": "user", "content": "Hi"}], max_tokens=16, temperature=0,
+                                    stop=[stop]))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_string == stop
+
+
 def test_what_claude_code_sends_is_taken(claude):
     """System blocks with cache_control and a billing line, a system message mid-conversation,
     a thinking block of an earlier turn and a block of a type this server does not know."""

@@ -24,18 +24,18 @@ def test_multibyte_characters_are_held_until_complete():
 def test_stop_string_across_pieces_is_cut_and_never_released():
     stream = TextStream(("STOP",))
     released = push_all(stream, [b"one S", b"T", b"O", b"P two"])
-    assert "".join(released) == "one " and stream.is_stopped
+    assert "".join(released) == "one " and stream.is_stopped and stream.stop_string == "STOP"
 
 
 def test_near_miss_is_released_once_it_cannot_match():
     stream = TextStream(("abc",))
     released = push_all(stream, [b"xa", b"b", b"d"])
-    assert released == ["x", "", "abd"] and not stream.is_stopped
+    assert released == ["x", "", "abd"] and not stream.is_stopped and stream.stop_string == ""
 
 
 def test_earliest_of_several_stop_strings_wins():
     stream = TextStream(("world", "lo w"))
-    assert stream.push(b"hello world") == "hel" and stream.is_stopped
+    assert stream.push(b"hello world") == "hel" and stream.is_stopped and stream.stop_string == "lo w"
 
 
 def test_incomplete_character_at_the_end_becomes_a_replacement():

@@ -6,7 +6,8 @@ and usage, and `message_stop`).
 Blocks come in the order the model wrote them: `thinking` (the text inside the thinking
 block, for a model that thinks in tags: cbatch/openai/reasoning.py), `text`, and a
 `tool_use` block per call read from the answer (cbatch/tools), whose `input` streams as one
-`input_json_delta`. Stop reasons: `end_turn`, `max_tokens`, `tool_use`. Usage:
+`input_json_delta`. Stop reasons: `end_turn`, `max_tokens`, `tool_use`, `stop_sequence`
+(with the stop sequence that ended the answer). Usage:
 `input_tokens` (the prompt's tokens the prefix cache did not serve),
 `cache_read_input_tokens` (those it did) and `output_tokens`.
 """
@@ -58,8 +59,10 @@ class MessageEvents:
         """The stream's opening: the message without content, then a `ping`, as Anthropic's begin."""
         return [{"type": "message_start", "message": {**self.message, "content": []}}, {"type": "ping"}]
 
-    def push(self, text: str, finish_reason: str | None, usage: dict | None) -> list[dict]:
-        """The events of the answer's next text (and of its end, with a finish reason)."""
+    def push(self, text: str, finish_reason: str | None, usage: dict | None, stop_string: str | None = None
+             ) -> list[dict]:
+        """The events of the answer's next text (and of its end, with a finish reason, and
+        the stop sequence that ended it, if one did)."""
         events = []
         content = text
         if self._splitter is not None:
@@ -77,10 +80,11 @@ class MessageEvents:
         if finish_reason is None:
             return events
         events += self._close()
-        self.message["stop_reason"] = STOP_REASONS.get(finish_reason, "end_turn")
+        self.message["stop_reason"] = "stop_sequence" if stop_string else STOP_REASONS.get(finish_reason, "end_turn")
+        self.message["stop_sequence"] = stop_string or None
         self.message["usage"] = message_usage(usage)
         return events + [{"type": "message_delta", "delta": {"stop_reason": self.message["stop_reason"],
-                                                             "stop_sequence": None},
+                                                             "stop_sequence": self.message["stop_sequence"]},
                           "usage": self.message["usage"]},
                          {"type": "message_stop"}]
 

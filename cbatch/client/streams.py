@@ -33,6 +33,9 @@ class Chunk:
     # last call's arguments as far as written); text that may be a call is held back until
     # then, and `text` never holds a call. Else None.
     tool_calls: list[dict] | None = None
+    # On the last chunk of an answer a stop string ended ("stop"): that string (it is not in
+    # `text`); else None.
+    stop_string: str | None = None
     # Only from an OpenAI-compatible HTTP server (cbatch-submit --url): on a chat answer's one
     # chunk, the thinking that server split off `text` (its reasoning_content; "" for none),
     # or None when the server splits nothing.
@@ -175,7 +178,8 @@ class RequestStream:
             return
         self.is_done = True
         self._emit([], self._decoder.decode(b"", final=True), finish_reason=self.finished["finish_reason"],
-                   usage=self.finished["usage"], logprobs=[] if self.wants_logprobs else None)
+                   usage=self.finished["usage"], logprobs=[] if self.wants_logprobs else None,
+                   stop_string=self.finished.get("stop_string"))
 
     @property
     def finish_reason(self) -> str:
@@ -200,7 +204,7 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
     logprobs = None if last.logprobs is None else list(itertools.chain.from_iterable(c.logprobs for c in chunks))
     token_ids = list(itertools.chain.from_iterable(c.token_ids for c in chunks))
     return Chunk(last.id, "".join(c.text for c in chunks), token_ids, last.finish_reason, last.usage, logprobs,
-                 last.tool_calls)
+                 last.tool_calls, stop_string=last.stop_string)
 
 
 def completion_from_chunks(chunks: list[Chunk]) -> Completion:

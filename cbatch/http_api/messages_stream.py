@@ -11,7 +11,7 @@ from cbatch.http_api.json_io import sse_event
 def _events_of_round(events: MessageEvents, arrivals: list) -> list[dict]:
     made = []
     for _, chunk in arrivals:
-        made += events.push(chunk.text, chunk.finish_reason, chunk.usage)
+        made += events.push(chunk.text, chunk.finish_reason, chunk.usage, chunk.stop_string)
     return made
 
 

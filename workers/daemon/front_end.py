@@ -307,12 +307,13 @@ class FrontEnd:
         never wrote it to the ring, so even a ring reader gets its records sent."""
         active = self.requests.active
         self.relay.keep_step(active, step, relay_all=is_front_end_finish)
-        for request_id, finish_reason, usage, error, error_code in step.ends:
+        for request_id, finish_reason, usage, error, error_code, stop_string in step.ends:
             tracked = active.get(request_id)
             if tracked is None:
                 continue  # already failed (worker restart) or rejected
             finish = {"request_id": request_id, "finish_reason": finish_reason, "usage": usage,
-                      "num_records": tracked.num_records, "error": error, "error_code": error_code}
+                      "num_records": tracked.num_records, "error": error, "error_code": error_code,
+                      **({"stop_string": stop_string} if stop_string else {})}
             self.requests.finish(tracked, finish, time.monotonic())
             self._deliver_finish(tracked)
 

@@ -323,7 +323,8 @@ class Engine:
             text = seq.text.finish()
         usage = {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
                  "cached_tokens": seq.num_prompt_cached}
-        return TokenEvent(seq.request_id, token_ids or [], text, reason.value, usage, error, error_code=error_code)
+        return TokenEvent(seq.request_id, token_ids or [], text, reason.value, usage, error, error_code=error_code,
+                          stop_string=seq.text.stop_string)
 
     def _free_sampler(self, seq: Sequence) -> None:
         if seq.is_backend_sampled:

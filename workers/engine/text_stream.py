@@ -21,6 +21,7 @@ class TextStream:
         self._stop = stop
         self._held = ""  # decoded text not yet released
         self.is_stopped = False
+        self.stop_string = ""  # the stop string that ended the output, once is_stopped
         # Invariant: True only without stop strings and with no undecoded bytes pending.
         self._is_passthrough = not stop
 
@@ -36,6 +37,7 @@ class TextStream:
         cut = self._first_stop_index()
         if cut is not None:
             self.is_stopped = True
+            self.stop_string = next(stop for stop in self._stop if self._held.startswith(stop, cut))
             released, self._held = self._held[:cut], ""
             return released
         keep = self._longest_stop_prefix_suffix()
