@@ -78,3 +78,12 @@ def test_the_messages_api_gives_a_thinking_block_then_the_answer(daemon):
         streamed = stream.get_final_message()
     assert [(block.type, getattr(block, "thinking", None) or getattr(block, "text", None))
             for block in streamed.content] == [("thinking", thinking.thinking), ("text", text.text)]
+
+
+def test_an_empty_answer_is_one_empty_text_block(daemon):
+    """The end of generation at once (a logit bias on the tiny model's </s>): still a text block."""
+    claude = anthropic.Anthropic(base_url=daemon.base_url, api_key="none", max_retries=0)
+    message = claude.messages.create(model="m", max_tokens=8, messages=ASK,
+                                     extra_body={"temperature": 0, "logit_bias": {"2": 100}})
+    assert [(block.type, getattr(block, "text", None)) for block in message.content] == [("text", "")], message
+    assert message.stop_reason == "end_turn" and message.usage.output_tokens == 0

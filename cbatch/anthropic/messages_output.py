@@ -79,6 +79,8 @@ class MessageEvents:
                 events += self._close() + self._tool_use(call)
         if finish_reason is None:
             return events
+        if not self.message["content"] and self._open is None:  # an empty answer is still one text block
+            events += self._text("text", "")
         events += self._close()
         self.message["stop_reason"] = "stop_sequence" if stop_string else STOP_REASONS.get(finish_reason, "end_turn")
         self.message["stop_sequence"] = stop_string or None
@@ -95,17 +97,25 @@ class MessageEvents:
             self._open = dict(EMPTY_BLOCKS[kind])
             events.append({"type": "content_block_start", "index": len(self.message["content"]),
                            "content_block": dict(EMPTY_BLOCKS[kind])})
+        if not text:
+            return events
         delta_type, field = DELTAS[kind]
         self._open[field] += text
         return events + [{"type": "content_block_delta", "index": len(self.message["content"]),
                           "delta": {"type": delta_type, field: text}}]
 
     def _close(self) -> list[dict]:
+        """The open block's end; a thinking block's (empty) signature first, as Anthropic's
+        clients expect one before its stop."""
         block, self._open = self._open, None
         if block is None:
             return []
+        index = len(self.message["content"])
         self.message["content"].append(block)
-        return [{"type": "content_block_stop", "index": len(self.message["content"]) - 1}]
+        signature = ([{"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta",
+                                                                                "signature": ""}}]
+                     if block["type"] == "thinking" else [])
+        return signature + [{"type": "content_block_stop", "index": index}]
 
     def _tool_use(self, call: dict) -> list[dict]:
         index = len(self.message["content"])

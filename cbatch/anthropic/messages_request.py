@@ -22,7 +22,9 @@ import json
 from cbatch.openai.mapping import CHAT, ApiRequest, parse_api_request
 from cbatch.params import invalid
 
-SAME_FIELDS = ("temperature", "top_p", "top_k", "priority", "timeout")
+# Anthropic's sampling fields, and cbatch's own that a client may add (`extra_body` in the SDK).
+SAME_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "logit_bias", "min_tokens", "repeat_penalty",
+               "presence_penalty", "frequency_penalty", "priority", "timeout")
 
 
 def _texts(where: str, content) -> list[str]:
