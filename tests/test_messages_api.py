@@ -101,6 +101,8 @@ def test_a_recorded_claude_code_request_streams_anthropics_event_sequence(daemon
     assert all(name == event["type"] for name, event in events)
     names = [name for name, _ in events]
     assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    usage = events[-2][1]["usage"]  # the whole prompt at the start, what the cache served at the end
+    assert events[0][1]["message"]["usage"]["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
     blocks = names[2:-2]
     assert blocks and blocks[0] == "content_block_start" and blocks[-1] == "content_block_stop"
     assert set(blocks) <= {"content_block_start", "content_block_delta", "content_block_stop"}

@@ -55,9 +55,13 @@ class MessageEvents:
         self._tools = ToolCallStream(api.tools) if api.tools else None
         self._open: dict | None = None  # the thinking or text block being streamed
 
-    def start(self) -> list[dict]:
-        """The stream's opening: the message without content, then a `ping`, as Anthropic's begin."""
-        return [{"type": "message_start", "message": {**self.message, "content": []}}, {"type": "ping"}]
+    def start(self, prompt_tokens: int = 0) -> list[dict]:
+        """The stream's opening: the message without content, its usage the prompt's tokens
+        (message_delta's at the end tells what the prefix cache served), then a `ping`, as
+        Anthropic's begin."""
+        usage = {**self.message["usage"], "input_tokens": prompt_tokens}
+        return [{"type": "message_start", "message": {**self.message, "content": [], "usage": usage}},
+                {"type": "ping"}]
 
     def push(self, text: str, finish_reason: str | None, usage: dict | None, stop_string: str | None = None
              ) -> list[dict]:
