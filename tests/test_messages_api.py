@@ -82,6 +82,20 @@ def test_what_claude_code_sends_is_taken(claude):
     assert message.content[0].type == "text" and message.usage.output_tokens >= 1
 
 
+def test_the_billing_line_does_not_defeat_the_prefix_cache(claude):
+    """Claude Code's billing line changes on every request; the next turn is served from the cache all the same."""
+    long_system = "You are a careful assistant. " * 40
+
+    def turn(cch: str):
+        return claude.messages.create(model="m", max_tokens=2, extra_body=GREEDY, messages=ASK, system=[
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.37; cch={cch};"},
+            {"type": "text", "text": long_system}]).usage
+
+    turn("aaaaa")
+    again = turn("bbbbb")
+    assert again.cache_read_input_tokens > 200 and again.input_tokens < 32
+
+
 RECORDED = Path(__file__).parent / "recorded" / "claude_code_request.json"
 
 
