@@ -1,6 +1,7 @@
 """Images through the real daemon: cbatch-worker --mmproj with the tiny projector, OpenAI
 image_url parts over HTTP, images over ZeroMQ, and every bad image a 400 that changes nothing."""
 
+import base64
 import concurrent.futures
 
 import httpx
@@ -183,3 +184,16 @@ def test_the_same_new_image_in_eight_concurrent_requests_is_encoded_once(daemon)
     watched_until_s = time.monotonic() + 4 * STATS_INTERVAL_S
     while time.monotonic() < watched_until_s:
         assert num_encoded() == before + 1
+
+
+def test_an_image_block_on_the_messages_api_is_the_chat_images(daemon):
+    """Anthropic's base64 image block: the same answer as the same image in a chat image_url part."""
+    image = png_bytes(40, 24, seed=5)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(image).decode()}}
+    body = {"model": daemon.health["model_names"][0], "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, block]}]}
+    response = httpx.post(f"{daemon.base_url}/v1/messages", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["content"][0]["text"] == answer(daemon, question(image))
+    assert response.json()["usage"]["input_tokens"] + response.json()["usage"]["cache_read_input_tokens"] > 16
