@@ -157,7 +157,7 @@ def test_count_tokens_counts_the_prompt_as_the_model_sees_it(daemon, claude):
     assert counted == ran.input_tokens + ran.cache_read_input_tokens > 20
     assert claude.messages.count_tokens(model="m", messages=ASK).input_tokens < counted  # no tools, no system
     with pytest.raises(anthropic.BadRequestError):
-        claude.messages.count_tokens(model="m", messages=[])
+        claude.messages.count_tokens(model="m", messages="not a list")
 
 
 def test_errors_are_the_sdks_exceptions_in_anthropics_shape(daemon, claude):
@@ -175,3 +175,7 @@ def test_errors_are_the_sdks_exceptions_in_anthropics_shape(daemon, claude):
     bearer = httpx.post(f"{daemon.base_url}/v1/messages", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                         json={"model": "m", "max_tokens": 2, "messages": ASK})
     assert bearer.status_code == 200 and bearer.json()["type"] == "message"
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="m", max_tokens=4, messages=[{"role": "robot", "content": "hi"}])
+    empty = claude.messages.create(model="m", max_tokens=2, messages=[])  # taken, as llama-server takes it
+    assert empty.type == "message" and empty.content[0].type == "text"

@@ -86,9 +86,11 @@ def _assistant_message(where: str, content) -> dict:
 
 
 def chat_messages(raw_system, raw_messages) -> list[dict]:
-    """`system` and `messages` as chat messages, every system text first, in order."""
-    if not isinstance(raw_messages, list) or not raw_messages:
-        raise invalid("messages must be a non-empty list of {role, content} objects")
+    """`system` and `messages` as chat messages, every system text first, in order; no
+    messages at all are one empty user turn (llama-server's leniency, which its tests hold)."""
+    if not isinstance(raw_messages, list):
+        raise invalid("messages must be a list of {role, content} objects")
+    raw_messages = raw_messages or [{"role": "user", "content": ""}]
     system = [] if raw_system is None else _texts("system", raw_system)
     messages = []
     for i, message in enumerate(raw_messages):
