@@ -45,23 +45,44 @@ def schema_depth(value, limit: int) -> int:
     return depth - (0 if level else 1)
 
 
-def closed_objects(schema, is_in_all_of: bool = False):
-    """The schema with its objects closed (see above); a copy, the caller's left as it is."""
+def _each_object(schema, fix, is_in_all_of: bool = False):
+    """A copy of the schema with fix(copied object schema, is_in_all_of) applied to every
+    schema with `properties`, however deep; data keywords are left as they are."""
     if isinstance(schema, list):
-        return [closed_objects(item, is_in_all_of) for item in schema]
+        return [_each_object(item, fix, is_in_all_of) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {}
+    copied = {}
     for key, value in schema.items():
         if key in DATA_KEYWORDS:
-            closed[key] = value
+            copied[key] = value
         elif key in SCHEMA_MAPS and isinstance(value, dict):
-            closed[key] = {name: closed_objects(sub, is_in_all_of) for name, sub in value.items()}
+            copied[key] = {name: _each_object(sub, fix, is_in_all_of) for name, sub in value.items()}
         else:
-            closed[key] = closed_objects(value, is_in_all_of or key == "allOf")
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema and not is_in_all_of:
-        closed["additionalProperties"] = False
-    return closed
+            copied[key] = _each_object(value, fix, is_in_all_of or key == "allOf")
+    if isinstance(schema.get("properties"), dict):
+        fix(copied, is_in_all_of)
+    return copied
+
+
+def _close(schema: dict, is_in_all_of: bool) -> None:
+    if "additionalProperties" not in schema and not is_in_all_of:
+        schema["additionalProperties"] = False
+
+
+def _require_all(schema: dict, is_in_all_of: bool) -> None:
+    schema["required"] = list(schema["properties"])
+    schema["additionalProperties"] = False
+
+
+def closed_objects(schema):
+    """The schema with its objects closed (see above); a copy, the caller's left as it is."""
+    return _each_object(schema, _close)
+
+
+def strict_objects(schema):
+    """OpenAI's `strict: true`: every object's properties all required, none other allowed."""
+    return _each_object(schema, _require_all)
 
 
 def check_json_schema(value) -> str | None:

@@ -110,6 +110,24 @@ def test_a_json_object_with_a_schema_beside_it_follows_that_schema(api):
     assert caught.value.body["code"] == "invalid_request" and caught.value.body["param"] == "response_format"
 
 
+def test_strict_makes_every_property_required_and_lenient_takes_keywords_it_cannot_enforce(api):
+    schema = {"type": "object", "properties": {"n": {"enum": [7, 8]}, "word": {"enum": ["yes", "no"]}},
+              "required": ["n"]}
+    strict = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=40, temperature=0,
+                                   extra_body={"response_format": strict})
+    assert set(json.loads(reply.choices[0].text)) == {"n", "word"}  # strict: every property, as OpenAI's
+    unique = {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "maxItems": 3}
+    lenient = {"type": "json_schema", "json_schema": {"name": "x", "schema": unique}}
+    reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=40, temperature=0,
+                                   extra_body={"response_format": lenient})
+    assert isinstance(json.loads(reply.choices[0].text), list)  # taken, uniqueItems left unenforced
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=4, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": unique, "strict": True}}})
+    assert "uniqueItems" in refused.value.body["message"]
+
+
 def test_logit_bias_and_min_tokens_pass_through(api):
     eos_id = "2"  # </s> of the tiny model: +100 makes it the greedy pick, min_tokens holds it off
     reply = api.completions.create(model=MODEL_ID, prompt="x", max_tokens=10, temperature=0,

@@ -78,8 +78,9 @@ def chat(daemon, **body) -> httpx.Response:
                       timeout=120)
 
 
-def json_schema(schema: dict) -> dict:
-    return {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+def json_schema(schema: dict, strict: bool = False) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                                       **({"strict": True} if strict else {})}}}
 
 
 def test_bounded_schemas_constrain_the_answer(daemon):
@@ -134,7 +135,8 @@ def hostile_bodies() -> list[tuple[dict, str | None]]:
         (json_schema(endless), None),
         (json_schema(deep), "more than 128 deep"),
         (json_schema({"type": "object", "description": "x" * (1 << 20)}), "longer than"),
-        (json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
+        (json_schema({"type": "array", "uniqueItems": True}), None),  # not enforced, as no strict was asked
+        (json_schema({"type": "array", "uniqueItems": True}, strict=True), "uniqueItems"),
     ]
 
 

@@ -10,6 +10,7 @@ import base64
 import re
 from dataclasses import dataclass
 
+from cbatch.constraints import strict_objects
 from cbatch.embeddings import parse_dimensions, parse_inputs, vector_list
 from cbatch.errors import (
     DEADLINE_EXCEEDED,
@@ -98,6 +99,14 @@ class ApiRequest:
         return self.schema_field if self.schema_field and err.message.startswith("json_schema") else None
 
 
+def lenient(schema: dict) -> dict:
+    """A schema sent without OpenAI's `strict`: keywords llguidance does not enforce (as
+    `uniqueItems`, which pydantic and zod write freely) are accepted and left unenforced,
+    not refused; the schema's own `x-guidance` may say otherwise."""
+    options = schema.get("x-guidance")
+    return {**schema, "x-guidance": {"lenient": True, **(options if isinstance(options, dict) else {})}}
+
+
 def _constraint_of(response_format) -> dict:
     """response_format as cbatch's field: the JSON schema itself, compiled by the decode
     worker (nothing is converted here, so a client-only install sends schemas too)."""
@@ -110,13 +119,13 @@ def _constraint_of(response_format) -> dict:
         schema = response_format.get("schema", ANY_JSON_OBJECT)
         if not isinstance(schema, dict):
             raise invalid("response_format.schema must be an object")
-        return {"json_schema": schema}
+        return {"json_schema": lenient(schema)}
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise invalid("response_format.json_schema.schema must be an object")
-        return {"json_schema": schema}
+        return {"json_schema": strict_objects(schema) if spec.get("strict") is True else lenient(schema)}
     raise invalid(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 

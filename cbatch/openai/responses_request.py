@@ -112,7 +112,8 @@ def _response_format(text) -> dict | None:
     if spec is None or spec.get("type") == "text":
         return None
     if spec.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": spec.get("schema")}}
+        return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": spec.get("schema"),
+                                                       "strict": spec.get("strict")}}
     return spec
 
 
