@@ -6,7 +6,9 @@ client-only install sends schemas too.
 An object schema with `properties` and no `additionalProperties` takes no other
 properties, as llama.cpp's server has it: a small model otherwise goes on writing
 properties of its own. `"additionalProperties": true` allows them. Objects within an
-`allOf` are left open, since closing each branch would refuse what the others add.
+`allOf` are left open, since closing each branch would refuse what the others add. A
+number or integer schema without bounds of its own is bounded (MAX_INTEGER, MAX_NUMBER,
+NUMBER_STEP), for the same reason.
 """
 
 import json
@@ -15,6 +17,12 @@ from cbatch.text_checks import checked_text, invalid
 
 MAX_CONSTRAINT_CHARS = 1 << 18  # of a grammar, or of a schema written out as JSON
 MAX_SCHEMA_DEPTH = 128  # of a JSON schema's nesting, objects and arrays alike
+# Numbers under a schema that bounds none: an integer of at most 16 digits (llama.cpp's own
+# schema converter's bound), a number of at most 12 before the point and 6 after it
+# (llguidance compiles a range with a step of at most 18 digits in all).
+MAX_INTEGER = 10 ** 16 - 1
+MAX_NUMBER, NUMBER_STEP = 10 ** 12 - 1, 1e-6
+NUMBER_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 # How JSON under a schema is written: `, ` and `: ` between items, and whitespace bounded
 # as llama.cpp's own schema grammars bound it (a small model otherwise may pad forever).
 # llguidance's options; a schema's own "x-guidance" object overrides them.
@@ -45,11 +53,11 @@ def schema_depth(value, limit: int) -> int:
     return depth - (0 if level else 1)
 
 
-def _each_object(schema, fix, is_in_all_of: bool = False):
-    """A copy of the schema with fix(copied object schema, is_in_all_of) applied to every
-    schema with `properties`, however deep; data keywords are left as they are."""
+def _each_schema(schema, fix, is_in_all_of: bool = False):
+    """A copy of the schema with fix(copied schema, is_in_all_of) applied to it and to every
+    schema within it, however deep; data keywords are left as they are."""
     if isinstance(schema, list):
-        return [_each_object(item, fix, is_in_all_of) for item in schema]
+        return [_each_schema(item, fix, is_in_all_of) for item in schema]
     if not isinstance(schema, dict):
         return schema
     copied = {}
@@ -57,32 +65,54 @@ def _each_object(schema, fix, is_in_all_of: bool = False):
         if key in DATA_KEYWORDS:
             copied[key] = value
         elif key in SCHEMA_MAPS and isinstance(value, dict):
-            copied[key] = {name: _each_object(sub, fix, is_in_all_of) for name, sub in value.items()}
+            copied[key] = {name: _each_schema(sub, fix, is_in_all_of) for name, sub in value.items()}
         else:
-            copied[key] = _each_object(value, fix, is_in_all_of or key == "allOf")
-    if isinstance(schema.get("properties"), dict):
-        fix(copied, is_in_all_of)
+            copied[key] = _each_schema(value, fix, is_in_all_of or key == "allOf")
+    fix(copied, is_in_all_of)
     return copied
 
 
 def _close(schema: dict, is_in_all_of: bool) -> None:
-    if "additionalProperties" not in schema and not is_in_all_of:
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema and not is_in_all_of:
         schema["additionalProperties"] = False
 
 
 def _require_all(schema: dict, is_in_all_of: bool) -> None:
-    schema["required"] = list(schema["properties"])
-    schema["additionalProperties"] = False
+    if isinstance(schema.get("properties"), dict):
+        schema["required"] = list(schema["properties"])
+        schema["additionalProperties"] = False
+
+
+def _bound_numbers(schema: dict, is_in_all_of: bool) -> None:
+    """Numbers of bounded digits (MAX_INTEGER, MAX_NUMBER, NUMBER_STEP) where a schema sets
+    no bound of its own: a small model under a schema otherwise writes digits until
+    max_tokens. A schema that sets any of NUMBER_BOUNDS is left as it is."""
+    types = schema.get("type")
+    types = set(types) if isinstance(types, list) else {types}
+    if NUMBER_BOUNDS & set(schema) or not {"integer", "number"} & types:
+        return
+    if "number" in types:
+        schema.update(minimum=-MAX_NUMBER, maximum=MAX_NUMBER, multipleOf=NUMBER_STEP)
+    else:
+        schema.update(minimum=-MAX_INTEGER, maximum=MAX_INTEGER)
+
+
+def _fixed_all(*fixes):
+    def fix(schema: dict, is_in_all_of: bool) -> None:
+        for each in fixes:
+            each(schema, is_in_all_of)
+    return fix
 
 
 def closed_objects(schema):
-    """The schema with its objects closed (see above); a copy, the caller's left as it is."""
-    return _each_object(schema, _close)
+    """The schema with its objects closed and its numbers bounded (see above); a copy, the
+    caller's left as it is."""
+    return _each_schema(schema, _fixed_all(_close, _bound_numbers))
 
 
 def strict_objects(schema):
     """OpenAI's `strict: true`: every object's properties all required, none other allowed."""
-    return _each_object(schema, _require_all)
+    return _each_schema(schema, _require_all)
 
 
 def check_json_schema(value) -> str | None:

@@ -128,6 +128,17 @@ def test_strict_makes_every_property_required_and_lenient_takes_keywords_it_cann
     assert "uniqueItems" in refused.value.body["message"]
 
 
+def test_a_number_under_a_schema_ends_within_its_digits(api):
+    """min_tokens keeps the model from ending the number (and a bias from a leading 0, which
+    ends it): it stops at 16 digits, complete, where it would write 60."""
+    integer = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
+    zero = str(3 + ord("0"))  # the tiny model's byte tokens start at id 3
+    reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=60, temperature=0,
+                                   logit_bias={zero: -100}, extra_body={"response_format": integer, "min_tokens": 40})
+    text = reply.choices[0].text
+    assert reply.choices[0].finish_reason == "stop" and len(text.lstrip("-")) <= 16 and int(text) == json.loads(text)
+
+
 def test_logit_bias_and_min_tokens_pass_through(api):
     eos_id = "2"  # </s> of the tiny model: +100 makes it the greedy pick, min_tokens holds it off
     reply = api.completions.create(model=MODEL_ID, prompt="x", max_tokens=10, temperature=0,

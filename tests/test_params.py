@@ -83,11 +83,23 @@ def test_n_expands_into_choices_with_consecutive_seeds():
 
 
 def test_a_json_schema_travels_as_compact_json_in_the_callers_key_order():
-    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}},
+    schema = {"type": "object", "properties": {"z": {"type": "integer", "minimum": 0}, "a": {"type": "string"}},
               "additionalProperties": True}
     text = parse_params({"json_schema": schema}).json_schema
-    assert text == ('{"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"string"}},'
+    assert text == ('{"type":"object","properties":{"z":{"type":"integer","minimum":0},"a":{"type":"string"}},'
                     '"additionalProperties":true}')
+
+
+def test_numbers_without_bounds_of_their_own_are_bounded():
+    """16 digits for an integer, 12 and 6 after the point for a number; a schema's own bound
+    leaves it as it is."""
+    schema = {"type": "object", "properties": {"i": {"type": "integer"}, "x": {"type": ["number", "null"]},
+                                               "mine": {"type": "number", "maximum": 1e30}}}
+    bounded = json.loads(parse_params({"json_schema": schema}).json_schema)["properties"]
+    assert bounded["i"] == {"type": "integer", "minimum": -(10 ** 16 - 1), "maximum": 10 ** 16 - 1}
+    assert bounded["x"] == {"type": ["number", "null"], "minimum": -(10 ** 12 - 1), "maximum": 10 ** 12 - 1,
+                            "multipleOf": 1e-6}
+    assert bounded["mine"] == {"type": "number", "maximum": 1e30}
 
 
 def test_a_schema_nested_past_the_limit_is_refused_without_recursion():
