@@ -16,7 +16,7 @@ import json
 from cbatch.text_checks import checked_text, invalid
 
 MAX_CONSTRAINT_CHARS = 1 << 18  # of a grammar, or of a schema written out as JSON
-MAX_SCHEMA_DEPTH = 128  # of a JSON schema's nesting, objects and arrays alike
+MAX_SCHEMA_DEPTH = 120  # of a JSON schema's nesting, objects and arrays alike: llguidance compiles any this deep
 # Numbers under a schema that bounds none: an integer of at most 16 digits (llama.cpp's own
 # schema converter's bound), a number of at most 12 before the point and 6 after it
 # (llguidance compiles a range with a step of at most 18 digits in all).

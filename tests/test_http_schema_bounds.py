@@ -17,6 +17,8 @@ from daemonkit import serve_module, wait_until
 from httpkit import HttpDaemon
 from openai.types.responses import Response
 
+from cbatch.constraints import MAX_SCHEMA_DEPTH
+
 MODEL_ID = "tiny-tools.gguf"
 ASK = [{"role": "user", "content": "hi"}]
 ENDLESS = {"max_tokens": 100_000, "ignore_eos": True}
@@ -133,7 +135,7 @@ def hostile_bodies() -> list[tuple[dict, str | None]]:
         ({"tools": [{"type": "function", "function": huge_tool}], "tool_choice": "required"}, None),
         (json_schema({"enum": [f"value {i}" for i in range(10_000)]}), None),
         (json_schema(endless), None),
-        (json_schema(deep), "more than 128 deep"),
+        (json_schema(deep), f"more than {MAX_SCHEMA_DEPTH} deep"),
         (json_schema({"type": "object", "description": "x" * (1 << 20)}), "longer than"),
         (json_schema({"type": "array", "uniqueItems": True}), None),  # not enforced, as no strict was asked
         (json_schema({"type": "array", "uniqueItems": True}, strict=True), "uniqueItems"),

@@ -18,10 +18,14 @@ next.
   requests behind it.
 
 Grammars: text that starts with `%llguidance` is llguidance's Lark (as llama.cpp's server
-takes it); any other is GBNF, converted to Lark by llguidance's own converter.
+takes it); any other is GBNF, converted to Lark by llguidance's own converter. The converter
+drops the parentheses of a group that holds one repeated item (`("a"{0,3}){0,3}` comes out
+as `"a"{0,3}{0,3}`, which Lark refuses): they are put back (regrouped). An error in a
+converted grammar says so, as it quotes the Lark text, not the caller's.
 """
 
 import ctypes
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -50,6 +54,27 @@ LIMITS = llguidance.LLParserLimits(max_grammar_size=500_000, initial_lexer_fuel=
                                    verbose_errors=False)
 
 
+# An atom of the converter's Lark (a string, a regular expression, a character class, a
+# rule's name or a group, each matched whole so that nothing inside a string is read) with
+# the repetition after it, and what follows that.
+_ATOM = re.compile(r'("(?:[^"\\]|\\.)*"|/(?:[^/\\]|\\.)*/|\[(?:[^\]\\]|\\.)*\]|\b[A-Za-z_][A-Za-z0-9_]*'
+                   r'|\((?:[^()"]|"(?:[^"\\]|\\.)*")*\))(\{\d*(?:,\d*)?\})?(?=([{+*?]?))')
+
+
+def _grouped(match: re.Match) -> str:
+    atom, repetition, after = match.groups()
+    return f"({atom}{repetition})" if repetition and after else match.group(0)
+
+
+def regrouped(lark: str) -> str:
+    """The converter's Lark with each repetition of a repetition grouped again (see above)."""
+    while True:
+        grouped = _ATOM.sub(_grouped, lark)
+        if grouped == lark:
+            return lark
+        lark = grouped
+
+
 def _llguidance_grammar(params: SamplingParams) -> tuple[str, str]:
     """(the request field it comes from, the llguidance grammar of its constraint)."""
     if params.json_schema is not None:
@@ -62,7 +87,8 @@ def _llguidance_grammar(params: SamplingParams) -> tuple[str, str]:
     if text.lstrip().startswith(LARK_MARKER):
         return "grammar", llguidance.LLMatcher.grammar_from_lark(text)
     try:
-        return "grammar", llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(text))
+        return "grammar (as llguidance's Lark, converted from GBNF)", \
+            llguidance.LLMatcher.grammar_from_lark(regrouped(gbnf_to_lark(text)))
     except RecursionError:
         raise CbatchError(INVALID_REQUEST, "grammar nests too deep to parse as GBNF") from None
     except Exception as err:  # the converter's own errors, and what a malformed grammar trips in it
