@@ -110,7 +110,7 @@ def test_a_json_object_with_a_schema_beside_it_follows_that_schema(api):
     assert caught.value.body["code"] == "invalid_request" and caught.value.body["param"] == "response_format"
 
 
-def test_strict_makes_every_property_required_and_lenient_takes_keywords_it_cannot_enforce(api):
+def test_strict_makes_every_property_required_and_lenient_takes_keywords_it_cannot_enforce(daemon, api):
     schema = {"type": "object", "properties": {"n": {"enum": [7, 8]}, "word": {"enum": ["yes", "no"]}},
               "required": ["n"]}
     strict = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
@@ -119,9 +119,13 @@ def test_strict_makes_every_property_required_and_lenient_takes_keywords_it_cann
     assert set(json.loads(reply.choices[0].text)) == {"n", "word"}  # strict: every property, as OpenAI's
     unique = {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "maxItems": 3}
     lenient = {"type": "json_schema", "json_schema": {"name": "x", "schema": unique}}
-    reply = api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=40, temperature=0,
-                                   extra_body={"response_format": lenient})
-    assert isinstance(json.loads(reply.choices[0].text), list)  # taken, uniqueItems left unenforced
+    reply = httpx.post(f"{daemon.base_url}/v1/completions", timeout=60, json={
+        "prompt": "data:", "max_tokens": 40, "temperature": 0, "response_format": lenient})
+    assert isinstance(json.loads(reply.json()["choices"][0]["text"]), list)  # taken, uniqueItems left unenforced
+    assert reply.headers["x-cbatch-unenforced-keywords"] == "uniqueItems"  # and named
+    with httpx.stream("POST", f"{daemon.base_url}/v1/completions", timeout=60, json={
+            "prompt": "data:", "max_tokens": 4, "stream": True, "response_format": lenient}) as streamed:
+        assert streamed.headers["x-cbatch-unenforced-keywords"] == "uniqueItems"
     with pytest.raises(openai.BadRequestError) as refused:
         api.completions.create(model=MODEL_ID, prompt="data:", max_tokens=4, extra_body={
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": unique, "strict": True}}})

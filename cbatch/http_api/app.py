@@ -35,6 +35,7 @@ from cbatch.http_api.messages_stream import collect_message, stream_message
 from cbatch.http_api.metrics import kv_cache_usage
 from cbatch.http_api.model_list import anthropic_model, anthropic_models, model_entry
 from cbatch.http_api.responses_stream import collect_response, stream_response
+from cbatch.http_api.schema_notes import unenforced_header
 from cbatch.http_api.state import HEALTH_TIMEOUT_S, HttpState
 from cbatch.jobs.batches import BatchStore
 from cbatch.openai.mapping import CHAT, COMPLETION, ApiRequest, error_body, parse_api_request
@@ -59,8 +60,14 @@ SCHEMA_FIELD_NAMES = (b'"tools"', b'"functions"', b'"response_format"', b'"text"
 
 def _parse(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, ResponseEvents | MessageEvents | None]:
     """A generation request read: run in a worker thread, as the chat template's rendering
-    and a JSON schema's conversion to a grammar take a while (both bounded), and the event
-    loop meanwhile serves the other requests' streams."""
+    and a JSON schema's validation take a while (both bounded), and the event loop
+    meanwhile serves the other requests' streams."""
+    api, events = _parsed(state, kind, body)
+    api.headers = unenforced_header(api.bodies)
+    return api, events
+
+
+def _parsed(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, ResponseEvents | MessageEvents | None]:
     raw = json_body(body)
     keeps_billing_header = bool(state.client.info.get("keeps_billing_header"))  # --keep-billing-header
     if kind == RESPONSES:
@@ -117,10 +124,10 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
             return Response(status_code=499)
         result = work.result()
         if not api.is_stream:
-            return json_response(result)
+            return json_response(result, headers=api.headers)
         is_streaming_out = True
         stream = stream_out(gen, events, result) if stream_out else stream_events(gen, result)
-        return StreamingResponse(stream, media_type="text/event-stream")
+        return StreamingResponse(stream, media_type="text/event-stream", headers=api.headers)
     except CbatchError as err:
         return state.error(endpoint, err, api.param_of(err), shape=shape)
     finally:

@@ -92,6 +92,7 @@ class ApiRequest:
     tools: ToolPlan | None = None  # chat: the tools offered to the model
     reasoning: dict | None = None  # chat: the tags the model thinks in, split from the answer (reasoning.py)
     schema_field: str | None = None  # the field the caller sent its schema in (response_format, text, ...)
+    headers: dict | None = None  # the response's own headers (the HTTP server's notes on the request)
 
     def param_of(self, err: CbatchError) -> str | None:
         """The field an error about the request's schema names: the one the caller sent
