@@ -7,8 +7,9 @@ before llguidance), against llguidance's check of the picked token and its mask,
 only a missed check pays. Then the vocabulary adapter's build time, and each schema of
 the schema suite's compile time (p50, p99).
 
-Then the engine at each concurrency: `json_schema`, `json_object` and a forced tool call,
-each run first; then plain decoding of exactly as many tokens per request (ignore_eos,
+Then the engine at each concurrency: `json_schema`, `json_object`, a forced tool call and
+`json_schema` after a thinking block the prompt opens (free for a budget of 16 tokens, the
+schema from its close tag on), each run first; then plain decoding of exactly as many tokens per request (ignore_eos,
 max_tokens set to what the constrained request produced), so both runs decode the same
 batch shapes. Printed per mode: tokens, wall tok/s, the cost per token against plain
 (plain tok/s over the mode's), host ms per step (a step's time outside llama_decode), and
@@ -50,6 +51,9 @@ MODES = {
     "tool call": ("Call get_weather for city {i}: ",
                   {"grammar": ToolPlan({"get_weather": {"description": "", "parameters": WEATHER}}, "required",
                                        False).grammar()}),
+    # a thinking block the prompt opens, closed by a budget of 16 tokens, then the schema
+    "think+schema": ("Person {i}. Think, then answer as JSON. <think>\n",
+                     {"json_schema": PERSON, "reasoning_budget": 16, "reasoning_tags": ["<think>", "</think>"]}),
 }
 PLAIN_PROMPT = "Write about the weather in city {i}: "
 

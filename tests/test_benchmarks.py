@@ -164,8 +164,9 @@ def test_bench_structured_prints_the_row_costs_compile_times_and_each_mode(tiny_
     assert re.search(rf"^one row: llama.cpp GBNF sampler {NUMBER} ms \| llguidance check {NUMBER} ms, mask {NUMBER} ms",
                      out, re.M), out
     assert re.search(rf"^compile: 2\d\d schemas, p50 {NUMBER} ms, p99 {NUMBER} ms", out, re.M), out
-    modes = re.findall(rf"^\s+2 (json_schema|json_object|tool call)\s+\d+\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}x", out, re.M)
-    assert modes == ["json_schema", "json_object", "tool call"], out
+    modes = re.findall(rf"^\s+2 (json_schema|json_object|tool call|think\+schema)\s+\d+\s+{NUMBER}\s+{NUMBER}\s+"
+                       rf"{NUMBER}x", out, re.M)
+    assert modes == ["json_schema", "json_object", "tool call", "think+schema"], out
 
 
 @pytest.mark.slow
