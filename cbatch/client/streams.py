@@ -33,13 +33,13 @@ class Chunk:
     # last call's arguments as far as written); text that may be a call is held back until
     # then, and `text` never holds a call. Else None.
     tool_calls: list[dict] | None = None
-    # On the last chunk of an answer a stop string ended ("stop"): that string (it is not in
-    # `text`); else None.
-    stop_string: str | None = None
     # Only from an OpenAI-compatible HTTP server (cbatch-submit --url): on a chat answer's one
     # chunk, the thinking that server split off `text` (its reasoning_content; "" for none),
     # or None when the server splits nothing.
     reasoning: str | None = None
+    # On the last chunk of an answer a stop string ended ("stop"): that string (it is not in
+    # `text`); else None.
+    stop_string: str | None = None
 
 
 @dataclass
