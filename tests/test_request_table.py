@@ -93,5 +93,5 @@ def test_worker_messages_round_trip_as_their_structs():
         assert decode(encode(message)) == message
     assert record_request_ids(events.records) == [7, 7, 8]
     assert [row[:5] for row in relay_rows(events.records)] == [[0, 1, 0, 0, 0], [1, 2, 0, 0, 0], [3, -1, 1, 1, 4]]
-    assert events.ends == [[8, "stop", {"prompt_tokens": 1}, None, ""]]
+    assert events.ends == [[8, "stop", {"prompt_tokens": 1}, None, "", ""]]
     assert events.logprobs == [[7, 0, [{"a": 1}, {"b": 2}]]]

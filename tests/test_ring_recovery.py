@@ -20,9 +20,11 @@ RING_RECORDS = 8
 # One sequence at a time and no prefix cache: every request is decoded alone and in full,
 # the same batches whoever reads it, so a ring reader and a relayed one get the same tokens.
 # Never parked: a request paused for the stopped reader while the others wait would give
-# its slot up and be recomputed (no prefix cache) in batches of another shape.
+# its slot up and be recomputed (no prefix cache) in batches of another shape. A fixed
+# thread count: the default's governor changes it on a busy host, and with it how llama.cpp
+# splits a step's sums, which can turn a long greedy output at a near-tie.
 SOLO_ARGS = ("--parallel", "1", "--ctx-size", "4096", "--batch-size", "64", "--no-prefix-cache",
-             "--park-after", "3600")
+             "--park-after", "3600", "--threads", "1")
 
 
 # A ring reader in its own process: it submits, says so once the daemon has its requests
