@@ -19,7 +19,7 @@ import sys
 import time
 
 import httpx
-from scale_out import ScaleOut
+from scale_out import ScaleOut, free_port
 
 WORDS = ("river", "stone", "lamp", "orchard", "signal", "harbor", "copper", "meadow", "ledger", "falcon")
 
@@ -84,12 +84,13 @@ def measure(label: str, base_url: str, prompts: list[str], concurrency: int, max
     return result
 
 
-def with_daemons(cpus: list[set[int]], worker_args: list[str], first_port: int, run) -> object:
-    """Start a daemon per CPU set, call run(scale_out), stop everything whatever happens."""
+def with_daemons(cpus: list[set[int]], worker_args: list[str], run) -> object:
+    """Start a daemon per CPU set (each on a port free when it starts; the router takes
+    --port), call run(scale_out), stop everything whatever happens."""
     scale_out = ScaleOut()
     try:
-        for i, cpu_set in enumerate(cpus):
-            scale_out.start_daemon(first_port + 1 + i, worker_args, cpu_set)
+        for cpu_set in cpus:
+            scale_out.start_daemon(free_port(), worker_args, cpu_set)
         return run(scale_out)
     finally:
         scale_out.stop()
@@ -126,7 +127,7 @@ def main() -> None:
                          args.max_tokens)
         return direct, routed
 
-    direct, routed = with_daemons(pinned[:1], [*common, "--threads", "1"], args.port, one)
+    direct, routed = with_daemons(pinned[:1], [*common, "--threads", "1"], one)
     print(f"  through the router / direct: {routed['tok_per_s'] / direct['tok_per_s']:.2f}", flush=True)
 
     print("2. two daemons pinned to a CPU each, default --threads, behind smg", flush=True)
@@ -135,7 +136,7 @@ def main() -> None:
         scale_out.start_router(args.port, "cache_aware")
         return measure("two daemons", scale_out.router_url, questions, 2 * args.concurrency, args.max_tokens)
 
-    both = with_daemons(pinned, common, args.port, two)
+    both = with_daemons(pinned, common, two)
     print(f"  two daemons / one direct: {both['tok_per_s'] / direct['tok_per_s']:.2f}", flush=True)
 
     print(f"3. {args.prefixes} shared {args.prefix_words}-word prefixes x {args.questions} questions, two daemons",
@@ -153,7 +154,7 @@ def main() -> None:
                   flush=True)
             return result
 
-        by_policy[policy] = with_daemons(pinned, common, args.port, shared_prefixes)
+        by_policy[policy] = with_daemons(pinned, common, shared_prefixes)
     ratio = by_policy["cache_aware"]["tok_per_s"] / max(by_policy["round_robin"]["tok_per_s"], 1e-9)
     print(f"  cache_aware / round_robin: {ratio:.2f}", flush=True)
 

@@ -33,9 +33,14 @@ READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
 
 
-def wait_http(url: str, is_ready, timeout_s: float = READY_TIMEOUT_S, headers: dict | None = None) -> None:
+def wait_http(url: str, is_ready, timeout_s: float = READY_TIMEOUT_S, headers: dict | None = None,
+              process: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
+    """Until is_ready(GET url); a `process` that exits first fails at once, with its log's end."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            tail = log_path.read_text()[-2000:] if log_path is not None else ""
+            raise RuntimeError(f"{url}: the process exited ({process.returncode}) before it was ready:\n{tail}")
         try:
             if is_ready(httpx.get(url, headers=headers, timeout=2.0)):
                 return
@@ -72,7 +77,8 @@ class ScaleOut:
         self.daemons.append(process)
         url = f"http://127.0.0.1:{port}"
         self.daemon_urls.append(url)
-        wait_http(f"{url}/health", lambda reply: reply.status_code == 200)
+        wait_http(f"{url}/health", lambda reply: reply.status_code == 200, process=process,
+                  log_path=self.workdir / f"daemon-{index}.log")
         return url
 
     def start_router(self, port: int, policy: str, worker_urls: list[str] | None = None,
