@@ -96,24 +96,26 @@ class RequestPreparer(threading.Thread):
 
 
     def _count(self, count: WorkerCount) -> WorkerCounted:
-        try:
-            return WorkerCounted(count.count_id, self._engine.count_prompt_tokens(count.request))
-        except CbatchError as err:
-            return WorkerCounted(count.count_id, code=err.code, message=err.message)
-        except Exception as err:  # a bug costs this count, as above
-            traceback.print_exc()
-            return WorkerCounted(count.count_id, code=INTERNAL, message=f"the worker failed to count this request's "
-                                                                        f"tokens: {type(err).__name__}")
+        return _answered(lambda: WorkerCounted(count.count_id, self._engine.count_prompt_tokens(count.request)),
+                         lambda code, message: WorkerCounted(count.count_id, code=code, message=message),
+                         "count this request's tokens")
 
     def _prepare_embed(self, embed: WorkerEmbed) -> EmbedJob | WorkerEmbedded:
-        try:
-            return self._embedder.prepare(embed)
-        except CbatchError as err:
-            return WorkerEmbedded(embed.embed_id, code=err.code, message=err.message)
-        except Exception as err:  # a bug costs this request, as above
-            traceback.print_exc()
-            return WorkerEmbedded(embed.embed_id, code=INTERNAL, message=f"the worker failed to prepare these "
-                                                                         f"embeddings: {type(err).__name__}")
+        return _answered(lambda: self._embedder.prepare(embed),
+                         lambda code, message: WorkerEmbedded(embed.embed_id, code=code, message=message),
+                         "prepare these embeddings")
+
+
+def _answered(prepare, refusal, what: str):
+    """prepare()'s result, or refusal(code, message) for its error: a bug costs this one
+    question an `internal` error, never the preparer thread (see _prepare)."""
+    try:
+        return prepare()
+    except CbatchError as err:
+        return refusal(err.code, err.message)
+    except Exception as err:
+        traceback.print_exc()
+        return refusal(INTERNAL, f"the worker failed to {what}: {type(err).__name__}")
 
 
 def lower_this_threads_priority(increment: int) -> None:
