@@ -7,29 +7,43 @@ before llguidance), against llguidance's check of the picked token and its mask,
 only a missed check pays. Then the vocabulary adapter's build time, and each schema of
 the schema suite's compile time (p50, p99).
 
-Then the engine at each concurrency: `json_schema`, `json_object`, a forced tool call and
-`json_schema` after a thinking block the prompt opens (free for a budget of 16 tokens, the
-schema from its close tag on), each run first; then plain decoding of exactly as many tokens per request (ignore_eos,
-max_tokens set to what the constrained request produced), so both runs decode the same
-batch shapes. Printed per mode: tokens, wall tok/s, the cost per token against plain
-(plain tok/s over the mode's), host ms per step (a step's time outside llama_decode), and
-the share of constrained tokens whose check missed. No callers: the engine runs in this
-process, whose CPU time is printed beside the wall time.
+Then the engine at each concurrency and each `n` (choices a prompt, so parallel / n
+prompts; greedy for n = 1, sampled with a seed a choice otherwise): `json_schema`,
+`json_object`, a forced tool call and `json_schema` after a thinking block the prompt
+opens (free for a budget of 16 tokens, the schema from its close tag on), each run first;
+then plain decoding of exactly as many tokens per sequence (ignore_eos, max_tokens set to
+what the constrained sequence produced, the same prompts shared the same way), so both runs
+decode the same batch shapes. Printed per mode: tokens, wall tok/s, the cost per token
+against plain (plain tok/s over the mode's), host ms per step (a step's time outside
+llama_decode), the share of constrained tokens whose check missed, and `valid`: of the
+answers that stopped (not cut by max_tokens), how many are what was asked (the schema's
+JSON after the thinking, an object, a call of the function). No callers: the engine runs
+in this process, whose CPU time is printed beside the wall time.
 
-    .venv/bin/python scripts/bench_structured.py [--model PATH] [--parallel 1 4 16 64] [--rounds 2]
+With --compile-delay, last: a daemon on the model, and a small streamed request's time to
+first token alone, then submitted just behind a request whose schema is about 100 KB
+(a new one each time, so nothing is cached): the delay is the difference of the medians.
+
+    .venv/bin/python scripts/bench_structured.py [--model PATH] [--parallel 1 4 16 64] [--n 1 4] [--rounds 2]
+        [--compile-delay]
 """
 
 import argparse
 import ctypes
+import json
 import os
 import statistics
+import threading
 import time
 
+import jsonschema
 import llama_cpp
 import llama_cpp.llama_cpp as lc
 import numpy as np
+from bench_long_prompts import CbatchDaemon  # this script's folder, as the schema suite
 from schema_suite import suite  # this script's folder: the schemas the tests use too
 
+from cbatch.client import Client
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import parse_params, parse_request
@@ -44,13 +58,12 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "tags": {"type": "array", "maxItems": 8, "items": {"type": "string", "maxLength": 20}}}}
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TOOL_PLAN = ToolPlan({"get_weather": {"description": "", "parameters": WEATHER}}, "required", False)
 MODES = {
     "json_schema": ("Person {i}, as JSON: ", {"json_schema": PERSON}),
     # a prompt after which the model opens an object (after "as JSON: " gemma writes `{}` and is done)
     "json_object": ("App {i}'s configuration:\n```json\n", {"json_schema": {"type": "object"}}),
-    "tool call": ("Call get_weather for city {i}: ",
-                  {"grammar": ToolPlan({"get_weather": {"description": "", "parameters": WEATHER}}, "required",
-                                       False).grammar()}),
+    "tool call": ("Call get_weather for city {i}: ", {"grammar": TOOL_PLAN.grammar()}),
     # a thinking block the prompt opens, closed by a budget of 16 tokens, then the schema
     "think+schema": ("Person {i}. Think, then answer as JSON. <think>\n",
                      {"json_schema": PERSON, "reasoning_budget": 16, "reasoning_tags": ["<think>", "</think>"]}),
@@ -99,19 +112,22 @@ def time_one_row(model_path: str, num_calls: int) -> None:
         engine.close()
 
 
-def run(engine: Engine, bodies: list[dict]) -> tuple[list[int], float, dict]:
-    """(tokens per request, wall seconds, the engine's snapshot delta fields)."""
+def run(engine: Engine, bodies: list[dict]) -> tuple[list[dict], float, dict]:
+    """({tokens, text, finish} per request, wall seconds, the engine's snapshot delta fields)."""
     before = engine.snapshot()
     ids = []
     for body in bodies:
         request = parse_request(len(ids) + 1 + before["requests_ended"], body)
         engine.add_request(request)
         ids.append(request.request_id)
-    counts = dict.fromkeys(ids, 0)
+    answers = {i: {"tokens": 0, "text": "", "finish": ""} for i in ids}
     started = time.perf_counter()
     while engine.has_work:
         for event in engine.step():
-            counts[event.request_id] += len(event.token_ids)
+            answer = answers[event.request_id]
+            answer["tokens"] += len(event.token_ids)
+            answer["text"] += event.text
+            answer["finish"] = event.finish_reason or answer["finish"]
     wall_s = time.perf_counter() - started
     after = engine.snapshot()
     num_steps = after["num_steps"] - before["num_steps"]
@@ -120,29 +136,109 @@ def run(engine: Engine, bodies: list[dict]) -> tuple[list[int], float, dict]:
                        - before["decode_fraction"] * before["avg_step_ms"] * before["num_steps"])
     checked = after["constrained_tokens"] - before["constrained_tokens"]
     missed = after["constraint_misses"] - before["constraint_misses"]
-    return [counts[i] for i in ids], wall_s, {"host_ms": (step_ms_total - decode_ms_total) / max(num_steps, 1),
-                                              "miss": missed / checked if checked else 0.0}
+    return [answers[i] for i in ids], wall_s, {"host_ms": (step_ms_total - decode_ms_total) / max(num_steps, 1),
+                                               "miss": missed / checked if checked else 0.0}
 
 
-def compare(model_path: str, parallel: int, max_tokens: int) -> None:
+def is_valid(mode: str, text: str) -> bool:
+    """Whether a stopped answer is what its mode asked for."""
+    if mode == "tool call":
+        parsed = TOOL_PLAN.parse(text)
+        return parsed is not None and parsed[0] is None and len(parsed[1]) == 1
+    if mode == "think+schema":
+        thinking, close, text = text.partition("</think>")
+        if not close:
+            return False
+    try:
+        answer = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    if mode == "json_object":
+        return isinstance(answer, dict)
+    return jsonschema.Draft202012Validator(PERSON).is_valid(answer)
+
+
+def bodies_of(prompt: str, parallel: int, n: int, fields: dict) -> list[dict]:
+    """parallel sequences as parallel / n prompts of n choices each."""
+    sampling = {"temperature": 0} if n == 1 else {"temperature": 0.8, "top_p": 0.95}
+    return [{"prompt": prompt.format(i=i // n), **sampling, **({"seed": i} if n > 1 else {}), **fields}
+            for i in range(parallel)]
+
+
+def compare(model_path: str, parallel: int, n: int, max_tokens: int) -> None:
     engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=parallel * 1024))
     try:
         engine.runner.constraints.tokenizer()  # the adapter, outside the timings
         for mode, (prompt, constraint) in MODES.items():
-            bodies = [{"prompt": prompt.format(i=i), "max_tokens": max_tokens, "temperature": 0, **constraint}
-                      for i in range(parallel)]
+            bodies = bodies_of(prompt, parallel, n, {"max_tokens": max_tokens, **constraint})
             cpu_started = time.process_time()
-            counts, wall_s, figures = run(engine, bodies)
-            plain = [{"prompt": PLAIN_PROMPT.format(i=i), "max_tokens": max(n, 1), "temperature": 0, "ignore_eos": True}
-                     for i, n in enumerate(counts)]
-            plain_counts, plain_wall_s, plain_figures = run(engine, plain)
+            answers, wall_s, figures = run(engine, bodies)
+            plain = [{**body, "max_tokens": max(a["tokens"], 1), "ignore_eos": True}
+                     for body, a in zip(bodies_of(PLAIN_PROMPT, parallel, n, {}), answers)]
+            plain_answers, plain_wall_s, plain_figures = run(engine, plain)
             cpu_s = time.process_time() - cpu_started
-            tok_s, plain_tok_s = sum(counts) / wall_s, sum(plain_counts) / plain_wall_s
-            print(f"{parallel:>8} {mode:12} {sum(counts):>6} {tok_s:>8.1f} {plain_tok_s:>8.1f} "
+            num_tokens = sum(a["tokens"] for a in answers)
+            tok_s, plain_tok_s = num_tokens / wall_s, sum(a["tokens"] for a in plain_answers) / plain_wall_s
+            stopped = [a for a in answers if a["finish"] == "stop"]
+            num_valid = sum(is_valid(mode, a["text"]) for a in stopped)
+            print(f"{parallel:>8} {n:>2} {mode:12} {num_tokens:>6} {tok_s:>8.1f} {plain_tok_s:>8.1f} "
                   f"{plain_tok_s / tok_s:>7.2f}x {figures['host_ms']:>7.2f} {plain_figures['host_ms']:>7.2f} "
-                  f"{figures['miss']:>6.1%} {cpu_s:>6.1f} {wall_s + plain_wall_s:>6.1f}")
+                  f"{figures['miss']:>6.1%} {f'{num_valid}/{len(stopped)}':>7} {cpu_s:>6.1f} "
+                  f"{wall_s + plain_wall_s:>6.1f}")
     finally:
         engine.close()
+
+
+def big_schema(salt: int, target_bytes: int = 100_000) -> dict:
+    """An object schema of about target_bytes of JSON: many optional properties, each an
+    object of a few typed fields; salt makes its text new, so no cache answers it."""
+    properties = {}
+    while len(json.dumps(properties)) < target_bytes:
+        k = len(properties)
+        properties[f"field_{salt}_{k}"] = {
+            "type": "object", "description": f"record {k} of a large form",
+            "properties": {"id": {"type": "integer", "minimum": 0}, "label": {"type": "string", "maxLength": 64},
+                           "state": {"enum": ["open", "closed", "pending"]},
+                           "values": {"type": "array", "items": {"type": "number"}, "maxItems": 8}},
+            "required": ["id", "label"], "additionalProperties": False}
+    return {"type": "object", "properties": properties, "additionalProperties": False}
+
+
+def first_token_s(client: Client, i: int) -> float:
+    started = time.perf_counter()
+    chunks = client.stream(prompt=f"A small request {i}:", max_tokens=4, temperature=0, ignore_eos=True)
+    next(chunks)
+    first_s = time.perf_counter() - started
+    for _ in chunks:
+        pass
+    return first_s
+
+
+def compile_delay(model_path: str, num_probes: int) -> None:
+    """A small request's first token alone, then just behind a ~100 KB schema's request."""
+    daemon = CbatchDaemon(model_path, 2, [])
+    try:
+        with Client(daemon.endpoint) as client:
+            first_token_s(client, -1)  # the first request pays the adapter's build
+            idle_s = [first_token_s(client, i) for i in range(num_probes)]
+            behind_s, compile_s = [], []
+            for i in range(num_probes):
+                schema = big_schema(i)
+                big_started = time.perf_counter()
+                with Client(daemon.endpoint) as big_client:
+                    big = threading.Thread(target=lambda: big_client.generate(
+                        prompt="Fill the form as JSON: ", max_tokens=1, temperature=0, json_schema=schema))
+                    big.start()
+                    behind_s.append(first_token_s(client, num_probes + i))
+                    big.join()
+                compile_s.append(time.perf_counter() - big_started)
+        idle, behind = statistics.median(idle_s), statistics.median(behind_s)
+        print(f"compile delay: {len(json.dumps(big_schema(0))) / 1e3:.0f} KB schema answered in "
+              f"{statistics.median(compile_s) * 1e3:.0f} ms (median); a small request's first token "
+              f"{idle * 1e3:.1f} ms alone, {behind * 1e3:.1f} ms behind it (max {max(behind_s) * 1e3:.1f} ms): "
+              f"+{(behind - idle) * 1e3:.1f} ms")
+    finally:
+        daemon.stop()
 
 
 def main() -> None:
@@ -150,18 +246,24 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
     parser.add_argument("--parallel", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--n", type=int, nargs="+", default=[1], help="choices a prompt")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compile-delay", action="store_true", help="then the ~100 KB schema's delay")
+    parser.add_argument("--probes", type=int, default=9, help="small requests timed for --compile-delay")
     parser.add_argument("--calls", type=int, default=50, help="per one-row timing")
     args = parser.parse_args()
     model_path = resolve_model_path(args.model)
     print(f"model {os.path.basename(model_path)}, {os.cpu_count()} CPUs, greedy, max_tokens {args.max_tokens}")
     time_one_row(model_path, args.calls)
-    print(f"{'parallel':>8} {'mode':12} {'tokens':>6} {'tok/s':>8} {'plain':>8} {'cost':>8} "
-          f"{'host ms':>7} {'plain':>7} {'missed':>6} {'cpu s':>6} {'wall s':>6}")
+    print(f"{'parallel':>8} {'n':>2} {'mode':12} {'tokens':>6} {'tok/s':>8} {'plain':>8} {'cost':>8} "
+          f"{'host ms':>7} {'plain':>7} {'missed':>6} {'valid':>7} {'cpu s':>6} {'wall s':>6}")
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}")
         for parallel in args.parallel:
-            compare(model_path, parallel, args.max_tokens)
+            for n in args.n:
+                compare(model_path, parallel, n, args.max_tokens)
+    if args.compile_delay:
+        compile_delay(model_path, args.probes)
 
 
 if __name__ == "__main__":

@@ -159,14 +159,18 @@ def test_bench_jobs_prints_every_figure(tiny_model_path):
 
 @pytest.mark.slow
 def test_bench_structured_prints_the_row_costs_compile_times_and_each_mode(tiny_model_path):
-    out = run_script("bench_structured", "--model", tiny_model_path, "--parallel", "2", "--rounds", "1",
-                     "--max-tokens", "8", "--calls", "3")
+    out = run_script("bench_structured", "--model", tiny_model_path, "--parallel", "2", "--n", "1", "2",
+                     "--rounds", "1", "--max-tokens", "8", "--calls", "3", "--compile-delay", "--probes", "2")
     assert re.search(rf"^one row: llama.cpp GBNF sampler {NUMBER} ms \| llguidance check {NUMBER} ms, mask {NUMBER} ms",
                      out, re.M), out
     assert re.search(rf"^compile: 2\d\d schemas, p50 {NUMBER} ms, p99 {NUMBER} ms", out, re.M), out
-    modes = re.findall(rf"^\s+2 (json_schema|json_object|tool call|think\+schema)\s+\d+\s+{NUMBER}\s+{NUMBER}\s+"
-                       rf"{NUMBER}x", out, re.M)
-    assert modes == ["json_schema", "json_object", "tool call", "think+schema"], out
+    modes = re.findall(rf"^\s+2\s+([12]) (json_schema|json_object|tool call|think\+schema)\s+\d+\s+{NUMBER}\s+"
+                       rf"{NUMBER}\s+{NUMBER}x .* (\d+)/(\d+)\s+{NUMBER}\s+{NUMBER}$", out, re.M)
+    assert [(n, mode) for n, mode, *_ in modes] == [(n, mode) for n in "12" for mode in
+                                                    ("json_schema", "json_object", "tool call", "think+schema")], out
+    assert all(int(valid) <= int(stopped) <= 2 for *_, valid, stopped in modes), out
+    assert re.search(rf"^compile delay: 1\d\d KB schema answered in \d+ ms .* {NUMBER} ms alone, {NUMBER} ms behind it",
+                     out, re.M), out
 
 
 @pytest.mark.slow
