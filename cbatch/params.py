@@ -82,7 +82,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
 class Request(msgspec.Struct, frozen=True, array_like=True):
     """A validated request: exactly one of `prompt` or `messages`. The one shape a request
     has from the front-end, which parses the caller's map into it, to the decode worker,
-    which decodes it from the front-end's message (ipc/worker_messages.py: WorkerSubmit).
+    which decodes it from the front-end's message (workers/messages.py: WorkerSubmit).
     On that wire it is an array of its fields in order, the request id first."""
 
     request_id: int

@@ -37,7 +37,7 @@ class MsgType(enum.IntEnum):
     STATS_REPLY = 0x26
     EMBED_REPLY = 0x27  # {nonce, embeddings: [float32 little-endian bytes], usage: {prompt_tokens, total_tokens}}
     COUNT_REPLY = 0x28  # {nonce, num_tokens}
-    # front-end <-> decode worker: the bodies are the structs of cbatch.ipc.worker_messages
+    # front-end <-> decode worker: the bodies are the structs of cbatch.workers.messages
     WORKER_READY = 0x41
     WORKER_SUBMIT = 0x42
     WORKER_CANCEL = 0x43

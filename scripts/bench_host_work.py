@@ -34,7 +34,7 @@ import zmq
 
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
-from cbatch.ipc.worker_messages import encode
+from cbatch.workers.messages import encode
 from cbatch.params import parse_request
 from cbatch.workers.decode import publisher as publisher_module
 from cbatch.workers.decode.publisher import EventPublisher

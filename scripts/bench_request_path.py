@@ -15,7 +15,7 @@ import time
 import msgpack
 import msgspec
 
-from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
+from cbatch.workers.messages import WorkerSubmit, decode, encode
 from cbatch.params import parse_request
 from cbatch.workers.daemon.probation import request_fingerprint
 

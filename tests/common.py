@@ -6,7 +6,7 @@ import socket
 
 import msgspec
 
-from cbatch.ipc.worker_messages import WorkerSubmit
+from cbatch.workers.messages import WorkerSubmit
 from cbatch.params import parse_request
 
 # Greedy and never ending early: a request's token count is exactly its max_tokens.

@@ -128,8 +128,8 @@ def test_a_client_without_the_server_talks_to_a_daemon(tiny_tools_model_path, st
 
 
 @pytest.mark.parametrize("code, args, extra", [
-    ("from cbatch.cli.worker import main\nmain()", ["--parallel", "1"], "server"),
-    ("from cbatch.cli.worker import main\nmain()", ["--model", "any.gguf"], "server"),
+    ("from cbatch.workers.daemon.main import main\nmain()", ["--parallel", "1"], "server"),
+    ("from cbatch.workers.daemon.main import main\nmain()", ["--model", "any.gguf"], "server"),
     ("from cbatch.cli.submit import main\nmain()", ["--url", "http://127.0.0.1:9/v1", "-"], "url")])
 def test_a_command_without_its_extra_says_which_to_install(code, args, extra):
     done = run_without_server(code, *args)

@@ -15,7 +15,7 @@ from daemonkit import submit_lines, wait_until
 
 from cbatch.errors import CbatchError
 from cbatch.ipc.ring import CrashMarks
-from cbatch.ipc.worker_messages import WorkerSubmit, encode
+from cbatch.workers.messages import WorkerSubmit, encode
 from cbatch.params import parse_request
 from cbatch.workers.daemon.crash_blame import blame_crash
 from cbatch.workers.daemon.probation import MAX_PROBATION_REQUESTS, TURN_S, Probation, request_fingerprint

@@ -59,7 +59,7 @@ def _under_hard_limit(limit: int, soft_limit: int | None = None) -> list[str]:
     limit `soft_limit`, else the same)."""
     soft = limit if soft_limit is None else soft_limit
     return [sys.executable, "-c", f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {limit})); "
-                                  "from cbatch.cli.worker import main; main()"]
+                                  "from cbatch.workers.daemon.main import main; main()"]
 
 
 def test_the_daemon_takes_every_descriptor_its_hard_limit_allows(tiny_model_path, start_daemon):

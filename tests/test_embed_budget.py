@@ -9,7 +9,7 @@ embeddings request, is measured on gemma (test_embeddings_beside_streams.py)."""
 import math
 from types import SimpleNamespace
 
-from cbatch.ipc.worker_messages import WorkerEmbed
+from cbatch.workers.messages import WorkerEmbed
 from cbatch.workers.decode.worker import IDLE_EMBED_STEP_S, MIN_EMBED_STEP_S, run_engine_loop
 from cbatch.workers.engine.embedder import PIECE_TOKENS, Embedder
 

@@ -187,7 +187,7 @@ def test_the_same_image_in_eight_concurrent_requests_is_encoded_once(make_vision
 
 
 def test_images_travel_from_the_front_end_to_the_worker_as_they_were_sent():
-    from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
+    from cbatch.workers.messages import WorkerSubmit, decode, encode
 
     images = [png_bytes(4, 4), png_bytes(8, 8)]
     parsed = parse_request(7, {"messages": [{"role": "user", "content": "<__media__> and <__media__>?"}],

@@ -9,7 +9,8 @@
                          modules only
     cbatch/batch  ->  never cbatch.workers, cbatch.cli or cbatch.jobs (the batch-file engine both use)
     cbatch/jobs  ->  never cbatch.workers or cbatch.cli (the job runner is one more client of the daemon)
-    cbatch/ipc (ipc/)  ->  never cbatch.workers
+    cbatch/ipc (ipc/)  ->  its own modules only (the ring and its records, beneath everything)
+    cbatch/ (the folder)  ->  never cbatch.workers (the processes import the library, not the other way)
     cbatch/workers/engine  ->  never the daemon or the decode process
     cbatch/protocol  ->  nothing of the project
 """
@@ -57,14 +58,18 @@ def project_imports(path: Path) -> set[str]:
     return {name for name in names if name == "cbatch" or name.startswith("cbatch.")}
 
 
-def imports_under(package: str) -> dict[str, set[str]]:
-    return {name: project_imports(path) for name, path in modules().items()
-            if name == package or name.startswith(package + ".")}
+def modules_under(package: str) -> list[str]:
+    return [name for name in modules() if name == package or name.startswith(package + ".")]
 
 
 def offenders(package: str, is_allowed) -> list[str]:
-    return [f"{module} imports {imported}" for module, imported_names in imports_under(package).items()
-            for imported in sorted(imported_names) if not is_allowed(imported)]
+    return offenders_of(modules_under(package), is_allowed)
+
+
+def offenders_of(module_names, is_allowed) -> list[str]:
+    found = modules()
+    return [f"{module} imports {imported}" for module in module_names
+            for imported in sorted(project_imports(found[module])) if not is_allowed(imported)]
 
 
 def outside(*forbidden: str):
@@ -73,7 +78,7 @@ def outside(*forbidden: str):
 
 @pytest.mark.parametrize("package, is_allowed", [
     ("cbatch.client", outside("cbatch.workers", "cbatch.http_api", "cbatch.cli")),
-    ("cbatch.ipc", outside("cbatch.workers", "cbatch.client", "cbatch.http_api", "cbatch.cli")),
+    ("cbatch.ipc", lambda name: name.startswith("cbatch.ipc")),
     ("cbatch.workers.engine", outside("cbatch.workers.daemon", "cbatch.workers.decode", "cbatch.client",
                                       "cbatch.http_api", "cbatch.cli")),
     ("cbatch.tools", lambda name: name in SHARED or name.startswith("cbatch.tools")),
@@ -87,8 +92,14 @@ def outside(*forbidden: str):
     ("cbatch.protocol", lambda name: False),
 ])
 def test_imports_point_one_way(package, is_allowed):
-    assert imports_under(package), f"no modules found under {package}"
+    assert modules_under(package), f"no modules found under {package}"
     assert offenders(package, is_allowed) == []
+
+
+def test_the_library_folder_imports_no_process():
+    """cbatch/ is the library every caller installs; workers/ holds the processes that import it."""
+    library = [name for name, path in modules().items() if path.is_relative_to(PACKAGE_DIRS["cbatch"])]
+    assert library and offenders_of(library, outside("cbatch.workers")) == []
 
 
 def top_level_imports(path: Path) -> set[str]:

@@ -8,7 +8,7 @@ from common import worker_submit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbatch.ipc.worker_messages import WorkerSubmit, decode, encode
+from cbatch.workers.messages import WorkerSubmit, decode, encode
 from cbatch.params import Request, SamplingParams, parse_request
 from cbatch.workers.decode.preparer import MIN_LARGE_PROMPT_CHARS, is_large_prompt
 

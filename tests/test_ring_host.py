@@ -7,7 +7,7 @@ from common import GREEDY
 
 # cbatch-worker's main, in a process that reports another machine (an ARM host).
 ON_AARCH64 = [sys.executable, "-c", "import platform; platform.machine = lambda: 'aarch64'; "
-                                    "from cbatch.cli.worker import main; main()"]
+                                    "from cbatch.workers.daemon.main import main; main()"]
 
 
 def test_off_x86_64_a_local_client_is_relayed_instead_of_reading_the_ring(tiny_model_path, start_daemon):

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from cbatch.cli.worker_flags import config_from_args, make_parser
+from cbatch.workers.daemon.flags import config_from_args, make_parser
 from cbatch.params import SamplingParams
 from cbatch.workers.daemon.tenant_ledger import MAX_IDLE_UNLISTED, TenantLedger
 from cbatch.workers.engine.kv.pool import PoolCacheManager

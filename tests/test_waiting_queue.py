@@ -7,7 +7,7 @@ import pytest
 from enginekit import collect, submit
 from fakerunner import FakeRunner
 
-from cbatch.cli.worker_flags import config_from_args, make_parser
+from cbatch.workers.daemon.flags import config_from_args, make_parser
 from cbatch.config import EngineConfig
 from cbatch.errors import INVALID_CONFIG, QUEUE_FULL, CbatchError
 from cbatch.params import SamplingParams

@@ -20,7 +20,7 @@ from common import worker_submit
 from cbatch.config import EngineConfig
 from cbatch.ipc.records import record_request_ids
 from cbatch.ipc.ring import create_ring
-from cbatch.ipc.worker_messages import (
+from cbatch.workers.messages import (
     WorkerCancel,
     WorkerEvents,
     WorkerPause,

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs
 from cbatch.errors import QUEUE_FULL, SHUTTING_DOWN, CbatchError
-from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedCancel, WorkerEmbedded
+from cbatch.workers.messages import WorkerEmbed, WorkerEmbedCancel, WorkerEmbedded
 from cbatch.params import tenant as parse_tenant
 from cbatch.protocol import MsgType, field
 from cbatch.workers.daemon.client_link import ClientLink

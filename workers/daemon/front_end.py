@@ -17,7 +17,7 @@ import zmq
 from cbatch.config import DaemonConfig
 from cbatch.errors import INTERNAL, INVALID_REQUEST, SHUTDOWN_MESSAGE, SHUTTING_DOWN, CbatchError
 from cbatch.ipc.records import TokenEvent, frame_events
-from cbatch.ipc.worker_messages import (
+from cbatch.workers.messages import (
     WorkerCancel,
     WorkerCounted,
     WorkerEmbedded,

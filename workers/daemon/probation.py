@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import msgpack
 
-from cbatch.ipc.worker_messages import WorkerSubmit
+from cbatch.workers.messages import WorkerSubmit
 from cbatch.workers.daemon.quarantine import add_bounded
 from cbatch.workers.daemon.request_table import TrackedRequest
 
@@ -37,7 +37,7 @@ TURN_S = 30.0
 
 def request_fingerprint(submit: WorkerSubmit, body_frame: bytes) -> int:
     """The hash of submit.request's encoding inside body_frame (encode(submit)'s body) but
-    its id. Both structs are arrays of their fields in order (worker_messages.py, params.py):
+    its id. Both structs are arrays of their fields in order (workers/messages.py, params.py):
     a one-byte header for the submit's two fields, one for the request's nine, the request
     id, the request's other fields, the deadline; so the fingerprint's bytes are those
     between the encoded request id and the encoded deadline, each encoded as msgpack

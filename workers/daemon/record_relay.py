@@ -11,7 +11,7 @@ what a FETCH asks from an index on is one slice of `TrackedRequest.records`.
 """
 
 from cbatch.ipc.records import RECORD_SIZE_BYTES, record_request_ids, relay_rows
-from cbatch.ipc.worker_messages import WorkerEvents
+from cbatch.workers.messages import WorkerEvents
 from cbatch.protocol import MsgType
 from cbatch.workers.daemon.backlog import split_to_fit
 from cbatch.workers.daemon.client_link import ClientLink

@@ -30,7 +30,7 @@ from cbatch.errors import (
 )
 from cbatch.http_api.body_limit import max_body_bytes
 from cbatch.ipc.ring import SHM_DIR, RingError, create_ring
-from cbatch.ipc.worker_messages import WorkerStop
+from cbatch.workers.messages import WorkerStop
 from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
 from cbatch.workers.daemon.crash_blame import blame_crash

@@ -10,7 +10,7 @@ its requests were failed already.
 
 import zmq
 
-from cbatch.ipc.worker_messages import WorkerFailed, WorkerReady, decode, encode
+from cbatch.workers.messages import WorkerFailed, WorkerReady, decode, encode
 from cbatch.workers.decode.plan import worker_identity
 
 

@@ -3,7 +3,7 @@
 import queue
 
 from cbatch.errors import DEADLINE_EXCEEDED, CbatchError
-from cbatch.ipc.worker_messages import (
+from cbatch.workers.messages import (
     WorkerCancel,
     WorkerCounted,
     WorkerEmbedCancel,

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 
 from cbatch.errors import INTERNAL
-from cbatch.ipc.worker_messages import (
+from cbatch.workers.messages import (
     WorkerCount,
     WorkerEmbed,
     WorkerReject,
@@ -35,7 +35,7 @@ from cbatch.workers.decode.plan import WorkerPlan, worker_identity
 from cbatch.workers.decode.preparer import is_large_prompt
 
 IO_POLL_MS = 500
-# Commands whose first field is the request they are about (ipc/worker_messages.py).
+# Commands whose first field is the request they are about (workers/messages.py).
 REQUEST_COMMANDS = (MsgType.WORKER_SUBMIT, MsgType.WORKER_CANCEL, MsgType.WORKER_PAUSE)
 ORPHAN_EXIT_S = 1.5  # a worker whose supervisor died is gone this long after noticing, whatever it was doing
 

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 
 from cbatch.errors import INTERNAL, INVALID_REQUEST, CbatchError
-from cbatch.ipc.worker_messages import (
+from cbatch.workers.messages import (
     WorkerCount,
     WorkerCounted,
     WorkerEmbed,

@@ -8,7 +8,7 @@ import zmq
 
 from cbatch.ipc.records import TokenEvent
 from cbatch.ipc.ring import RingWriter
-from cbatch.ipc.worker_messages import WorkerEvents
+from cbatch.workers.messages import WorkerEvents
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine

@@ -24,7 +24,7 @@ import zmq
 from cbatch.errors import INTERNAL
 from cbatch.ipc.records import TokenEvent
 from cbatch.ipc.ring import CrashMark, attach_ring
-from cbatch.ipc.worker_messages import WorkerFailed, WorkerReady
+from cbatch.workers.messages import WorkerFailed, WorkerReady
 from cbatch.workers.decode.commands import CommandHandler
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.plan import WorkerPlan

@@ -42,7 +42,7 @@ import numpy as np
 from cbatch.config import EngineConfig
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, vector_bytes
 from cbatch.errors import DECODE_FAILED, INVALID_CONFIG, INVALID_REQUEST, PROMPT_TOO_LONG, CbatchError
-from cbatch.ipc.worker_messages import WorkerEmbed, WorkerEmbedded
+from cbatch.workers.messages import WorkerEmbed, WorkerEmbedded
 from cbatch.protocol import MAX_FRAME_BYTES
 from cbatch.workers.engine.decode_mark import marked_decode, no_mark
 from cbatch.workers.engine.runner import BatchBuffer, LlamaRunner

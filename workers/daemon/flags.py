@@ -1,4 +1,4 @@
-"""cbatch-worker's flags, and the daemon's configuration they make (cbatch/cli/worker.py runs it)."""
+"""cbatch-worker's flags, and the daemon's configuration they make (workers/daemon/main.py runs it)."""
 
 import argparse
 import logging
