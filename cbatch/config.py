@@ -36,14 +36,14 @@ class EngineConfig:
     # Reuse the KV of cached prompt prefixes; off for A/B runs.
     prefix_cache: bool = True
     # An interactive request that finds every slot taken preempts a running batch sequence
-    # (workers/engine/preemption.py) rather than wait for one to end.
+    # (workers/engine/sched/preemption.py) rather than wait for one to end.
     preempt_batch: bool = True
     # A request paused this long in all for its slow client (seconds since its admission)
     # gives its slot to waiting requests, its KV kept, and resumes once its client catches
-    # up (workers/engine/scheduler.py).
+    # up (workers/engine/sched/scheduler.py).
     park_after_s: float = 30.0
     # Admission within a priority shares the steps among tenants by weight
-    # (workers/engine/fair_share.py); off, it is in arrival order, whoever sends more.
+    # (workers/engine/sched/fair_share.py); off, it is in arrival order, whoever sends more.
     fair_share: bool = True
     # Unified pool only: cells kept for finished requests' prefixes beyond what running
     # ones hold; 0 = one sequence's context. Every token attends over the pool's used
@@ -70,7 +70,7 @@ class EngineConfig:
     overlap: bool | None = None
     # Embeddings of a model whose GGUF declares no pooling (a causal LM): mean, cls or last.
     pooling: str = "mean"
-    # Thinking in tags (workers/engine/reasoning.py): "auto" reads the tags off the chat
+    # Thinking in tags (workers/engine/thinking/tags.py): "auto" reads the tags off the chat
     # template, or takes reasoning_tags when given; "off" leaves every output as it is.
     reasoning: str = "auto"
     reasoning_tags: tuple[str, str] | None = None

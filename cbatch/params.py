@@ -57,7 +57,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); ids checked by the engine
     min_tokens: _ranged(int, 0, MAX_TOKENS_LIMIT) = 0  # end-of-generation tokens are suppressed until then
     # Thinking in tags: after this many tokens inside the (open, close) block without its
-    # close tag, the close tag's tokens are forced (workers/engine/sampling/budget.py).
+    # close tag, the close tag's tokens are forced (workers/engine/thinking/budget.py).
     reasoning_budget: _ranged(int, 0, MAX_TOKENS_LIMIT) | None = None
     reasoning_tags: tuple[str, str] | None = None
 

@@ -20,7 +20,7 @@ import time
 
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.pool import PoolCacheManager
-from cbatch.workers.engine.scheduler import Scheduler
+from cbatch.workers.engine.sched.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 PROMPT_TOKENS = 16

@@ -13,7 +13,7 @@ from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_REMOVE, OP_RESTORE, O
 from cbatch.workers.engine.kv.host_tier import Restore, SavedPrefix
 from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.seq_states import WHOLE, load_state, save_state
-from cbatch.workers.engine.step_batch import BatchSpan
+from cbatch.workers.engine.sched.step_batch import BatchSpan
 
 WORDS = "river stone light garden window paper music winter market engine story number silver forest".split()
 

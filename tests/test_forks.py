@@ -1,5 +1,5 @@
 """A request's `n` choices compute their prompt once, in both KV layouts: the first choice
-computes it and the others fork its KV (workers/engine/forks.py). Through real llama.cpp
+computes it and the others fork its KV (workers/engine/sched/forks.py). Through real llama.cpp
 decode on the tiny model, then edge cases on the fake runner, then through the daemon."""
 
 import functools

@@ -12,6 +12,8 @@
     cbatch/ipc (ipc/)  ->  its own modules only (the ring and its records, beneath everything)
     cbatch/ (the folder)  ->  never cbatch.workers (the processes import the library, not the other way)
     cbatch/workers/engine  ->  never the daemon or the decode process
+    cbatch/workers/engine/<room>  ->  other rooms (sched, kv, sampling, thinking) and, of the engine's
+                                      own modules, only sequence (the one type they all handle)
     cbatch/protocol  ->  nothing of the project
 """
 
@@ -94,6 +96,24 @@ def outside(*forbidden: str):
 def test_imports_point_one_way(package, is_allowed):
     assert modules_under(package), f"no modules found under {package}"
     assert offenders(package, is_allowed) == []
+
+
+ENGINE = "cbatch.workers.engine"
+ENGINE_ROOMS = ("sched", "kv", "sampling", "thinking")
+
+
+@pytest.mark.parametrize("room", ENGINE_ROOMS)
+def test_an_engine_room_imports_no_engine_module_but_the_sequence(room):
+    def is_allowed(name):
+        return not name.startswith(ENGINE) or name == f"{ENGINE}.sequence" or name.startswith(
+            tuple(f"{ENGINE}.{other}." for other in ENGINE_ROOMS))
+    assert modules_under(f"{ENGINE}.{room}") and offenders(f"{ENGINE}.{room}", is_allowed) == []
+
+
+def test_the_engine_is_in_rooms():
+    """The engine's folder holds its own modules and the rooms, nothing else."""
+    assert {path.name for path in (PACKAGE_DIRS["cbatch.workers"] / "engine").iterdir()
+            if path.is_dir() and (path / "__init__.py").exists()} == set(ENGINE_ROOMS)
 
 
 def test_the_library_folder_imports_no_process():

@@ -7,7 +7,7 @@ from enginekit import collect, generate, run_to_completion, submit
 
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.pool import PoolCacheManager
-from cbatch.workers.engine.scheduler import Scheduler
+from cbatch.workers.engine.sched.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 BATCH_LINE = {"max_tokens": 48, "ignore_eos": True, "priority": "batch"}

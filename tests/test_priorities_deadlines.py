@@ -50,7 +50,7 @@ def test_the_engine_ends_a_queued_request_at_its_deadline_and_a_running_one_with
 def test_thousands_of_deadlines_passing_at_once_end_over_several_steps():
     """Each look at the deadlines ends at most MAX_EXPIRIES_PER_PASS of them, so the running
     streams' steps stay short; every one of them ends, and the running one goes on."""
-    from cbatch.workers.engine.scheduler import MAX_EXPIRIES_PER_PASS
+    from cbatch.workers.engine.sched.scheduler import MAX_EXPIRIES_PER_PASS
 
     config = EngineConfig(parallel=1, ctx_size=1024, batch_size=64, max_queue=4096)
     engine = Engine(config, FakeRunner(1024, 1, config.num_seq_ids, unified=config.kv_unified))

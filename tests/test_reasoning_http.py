@@ -175,7 +175,7 @@ def test_an_answer_another_server_split_is_not_split_again(server_reasoning, exp
 
 def test_the_tags_come_from_the_template_or_the_flags_and_a_prompt_may_open_the_block(make_engine):
     from cbatch.config import EngineConfig
-    from cbatch.workers.engine.reasoning import model_reasoning
+    from cbatch.workers.engine.thinking.tags import model_reasoning
 
     runner = make_engine(model_path=chat_model_path()).runner
     assert model_reasoning(EngineConfig(), runner) is None  # SmolLM2's template does not think

@@ -7,7 +7,7 @@ from cbatch.errors import QUEUE_FULL, CbatchError
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS
 from cbatch.workers.engine.kv.pool import PoolCacheManager
-from cbatch.workers.engine.scheduler import Scheduler
+from cbatch.workers.engine.sched.scheduler import Scheduler
 from cbatch.workers.engine.sequence import Sequence
 
 

@@ -13,9 +13,9 @@ from cbatch.errors import INVALID_CONFIG, QUEUE_FULL, CbatchError
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.kv.pool import PoolCacheManager
-from cbatch.workers.engine.scheduler import Scheduler
+from cbatch.workers.engine.sched.scheduler import Scheduler
 from cbatch.workers.engine.sequence import SeqStatus, Sequence
-from cbatch.workers.engine.waiting_queue import MIN_STALE_DEADLINES
+from cbatch.workers.engine.sched.waiting_queue import MIN_STALE_DEADLINES
 
 WEEK_S = 604800
 

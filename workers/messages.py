@@ -27,7 +27,7 @@ class WorkerReady(_Message):
     model: str
     ctx_per_seq: int
     prefix_cache: str
-    reasoning: dict | None = None  # workers/engine/reasoning.py: the tags the model thinks in
+    reasoning: dict | None = None  # workers/engine/thinking/tags.py: the tags the model thinks in
     chat: dict = field(default_factory=dict)  # workers/engine/chat_texts.py: relayed to clients in WELCOME
 
 

@@ -1,13 +1,13 @@
 """Thinking split from the answer, for models that think in tags (`<think>...</think>`).
 
 The daemon tells which tags the model thinks in, and whether its chat template's
-generation prompt already opens the block (workers/engine/reasoning.py). A chat answer's
+generation prompt already opens the block (workers/engine/thinking/tags.py). A chat answer's
 text inside the block becomes `reasoning_content` (its own deltas when streamed), what
 follows the close tag `content` (leading whitespace dropped). An answer that does not
 open with the tag (leading whitespace aside) has no thinking: all of it is content.
 
 A request may cap the thinking: `reasoning_budget` (tokens inside the block, then the
-close tag is forced: workers/engine/sampling/budget.py), or OpenAI's `reasoning_effort`
+close tag is forced: workers/engine/thinking/budget.py), or OpenAI's `reasoning_effort`
 (chat) / `reasoning.effort` (Responses) mapped through EFFORT_BUDGETS.
 """
 

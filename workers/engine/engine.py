@@ -26,14 +26,14 @@ from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.output import OutputProcessor
 from cbatch.workers.engine.preparation import count_prompt_tokens, prepare_sequence
-from cbatch.workers.engine.reasoning import model_reasoning
+from cbatch.workers.engine.thinking.tags import model_reasoning
 from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.sampling.host import free_sampler_chain
 from cbatch.workers.engine.sampling.step import StepSampler
-from cbatch.workers.engine.scheduler import Scheduler
+from cbatch.workers.engine.sched.scheduler import Scheduler
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 from cbatch.workers.engine.stats import CPU_TIMED_EVERY_STEPS, EngineStats, engine_snapshot
-from cbatch.workers.engine.step_batch import BatchSpan
+from cbatch.workers.engine.sched.step_batch import BatchSpan
 from cbatch.workers.engine.thread_governor import ThreadGovernor
 
 log = logging.getLogger("cbatch.worker")

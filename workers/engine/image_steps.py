@@ -16,7 +16,7 @@ import numpy as np
 
 from cbatch.workers.engine.decode_mark import marked_decode
 from cbatch.workers.engine.sequence import SeqStatus
-from cbatch.workers.engine.step_batch import BatchSpan, chunk_order, max_batch_chunk_tokens
+from cbatch.workers.engine.sched.step_batch import BatchSpan, chunk_order, max_batch_chunk_tokens
 
 
 class EmbeddingBatch:

@@ -7,9 +7,9 @@ import time
 
 from cbatch.errors import INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG, CbatchError
 from cbatch.params import BATCH, Request
-from cbatch.workers.engine.sampling.budget import ThinkingBudget
+from cbatch.workers.engine.thinking.budget import ThinkingBudget
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
-from cbatch.workers.engine.sampling.thinking_gate import thinking_gate
+from cbatch.workers.engine.thinking.gate import thinking_gate
 from cbatch.workers.engine.sequence import Sequence
 
 

@@ -26,7 +26,7 @@ from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE, OP_RESTORE, OP_SAV
 from cbatch.workers.engine.sampling.backend import BackendSamplers
 from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
 from cbatch.workers.engine.seq_states import restore_entry, save_entry
-from cbatch.workers.engine.step_batch import BatchSpan, request_ids
+from cbatch.workers.engine.sched.step_batch import BatchSpan, request_ids
 from cbatch.workers.engine.vision import load_vision
 
 MAX_PIECE_BYTES = 256

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.params import SamplingParams
-from cbatch.workers.engine.sampling.budget import ThinkingBudget
-from cbatch.workers.engine.sampling.thinking_gate import ThinkingGate
+from cbatch.workers.engine.thinking.budget import ThinkingBudget
+from cbatch.workers.engine.thinking.gate import ThinkingGate
 from cbatch.workers.engine.text_stream import TextStream
 
 

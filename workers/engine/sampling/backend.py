@@ -19,7 +19,7 @@ import ctypes
 
 import llama_cpp.llama_cpp as lc
 
-from cbatch.workers.engine.step_batch import BatchSpan
+from cbatch.workers.engine.sched.step_batch import BatchSpan
 
 
 def _address(chain) -> int:

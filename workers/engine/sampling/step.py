@@ -11,7 +11,7 @@ output, so the others' rows stay right, but it is neither counted nor sampled.
 import numpy as np
 
 from cbatch.errors import CbatchError
-from cbatch.workers.engine.sampling.budget import forced_tokens, track_budgets
+from cbatch.workers.engine.thinking.budget import forced_tokens, track_budgets
 from cbatch.workers.engine.sampling.constrained import ConstrainedRows, Proposal
 from cbatch.workers.engine.sampling.host import greedy_rows, sample_with_chain, suppress_eog
 from cbatch.workers.engine.sampling.logprobs import token_logprobs

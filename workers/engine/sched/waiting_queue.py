@@ -26,8 +26,8 @@ from cbatch.config import QUEUE_FLAGS
 from cbatch.errors import QUEUE_FULL, CbatchError
 from cbatch.params import PRIORITIES
 from cbatch.wording import counted
-from cbatch.workers.engine.arrival_order import ArrivalQueue, NoShare
-from cbatch.workers.engine.fair_share import FairShare, TenantQueues
+from cbatch.workers.engine.sched.arrival_order import ArrivalQueue, NoShare
+from cbatch.workers.engine.sched.fair_share import FairShare, TenantQueues
 from cbatch.workers.engine.sequence import Sequence
 
 # Entries of ended sequences the deadline heap may hold beyond its live ones before it is

@@ -68,7 +68,7 @@ def prefill_spans(running: list[Sequence], budget: int, max_step_tokens: int) ->
             continue  # past the budget or the batch chunks' share: nothing more fits
         num_tokens = min(seq.num_text_ahead(), room)
         if num_tokens == 0:
-            continue  # at an image: its embeddings are written beside the batch (image_steps.py)
+            continue  # at an image: its embeddings are written beside the batch (the engine's image_steps.py)
         spans.append(BatchSpan(seq, seq.num_cached, num_tokens))
         budget -= num_tokens
         if seq.is_batch:
