@@ -9,8 +9,8 @@ from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.runner import LlamaRunner
-from cbatch.workers.engine.sequence import Sequence
 from cbatch.workers.engine.sched.step_batch import BatchSpan
+from cbatch.workers.engine.sequence import Sequence
 
 PROMPT_TOKENS = 128
 NUM_STEPS = 20

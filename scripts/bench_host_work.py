@@ -34,12 +34,12 @@ import zmq
 
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
-from cbatch.workers.messages import encode
 from cbatch.params import parse_request
 from cbatch.workers.decode import publisher as publisher_module
 from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
+from cbatch.workers.messages import encode
 
 FULL_VOCAB_TOKENS = 262_144
 PROMPT = "The river carried silt from the mountains down to the wide delta."

@@ -15,9 +15,9 @@ import time
 import msgpack
 import msgspec
 
-from cbatch.workers.messages import WorkerSubmit, decode, encode
 from cbatch.params import parse_request
 from cbatch.workers.daemon.probation import request_fingerprint
+from cbatch.workers.messages import WorkerSubmit, decode, encode
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}

@@ -6,8 +6,8 @@ import socket
 
 import msgspec
 
-from cbatch.workers.messages import WorkerSubmit
 from cbatch.params import parse_request
+from cbatch.workers.messages import WorkerSubmit
 
 # Greedy and never ending early: a request's token count is exactly its max_tokens.
 GREEDY = {"temperature": 0, "ignore_eos": True}

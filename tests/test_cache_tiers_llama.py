@@ -12,8 +12,8 @@ from cbatch.config import EngineConfig
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS, OP_REMOVE, OP_RESTORE, OP_SAVE
 from cbatch.workers.engine.kv.host_tier import Restore, SavedPrefix
 from cbatch.workers.engine.runner import LlamaRunner
-from cbatch.workers.engine.seq_states import WHOLE, load_state, save_state
 from cbatch.workers.engine.sched.step_batch import BatchSpan
+from cbatch.workers.engine.seq_states import WHOLE, load_state, save_state
 
 WORDS = "river stone light garden window paper music winter market engine story number silver forest".split()
 

@@ -15,12 +15,12 @@ from daemonkit import submit_lines, wait_until
 
 from cbatch.errors import CbatchError
 from cbatch.ipc.ring import CrashMarks
-from cbatch.workers.messages import WorkerSubmit, encode
 from cbatch.params import parse_request
 from cbatch.workers.daemon.crash_blame import blame_crash
 from cbatch.workers.daemon.probation import MAX_PROBATION_REQUESTS, TURN_S, Probation, request_fingerprint
 from cbatch.workers.daemon.quarantine import CRASHED_TWICE_MESSAGE, QUARANTINED_MESSAGE
 from cbatch.workers.daemon.request_table import TrackedRequest
+from cbatch.workers.messages import WorkerSubmit, encode
 
 CRASH_ON_POISON = Path(__file__).parent / "crash_on_poison"
 DECODE_POISON = "a prompt with a poison inside llama_decode"

@@ -9,9 +9,9 @@ embeddings request, is measured on gemma (test_embeddings_beside_streams.py)."""
 import math
 from types import SimpleNamespace
 
-from cbatch.workers.messages import WorkerEmbed
 from cbatch.workers.decode.worker import IDLE_EMBED_STEP_S, MIN_EMBED_STEP_S, run_engine_loop
 from cbatch.workers.engine.embedder import PIECE_TOKENS, Embedder
+from cbatch.workers.messages import WorkerEmbed
 
 TEXT = "the cat sat on the mat by the dog"  # about one token a character on the tiny model
 

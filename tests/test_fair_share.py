@@ -6,8 +6,8 @@ import pytest
 from cbatch.api_keys import parse_keys, tenant_of_key
 from cbatch.errors import INVALID_CONFIG, CbatchError
 from cbatch.params import SamplingParams
-from cbatch.workers.engine.sequence import Sequence
 from cbatch.workers.engine.sched.waiting_queue import WaitingQueue
+from cbatch.workers.engine.sequence import Sequence
 
 request_ids = iter(range(1, 1 << 30))
 

@@ -10,8 +10,8 @@ from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.base import BLOCK_TOKENS
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.sched.scheduler import Scheduler
-from cbatch.workers.engine.sequence import SeqStatus, Sequence
 from cbatch.workers.engine.sched.step_batch import BatchSpan
+from cbatch.workers.engine.sequence import SeqStatus, Sequence
 from cbatch.workers.engine.vision import ImageSpan
 
 PARK_AFTER_S = 30.0

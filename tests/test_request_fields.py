@@ -8,9 +8,9 @@ from common import worker_submit
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cbatch.workers.messages import WorkerSubmit, decode, encode
 from cbatch.params import Request, SamplingParams, parse_request
 from cbatch.workers.decode.preparer import MIN_LARGE_PROMPT_CHARS, is_large_prompt
+from cbatch.workers.messages import WorkerSubmit, decode, encode
 
 TEXT = st.text(min_size=1, max_size=12)  # hypothesis draws no lone surrogates, which parse_request refuses
 

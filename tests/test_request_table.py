@@ -4,9 +4,9 @@ import pytest
 
 from cbatch.errors import INVALID_REQUEST, NOT_FOUND, QUEUE_FULL, CbatchError
 from cbatch.ipc.records import TokenEvent, frame_events, record_request_ids, relay_rows
-from cbatch.workers.messages import WorkerEvents, WorkerReject, WorkerSubmit, decode, encode
 from cbatch.params import parse_request
 from cbatch.workers.daemon.request_table import RequestTable, TrackedRequest
+from cbatch.workers.messages import WorkerEvents, WorkerReject, WorkerSubmit, decode, encode
 
 FINISH = {"finish_reason": "stop"}
 

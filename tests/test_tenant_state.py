@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from cbatch.workers.daemon.flags import config_from_args, make_parser
 from cbatch.params import SamplingParams
+from cbatch.workers.daemon.flags import config_from_args, make_parser
 from cbatch.workers.daemon.tenant_ledger import MAX_IDLE_UNLISTED, TenantLedger
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.sched.scheduler import Scheduler

@@ -7,15 +7,15 @@ import pytest
 from enginekit import collect, submit
 from fakerunner import FakeRunner
 
-from cbatch.workers.daemon.flags import config_from_args, make_parser
 from cbatch.config import EngineConfig
 from cbatch.errors import INVALID_CONFIG, QUEUE_FULL, CbatchError
 from cbatch.params import SamplingParams
+from cbatch.workers.daemon.flags import config_from_args, make_parser
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.sched.scheduler import Scheduler
-from cbatch.workers.engine.sequence import SeqStatus, Sequence
 from cbatch.workers.engine.sched.waiting_queue import MIN_STALE_DEADLINES
+from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 WEEK_S = 604800
 

@@ -20,6 +20,13 @@ from common import worker_submit
 from cbatch.config import EngineConfig
 from cbatch.ipc.records import record_request_ids
 from cbatch.ipc.ring import create_ring
+from cbatch.params import Request
+from cbatch.protocol import MsgType
+from cbatch.workers.decode.plan import WorkerPlan, worker_identity
+from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT
+from cbatch.workers.decode.worker import run_decode_worker
+from cbatch.workers.engine.engine import Engine
+from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.messages import (
     WorkerCancel,
     WorkerEvents,
@@ -31,13 +38,6 @@ from cbatch.workers.messages import (
     decode,
     encode,
 )
-from cbatch.params import Request
-from cbatch.protocol import MsgType
-from cbatch.workers.decode.plan import WorkerPlan, worker_identity
-from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT
-from cbatch.workers.decode.worker import run_decode_worker
-from cbatch.workers.engine.engine import Engine
-from cbatch.workers.engine.runner import LlamaRunner
 
 GENERATION = 1
 REPLY_TIMEOUT_S = 60.0  # the first reply includes loading the model

@@ -5,11 +5,11 @@ or ERROR. Asked while no worker is ready, it is refused (`unavailable`) rather t
 one in a worker that dies fails with `worker_restarted`."""
 
 from cbatch.errors import INVALID_REQUEST, SHUTTING_DOWN, UNAVAILABLE, CbatchError
-from cbatch.workers.messages import WorkerCount, WorkerCounted
 from cbatch.params import parse_request
 from cbatch.protocol import MsgType, field
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.worker_link import WorkerLink
+from cbatch.workers.messages import WorkerCount, WorkerCounted
 
 
 class CountRelay:

@@ -19,12 +19,12 @@ from collections import OrderedDict
 from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs
 from cbatch.errors import QUEUE_FULL, SHUTTING_DOWN, CbatchError
-from cbatch.workers.messages import WorkerEmbed, WorkerEmbedCancel, WorkerEmbedded
 from cbatch.params import tenant as parse_tenant
 from cbatch.protocol import MsgType, field
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.tenant_ledger import TenantLedger
 from cbatch.workers.daemon.worker_link import WorkerLink
+from cbatch.workers.messages import WorkerEmbed, WorkerEmbedCancel, WorkerEmbedded
 
 # Clients whose last call was refused by its tenant's limits, remembered for its later
 # parts; past this many the oldest is forgotten (its later parts would run, to no use).

@@ -17,17 +17,6 @@ import zmq
 from cbatch.config import DaemonConfig
 from cbatch.errors import INTERNAL, INVALID_REQUEST, SHUTDOWN_MESSAGE, SHUTTING_DOWN, CbatchError
 from cbatch.ipc.records import TokenEvent, frame_events
-from cbatch.workers.messages import (
-    WorkerCancel,
-    WorkerCounted,
-    WorkerEmbedded,
-    WorkerEvents,
-    WorkerPause,
-    WorkerReady,
-    WorkerReject,
-    WorkerSubmit,
-    encode,
-)
 from cbatch.model import served_model_names
 from cbatch.params import BATCH, parse_request
 from cbatch.protocol import MAX_FRAME_BYTES, MsgType, ProtocolError, field, reply_ids, unpack
@@ -42,6 +31,17 @@ from cbatch.workers.daemon.request_table import RequestTable, TrackedRequest
 from cbatch.workers.daemon.stats_reply import StatsReply
 from cbatch.workers.daemon.tenant_ledger import TenantLedger
 from cbatch.workers.daemon.worker_link import WorkerLink
+from cbatch.workers.messages import (
+    WorkerCancel,
+    WorkerCounted,
+    WorkerEmbedded,
+    WorkerEvents,
+    WorkerPause,
+    WorkerReady,
+    WorkerReject,
+    WorkerSubmit,
+    encode,
+)
 
 log = logging.getLogger("cbatch.daemon.front_end")
 

@@ -21,9 +21,9 @@ def main(argv=None) -> None:
         import logging
 
         from cbatch.cli.common import exit_with
-        from cbatch.workers.daemon.flags import config_from_args, make_parser, warn_if_no_gpu
         from cbatch.extras import DEFAULT_MODEL_MODULE, SERVER, SERVER_MODULES, check_extra
         from cbatch.workers.daemon.endpoint_lock import lock_endpoint, release_endpoint
+        from cbatch.workers.daemon.flags import config_from_args, make_parser, warn_if_no_gpu
 
         parser = make_parser()
         args = parser.parse_args(argv)

@@ -25,9 +25,9 @@ from collections import OrderedDict
 
 import msgpack
 
-from cbatch.workers.messages import WorkerSubmit
 from cbatch.workers.daemon.quarantine import add_bounded
 from cbatch.workers.daemon.request_table import TrackedRequest
+from cbatch.workers.messages import WorkerSubmit
 
 MAX_PROBATION_REQUESTS = 4096
 # A turn long enough for a poison request's prefill and first tokens, in which its crashes

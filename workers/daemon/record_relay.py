@@ -11,11 +11,11 @@ what a FETCH asks from an index on is one slice of `TrackedRequest.records`.
 """
 
 from cbatch.ipc.records import RECORD_SIZE_BYTES, record_request_ids, relay_rows
-from cbatch.workers.messages import WorkerEvents
 from cbatch.protocol import MsgType
 from cbatch.workers.daemon.backlog import split_to_fit
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.request_table import TrackedRequest
+from cbatch.workers.messages import WorkerEvents
 
 MAX_RECORDS_PER_MESSAGE = 4096  # RECORDS replies are split to stay far inside the unpack limits
 

@@ -30,7 +30,6 @@ from cbatch.errors import (
 )
 from cbatch.http_api.body_limit import max_body_bytes
 from cbatch.ipc.ring import SHM_DIR, RingError, create_ring
-from cbatch.workers.messages import WorkerStop
 from cbatch.model import resolve_model_path, served_model_names
 from cbatch.wording import counted
 from cbatch.workers.daemon.crash_blame import blame_crash
@@ -45,6 +44,7 @@ from cbatch.workers.daemon.stop_signals import StopSignals, children_ignore_sigi
 from cbatch.workers.daemon.worker_link import WorkerLink
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.worker import run_decode_worker
+from cbatch.workers.messages import WorkerStop
 
 log = logging.getLogger("cbatch.daemon")
 

@@ -10,8 +10,8 @@ its requests were failed already.
 
 import zmq
 
-from cbatch.workers.messages import WorkerFailed, WorkerReady, decode, encode
 from cbatch.workers.decode.plan import worker_identity
+from cbatch.workers.messages import WorkerFailed, WorkerReady, decode, encode
 
 
 class WorkerLink:

@@ -3,6 +3,12 @@
 import queue
 
 from cbatch.errors import DEADLINE_EXCEEDED, CbatchError
+from cbatch.workers.decode.io_thread import WorkerIO
+from cbatch.workers.decode.preparer import rejection
+from cbatch.workers.decode.publisher import EventPublisher
+from cbatch.workers.engine.embedder import Embedder, EmbedJob
+from cbatch.workers.engine.engine import Engine
+from cbatch.workers.engine.sequence import Sequence
 from cbatch.workers.messages import (
     WorkerCancel,
     WorkerCounted,
@@ -12,12 +18,6 @@ from cbatch.workers.messages import (
     WorkerReject,
     WorkerStop,
 )
-from cbatch.workers.decode.io_thread import WorkerIO
-from cbatch.workers.decode.preparer import rejection
-from cbatch.workers.decode.publisher import EventPublisher
-from cbatch.workers.engine.embedder import Embedder, EmbedJob
-from cbatch.workers.engine.engine import Engine
-from cbatch.workers.engine.sequence import Sequence
 
 # An idle worker reports its stats, which also stamps the ring's heartbeat that the
 # supervisor's watchdog reads, at least this often.

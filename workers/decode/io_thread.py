@@ -20,6 +20,10 @@ import msgspec
 import zmq
 
 from cbatch.errors import INTERNAL
+from cbatch.params import Request
+from cbatch.protocol import MsgType, ProtocolError, split_frames
+from cbatch.workers.decode.plan import WorkerPlan, worker_identity
+from cbatch.workers.decode.preparer import is_large_prompt
 from cbatch.workers.messages import (
     WorkerCount,
     WorkerEmbed,
@@ -29,10 +33,6 @@ from cbatch.workers.messages import (
     decode,
     encode,
 )
-from cbatch.params import Request
-from cbatch.protocol import MsgType, ProtocolError, split_frames
-from cbatch.workers.decode.plan import WorkerPlan, worker_identity
-from cbatch.workers.decode.preparer import is_large_prompt
 
 IO_POLL_MS = 500
 # Commands whose first field is the request they are about (workers/messages.py).

@@ -10,6 +10,7 @@ requests behind it. The others go to one at normal priority: a thread of low pri
 that holds the GIL when it is descheduled stalls the decode loop too, which on a busy host
 cost short requests tens of seconds. Each keeps its requests' arrival order."""
 
+import math
 import os
 import queue
 import threading
@@ -17,6 +18,9 @@ import traceback
 from collections.abc import Callable
 
 from cbatch.errors import INTERNAL, INVALID_REQUEST, CbatchError
+from cbatch.workers.engine.embedder import Embedder, EmbedJob
+from cbatch.workers.engine.engine import Engine
+from cbatch.workers.engine.sequence import Sequence
 from cbatch.workers.messages import (
     WorkerCount,
     WorkerCounted,
@@ -25,9 +29,6 @@ from cbatch.workers.messages import (
     WorkerReject,
     WorkerSubmit,
 )
-from cbatch.workers.engine.embedder import Embedder, EmbedJob
-from cbatch.workers.engine.engine import Engine
-from cbatch.workers.engine.sequence import Sequence
 
 # Added to the large prompts' thread's nice value: when it and decoding want the same
 # core, the decode threads get about nine tenths of it (the kernel's weights 1024 against 110).
@@ -78,10 +79,9 @@ class RequestPreparer(threading.Thread):
             return self._count(submit)
         try:
             self._mark_preparing(submit.request_id)
-            seq = self._engine.prepare(submit.request)
-            if submit.deadline_s:  # counted from the request's arrival at the front-end
-                seq.deadline_s = submit.deadline_s
-            return seq
+            # The front-end decided the deadline (its own or the priority's default, from the
+            # request's arrival there); 0 = none.
+            return self._engine.prepare(submit.request, submit.deadline_s or math.inf)
         except CbatchError as err:
             return rejection(submit.request_id, err)
         except Exception as err:

@@ -8,10 +8,10 @@ import zmq
 
 from cbatch.ipc.records import TokenEvent
 from cbatch.ipc.ring import RingWriter
-from cbatch.workers.messages import WorkerEvents
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
+from cbatch.workers.messages import WorkerEvents
 
 STATS_INTERVAL_S = 0.25  # at most this stale, the stats the front-end answers with
 _REQUEST_ID = attrgetter("request_id")

@@ -24,7 +24,6 @@ import zmq
 from cbatch.errors import INTERNAL
 from cbatch.ipc.records import TokenEvent
 from cbatch.ipc.ring import CrashMark, attach_ring
-from cbatch.workers.messages import WorkerFailed, WorkerReady
 from cbatch.workers.decode.commands import CommandHandler
 from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.plan import WorkerPlan
@@ -33,6 +32,7 @@ from cbatch.workers.decode.publisher import EventPublisher
 from cbatch.workers.engine.chat_texts import chat_texts
 from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
+from cbatch.workers.messages import WorkerFailed, WorkerReady
 
 # An embedding decode beside generation takes about a step's time, at least this (a
 # llama_decode call has a cost of its own, and the tiny steps of a small model on a GPU

@@ -42,10 +42,10 @@ import numpy as np
 from cbatch.config import EngineConfig
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, vector_bytes
 from cbatch.errors import DECODE_FAILED, INVALID_CONFIG, INVALID_REQUEST, PROMPT_TOO_LONG, CbatchError
-from cbatch.workers.messages import WorkerEmbed, WorkerEmbedded
 from cbatch.protocol import MAX_FRAME_BYTES
 from cbatch.workers.engine.decode_mark import marked_decode, no_mark
 from cbatch.workers.engine.runner import BatchBuffer, LlamaRunner
+from cbatch.workers.messages import WorkerEmbed, WorkerEmbedded
 
 POOLING_TYPES = {"mean": lc.LLAMA_POOLING_TYPE_MEAN, "cls": lc.LLAMA_POOLING_TYPE_CLS,
                  "last": lc.LLAMA_POOLING_TYPE_LAST}

@@ -13,6 +13,7 @@ worker drives it (workers/decode/worker.py), tests and benchmarks drive it in-pr
 """
 
 import logging
+import math
 import time
 
 from cbatch.config import EngineConfig
@@ -26,14 +27,14 @@ from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.output import OutputProcessor
 from cbatch.workers.engine.preparation import count_prompt_tokens, prepare_sequence
-from cbatch.workers.engine.thinking.tags import model_reasoning
 from cbatch.workers.engine.runner import LlamaRunner
 from cbatch.workers.engine.sampling.host import free_sampler_chain
 from cbatch.workers.engine.sampling.step import StepSampler
 from cbatch.workers.engine.sched.scheduler import Scheduler
+from cbatch.workers.engine.sched.step_batch import BatchSpan
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 from cbatch.workers.engine.stats import CPU_TIMED_EVERY_STEPS, EngineStats, engine_snapshot
-from cbatch.workers.engine.sched.step_batch import BatchSpan
+from cbatch.workers.engine.thinking.tags import model_reasoning
 from cbatch.workers.engine.thread_governor import ThreadGovernor
 
 log = logging.getLogger("cbatch.worker")
@@ -121,10 +122,11 @@ class Engine:
         """While has_work is False: how long until a step has work again without a command."""
         return self.scheduler.idle_wait_s
 
-    def prepare(self, request: Request) -> Sequence:
+    def prepare(self, request: Request, deadline_s: float = math.inf) -> Sequence:
         """A validated request as a Sequence (preparation.py), its saved prefix read from
-        the disk tier into memory where only the disk holds it: safe off the loop thread."""
-        seq = prepare_sequence(self.runner, request, self.ctx_per_seq, self.reasoning)
+        the disk tier into memory where only the disk holds it: safe off the loop thread.
+        deadline_s is on the monotonic clock, decided by whoever took the request in."""
+        seq = prepare_sequence(self.runner, request, self.ctx_per_seq, self.reasoning, deadline_s)
         if self.host_tier is not None:
             self.host_tier.prefetch(seq.prompt_ids)
         return seq
@@ -147,7 +149,9 @@ class Engine:
         self._seqs[seq.request_id] = seq
 
     def add_request(self, request: Request) -> None:
-        self.add(self.prepare(request))
+        """A request taken in here, by a caller running the engine in its own process (no
+        front-end): its timeout counts from now."""
+        self.add(self.prepare(request, time.monotonic() + request.timeout_s if request.timeout_s else math.inf))
 
     def cancel(self, request_id: int, is_shutdown: bool = False) -> bool:
         """Mark a request cancelled; it ends at the start of the next step, as `cancelled`,

@@ -15,8 +15,8 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from cbatch.workers.engine.decode_mark import marked_decode
-from cbatch.workers.engine.sequence import SeqStatus
 from cbatch.workers.engine.sched.step_batch import BatchSpan, chunk_order, max_batch_chunk_tokens
+from cbatch.workers.engine.sequence import SeqStatus
 
 
 class EmbeddingBatch:

@@ -2,18 +2,17 @@
 that it fits, its sampler chain and its constraint's matcher. Reads only the model, never engine state, so the
 decode worker runs it off the decode loop's thread."""
 
-import math
-import time
 
 from cbatch.errors import INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG, CbatchError
 from cbatch.params import BATCH, Request
-from cbatch.workers.engine.thinking.budget import ThinkingBudget
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
-from cbatch.workers.engine.thinking.gate import thinking_gate
 from cbatch.workers.engine.sequence import Sequence
+from cbatch.workers.engine.thinking.budget import ThinkingBudget
+from cbatch.workers.engine.thinking.gate import thinking_gate
 
 
-def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning: dict | None) -> Sequence:
+def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning: dict | None,
+                     deadline_s: float) -> Sequence:
     """Tokenize the request and build its sampler; raises CbatchError if it cannot run.
     `model_reasoning` holds the thinking block's tags the model uses (reasoning.py), or is None."""
     if runner.is_embedding_only:
@@ -40,7 +39,6 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
     # Penalties count the prompt's tokens; image positions hold no token (vision.py).
     text_ids = [token for token in prompt_ids if token >= 0] if images else prompt_ids
     sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, text_ids, on_backend)
-    deadline_s = time.monotonic() + request.timeout_s if request.timeout_s else math.inf
     gate = thinking_gate(matcher, text, _tags(request, model_reasoning))
     return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler,
                     matcher=None if gate is not None else matcher, gate=gate, is_backend_sampled=on_backend,

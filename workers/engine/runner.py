@@ -25,8 +25,8 @@ from cbatch.workers.engine.decode_mark import marked_decode, no_mark
 from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE, OP_RESTORE, OP_SAVE
 from cbatch.workers.engine.sampling.backend import BackendSamplers
 from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
-from cbatch.workers.engine.seq_states import restore_entry, save_entry
 from cbatch.workers.engine.sched.step_batch import BatchSpan, request_ids
+from cbatch.workers.engine.seq_states import restore_entry, save_entry
 from cbatch.workers.engine.vision import load_vision
 
 MAX_PIECE_BYTES = 256

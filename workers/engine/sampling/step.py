@@ -11,11 +11,11 @@ output, so the others' rows stay right, but it is neither counted nor sampled.
 import numpy as np
 
 from cbatch.errors import CbatchError
-from cbatch.workers.engine.thinking.budget import forced_tokens, track_budgets
 from cbatch.workers.engine.sampling.constrained import ConstrainedRows, Proposal
 from cbatch.workers.engine.sampling.host import greedy_rows, sample_with_chain, suppress_eog
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
 from cbatch.workers.engine.sequence import Sequence
+from cbatch.workers.engine.thinking.budget import forced_tokens, track_budgets
 
 
 class StepSampler:

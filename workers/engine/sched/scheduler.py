@@ -45,6 +45,7 @@ No model here: it is tested on its own.
 import math
 import time
 
+from cbatch.workers.engine.kv.base import KVManager
 from cbatch.workers.engine.sched.forks import (
     PendingForks,
     can_share_last_row,
@@ -52,11 +53,10 @@ from cbatch.workers.engine.sched.forks import (
     find_parent,
     is_prefilled_elsewhere,
 )
-from cbatch.workers.engine.kv.base import KVManager
 from cbatch.workers.engine.sched.preemption import choose_batch_victims, num_slots_wanted
-from cbatch.workers.engine.sequence import SeqStatus, Sequence
 from cbatch.workers.engine.sched.step_batch import BatchSpan, prefill_spans, span_order
 from cbatch.workers.engine.sched.waiting_queue import DeadlineHeap, WaitingQueue
+from cbatch.workers.engine.sequence import SeqStatus, Sequence
 
 # Deadlines handled in one pass at most (a step makes one or two): thousands of requests
 # expiring in the same second end over several steps instead of stalling the running
