@@ -42,7 +42,11 @@ class FakeRunner:
         self.ctx_per_seq = num_cells // parallel
         self.is_recurrent, self.has_swa = False, has_swa
         self.eog_ids = np.array([EOG_ID], np.int32)
-        self.vocab = self.ctx = None
+        self.vocab = self.ctx = self.model = None
+        self.n_vocab = NUM_VOCAB
+        self.architecture = "fake"
+        self.constraints = None  # no vocabulary: requests are greedy and unconstrained
+        self.mark_decoding = lambda request_ids: None
         self.has_backend_sampling = False
         self.is_embedding_only = False
         self.vision = None  # no projector: no images
@@ -58,11 +62,17 @@ class FakeRunner:
         self.num_decodes = 0
         self._rows: list[list[int]] = []
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return [1 + ord(ch) % (NUM_VOCAB - 1) for ch in text]
 
     def chat_template(self) -> None:
         return None  # a model without one: prompts are the caller's, and it thinks in no tags
+
+    def render_chat(self, messages) -> str:
+        return "".join(f"{role}: {content}\n" for role, content in messages)
+
+    def metadata(self, key: str) -> None:
+        return None
 
     def token_piece(self, token: int) -> bytes:
         return bytes([ord("a") + token % 26])
@@ -135,6 +145,18 @@ class FakeRunner:
             if span.wants_logits:
                 self._rows.append(list(held))
         return 0
+
+    def start_decode(self, spans) -> None:
+        self._started = spans
+
+    def wait_decode(self) -> int:
+        return self.decode(self._started)
+
+    def sampled_tokens(self, batch_indices: list[int]) -> list[int]:
+        raise AssertionError("the fake runner samples on the host only (has_backend_sampling is False)")
+
+    def release_sampler(self, chain) -> None:
+        raise AssertionError("the fake runner samples on the host only (has_backend_sampling is False)")
 
     def logits(self, num_outputs: int) -> np.ndarray:
         assert num_outputs == len(self._rows)

@@ -3,9 +3,18 @@
 import pytest
 from common import GREEDY
 from enginekit import collect, generate, run_to_completion, submit
+from fakerunner import FakeRunner
 
 from cbatch.errors import INVALID_REQUEST, PROMPT_TOO_LONG, QUEUE_FULL, CbatchError
 from cbatch.params import parse_request
+from cbatch.workers.engine.model_runner import ModelRunner
+
+
+def test_the_llama_runner_and_the_fake_one_meet_the_engine_s_runner_interface(make_engine):
+    assert isinstance(make_engine().runner, ModelRunner) and isinstance(FakeRunner(), ModelRunner)
+    lacking = FakeRunner()
+    del lacking.constraints  # control: a runner without one member is not one
+    assert not isinstance(lacking, ModelRunner)
 
 
 def test_many_mixed_length_requests_all_complete_past_parallel(make_engine):

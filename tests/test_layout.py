@@ -13,7 +13,7 @@
     cbatch/ (the folder)  ->  never cbatch.workers (the processes import the library, not the other way)
     cbatch/workers/engine  ->  never the daemon or the decode process
     cbatch/workers/engine/<room>  ->  other rooms (sched, kv, sampling, thinking) and, of the engine's
-                                      own modules, only sequence (the one type they all handle)
+                                      own modules, only sequence and model_runner (the types they share)
     cbatch/protocol  ->  nothing of the project
 """
 
@@ -103,9 +103,11 @@ ENGINE_ROOMS = ("sched", "kv", "sampling", "thinking")
 
 
 @pytest.mark.parametrize("room", ENGINE_ROOMS)
-def test_an_engine_room_imports_no_engine_module_but_the_sequence(room):
+def test_an_engine_room_imports_no_engine_module_but_the_shared_types(room):
+    shared_types = (f"{ENGINE}.sequence", f"{ENGINE}.model_runner")
+
     def is_allowed(name):
-        return not name.startswith(ENGINE) or name == f"{ENGINE}.sequence" or name.startswith(
+        return not name.startswith(ENGINE) or name in shared_types or name.startswith(
             tuple(f"{ENGINE}.{other}." for other in ENGINE_ROOMS))
     assert modules_under(f"{ENGINE}.{room}") and offenders(f"{ENGINE}.{room}", is_allowed) == []
 

@@ -7,6 +7,7 @@ from cbatch.config import EngineConfig
 from cbatch.errors import INVALID_CONFIG, CbatchError
 from cbatch.workers.engine.kv.disk_tier import DiskTier
 from cbatch.workers.engine.kv.host_tier import HostTier
+from cbatch.workers.engine.model_runner import ModelRunner
 
 DEFAULT_CACHE_RAM_MIB = 8192  # as llama-server's --cache-ram
 AVAILABLE_MEMORY_SHARE = 4  # by default the tier takes at most a quarter of the memory available at start
@@ -30,7 +31,7 @@ def cache_ram_bytes(cache_ram_mib: int) -> int:
     return min(DEFAULT_CACHE_RAM_MIB << 20, available_memory_bytes() // AVAILABLE_MEMORY_SHARE)
 
 
-def make_host_tier(config: EngineConfig, runner) -> HostTier | None:
+def make_host_tier(config: EngineConfig, runner: ModelRunner) -> HostTier | None:
     """The host tier (with the disk tier under it when a directory is set), or None when
     off: --cache-ram 0, no prefix cache, no generation context, or the unified pool on a
     model with sliding-window layers (kv/pool.py says why)."""

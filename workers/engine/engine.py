@@ -25,6 +25,7 @@ from cbatch.workers.engine.cache_tiers import make_host_tier
 from cbatch.workers.engine.image_steps import image_writer
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.kv.streams import StreamCacheManager
+from cbatch.workers.engine.model_runner import ModelRunner
 from cbatch.workers.engine.output import OutputProcessor
 from cbatch.workers.engine.preparation import count_prompt_tokens, prepare_sequence
 from cbatch.workers.engine.runner import LlamaRunner
@@ -44,7 +45,7 @@ NO_KV_ROOM_MESSAGE = "the KV cache has no room for this sequence; lower --parall
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner=None, mark_sampling=None):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, mark_sampling=None):
         self.config = config
         self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
         try:  # saved prefix states below the slots (kv/host_tier.py), or None

@@ -15,6 +15,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from cbatch.workers.engine.decode_mark import marked_decode
+from cbatch.workers.engine.model_runner import ModelRunner
 from cbatch.workers.engine.sched.step_batch import BatchSpan, chunk_order, max_batch_chunk_tokens
 from cbatch.workers.engine.sequence import SeqStatus
 
@@ -51,7 +52,7 @@ class EmbeddingBatch:
 
 
 class ImageWriter:
-    def __init__(self, runner, max_batch_tokens: int):
+    def __init__(self, runner: ModelRunner, max_batch_tokens: int):
         self._runner = runner
         self._max_batch_tokens = max_batch_tokens
         self._batch = EmbeddingBatch(max_batch_tokens, runner.vision.num_embd)
@@ -94,6 +95,6 @@ class ImageWriter:
         self._batch.close()
 
 
-def image_writer(runner, max_batch_tokens: int) -> ImageWriter | None:
+def image_writer(runner: ModelRunner, max_batch_tokens: int) -> ImageWriter | None:
     """The engine's writer of image chunks, when the runner has a projector."""
     return ImageWriter(runner, max_batch_tokens) if getattr(runner, "vision", None) is not None else None

@@ -11,12 +11,13 @@ from collections.abc import Callable
 
 from cbatch.errors import CbatchError
 from cbatch.ipc.records import TokenEvent
+from cbatch.workers.engine.model_runner import ModelRunner
 from cbatch.workers.engine.sampling.logprobs import attach_logprobs
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 
 
 class OutputProcessor:
-    def __init__(self, runner, finish: Callable[..., TokenEvent]):
+    def __init__(self, runner: ModelRunner, finish: Callable[..., TokenEvent]):
         self._token_piece = runner.token_piece
         self._eog_set = frozenset(int(t) for t in runner.eog_ids)
         self._finish = finish  # Engine._finish: ends a sequence, returns its last event

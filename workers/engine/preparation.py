@@ -5,13 +5,14 @@ decode worker runs it off the decode loop's thread."""
 
 from cbatch.errors import INVALID_REQUEST, MODEL_EMBEDS_ONLY, PROMPT_TOO_LONG, CbatchError
 from cbatch.params import BATCH, Request
+from cbatch.workers.engine.model_runner import ModelRunner
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
 from cbatch.workers.engine.sequence import Sequence
 from cbatch.workers.engine.thinking.budget import ThinkingBudget
 from cbatch.workers.engine.thinking.gate import thinking_gate
 
 
-def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning: dict | None,
+def prepare_sequence(runner: ModelRunner, request: Request, ctx_per_seq: int, model_reasoning: dict | None,
                      deadline_s: float) -> Sequence:
     """Tokenize the request and build its sampler; raises CbatchError if it cannot run.
     `model_reasoning` holds the thinking block's tags the model uses (reasoning.py), or is None."""
@@ -47,7 +48,7 @@ def prepare_sequence(runner, request: Request, ctx_per_seq: int, model_reasoning
                     tenant=request.tenant, tenant_weight=request.tenant_weight, images=images)
 
 
-def count_prompt_tokens(runner, request: Request) -> int:
+def count_prompt_tokens(runner: ModelRunner, request: Request) -> int:
     """The prompt's tokens as the model sees it (the chat rendered, an image's positions
     counted), for a count only: nothing is checked against a sequence's context."""
     if runner.is_embedding_only:
@@ -56,7 +57,7 @@ def count_prompt_tokens(runner, request: Request) -> int:
     return len(prompt_tokens(runner, request, text)[0])
 
 
-def prompt_tokens(runner, request: Request, text: str) -> tuple[list[int], tuple]:
+def prompt_tokens(runner: ModelRunner, request: Request, text: str) -> tuple[list[int], tuple]:
     """The prompt's token ids, and its images' embeddings and positions when it has images."""
     if not request.images:
         return runner.tokenize(text), ()
@@ -69,7 +70,8 @@ def prompt_tokens(runner, request: Request, text: str) -> tuple[list[int], tuple
     return prompt_ids, images
 
 
-def _budget(runner, request: Request, prompt_text: str, model_reasoning: dict | None) -> ThinkingBudget | None:
+def _budget(runner: ModelRunner, request: Request, prompt_text: str,
+            model_reasoning: dict | None) -> ThinkingBudget | None:
     """The request's thinking budget, in the request's tags or else the model's; the block is
     open from the start when the prompt ends in its open tag (a chat template whose generation
     prompt opens it)."""

@@ -11,6 +11,7 @@ output, so the others' rows stay right, but it is neither counted nor sampled.
 import numpy as np
 
 from cbatch.errors import CbatchError
+from cbatch.workers.engine.model_runner import ModelRunner
 from cbatch.workers.engine.sampling.constrained import ConstrainedRows, Proposal
 from cbatch.workers.engine.sampling.host import greedy_rows, sample_with_chain, suppress_eog
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
@@ -19,7 +20,7 @@ from cbatch.workers.engine.thinking.budget import forced_tokens, track_budgets
 
 
 class StepSampler:
-    def __init__(self, runner, mark_sampling=None):
+    def __init__(self, runner: ModelRunner, mark_sampling=None):
         self.runner = runner
         # Told the id of each request whose host chain runs, and 0 after them: the decode
         # worker's writes it where it outlives a crash (the ring's header; workers/daemon/quarantine.py).

@@ -10,12 +10,13 @@ rendered at start-up tells.
 
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError
+from cbatch.workers.engine.model_runner import ModelRunner
 
 KNOWN_TAGS = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
 PROBE = (("user", "Hello"),)
 
 
-def model_reasoning(config: EngineConfig, runner) -> dict | None:
+def model_reasoning(config: EngineConfig, runner: ModelRunner) -> dict | None:
     """{"tags": [open, close], "opened_by_prompt": bool}, or None for a model that does
     not think in tags (its output is left as it is)."""
     if config.reasoning == "off":
