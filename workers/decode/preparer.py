@@ -5,10 +5,12 @@ Three of them. Requests with a large prompt go to one that runs at a lower sched
 priority than the decode threads, so tokenizing a 1 MB prompt never takes a core from
 llama.cpp's threads while they wait at their barrier, and the requests behind it are not
 held up by it. Requests whose constraint must be compiled (none kept for its text) go to
-one of their own, so a large schema's compile (a second or more) never delays the small
-requests behind it. The others go to one at normal priority: a thread of low priority
-that holds the GIL when it is descheduled stalls the decode loop too, which on a busy host
-cost short requests tens of seconds. Each keeps its requests' arrival order."""
+one of their own, also at the lower priority (llguidance compiles without the GIL, so
+only the cores are contended), so a large schema's compile (a second or more) neither
+delays the small requests behind it nor slows the steps beside it. The others go to one
+at normal priority: a thread of low priority that holds the GIL when it is descheduled
+stalls the decode loop too, which on a busy host cost short requests tens of seconds.
+Each keeps its requests' arrival order."""
 
 import math
 import os
@@ -30,7 +32,7 @@ from cbatch.workers.messages import (
     WorkerSubmit,
 )
 
-# Added to the large prompts' thread's nice value: when it and decoding want the same
+# Added to the large prompts' and the compiles' threads' nice value: when one and decoding want the same
 # core, the decode threads get about nine tenths of it (the kernel's weights 1024 against 110).
 PREPARE_NICE_INCREMENT = 10
 # Prompt characters from which a request is prepared by the low-priority thread: about

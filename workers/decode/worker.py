@@ -72,7 +72,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             io.needs_compile = lambda request: engine.runner.constraints.needs_compile(request.params)
         for source, mark, nice_increment in ((io.inbox, CrashMark.PREPARING, 0),
                                              (io.large_inbox, CrashMark.PREPARING_LARGE, PREPARE_NICE_INCREMENT),
-                                             (io.compile_inbox, CrashMark.COMPILING, 0)):
+                                             (io.compile_inbox, CrashMark.COMPILING, PREPARE_NICE_INCREMENT)):
             RequestPreparer(engine, embedder, source, io.commands, ring.marker(mark), nice_increment).start()
         if not engine.runner.is_embedding_only:
             # Structured output's vocabulary adapter, before READY: llguidance builds it holding
