@@ -179,7 +179,7 @@ class Engine:
         events = []
         if self._in_flight is None:
             events += self._apply_cancels()
-            events += self._launch()
+            events += self._next_batch()
             if self._in_flight is None:
                 return events
         spans, status = self._wait()
@@ -191,7 +191,7 @@ class Engine:
         sampled = [(seq, token) for seq, token in sampled if seq.status is not SeqStatus.FINISHED]
         to_text = self._output.settle(sampled, self._sampler.take_dead_ends(), logprobs, events)
         if self.is_overlapped and self.scheduler.has_work:
-            events += self._launch()  # decodes while the text below is made and the caller publishes
+            events += self._next_batch()  # decodes while the text below is made and the caller publishes
             self._sampler.prefetch_masks()  # and while the rows that missed get their next masks
         events += self._output.postprocess(to_text, logprobs)
         step_s = time.perf_counter() - started
@@ -205,11 +205,19 @@ class Engine:
             self.thread_governor.on_step()
         return events
 
-    def _launch(self) -> list[TokenEvent]:
-        """Schedule the next batch and start decoding it (to completion, without overlap).
-        Returns the events of forks that sampled from the last decode's rows first."""
+    def _next_batch(self) -> list[TokenEvent]:
+        """Schedule the next batch and launch it. Forks admitted with it whose parent's row
+        is in the last decode sample from that row first, before the decode overwrites it:
+        their events come first."""
         spans = self.scheduler.schedule()
         events = self._sample_row_forks() if self.scheduler.row_forks else []
+        return events + self._launch(spans)
+
+    def _launch(self, spans: list[BatchSpan]) -> list[TokenEvent]:
+        """Start decoding the scheduled batch (to completion, without overlap): the KV
+        manager's operations, the image chunks' own decode, then llama_decode. Returns the
+        events of image chunks that failed."""
+        events = []
         spans = self._apply_memory_ops(spans)
         if self._images is not None and self._images.has_chunks(self.scheduler):
             # In a decode of their own before the batch's, which overwrites the last rows.

@@ -34,52 +34,77 @@ class StepSampler:
                ) -> tuple[list[tuple[Sequence, int]], dict[int, list]]:
         """logit_rows: (sequence, output row, batch index) of the live sequences that sample;
         num_outputs: the batch's output rows, ended sequences' included. Returns the
-        (sequence, token) pairs and request id -> logprobs entry for those that asked."""
-        runner = self.runner
+        (sequence, token) pairs and request id -> logprobs entry for those that asked.
+
+        In phases, in this order: tokens a thinking budget forces; raw rows kept for
+        logprobs; tokens sampled in llama.cpp's graph; greedy rows; host chains; the
+        constrained picks checked (masks for the misses); the budgets told what was
+        accepted; logprobs."""
         all_rows = logit_rows
-        budgeted = [entry for entry in logit_rows if entry[0].budget is not None]
-        forced = forced_tokens(budgeted) if budgeted else {}
+        has_budgets = any(seq.budget is not None for seq, _, _ in logit_rows)
+        forced = self._forced(logit_rows) if has_budgets else {}
         if forced:  # their logit rows are read for logprobs only
             logit_rows = [entry for entry in logit_rows if entry[0] not in forced]
-            if self._constrained is not None:  # their matchers moved on: a mask made ahead is stale
-                self._constrained.drop_masks_ahead(forced)
         raw_rows = self._rows_before_masking(logit_rows, num_outputs)
-        backend_seqs = [seq for seq, _, _ in logit_rows if seq.is_backend_sampled]
-        backend_indices = [index for seq, _, index in logit_rows if seq.is_backend_sampled]
-        sampled = list(zip(backend_seqs, runner.sampled_tokens(backend_indices))) if backend_seqs else []
-        greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
-        proposals = []
-        if greedy:
-            logits = runner.logits(num_outputs)
-            masked = [row for seq, row in greedy if seq.params.ignore_eos]
-            token_ids = greedy_rows(logits, [row for _, row in greedy], masked, runner.eog_ids)
-            for (seq, row), token in zip(greedy, token_ids.tolist()):
-                if seq.matcher is None:
-                    sampled.append((seq, token))
-                else:
-                    proposals.append(Proposal(seq, row, token, None))
-        mark = self._mark_sampling
-        for seq, row, index in logit_rows:
-            if seq.sampler is not None and not seq.is_backend_sampled:
-                mark(seq.request_id)
-                is_eog_banned = seq.num_output_tokens < seq.params.min_tokens
-                if seq.matcher is not None:
-                    banned_ids = runner.eog_ids if is_eog_banned else None
-                    token = self.constrained.candidates.pick(seq.sampler, runner.logits(num_outputs)[row], banned_ids)
-                    proposals.append(Proposal(seq, row, token, banned_ids))
-                    continue
-                if is_eog_banned:
-                    suppress_eog(runner.logits(num_outputs), row, runner.eog_ids)
-                sampled.append((seq, sample_with_chain(seq.sampler, runner.ctx, index)))
+        sampled = self._backend_sampled(logit_rows)
+        proposals = []  # constrained picks, checked together below
+        self._greedy(logit_rows, num_outputs, sampled, proposals)
+        self._chains(logit_rows, num_outputs, sampled, proposals)
         if proposals:
-            kept, dead_ends = self.constrained.resolve(proposals, runner.logits(num_outputs), mark)
+            kept, dead_ends = self.constrained.resolve(proposals, self.runner.logits(num_outputs), self._mark_sampling)
             sampled += kept
             self._dead_ends += dead_ends
-        mark(0)
-        if budgeted:
+        self._mark_sampling(0)
+        if has_budgets:
             sampled += forced.items()
-            track_budgets(sampled, runner.token_piece)
+            track_budgets(sampled, self.runner.token_piece)
         return sampled, self._logprobs(all_rows, num_outputs, sampled, raw_rows)
+
+    def _forced(self, logit_rows) -> dict[Sequence, int]:
+        """The tokens thinking budgets force this step; the matchers of their sequences
+        move on, so a mask made ahead for one is stale."""
+        forced = forced_tokens([entry for entry in logit_rows if entry[0].budget is not None])
+        if forced and self._constrained is not None:
+            self._constrained.drop_masks_ahead(forced)
+        return forced
+
+    def _backend_sampled(self, logit_rows) -> list[tuple[Sequence, int]]:
+        indices = [(seq, index) for seq, _, index in logit_rows if seq.is_backend_sampled]
+        if not indices:
+            return []
+        return list(zip([seq for seq, _ in indices], self.runner.sampled_tokens([index for _, index in indices])))
+
+    def _greedy(self, logit_rows, num_outputs: int, sampled: list, proposals: list) -> None:
+        """Plain greedy rows by one argmax; a constrained one's pick goes to the check."""
+        greedy = [(seq, row) for seq, row, _ in logit_rows if seq.sampler is None and not seq.is_backend_sampled]
+        if not greedy:
+            return
+        runner = self.runner
+        masked = [row for seq, row in greedy if seq.params.ignore_eos]
+        token_ids = greedy_rows(runner.logits(num_outputs), [row for _, row in greedy], masked, runner.eog_ids)
+        for (seq, row), token in zip(greedy, token_ids.tolist()):
+            if seq.matcher is None:
+                sampled.append((seq, token))
+            else:
+                proposals.append(Proposal(seq, row, token, None))
+
+    def _chains(self, logit_rows, num_outputs: int, sampled: list, proposals: list) -> None:
+        """Host sampler chains, each under the crash mark of its request; a constrained
+        one's pick goes to the check."""
+        runner = self.runner
+        for seq, row, index in logit_rows:
+            if seq.sampler is None or seq.is_backend_sampled:
+                continue
+            self._mark_sampling(seq.request_id)
+            is_eog_banned = seq.num_output_tokens < seq.params.min_tokens
+            if seq.matcher is not None:
+                banned_ids = runner.eog_ids if is_eog_banned else None
+                token = self.constrained.candidates.pick(seq.sampler, runner.logits(num_outputs)[row], banned_ids)
+                proposals.append(Proposal(seq, row, token, banned_ids))
+                continue
+            if is_eog_banned:
+                suppress_eog(runner.logits(num_outputs), row, runner.eog_ids)
+            sampled.append((seq, sample_with_chain(seq.sampler, runner.ctx, index)))
 
     @property
     def constrained(self) -> ConstrainedRows:
