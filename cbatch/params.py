@@ -98,14 +98,6 @@ class Request(msgspec.Struct, frozen=True, array_like=True):
     images: tuple[bytes, ...] = ()  # image files (PNG, JPEG, ...), one per IMAGE_MARKER in order
 
 
-def _int(name, value, lo, hi):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise invalid(f"{name} must be an integer, got {type(value).__name__}")
-    if not lo <= value <= hi:
-        raise invalid(f"{name} must be in [{lo}, {hi}], got {value}")
-    return value
-
-
 def _float(name, value, lo, hi, *, lo_open=False):
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise invalid(f"{name} must be a number, got {type(value).__name__}")
@@ -243,23 +235,3 @@ def tenant(value) -> str:
 def timeout(value) -> float | None:
     """Seconds a request may take from its arrival, queued and running; None = the default."""
     return None if value is None else _float("timeout", value, 0.0, MAX_TIMEOUT_S, lo_open=True)
-
-
-MAX_CHOICES = 16
-
-
-def expand_choices(body: dict) -> list[dict]:
-    """A body asking for `n` completions of one prompt becomes n request bodies, each its
-    own sequence and sampler; with a `seed`, the i-th gets `seed + i` (random seeds stay
-    random). They are submitted together, so the engine computes the shared prompt once:
-    the later ones wait for its blocks (cache-aware admission) and reuse them. Without
-    `n`, the body is returned as it is; everything but `n` is checked by the daemon."""
-    if not isinstance(body, dict) or "n" not in body:
-        return [body]
-    rest = dict(body)
-    n = _int("n", rest.pop("n"), 1, MAX_CHOICES)
-    seed = rest.get("seed", -1)
-    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:
-        _int("seed", seed, 0, MAX_SEED - (n - 1))
-        return [{**rest, "seed": seed + i} for i in range(n)]
-    return [dict(rest) for _ in range(n)]

@@ -11,7 +11,7 @@ from daemonkit import wait_until
 from enginekit import collect, generate, run_to_completion, submit
 from test_engine_cache import fake_engine
 
-from cbatch.params import expand_choices
+from cbatch.openai.choices import expand_choices
 
 LAYOUTS = pytest.mark.parametrize("unified", [False, True], ids=["streams", "pool"])
 SAMPLED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}

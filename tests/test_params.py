@@ -7,7 +7,8 @@ import pytest
 
 from cbatch.constraints import MAX_SCHEMA_DEPTH
 from cbatch.errors import INVALID_REQUEST, CbatchError
-from cbatch.params import MAX_SEED, SamplingParams, expand_choices, parse_params, parse_request
+from cbatch.openai.choices import expand_choices
+from cbatch.params import MAX_SEED, SamplingParams, parse_params, parse_request
 
 BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),

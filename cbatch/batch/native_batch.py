@@ -7,7 +7,8 @@ that is not a request of its own gets its line number as id, and `line` in its e
 from cbatch.batch.line_keys import line_error
 from cbatch.client.streams import Completion, completion_from_chunks
 from cbatch.errors import CbatchError
-from cbatch.params import BATCH, expand_choices, parse_request
+from cbatch.openai.choices import expand_choices
+from cbatch.params import BATCH, parse_request
 from cbatch.tools.chat import prepare_request
 
 

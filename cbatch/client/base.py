@@ -12,7 +12,7 @@ from cbatch.client.session import Session
 from cbatch.client.streams import Completion, RequestStream
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs, vector_list
 from cbatch.errors import UNAVAILABLE, CbatchError
-from cbatch.params import expand_choices
+from cbatch.openai.choices import expand_choices
 from cbatch.params import tenant as params_tenant
 from cbatch.tools import ChatTemplate, template_of
 

@@ -31,9 +31,10 @@ from cbatch.errors import (
     CbatchError,
 )
 from cbatch.openai.billing_header import strip_billing_header
+from cbatch.openai.choices import expand_choices
 from cbatch.openai.image_parts import take_images
 from cbatch.openai.reasoning import reasoning_fields
-from cbatch.params import MAX_TOP_LOGPROBS, expand_choices, invalid
+from cbatch.params import MAX_TOP_LOGPROBS, invalid
 from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
 
 CHAT, COMPLETION = "chat", "completion"
