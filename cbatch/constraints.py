@@ -1,6 +1,6 @@
 """A constraint as it travels: a grammar's text, or a JSON schema written out as compact
 JSON, checked where the request arrives (size, nesting, UTF-8) and compiled by the decode
-worker (workers/engine/sampling/constraint.py). Nothing here needs llguidance: a
+worker (workers/engine/structured/compiler.py). Nothing here needs llguidance: a
 client-only install sends schemas too.
 
 An object schema with `properties` and no `additionalProperties` takes no other

@@ -49,7 +49,7 @@ from cbatch.model import resolve_model_path
 from cbatch.params import parse_params, parse_request
 from cbatch.tools.plan import ToolPlan
 from cbatch.workers.engine.engine import Engine
-from cbatch.workers.engine.sampling.constrained import TOKEN_DATA
+from cbatch.workers.engine.structured.rows import TOKEN_DATA
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0,
@@ -88,14 +88,14 @@ def time_one_row(model_path: str, num_calls: int) -> None:
             lc.llama_sampler_apply(grammar, ctypes.byref(array))
         gbnf_ms = (time.perf_counter() - started) / num_calls * 1e3
         lc.llama_sampler_free(grammar)
-        matcher = runner.constraints.matcher(parse_params({"json_schema": {"type": "object"}}))
-        print(f"vocabulary adapter built in {runner.constraints.adapter_build_s:.2f} s ({n_vocab} tokens)")
+        matcher = engine.structured.compiler.matcher(parse_params({"json_schema": {"type": "object"}}))
+        print(f"vocabulary adapter built in {engine.structured.compiler.adapter_build_s:.2f} s ({n_vocab} tokens)")
         brace = runner.tokenize("{", add_special=False)[0]
         started = time.perf_counter()
         for _ in range(num_calls):
             matcher.validate_tokens([brace])
         check_ms = (time.perf_counter() - started) / num_calls * 1e3
-        rows = engine._sampler.constrained
+        rows = engine.structured.rows
         started = time.perf_counter()
         for _ in range(num_calls):
             rows._fill_masks([matcher])
@@ -103,8 +103,8 @@ def time_one_row(model_path: str, num_calls: int) -> None:
         print(f"one row: llama.cpp GBNF sampler {gbnf_ms:.3f} ms | llguidance check {check_ms:.4f} ms, "
               f"mask {mask_ms:.3f} ms ({gbnf_ms / mask_ms:.0f}x less than GBNF on a miss)")
         for schema in suite():
-            runner.constraints.matcher(parse_params({"json_schema": schema}))
-        compile_ms = sorted(1e3 * s for s in runner.constraints.compile_s)
+            engine.structured.compiler.matcher(parse_params({"json_schema": schema}))
+        compile_ms = sorted(1e3 * s for s in engine.structured.compiler.compile_s)
         p99 = compile_ms[min(len(compile_ms) - 1, int(0.99 * len(compile_ms)))]
         print(f"compile: {len(compile_ms)} schemas, p50 {statistics.median(compile_ms):.2f} ms, p99 {p99:.2f} ms, "
               f"max {compile_ms[-1]:.2f} ms")
@@ -168,7 +168,7 @@ def bodies_of(prompt: str, parallel: int, n: int, fields: dict) -> list[dict]:
 def compare(model_path: str, parallel: int, n: int, max_tokens: int) -> None:
     engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=parallel * 1024))
     try:
-        engine.runner.constraints.tokenizer()  # the adapter, outside the timings
+        engine.structured.tokenizer()  # the adapter, outside the timings
         for mode, (prompt, constraint) in MODES.items():
             bodies = bodies_of(prompt, parallel, n, {"max_tokens": max_tokens, **constraint})
             cpu_started = time.process_time()

@@ -45,7 +45,6 @@ class FakeRunner:
         self.vocab = self.ctx = self.model = None
         self.n_vocab = NUM_VOCAB
         self.architecture = "fake"
-        self.constraints = None  # no vocabulary: requests are greedy and unconstrained
         self.mark_decoding = lambda request_ids: None
         self.has_backend_sampling = False
         self.is_embedding_only = False

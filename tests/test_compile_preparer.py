@@ -30,7 +30,7 @@ def test_a_small_request_does_not_wait_behind_a_slow_compile(tiny_model_path, st
 
 
 def test_a_schema_that_failed_to_compile_is_refused_again_without_compiling(make_engine, monkeypatch):
-    compiler = make_engine().runner.constraints
+    compiler = make_engine().structured.compiler
     params = parse_params({"json_schema": {"type": "nonsense"}})
     assert compiler.needs_compile(params)
     with pytest.raises(CbatchError) as first:

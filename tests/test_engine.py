@@ -13,7 +13,7 @@ from cbatch.workers.engine.model_runner import ModelRunner
 def test_the_llama_runner_and_the_fake_one_meet_the_engine_s_runner_interface(make_engine):
     assert isinstance(make_engine().runner, ModelRunner) and isinstance(FakeRunner(), ModelRunner)
     lacking = FakeRunner()
-    del lacking.constraints  # control: a runner without one member is not one
+    del lacking.eog_ids  # control: a runner without one member is not one
     assert not isinstance(lacking, ModelRunner)
 
 

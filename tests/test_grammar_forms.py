@@ -9,7 +9,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from cbatch.constraints import MAX_SCHEMA_DEPTH, schema_depth
 from cbatch.errors import CbatchError
 from cbatch.params import parse_params
-from cbatch.workers.engine.sampling.constraint import regrouped
+from cbatch.workers.engine.structured.compiler import regrouped
 
 
 @pytest.mark.parametrize("gbnf, start", [
@@ -24,7 +24,7 @@ def test_a_repeated_group_keeps_its_parentheses(gbnf, start):
 
 
 def test_the_grammars_compile_and_a_converted_ones_error_says_it_was_converted(make_engine):
-    compiler = make_engine().runner.constraints
+    compiler = make_engine().structured.compiler
     for grammar in ('root ::= ("a"{0,1000}){0,1000}', 'root ::= (("a"{2}){3}){4}'):
         compiler.matcher(parse_params({"grammar": grammar}))
     with pytest.raises(CbatchError) as refused:
@@ -34,7 +34,7 @@ def test_the_grammars_compile_and_a_converted_ones_error_says_it_was_converted(m
 
 def test_a_schema_as_deep_as_the_limit_compiles(make_engine):
     """Objects within objects, and arrays within arrays, as deep as the stated limit allows."""
-    compiler = make_engine().runner.constraints
+    compiler = make_engine().structured.compiler
     for wrap in (lambda inner: {"type": "object", "properties": {"a": inner}, "required": ["a"]},
                  lambda inner: {"type": "array", "items": inner}):
         schema = {"type": "string"}

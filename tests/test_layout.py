@@ -12,7 +12,7 @@
     cbatch/ipc (ipc/)  ->  its own modules only (the ring and its records, beneath everything)
     cbatch/ (the folder)  ->  never cbatch.workers (the processes import the library, not the other way)
     cbatch/workers/engine  ->  never the daemon or the decode process
-    cbatch/workers/engine/<room>  ->  other rooms (sched, kv, sampling, thinking) and, of the engine's
+    cbatch/workers/engine/<room>  ->  other rooms (sched, kv, sampling, structured, thinking) and, of the engine's
                                       own modules, only sequence and model_runner (the types they share)
     cbatch/protocol  ->  nothing of the project
 """
@@ -99,7 +99,7 @@ def test_imports_point_one_way(package, is_allowed):
 
 
 ENGINE = "cbatch.workers.engine"
-ENGINE_ROOMS = ("sched", "kv", "sampling", "thinking")
+ENGINE_ROOMS = ("sched", "kv", "sampling", "structured", "thinking")
 
 
 @pytest.mark.parametrize("room", ENGINE_ROOMS)

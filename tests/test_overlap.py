@@ -157,6 +157,6 @@ def test_constrained_rows_masked_ahead_pick_what_checked_rows_pick(make_engine):
               for i, sampling in enumerate(samplings)]
     expected, overlapped = run_steps(off, bodies), run_steps(on, bodies)
     assert overlapped[:2] == expected[:2]
-    assert on._sampler.constrained.num_prefetched > 0  # the tiny model misses: masks were made ahead
+    assert on.structured.rows.num_prefetched > 0  # the tiny model misses: masks were made ahead
     for chunks, _, finish, _ in expected[2:] + overlapped[2:]:
         assert finish == "stop" and set(json.loads("".join(chunks))) == {"word", "n"}

@@ -51,8 +51,8 @@ def test_the_suite_has_two_hundred_schemas_that_each_compile(engine):
     schemas = suite()
     assert len(schemas) >= 200 and len({json.dumps(s) for s in schemas}) >= 200
     for schema in schemas:
-        engine.runner.constraints.matcher(parse_params({"json_schema": schema}))
-    assert len(engine.runner.constraints.compile_s) >= 200
+        engine.structured.compiler.matcher(parse_params({"json_schema": schema}))
+    assert len(engine.structured.compiler.compile_s) >= 200
 
 
 def test_every_stopped_answer_is_valid_under_its_schema(engine):

@@ -5,11 +5,11 @@ from one request's sampling; nothing of the project ships it."""
 
 import os
 
-from cbatch.workers.engine.sampling import constrained
+from cbatch.workers.engine.structured import rows
 
 
 def _abort(*args, **kwargs):
     os.abort()
 
 
-constrained.ConstrainedRows.resolve = _abort
+rows.ConstrainedRows.resolve = _abort

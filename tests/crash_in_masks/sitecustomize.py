@@ -5,11 +5,11 @@ whom the crash mark names there; nothing of the project ships it."""
 
 import os
 
-from cbatch.workers.engine.sampling import constrained
+from cbatch.workers.engine.structured import rows
 
 
 def _abort(*args, **kwargs):
     os.abort()
 
 
-constrained.ConstrainedRows._fill_masks = _abort
+rows.ConstrainedRows._fill_masks = _abort

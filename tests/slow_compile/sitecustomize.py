@@ -5,10 +5,10 @@ use it; nothing of the project ships it."""
 
 import time
 
-from cbatch.workers.engine.sampling import constraint
+from cbatch.workers.engine.structured import compiler
 
 SLOW_S = 8.0
-_compile = constraint.ConstraintCompiler._compile
+_compile = compiler.ConstraintCompiler._compile
 
 
 def slow_compile(self, params):
@@ -17,4 +17,4 @@ def slow_compile(self, params):
     return _compile(self, params)
 
 
-constraint.ConstraintCompiler._compile = slow_compile
+compiler.ConstraintCompiler._compile = slow_compile

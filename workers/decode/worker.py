@@ -69,7 +69,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             raise SystemExit(1)
         publisher = EventPublisher(engine, embedder, ring, io, tick)
         if not engine.runner.is_embedding_only:
-            io.needs_compile = lambda request: engine.runner.constraints.needs_compile(request.params)
+            io.needs_compile = lambda request: engine.structured.needs_compile(request.params)
         for source, mark, nice_increment in ((io.inbox, CrashMark.PREPARING, 0),
                                              (io.large_inbox, CrashMark.PREPARING_LARGE, PREPARE_NICE_INCREMENT),
                                              (io.compile_inbox, CrashMark.COMPILING, PREPARE_NICE_INCREMENT)):
@@ -77,7 +77,7 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         if not engine.runner.is_embedding_only:
             # Structured output's vocabulary adapter, before READY: llguidance builds it holding
             # the interpreter (2-3 s for gemma's 262k tokens), which would stall the first steps.
-            engine.runner.constraints.tokenizer()
+            engine.structured.tokenizer()
         description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
         io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
                             engine.reasoning,

@@ -35,6 +35,7 @@ from cbatch.workers.engine.sched.scheduler import Scheduler
 from cbatch.workers.engine.sched.step_batch import BatchSpan
 from cbatch.workers.engine.sequence import FinishReason, SeqStatus, Sequence
 from cbatch.workers.engine.stats import CPU_TIMED_EVERY_STEPS, EngineStats, engine_snapshot
+from cbatch.workers.engine.structured.manager import StructuredOutput
 from cbatch.workers.engine.thinking.tags import model_reasoning
 from cbatch.workers.engine.thread_governor import ThreadGovernor
 
@@ -73,7 +74,9 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._cancel_ids: dict[int, bool] = {}  # request id -> whether the daemon's drain cancels it
         self.expired_while_queued: list[int] = []  # request ids the caller ends with deadline_exceeded
-        self._sampler = StepSampler(self.runner, mark_sampling)
+        # Structured output's one owner: preparation compiles with it, the step checks and masks.
+        self.structured = StructuredOutput(self.runner.vocab, self.runner.eog_ids, self.runner.n_vocab)
+        self._sampler = StepSampler(self.runner, self.structured, mark_sampling)
         self._output = OutputProcessor(self.runner, self._finish)
         # Overlap: queue the next batch before this one's text and publishing (see above).
         self.is_overlapped = config.overlap if config.overlap is not None else self.runner.num_gpu_layers > 0
@@ -127,7 +130,7 @@ class Engine:
         """A validated request as a Sequence (preparation.py), its saved prefix read from
         the disk tier into memory where only the disk holds it: safe off the loop thread.
         deadline_s is on the monotonic clock, decided by whoever took the request in."""
-        seq = prepare_sequence(self.runner, request, self.ctx_per_seq, self.reasoning, deadline_s)
+        seq = prepare_sequence(self.runner, self.structured, request, self.ctx_per_seq, self.reasoning, deadline_s)
         if self.host_tier is not None:
             self.host_tier.prefetch(seq.prompt_ids)
         return seq
@@ -192,7 +195,7 @@ class Engine:
         to_text = self._output.settle(sampled, self._sampler.take_dead_ends(), logprobs, events)
         if self.is_overlapped and self.scheduler.has_work:
             events += self._next_batch()  # decodes while the text below is made and the caller publishes
-            self._sampler.prefetch_masks()  # and while the rows that missed get their next masks
+            self.structured.prefetch_masks()  # and while the rows that missed get their next masks
         events += self._output.postprocess(to_text, logprobs)
         step_s = time.perf_counter() - started
         self.stats.record_step(step_s, llama_decode_s, *self._step_counts)
@@ -350,7 +353,7 @@ class Engine:
         per running request (`slots`, by sequence id), the constrained tokens checked and of
         those the ones that missed (each cost a mask), the vision encoder's runs, and the
         running requests paused for a slow client."""
-        num_checked, num_missed = self._sampler.constraint_counts
+        num_checked, num_missed = self.structured.counts
         vision = self.runner.vision
         tiers = self.host_tier.snapshot() if self.host_tier is not None else {}
         return {**engine_snapshot(self.stats, self.scheduler), **tiers, "constrained_tokens": num_checked,

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
     from cbatch.workers.engine.sched.step_batch import BatchSpan
     from cbatch.workers.engine.vision import Vision
 
@@ -41,7 +40,6 @@ class ModelRunner(Protocol):
     n_vocab: int
     eog_ids: np.ndarray  # int32, every end-of-generation token
     max_token_bytes: int  # the longest token's text
-    constraints: "ConstraintCompiler | None"  # schemas and grammars (None: no vocabulary, so no constraint)
     vision: "Vision | None"  # the vision projector, with --mmproj
     mark_decoding: Any  # called with the step's request ids around llama_decode (the crash mark)
 

@@ -8,14 +8,15 @@ from cbatch.params import BATCH, Request
 from cbatch.workers.engine.model_runner import ModelRunner
 from cbatch.workers.engine.sampling.host import make_sampler_chain, needs_host_sampling
 from cbatch.workers.engine.sequence import Sequence
+from cbatch.workers.engine.structured.manager import StructuredOutput
 from cbatch.workers.engine.thinking.budget import ThinkingBudget
-from cbatch.workers.engine.thinking.gate import thinking_gate
 
 
-def prepare_sequence(runner: ModelRunner, request: Request, ctx_per_seq: int, model_reasoning: dict | None,
-                     deadline_s: float) -> Sequence:
-    """Tokenize the request and build its sampler; raises CbatchError if it cannot run.
-    `model_reasoning` holds the thinking block's tags the model uses (reasoning.py), or is None."""
+def prepare_sequence(runner: ModelRunner, structured: StructuredOutput, request: Request, ctx_per_seq: int,
+                     model_reasoning: dict | None, deadline_s: float) -> Sequence:
+    """Tokenize the request, build its sampler and its constraint; raises CbatchError if it
+    cannot run. `model_reasoning` holds the thinking block's tags the model uses
+    (thinking/tags.py), or is None."""
     if runner.is_embedding_only:
         raise CbatchError(MODEL_EMBEDS_ONLY, f"this model ({runner.architecture}) only computes embeddings: "
                                              "send it to /v1/embeddings (Client.embed), or serve a generative model")
@@ -35,16 +36,16 @@ def prepare_sequence(runner: ModelRunner, request: Request, ctx_per_seq: int, mo
             "(shorten the prompt or raise --ctx-size)",
         )
     on_backend = runner.has_backend_sampling and not needs_host_sampling(request.params)
-    # Compiled (or taken from the cache) before the chain is made: a refusal leaks no chain.
-    matcher = runner.constraints.matcher(request.params) if request.params.has_constraint else None
+    # Compiled (or taken from the cache) and the budget made before the chain is: a refusal leaks no chain.
+    matcher, gate = structured.constraint(request.params, text, _tags(request, model_reasoning))
+    budget = _budget(runner, request, text, model_reasoning)
     # Penalties count the prompt's tokens; image positions hold no token (vision.py).
     text_ids = [token for token in prompt_ids if token >= 0] if images else prompt_ids
     sampler = make_sampler_chain(runner.vocab, runner.eog_ids, request.params, text_ids, on_backend)
-    gate = thinking_gate(matcher, text, _tags(request, model_reasoning))
     return Sequence(request.request_id, prompt_ids, request.params, sampler=sampler,
-                    matcher=None if gate is not None else matcher, gate=gate, is_backend_sampled=on_backend,
+                    matcher=matcher, gate=gate, is_backend_sampled=on_backend,
                     is_batch=request.priority == BATCH, deadline_s=deadline_s,
-                    budget=_budget(runner, request, text, model_reasoning),
+                    budget=budget,
                     tenant=request.tenant, tenant_weight=request.tenant_weight, images=images)
 
 

@@ -24,7 +24,6 @@ from cbatch.workers.engine.chat_texts import chat_texts
 from cbatch.workers.engine.decode_mark import marked_decode, no_mark
 from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE, OP_RESTORE, OP_SAVE
 from cbatch.workers.engine.sampling.backend import BackendSamplers
-from cbatch.workers.engine.sampling.constraint import ConstraintCompiler
 from cbatch.workers.engine.sched.step_batch import BatchSpan, request_ids
 from cbatch.workers.engine.seq_states import restore_entry, save_entry
 from cbatch.workers.engine.vision import load_vision
@@ -125,7 +124,6 @@ class LlamaRunner:
         self.ctx_per_seq = min(lc.llama_n_ctx_seq(self.ctx) if self.ctx else config.ctx_per_seq,
                                self.num_cells // config.parallel)
         self.eog_ids = np.array([t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)], np.int32)
-        self.constraints = ConstraintCompiler(self.vocab, self.eog_ids)  # JSON schemas and grammars, compiled once
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
         self._jinja_template = None  # the model's own chat template compiled, False when it has none (render_chat)

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.params import SamplingParams
+from cbatch.workers.engine.structured.gate import ThinkingGate
 from cbatch.workers.engine.text_stream import TextStream
 from cbatch.workers.engine.thinking.budget import ThinkingBudget
-from cbatch.workers.engine.thinking.gate import ThinkingGate
 
 
 class SeqStatus(enum.Enum):

@@ -7,7 +7,7 @@ penalties) is one numpy argmax over the logit rows of all such sequences; no
 per-sequence object exists. Anything else gets its own llama.cpp sampler chain (native
 code over the full vocabulary), which also keeps the state that must live across steps:
 penalty history, RNG. A constraint is not in the chain: its matcher checks the chain's
-pick (constrained.py).
+pick (structured/rows.py).
 """
 
 import llama_cpp.llama_cpp as lc

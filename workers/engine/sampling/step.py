@@ -1,6 +1,6 @@
 """Reading one decoded batch: which row each sampling sequence got, its token (sampled in
 llama.cpp's graph, by one numpy argmax for plain greedy, or by its host chain; a
-constrained row's pick then checked by its matcher, constrained.py), and the
+constrained row's pick then checked by its matcher, structured/rows.py), and the
 log-probabilities of those that asked.
 
 A batch may still hold the span of a sequence that ended after the batch was queued (a
@@ -12,21 +12,22 @@ import numpy as np
 
 from cbatch.errors import CbatchError
 from cbatch.workers.engine.model_runner import ModelRunner
-from cbatch.workers.engine.sampling.constrained import ConstrainedRows, Proposal
 from cbatch.workers.engine.sampling.host import greedy_rows, sample_with_chain, suppress_eog
 from cbatch.workers.engine.sampling.logprobs import token_logprobs
 from cbatch.workers.engine.sequence import Sequence
+from cbatch.workers.engine.structured.manager import StructuredOutput
+from cbatch.workers.engine.structured.rows import Proposal
 from cbatch.workers.engine.thinking.budget import forced_tokens, track_budgets
 
 
 class StepSampler:
-    def __init__(self, runner: ModelRunner, mark_sampling=None):
+    def __init__(self, runner: ModelRunner, structured: StructuredOutput, mark_sampling=None):
         self.runner = runner
+        self._structured = structured  # the constrained picks' check and masks
         # Told the id of each request whose host chain runs, and 0 after them: the decode
         # worker's writes it where it outlives a crash (the ring's header; workers/daemon/quarantine.py).
         self._mark_sampling = mark_sampling or (lambda request_id: None)
-        self._constrained: ConstrainedRows | None = None  # made at the first constrained row
-        # Sequences whose constraint left no allowed token at the last sample() (constrained.py),
+        # Sequences whose constraint left no allowed token at the last sample() (structured/rows.py),
         # with the error that ends them (None: they end as `stop`); take_dead_ends() empties it.
         self._dead_ends: list[tuple[Sequence, CbatchError | None]] = []
 
@@ -51,7 +52,8 @@ class StepSampler:
         self._greedy(logit_rows, num_outputs, sampled, proposals)
         self._chains(logit_rows, num_outputs, sampled, proposals)
         if proposals:
-            kept, dead_ends = self.constrained.resolve(proposals, self.runner.logits(num_outputs), self._mark_sampling)
+            rows = self._structured.rows
+            kept, dead_ends = rows.resolve(proposals, self.runner.logits(num_outputs), self._mark_sampling)
             sampled += kept
             self._dead_ends += dead_ends
         self._mark_sampling(0)
@@ -64,8 +66,8 @@ class StepSampler:
         """The tokens thinking budgets force this step; the matchers of their sequences
         move on, so a mask made ahead for one is stale."""
         forced = forced_tokens([entry for entry in logit_rows if entry[0].budget is not None])
-        if forced and self._constrained is not None:
-            self._constrained.drop_masks_ahead(forced)
+        if forced:
+            self._structured.drop_masks_ahead(forced)
         return forced
 
     def _backend_sampled(self, logit_rows) -> list[tuple[Sequence, int]]:
@@ -99,29 +101,12 @@ class StepSampler:
             is_eog_banned = seq.num_output_tokens < seq.params.min_tokens
             if seq.matcher is not None:
                 banned_ids = runner.eog_ids if is_eog_banned else None
-                token = self.constrained.candidates.pick(seq.sampler, runner.logits(num_outputs)[row], banned_ids)
+                token = self._structured.rows.candidates.pick(seq.sampler, runner.logits(num_outputs)[row], banned_ids)
                 proposals.append(Proposal(seq, row, token, banned_ids))
                 continue
             if is_eog_banned:
                 suppress_eog(runner.logits(num_outputs), row, runner.eog_ids)
             sampled.append((seq, sample_with_chain(seq.sampler, runner.ctx, index)))
-
-    @property
-    def constrained(self) -> ConstrainedRows:
-        if self._constrained is None:
-            self._constrained = ConstrainedRows(self.runner.n_vocab, self.runner.eog_ids)
-        return self._constrained
-
-    def prefetch_masks(self) -> None:
-        """With overlap, while the next batch decodes: the masks of the rows that missed."""
-        if self._constrained is not None:
-            self._constrained.prefetch_masks()
-
-    @property
-    def constraint_counts(self) -> tuple[int, int]:
-        """(constrained tokens checked, of which missed) so far."""
-        rows = self._constrained
-        return (0, 0) if rows is None else (rows.num_checked, rows.num_missed)
 
     def take_dead_ends(self) -> list[tuple[Sequence, CbatchError | None]]:
         dead_ends, self._dead_ends = self._dead_ends, []

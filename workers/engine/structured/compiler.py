@@ -115,7 +115,7 @@ def vocabulary_adapter(vocab, eog_ids: list[int]) -> llguidance.LLTokenizer:
 
 
 class ConstraintCompiler:
-    """One model's vocabulary adapter and its compiled constraints. Thread-safe: the two
+    """One model's vocabulary adapter and its compiled constraints. Thread-safe: the
     preparer threads compile; the adapter is built once, under a lock."""
 
     def __init__(self, vocab, eog_ids):
