@@ -248,6 +248,21 @@ class DaemonConfig:
     def __post_init__(self):
         if not self.endpoint:
             object.__setattr__(self, "endpoint", default_endpoint())
+        self._check_endpoint()
+        if self.http_address is not None:
+            self._check_http(*self.http_address)
+        if not 0 <= self.http_processes <= MAX_HTTP_PROCESSES:
+            raise CbatchError(INVALID_CONFIG, f"--http-processes must be in [0, {MAX_HTTP_PROCESSES}], "
+                                              f"got {self.http_processes}")
+        if not self.http_processes:
+            object.__setattr__(self, "http_processes", default_http_processes())
+        self._check_curve_and_aliases()
+        capacity = self.ring_capacity
+        if capacity < 8 or capacity & (capacity - 1):
+            raise CbatchError(INVALID_CONFIG, f"--ring-capacity must be a power of two >= 8, got {capacity}")
+        self._check_times()
+
+    def _check_endpoint(self) -> None:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise CbatchError(INVALID_CONFIG,
                               f"--endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
@@ -258,24 +273,21 @@ class DaemonConfig:
         if host and not _is_loopback(host) and not self.allow_remote:
             raise CbatchError(INVALID_CONFIG, f"--endpoint {self.endpoint} listens beyond this machine; pass "
                                               "--allow-remote (and --curve-secret-key to require CurveZMQ)")
-        if self.http_address is not None:
-            http_host, http_port = self.http_address
-            if not 0 < http_port < 65536:
-                raise CbatchError(INVALID_CONFIG, f"--http port must be in [1, 65535], got {http_port}")
-            if not _is_loopback(http_host) and not self.allow_remote:
-                raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine; pass "
-                                                  "--allow-remote")
-            if not _is_loopback(http_host) and not (self.api_key or self.api_keys_file):
-                raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine, so it "
-                                                  "needs a key: pass --api-key KEY, --api-key-file PATH or "
-                                                  "--api-keys-file PATH")
-            if self.curve_secret_key:  # the HTTP server is a client of the daemon and holds no certificate
-                raise CbatchError(INVALID_CONFIG, "--http cannot be combined with --curve-secret-key")
-        if not 0 <= self.http_processes <= MAX_HTTP_PROCESSES:
-            raise CbatchError(INVALID_CONFIG, f"--http-processes must be in [0, {MAX_HTTP_PROCESSES}], "
-                                              f"got {self.http_processes}")
-        if not self.http_processes:
-            object.__setattr__(self, "http_processes", default_http_processes())
+
+    def _check_http(self, http_host: str, http_port: int) -> None:
+        if not 0 < http_port < 65536:
+            raise CbatchError(INVALID_CONFIG, f"--http port must be in [1, 65535], got {http_port}")
+        if not _is_loopback(http_host) and not self.allow_remote:
+            raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine; pass "
+                                              "--allow-remote")
+        if not _is_loopback(http_host) and not (self.api_key or self.api_keys_file):
+            raise CbatchError(INVALID_CONFIG, f"--http {http_host}:{http_port} listens beyond this machine, so it "
+                                              "needs a key: pass --api-key KEY, --api-key-file PATH or "
+                                              "--api-keys-file PATH")
+        if self.curve_secret_key:  # the HTTP server is a client of the daemon and holds no certificate
+            raise CbatchError(INVALID_CONFIG, "--http cannot be combined with --curve-secret-key")
+
+    def _check_curve_and_aliases(self) -> None:
         if self.curve_clients_dir and not self.curve_secret_key:
             raise CbatchError(INVALID_CONFIG, "--curve-clients needs --curve-secret-key")
         for path in (self.curve_secret_key, self.curve_clients_dir):
@@ -287,22 +299,16 @@ class DaemonConfig:
                                                   f"characters, got {alias!r}")
         if len(set(self.aliases)) != len(self.aliases):
             raise CbatchError(INVALID_CONFIG, "--alias names a model name twice")
-        capacity = self.ring_capacity
-        if capacity < 8 or capacity & (capacity - 1):
-            raise CbatchError(INVALID_CONFIG, f"--ring-capacity must be a power of two >= 8, got {capacity}")
-        if self.worker_timeout_s < 0:
-            raise CbatchError(INVALID_CONFIG, f"--worker-timeout must be >= 0, got {self.worker_timeout_s}")
-        if self.drain_grace_s < 0:
-            raise CbatchError(INVALID_CONFIG, f"--drain-grace must be >= 0, got {self.drain_grace_s}")
-        if self.progress_interval_s < 0:
-            raise CbatchError(INVALID_CONFIG, f"--progress-interval must be >= 0, got {self.progress_interval_s}")
+
+    def _check_times(self) -> None:
+        for flag, value in (("--worker-timeout", self.worker_timeout_s), ("--drain-grace", self.drain_grace_s),
+                            ("--progress-interval", self.progress_interval_s), ("--retention", self.retention_s),
+                            ("--reconnect-grace", self.reconnect_grace_s)):
+            if value < 0:
+                raise CbatchError(INVALID_CONFIG, f"{flag} must be >= 0, got {value}")
         for flag, value in (("--interactive-timeout", self.interactive_timeout_s),
                             ("--batch-timeout", self.batch_timeout_s)):
             if not 0 <= value <= MAX_TIMEOUT_S:
                 raise CbatchError(INVALID_CONFIG, f"{flag} must be in [0, {MAX_TIMEOUT_S:g}] seconds, got {value:g}")
-        if self.retention_s < 0:
-            raise CbatchError(INVALID_CONFIG, f"--retention must be >= 0, got {self.retention_s}")
         if self.batch_job_slice_s <= 0:
             raise CbatchError(INVALID_CONFIG, f"--batch-job-slice must be > 0, got {self.batch_job_slice_s}")
-        if self.reconnect_grace_s < 0:
-            raise CbatchError(INVALID_CONFIG, f"--reconnect-grace must be >= 0, got {self.reconnect_grace_s}")

@@ -68,23 +68,8 @@ def run_decode_worker(plan: WorkerPlan) -> None:
             io.send(WorkerFailed(str(exc), getattr(exc, "code", INTERNAL)))
             raise SystemExit(1)
         publisher = EventPublisher(engine, embedder, ring, io, tick)
-        if not engine.runner.is_embedding_only:
-            io.needs_compile = lambda request: engine.structured.needs_compile(request.params)
-        for source, mark, nice_increment in ((io.inbox, CrashMark.PREPARING, 0),
-                                             (io.large_inbox, CrashMark.PREPARING_LARGE, PREPARE_NICE_INCREMENT),
-                                             (io.compile_inbox, CrashMark.COMPILING, PREPARE_NICE_INCREMENT)):
-            RequestPreparer(engine, embedder, source, io.commands, ring.marker(mark), nice_increment).start()
-        if not engine.runner.is_embedding_only:
-            # Structured output's vocabulary adapter, before READY: llguidance builds it holding
-            # the interpreter (2-3 s for gemma's 262k tokens), which would stall the first steps.
-            engine.structured.tokenizer()
-        description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
-        io.send(WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note,
-                            engine.reasoning,
-                            {**chat_texts(engine.runner.model, engine.runner.vocab),
-                             "takes_images": engine.runner.vision is not None,
-                             "n_ctx_train": llama_cpp.llama_model_n_ctx_train(engine.runner.model),
-                             "keeps_billing_header": plan.engine.keep_billing_header}))
+        start_preparers(engine, embedder, io, ring)
+        io.send(ready_message(engine, embedder, plan))
         handler = CommandHandler(engine, embedder, io, io.commands, publisher)
         run_engine_loop(engine, embedder, handler.apply_pending, publisher.publish, io.send)
     finally:
@@ -97,6 +82,30 @@ def run_decode_worker(plan: WorkerPlan) -> None:
         if engine is not None:
             engine.close()
         zctx.term()
+
+
+def start_preparers(engine: Engine, embedder: Embedder, io: WorkerIO, ring) -> None:
+    """The preparer threads, each with its own crash mark; then structured output's
+    vocabulary adapter, before READY: llguidance builds it holding the interpreter (2-3 s
+    for gemma's 262k tokens), which would stall the first steps."""
+    if not engine.runner.is_embedding_only:
+        io.needs_compile = lambda request: engine.structured.needs_compile(request.params)
+    for source, mark, nice_increment in ((io.inbox, CrashMark.PREPARING, 0),
+                                         (io.large_inbox, CrashMark.PREPARING_LARGE, PREPARE_NICE_INCREMENT),
+                                         (io.compile_inbox, CrashMark.COMPILING, PREPARE_NICE_INCREMENT)):
+        RequestPreparer(engine, embedder, source, io.commands, ring.marker(mark), nice_increment).start()
+    if not engine.runner.is_embedding_only:
+        engine.structured.tokenizer()
+
+
+def ready_message(engine: Engine, embedder: Embedder, plan: WorkerPlan) -> WorkerReady:
+    """What the front-end and, through it, every client learn of the model once it is loaded."""
+    description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
+    return WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note, engine.reasoning,
+                       {**chat_texts(engine.runner.model, engine.runner.vocab),
+                        "takes_images": engine.runner.vision is not None,
+                        "n_ctx_train": llama_cpp.llama_model_n_ctx_train(engine.runner.model),
+                        "keeps_billing_header": plan.engine.keep_billing_header})
 
 
 def run_engine_loop(engine: Engine, embedder: Embedder, apply_pending: Callable[[bool], bool],

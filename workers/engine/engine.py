@@ -23,6 +23,7 @@ from cbatch.model import resolve_model_path
 from cbatch.params import Request
 from cbatch.workers.engine.cache_tiers import make_host_tier
 from cbatch.workers.engine.image_steps import image_writer
+from cbatch.workers.engine.kv.base import KVManager
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.kv.streams import StreamCacheManager
 from cbatch.workers.engine.model_runner import ModelRunner
@@ -45,28 +46,32 @@ LLAMA_DECODE_NO_KV_ROOM = 1
 NO_KV_ROOM_MESSAGE = "the KV cache has no room for this sequence; lower --parallel or raise --ctx-size"
 
 
+def make_kv_manager(config: EngineConfig, runner: ModelRunner, host_tier) -> KVManager:
+    """The KV layout the config names over the runner's context: one pool of cells shared by
+    every sequence (--kv-unified), or a stream per sequence."""
+    if not config.kv_unified:
+        return StreamCacheManager(runner.num_seq_ids, runner.ctx_per_seq, runner.has_prefix_cache, host_tier)
+    kv = PoolCacheManager(runner.num_cells, runner.num_seq_ids, runner.has_prefix_cache, config.max_cached_cells,
+                          pin_indexed_cells=runner.has_swa, host=host_tier)
+    if kv.pin_indexed_cells and config.parallel > runner.num_seq_ids // 2:
+        raise CbatchError(INVALID_CONFIG, f"--parallel {config.parallel} with --kv-unified on a model with "
+                          f"sliding-window layers: each running sequence holds two of llama.cpp's "
+                          f"{runner.num_seq_ids} KV sequence ids there, so at most {runner.num_seq_ids // 2} run at "
+                          f"once; lower --parallel or leave out --kv-unified")
+    return kv
+
+
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, mark_sampling=None):
         self.config = config
         self.runner = runner or LlamaRunner(config, resolve_model_path(config.model_path))
         try:  # saved prefix states below the slots (kv/host_tier.py), or None
             self.host_tier = make_host_tier(config, self.runner)
+            # A refused layout comes with no host tier (cache_tiers.py): nothing else to stop.
+            kv = make_kv_manager(config, self.runner, self.host_tier)
         except CbatchError:
             self.runner.close()
             raise
-        if config.kv_unified:
-            kv = PoolCacheManager(self.runner.num_cells, self.runner.num_seq_ids, self.runner.has_prefix_cache,
-                                  config.max_cached_cells, pin_indexed_cells=self.runner.has_swa, host=self.host_tier)
-            if kv.pin_indexed_cells and config.parallel > self.runner.num_seq_ids // 2:
-                self.runner.close()  # no host tier on such a model (cache_tiers.py): nothing else to stop
-                raise CbatchError(INVALID_CONFIG, f"--parallel {config.parallel} with --kv-unified on a model with "
-                                  f"sliding-window layers: each running sequence holds two of llama.cpp's "
-                                  f"{self.runner.num_seq_ids} KV sequence ids there, so at most "
-                                  f"{self.runner.num_seq_ids // 2} run at once; lower --parallel or leave out "
-                                  f"--kv-unified")
-        else:
-            kv = StreamCacheManager(self.runner.num_seq_ids, self.runner.ctx_per_seq, self.runner.has_prefix_cache,
-                                    self.host_tier)
         self.scheduler = Scheduler(kv, config.parallel, config.batch_size, *config.max_queues, config.preempt_batch,
                                    config.fair_share, config.park_after_s)
         self.stats = EngineStats()
@@ -90,13 +95,17 @@ class Engine:
         self._last_rows: list[tuple[Sequence, int, int]] = []
         self._last_num_outputs = 0
         self._images = image_writer(self.runner, config.batch_size)  # with a projector (--mmproj)
-        # Fewer compute threads while other processes take the cores (thread_governor.py):
-        # on a CPU, with --threads left to its default.
+        self.thread_governor = self._thread_governor(config)
+
+    def _thread_governor(self, config: EngineConfig) -> ThreadGovernor | None:
+        """Fewer compute threads while other processes take the cores (thread_governor.py):
+        on a CPU, with --threads left to its default."""
         is_governed = (not config.threads and not self.is_overlapped and config.num_threads > 1
                        and not self.runner.is_embedding_only and self.runner.num_gpu_layers == 0)
-        self.thread_governor = ThreadGovernor(config.num_threads, self.runner.set_threads,
-                                              lambda message: log.warning("cbatch-worker: %s", message)) \
-            if is_governed else None
+        if not is_governed:
+            return None
+        return ThreadGovernor(config.num_threads, self.runner.set_threads,
+                              lambda message: log.warning("cbatch-worker: %s", message))
 
     @property
     def ctx_per_seq(self) -> int:
