@@ -126,63 +126,76 @@ def run_batch(stream_batch, numbered_items: Iterable, make_line: Callable[[int, 
     window, a drain) ends as a KeyboardInterrupt does, between two arrivals: the stream
     stops (`stream_batch(items, max_in_flight, should_stop=...)`) and the run raises
     BatchInterrupted unless every line was answered."""
-    owners: dict[int, tuple[int, int]] = {}  # batch position still outstanding -> (line index, choice)
-    num_positions = 0
-    num_tokens = 0
-    is_input_read = False
-    started_s = shown_s = time.monotonic()
-    show_progress = is_progress_drawn and sys.stderr.isatty()
-
-    def batch_items():
-        """One batch item per line that runs: its request, or its choices, which end
-        together (the first to fail cancels the others)."""
-        nonlocal num_positions, is_input_read
-        for number, item in numbered_items:
-            line_index = writer.append(make_line(number, item))
-            bodies = writer.lines[line_index].bodies
-            owners.update((num_positions + choice, (line_index, choice)) for choice in range(len(bodies)))
-            num_positions += len(bodies)
-            if len(bodies) == 1:
-                yield bodies[0]
-            elif bodies:
-                yield Choices(bodies)
-        is_input_read = True
-
-    def summary() -> RunSummary:
-        return RunSummary(writer.num_written, writer.num_failed, num_tokens, time.monotonic() - started_s)
-
-    arrivals = (stream_batch(batch_items(), max_in_flight) if should_stop is None
-                else stream_batch(batch_items(), max_in_flight, should_stop=should_stop))
+    run = _Arrivals(writer, make_line, num_lines, is_progress_drawn and sys.stderr.isatty())
+    items = run.batch_items(numbered_items)
+    arrivals = (stream_batch(items, max_in_flight) if should_stop is None
+                else stream_batch(items, max_in_flight, should_stop=should_stop))
     try:
         for position, chunk in arrivals:
-            is_error = isinstance(chunk, CbatchError)
-            if is_error and is_transient(chunk):
-                raise chunk
-            owner = owners.pop(position, None) if is_error or chunk.finish_reason else owners.get(position)
-            line = None if owner is None else writer.lines.get(owner[0])
-            if line is not None:  # None: already written (its first failure ended it): a sibling's late chunk
-                line.add(owner[1], chunk)
-            if not is_error and chunk.finish_reason:
-                num_tokens += chunk.usage["completion_tokens"]  # an HTTP answer has text but no token ids
-            writer.write_ready()
-            if show_progress and time.monotonic() - shown_s >= PROGRESS_INTERVAL_S:
-                shown_s = time.monotonic()
-                total = "" if num_lines is None else f"/{num_lines}"
-                rate = num_tokens / max(shown_s - started_s, 1e-9)
-                print(f"\r{writer.num_done}{total} done, {rate:.1f} tok/s", end="", file=sys.stderr)
+            run.take(position, chunk)
         writer.write_ready()  # lines that sent no request (bad lines at the end)
-        if not is_input_read or owners:  # the stream stopped early: should_stop() held
-            raise BatchInterrupted(summary())
+        if not run.is_input_read or run.owners:  # the stream stopped early: should_stop() held
+            raise BatchInterrupted(run.summary())
     except KeyboardInterrupt:
         arrivals.close()  # cancels the outstanding requests
-        raise BatchInterrupted(summary()) from None
+        raise BatchInterrupted(run.summary()) from None
     except CbatchError as err:  # a request's, or an embeddings line's (raised as the line was read)
         if not is_transient(err):
             raise
         arrivals.close()
         writer.write_ready()
-        raise BatchInterrupted(summary(), err) from None
+        raise BatchInterrupted(run.summary(), err) from None
     finally:
-        if show_progress:
+        if run.show_progress:
             print(file=sys.stderr)
-    return summary()
+    return run.summary()
+
+
+class _Arrivals:
+    """One run's lines as batch items, and what arrives for them: each chunk to the line
+    (and choice) that owns its batch position, the finished lines written in order."""
+
+    def __init__(self, writer, make_line: Callable[[int, object], BatchLine], num_lines: int | None,
+                 show_progress: bool):
+        self.writer, self.make_line, self.num_lines, self.show_progress = writer, make_line, num_lines, show_progress
+        self.owners: dict[int, tuple[int, int]] = {}  # batch position still outstanding -> (line index, choice)
+        self.num_positions = 0
+        self.num_tokens = 0
+        self.is_input_read = False
+        self.started_s = self.shown_s = time.monotonic()
+
+    def batch_items(self, numbered_items: Iterable):
+        """One batch item per line that runs: its request, or its choices, which end
+        together (the first to fail cancels the others)."""
+        for number, item in numbered_items:
+            line_index = self.writer.append(self.make_line(number, item))
+            bodies = self.writer.lines[line_index].bodies
+            self.owners.update((self.num_positions + choice, (line_index, choice)) for choice in range(len(bodies)))
+            self.num_positions += len(bodies)
+            if len(bodies) == 1:
+                yield bodies[0]
+            elif bodies:
+                yield Choices(bodies)
+        self.is_input_read = True
+
+    def take(self, position: int, chunk) -> None:
+        """A chunk or an error for a batch position; a transient error is raised (never a result)."""
+        is_error = isinstance(chunk, CbatchError)
+        if is_error and is_transient(chunk):
+            raise chunk
+        owner = self.owners.pop(position, None) if is_error or chunk.finish_reason else self.owners.get(position)
+        line = None if owner is None else self.writer.lines.get(owner[0])
+        if line is not None:  # None: already written (its first failure ended it): a sibling's late chunk
+            line.add(owner[1], chunk)
+        if not is_error and chunk.finish_reason:
+            self.num_tokens += chunk.usage["completion_tokens"]  # an HTTP answer has text but no token ids
+        self.writer.write_ready()
+        if self.show_progress and time.monotonic() - self.shown_s >= PROGRESS_INTERVAL_S:
+            self.shown_s = time.monotonic()
+            total = "" if self.num_lines is None else f"/{self.num_lines}"
+            rate = self.num_tokens / max(self.shown_s - self.started_s, 1e-9)
+            print(f"\r{self.writer.num_done}{total} done, {rate:.1f} tok/s", end="", file=sys.stderr)
+
+    def summary(self) -> RunSummary:
+        return RunSummary(self.writer.num_written, self.writer.num_failed, self.num_tokens,
+                          time.monotonic() - self.started_s)
