@@ -186,6 +186,31 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
     model = check_model(raw.get("model"), model_names)
+    body, top_logprobs = _sampling_body(kind, raw)
+    is_stream = raw.get("stream") or False
+    options = raw.get("stream_options") or {}
+    if not isinstance(is_stream, bool) or not isinstance(options, dict):
+        raise invalid("stream must be true or false, stream_options an object")
+    tools = None
+    if kind == CHAT:
+        body.update(reasoning_fields(raw.get("reasoning_budget"), raw.get("reasoning_effort"), reasoning))
+        body, tools = _chat_body(raw, body, chat_template, forwards_tools, keeps_billing_header)
+        prompts = [{name: body.pop(name) for name in ("messages", "prompt") if name in body}]
+    else:
+        prompt = raw.get("prompt")
+        prompt_list = prompt if isinstance(prompt, list) else [prompt]
+        if not prompt_list or not all(isinstance(p, str) for p in prompt_list):
+            raise invalid("prompt must be a string or a non-empty list of strings")
+        prompts = [{"prompt": p} for p in prompt_list]
+    _check_supported(raw)
+    bodies, prompt_of_choice = _choices(body, prompts, raw.get("n"))
+    return ApiRequest(kind, model, bodies, prompt_of_choice, is_stream, bool(options.get("include_usage")),
+                      top_logprobs, tools, reasoning if kind == CHAT else None,
+                      "response_format" if raw.get("response_format") is not None else None)
+
+
+def _sampling_body(kind: str, raw: dict) -> tuple[dict, int | None]:
+    """(cbatch's sampling fields of the request, its top_logprobs or None)."""
     body = {name: raw[name] for name in PASSTHROUGH_FIELDS if raw.get(name) is not None}
     # max_completion_tokens is the newer name; a null one leaves max_tokens in force
     max_tokens = next((raw[name] for name in ("max_completion_tokens", "max_tokens") if raw.get(name) is not None),
@@ -202,28 +227,23 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
     top_logprobs = _top_logprobs(kind, raw)
     if top_logprobs is not None:
         body["logprobs"] = top_logprobs
-    is_stream = raw.get("stream") or False
-    options = raw.get("stream_options") or {}
-    if not isinstance(is_stream, bool) or not isinstance(options, dict):
-        raise invalid("stream must be true or false, stream_options an object")
-    tools = None
-    if kind == CHAT:
-        body.update(reasoning_fields(raw.get("reasoning_budget"), raw.get("reasoning_effort"), reasoning))
-        messages = raw.get("messages") if keeps_billing_header else strip_billing_header(raw.get("messages"))
-        chat = {"messages": messages, **{name: raw[name] for name in TOOL_FIELDS if name in raw}}
-        if not forwards_tools:  # image parts become cbatch's images, each at a marker in the text
-            chat["messages"], images = take_images(chat["messages"])
-            body.update({"images": images} if images else {})
-        body, tools = ({**body, **chat}, None) if forwards_tools else prepare_chat({**body, **chat}, chat_template)
-        prompts = [{name: body.pop(name) for name in ("messages", "prompt") if name in body}]
-    else:
-        prompt = raw.get("prompt")
-        prompt_list = prompt if isinstance(prompt, list) else [prompt]
-        if not prompt_list or not all(isinstance(p, str) for p in prompt_list):
-            raise invalid("prompt must be a string or a non-empty list of strings")
-        prompts = [{"prompt": p} for p in prompt_list]
-    _check_supported(raw)
-    n = raw.get("n")
+    return body, top_logprobs
+
+
+def _chat_body(raw: dict, body: dict, chat_template: ChatTemplate | None, forwards_tools: bool,
+               keeps_billing_header: bool) -> tuple[dict, ToolPlan | None]:
+    """The body with the chat's messages (or its prompt, rendered with tools) and images,
+    and the tool plan that reads its answers."""
+    messages = raw.get("messages") if keeps_billing_header else strip_billing_header(raw.get("messages"))
+    chat = {"messages": messages, **{name: raw[name] for name in TOOL_FIELDS if name in raw}}
+    if forwards_tools:  # bound for a server that renders them and reads the calls itself
+        return {**body, **chat}, None
+    chat["messages"], images = take_images(chat["messages"])  # image parts: cbatch's images, a marker each
+    return prepare_chat({**body, **chat, **({"images": images} if images else {})}, chat_template)
+
+
+def _choices(body: dict, prompts: list[dict], n) -> tuple[list[dict], list[int]]:
+    """(a cbatch body per choice, the index of the prompt each answers)."""
     num_choices = len(prompts) * (n if isinstance(n, int) and not isinstance(n, bool) else 1)
     if num_choices > MAX_CHOICES_PER_REQUEST:
         raise invalid(f"the request asks for {num_choices} completions (prompts x n); at most "
@@ -233,9 +253,7 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
         choices = expand_choices({**body, **prompt_body, **({"n": n} if n is not None else {})})
         bodies += choices
         prompt_of_choice += [i] * len(choices)
-    return ApiRequest(kind, model, bodies, prompt_of_choice, is_stream, bool(options.get("include_usage")),
-                      top_logprobs, tools, reasoning if kind == CHAT else None,
-                      "response_format" if raw.get("response_format") is not None else None)
+    return bodies, prompt_of_choice
 
 
 @dataclass
