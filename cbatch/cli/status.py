@@ -69,14 +69,7 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
         f"prefill {stats.get('prefill_tokens_per_s', 0.0):.1f} tok/s, "
         f"{stats.get('avg_concurrent_seqs', 0.0):.1f} sequences per decode step on average",
     ]
-    num_threads, max_threads = stats.get("compute_threads", 0), stats.get("compute_threads_max", 0)
-    if num_threads < max_threads:
-        lines.append(f"busy host: decoding with {num_threads} compute thread(s) instead of {max_threads} while other "
-                     "processes take the cores (the default --threads adapts; set --threads to fix a count)")
-    share = stats.get("compute_cpu_share", 1.0)
-    if share < STARVED_CPU_SHARE:
-        lines.append(f"slow steps: llama.cpp's compute threads got {100 * share:.0f}% of their cores while decoding "
-                     "(other processes use them): give the daemon fewer --threads, or the host fewer other jobs")
+    lines += busy_host_lines(stats)
     if "kv_cells_total" in stats:  # the worker has reported once
         lines.append(
             f"prefix cache {'on' if stats['prefix_cache'] else 'off'}: hit rate {100 * stats['cache_hit_rate']:.0f}%, "
@@ -88,18 +81,35 @@ def format_status(endpoint: str, health: dict, stats: dict) -> str:
               for tenant, usage in (stats.get("tenants") or {}).items()]
     if stats.get("jobs"):
         lines += job_lines(stats["jobs"])
-    slots = stats.get("slots", [])
+    lines += slot_lines(stats.get("slots", []))
+    return "\n".join(lines)
+
+
+def busy_host_lines(stats: dict) -> list[str]:
+    """What a busy host costs the decode, when it costs anything."""
+    lines = []
+    num_threads, max_threads = stats.get("compute_threads", 0), stats.get("compute_threads_max", 0)
+    if num_threads < max_threads:
+        lines.append(f"busy host: decoding with {num_threads} compute thread(s) instead of {max_threads} while other "
+                     "processes take the cores (the default --threads adapts; set --threads to fix a count)")
+    share = stats.get("compute_cpu_share", 1.0)
+    if share < STARVED_CPU_SHARE:
+        lines.append(f"slow steps: llama.cpp's compute threads got {100 * share:.0f}% of their cores while decoding "
+                     "(other processes use them): give the daemon fewer --threads, or the host fewer other jobs")
+    return lines
+
+
+def slot_lines(slots: list[dict]) -> list[str]:
+    """The running requests, a table row each."""
     if not slots:
-        lines.append("no request running")
-        return "\n".join(lines)
+        return ["no request running"]
     rows = [SLOT_COLUMNS] + [(
         str(slot["seq_id"]), str(slot["request_id"]), slot["state"],
         f"{slot['prompt_tokens_done']}/{slot['prompt_tokens']}", str(slot["tokens"]), f"{slot['age_s']:.1f} s",
     ) for slot in slots]
     widths = [max(len(row[i]) for row in rows) for i in range(len(SLOT_COLUMNS))]
-    lines += ["  ".join(cell.rjust(width) if i != 2 else cell.ljust(width) for i, (cell, width) in
-                        enumerate(zip(row, widths))).rstrip() for row in rows]
-    return "\n".join(lines)
+    return ["  ".join(cell.rjust(width) if i != 2 else cell.ljust(width) for i, (cell, width) in
+                      enumerate(zip(row, widths))).rstrip() for row in rows]
 
 
 def main(argv=None) -> None:
