@@ -50,10 +50,10 @@ def run_worker_with_a_slow_prepare(plan: WorkerPlan) -> None:
     """The worker, with prepare taking a minute over one prompt, as over a huge grammar."""
     prepare = Engine.prepare
 
-    def slow_prepare(engine, request):
+    def slow_prepare(engine, request, deadline_s):
         if request.prompt == SLOW_PROMPT:
             time.sleep(60)
-        return prepare(engine, request)
+        return prepare(engine, request, deadline_s)
 
     Engine.prepare = slow_prepare
     run_decode_worker(plan)
@@ -76,10 +76,10 @@ def run_worker_with_a_faulty_prepare(plan: WorkerPlan) -> None:
     on one prompt."""
     prepare = Engine.prepare
 
-    def faulty_prepare(engine, request):
+    def faulty_prepare(engine, request, deadline_s):
         if request.prompt == FAULTY_PROMPT:
             raise KeyError("a bug")
-        return prepare(engine, request)
+        return prepare(engine, request, deadline_s)
 
     Engine.prepare = faulty_prepare
     run_decode_worker(plan)
@@ -241,4 +241,5 @@ def test_preparing_runs_at_a_lower_priority_than_decoding(front_end):
     for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
         nice_by_thread[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[16])
     assert nice_by_thread[pid] == os.getpriority(os.PRIO_PROCESS, 0)  # the decode loop
-    assert sum(1 for nice in nice_by_thread.values() if nice == nice_by_thread[pid] + PREPARE_NICE_INCREMENT) == 1
+    # the large prompts' preparer and the compiles' one; the small requests' runs at the loop's priority
+    assert sum(1 for nice in nice_by_thread.values() if nice == nice_by_thread[pid] + PREPARE_NICE_INCREMENT) == 2

@@ -62,7 +62,7 @@ def prepare_submit(self, submit):
     return _prepare_submit(self, submit)
 
 
-def prepare_request(self, request):
+def prepare_request(self, request, deadline_s):
     text = request.prompt or ""
     if PREPARE_POISON in text:
         _poison_waiting.set()
@@ -73,7 +73,7 @@ def prepare_request(self, request):
     if len(text) >= MIN_LARGE_PROMPT_CHARS and is_first_crash():
         _large_started.set()
         time.sleep(WAIT_S)  # still being prepared, and marked, when the poison crashes the worker
-    return _prepare_request(self, request)
+    return _prepare_request(self, request, deadline_s)
 
 
 runner.LlamaRunner.tokenize, lc.llama_decode = tokenize, llama_decode
