@@ -31,29 +31,35 @@ CLOSED_MEMORY_S = 10.0  # how long messages still queued from a closed connectio
 MAX_MESSAGES_PER_TURN = 256  # then the worker's events get their turn
 
 
+def router_socket(zctx: zmq.Context, config: DaemonConfig) -> zmq.Socket:
+    """The clients' ROUTER socket, its options set, not yet bound."""
+    socket = zctx.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of queueing
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client reconnecting under its id takes it over
+    # Over tcp a peer can vanish without closing: libzmq's own PING/PONG notices it. Not
+    # over ipc, where the kernel closes a dead peer's socket at once, and where a PING
+    # waits unread behind the messages of a live client that is slow to read (a busy HTTP
+    # server): its timeout would cut that client off, and cancel its requests, before the
+    # stall rule (MAX_STALL_S without taking anything) does.
+    if config.endpoint.startswith("tcp://"):
+        socket.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
+    # A frame bigger than any valid message drops the connection before it is buffered.
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+    # No receive high-water mark. At the mark libzmq stops reading that connection, and
+    # if the peer dies while it is stopped, resuming the read aborts the whole process
+    # (libzmq 4.3's "!_io_error" assertion): a client that floods submits and is then
+    # killed took the daemon down. The front-end reads faster than a client can write
+    # (each message costs it one validation), so the kernel's socket buffer bounds
+    # what waits.
+    socket.setsockopt(zmq.RCVHWM, 0)
+    return socket
+
+
 class ClientLink:
     def __init__(self, zctx: zmq.Context, config: DaemonConfig):
-        self.socket = zctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of queueing
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client reconnecting under its id takes it over
-        # Over tcp a peer can vanish without closing: libzmq's own PING/PONG notices it. Not
-        # over ipc, where the kernel closes a dead peer's socket at once, and where a PING
-        # waits unread behind the messages of a live client that is slow to read (a busy HTTP
-        # server): its timeout would cut that client off, and cancel its requests, before the
-        # stall rule (MAX_STALL_S without taking anything) does.
-        if config.endpoint.startswith("tcp://"):
-            self.socket.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_MS)
-            self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * PEER_HEARTBEAT_MS)
-        # A frame bigger than any valid message drops the connection before it is buffered.
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
-        # No receive high-water mark. At the mark libzmq stops reading that connection, and
-        # if the peer dies while it is stopped, resuming the read aborts the whole process
-        # (libzmq 4.3's "!_io_error" assertion): a client that floods submits and is then
-        # killed took the daemon down. The front-end reads faster than a client can write
-        # (each message costs it one validation), so the kernel's socket buffer bounds
-        # what waits.
-        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket = router_socket(zctx, config)
         self._authenticator = None
         self.disconnects = None
         try:
