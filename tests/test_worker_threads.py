@@ -202,6 +202,13 @@ def test_a_command_the_worker_cannot_read_ends_its_request(front_end):
     assert run_to_finish(stand_in, 8) == "length"  # and the worker serves on
 
 
+def test_a_message_the_worker_takes_no_command_from_is_dropped(front_end):
+    stand_in = front_end()
+    stand_in.send(WorkerReady(1, "not a command", 0, ""))  # the worker's own message, sent back by a front-end bug
+    assert run_to_finish(stand_in, 8) == "length"  # the worker serves on
+    assert stand_in.process.is_alive()
+
+
 def test_a_submit_the_worker_cannot_rebuild_ends_only_its_request(front_end):
     stand_in = front_end()
     stand_in.send(WorkerSubmit(Request(7)))  # as a front-end bug would: neither a prompt nor messages

@@ -1,5 +1,6 @@
 """Applies the prepared commands to the engine between steps, on the decode loop's thread."""
 
+import logging
 import queue
 
 from cbatch.errors import DEADLINE_EXCEEDED, CbatchError
@@ -19,6 +20,7 @@ from cbatch.workers.messages import (
     WorkerStop,
 )
 
+log = logging.getLogger(__name__)
 # An idle worker reports its stats, which also stamps the ring's heartbeat that the
 # supervisor's watchdog reads, at least this often.
 IDLE_WAIT_S = 0.5
@@ -39,6 +41,10 @@ class CommandHandler:
         # Cancels that overtook their submit in the preparer: request id -> is_shutdown.
         self._early_cancels: dict[int, bool] = {}
         self._early_embed_cancels: set[int] = set()  # the same for embedding requests
+        self._handlers = {Sequence: self._add_sequence, WorkerReject: self._send_reject, WorkerCancel: self._cancel,
+                          WorkerPause: self._pause, EmbedJob: self._add_embed, WorkerEmbedCancel: self._cancel_embed,
+                          WorkerCounted: self._io.send,  # a count the preparer made: straight back
+                          WorkerEmbedded: self._send_embedded, WorkerStop: self._stop}
 
     def apply_pending(self, wait_s: float) -> bool:
         """Apply every command waiting (first waiting up to wait_s, at most IDLE_WAIT_S, for
@@ -63,44 +69,56 @@ class CommandHandler:
 
     def _apply(self, item) -> None:
         """item: a prepared Sequence or EmbedJob, or a refusal, from the preparer, or a
-        command from the I/O thread."""
-        if isinstance(item, Sequence):
-            self._io.preparing.discard(item.request_id)
-            try:
-                self._engine.add(item)
-            except (CbatchError, ValueError) as err:
-                self._io.send(rejection(item.request_id, err))
-            if item.request_id in self._early_cancels:
-                self._engine.cancel(item.request_id, self._early_cancels.pop(item.request_id))
-        elif isinstance(item, WorkerReject):
-            self._io.preparing.discard(item.request_id)
-            self._early_cancels.pop(item.request_id, None)
-            self._io.send(item)
-        elif isinstance(item, WorkerCancel):
-            if not self._engine.cancel(item.request_id, item.is_shutdown) and item.request_id in self._io.preparing:
-                self._early_cancels[item.request_id] = item.is_shutdown
-        elif isinstance(item, WorkerPause):  # one still being prepared has produced nothing to pile up
-            self._engine.pause(item.request_id, item.is_paused)
-        elif isinstance(item, EmbedJob):
-            self._io.preparing_embeds.discard(item.embed_id)
-            if item.embed_id in self._early_embed_cancels:
-                self._early_embed_cancels.remove(item.embed_id)
-                self._io.send(WorkerEmbedded(item.embed_id))  # cancelled: nothing decoded
-            else:
-                self._embedder.add(item)
-        elif isinstance(item, WorkerEmbedCancel):
-            # Answered once, with what its tenant is charged: now, later (still being
-            # prepared), or by the reply already on its way (finished).
-            num_done_tokens = self._embedder.cancel(item.embed_id)
-            if num_done_tokens is not None:
-                self._io.send(WorkerEmbedded(item.embed_id, num_tokens=num_done_tokens))
-            elif item.embed_id in self._io.preparing_embeds:
-                self._early_embed_cancels.add(item.embed_id)
-        elif isinstance(item, WorkerCounted):  # a count the preparer made: straight back
-            self._io.send(item)
-        elif isinstance(item, WorkerEmbedded):  # an embedding request the preparer refused
-            self._io.preparing_embeds.discard(item.embed_id)
-            self._early_embed_cancels.discard(item.embed_id)
-            self._io.send(item)
-        elif isinstance(item, WorkerStop):
-            self.is_stopped = True
+        command from the I/O thread. A message the worker takes no command from (a
+        front-end bug) is logged and dropped: the loop goes on."""
+        handler = self._handlers.get(type(item))
+        if handler is None:
+            log.warning("cbatch-worker: the decode worker ignores a %s from the front-end", type(item).__name__)
+            return
+        handler(item)
+
+    def _add_sequence(self, seq: Sequence) -> None:
+        self._io.preparing.discard(seq.request_id)
+        try:
+            self._engine.add(seq)
+        except (CbatchError, ValueError) as err:
+            self._io.send(rejection(seq.request_id, err))
+        if seq.request_id in self._early_cancels:
+            self._engine.cancel(seq.request_id, self._early_cancels.pop(seq.request_id))
+
+    def _send_reject(self, reject: WorkerReject) -> None:
+        self._io.preparing.discard(reject.request_id)
+        self._early_cancels.pop(reject.request_id, None)
+        self._io.send(reject)
+
+    def _cancel(self, cancel: WorkerCancel) -> None:
+        if not self._engine.cancel(cancel.request_id, cancel.is_shutdown) and cancel.request_id in self._io.preparing:
+            self._early_cancels[cancel.request_id] = cancel.is_shutdown
+
+    def _pause(self, pause: WorkerPause) -> None:  # one still being prepared has produced nothing to pile up
+        self._engine.pause(pause.request_id, pause.is_paused)
+
+    def _add_embed(self, job: EmbedJob) -> None:
+        self._io.preparing_embeds.discard(job.embed_id)
+        if job.embed_id in self._early_embed_cancels:
+            self._early_embed_cancels.remove(job.embed_id)
+            self._io.send(WorkerEmbedded(job.embed_id))  # cancelled: nothing decoded
+        else:
+            self._embedder.add(job)
+
+    def _cancel_embed(self, cancel: WorkerEmbedCancel) -> None:
+        """Answered once, with what its tenant is charged: now, later (still being
+        prepared), or by the reply already on its way (finished)."""
+        num_done_tokens = self._embedder.cancel(cancel.embed_id)
+        if num_done_tokens is not None:
+            self._io.send(WorkerEmbedded(cancel.embed_id, num_tokens=num_done_tokens))
+        elif cancel.embed_id in self._io.preparing_embeds:
+            self._early_embed_cancels.add(cancel.embed_id)
+
+    def _send_embedded(self, embedded: WorkerEmbedded) -> None:  # an embedding request the preparer refused
+        self._io.preparing_embeds.discard(embedded.embed_id)
+        self._early_embed_cancels.discard(embedded.embed_id)
+        self._io.send(embedded)
+
+    def _stop(self, _: WorkerStop) -> None:
+        self.is_stopped = True
