@@ -85,19 +85,24 @@ class BatchBuffer:
         self.batch.n_tokens = n
 
 
+def load_model(model_path: str, n_gpu_layers: int):
+    """(llama.cpp's model, the layers offloaded); n_gpu_layers < 0 offloads them all."""
+    model_params = lc.llama_model_default_params()
+    model_params.n_gpu_layers = n_gpu_layers if n_gpu_layers >= 0 else ALL_LAYERS
+    model = lc.llama_model_load_from_file(model_path.encode(), model_params)
+    if not model:
+        raise CbatchError(INVALID_CONFIG,
+                          f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
+    return model, model_params.n_gpu_layers
+
+
 class LlamaRunner:
     def __init__(self, config: EngineConfig, model_path: str):
         lc.llama_log_set(_quiet_log, None)
         lc.llama_backend_init()
-        model_params = lc.llama_model_default_params()
         self.has_gpu = bool(lc.llama_supports_gpu_offload())
-        num_gpu_layers = config.n_gpu_layers if config.n_gpu_layers >= 0 else ALL_LAYERS
-        model_params.n_gpu_layers = num_gpu_layers if self.has_gpu else 0
-        self.num_gpu_layers = model_params.n_gpu_layers  # > 0: layers are offloaded (the engine overlaps)
-        self.model = lc.llama_model_load_from_file(model_path.encode(), model_params)
-        if not self.model:
-            raise CbatchError(INVALID_CONFIG,
-                              f"llama.cpp could not load {model_path!r}: is it a GGUF model? (check --model)")
+        # num_gpu_layers > 0: layers are offloaded (the engine overlaps)
+        self.model, self.num_gpu_layers = load_model(model_path, config.n_gpu_layers if self.has_gpu else 0)
         # Reusing part of a sequence's KV needs a model whose memory is positional (recurrent
         # and hybrid models keep one state per sequence). Spare ids hold cached prefixes in
         # the unified pool only: with per-sequence streams each id is a whole stream.
@@ -118,11 +123,7 @@ class LlamaRunner:
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.memory = lc.llama_get_memory(self.ctx) if self.ctx else None
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        # With a unified KV pool llama.cpp lets any sequence grow to the whole context; the
-        # engine caps each at its share, so running sequences alone never fill the pool.
-        self.num_cells = lc.llama_n_ctx(self.ctx) if self.ctx else config.total_ctx
-        self.ctx_per_seq = min(lc.llama_n_ctx_seq(self.ctx) if self.ctx else config.ctx_per_seq,
-                               self.num_cells // config.parallel)
+        self.num_cells, self.ctx_per_seq = self._kv_shape(config)
         self.eog_ids = np.array([t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)], np.int32)
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
@@ -133,8 +134,16 @@ class LlamaRunner:
         self.mark_decoding = no_mark  # the decode worker's crash mark (ring.decode_marker), told around llama_decode
         self.max_token_bytes = self._longest_token_bytes()
         self.vision = load_vision(config, self.model, self.has_gpu, self.ctx is not None, _quiet_log)  # or None
-        self.description = self._describe(model_path, model_params.n_gpu_layers)
+        self.description = self._describe(model_path, self.num_gpu_layers)
         self.model_path = model_path
+
+    def _kv_shape(self, config: EngineConfig) -> tuple[int, int]:
+        """(the context's KV cells, the most one sequence holds). With a unified KV pool
+        llama.cpp lets any sequence grow to the whole context; the engine caps each at its
+        share, so running sequences alone never fill the pool."""
+        num_cells = lc.llama_n_ctx(self.ctx) if self.ctx else config.total_ctx
+        return num_cells, min(lc.llama_n_ctx_seq(self.ctx) if self.ctx else config.ctx_per_seq,
+                              num_cells // config.parallel)
 
     def _new_context(self, config: EngineConfig):
         """The generation context: every running sequence's KV, one decode per step."""
