@@ -8,6 +8,7 @@ import itertools
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from cbatch.batch.batch_run import BatchInterrupted, EmbeddingTally, InOrderWriter, RunSummary, run_batch
 from cbatch.batch.input_lines import read_items
@@ -110,24 +111,28 @@ def run_file(client, numbered_items, done_keys: set[str], num_lines: int | None,
         stream_batch = functools.partial(client.stream_batch, patience=patience)
         embed = functools.partial(_held_embeddings, client, patience)
     embed = EmbeddingTally(embed)
-    if is_openai:  # `model` follows the HTTP API's rule: a name the daemon serves
-        # An HTTP endpoint's names (and a cbatch one's thinking tags) are in its /v1/models
-        # listing, and it takes tools itself; a daemon's are in its health reply, and tools
-        # are rendered here with its chat template, as its HTTP server does.
-        if is_http:
-            model_names, reasoning = client.model_names, client.reasoning
-        else:
-            health = _ready_health(client)
-            model_names, reasoning = health["model_names"], health.get("reasoning")
-        make_line = functools.partial(OpenAILine, model_names=model_names, embed=embed,
-                                      chat_template=None if is_http else client.chat_template, reasoning=reasoning,
-                                      forwards_tools=is_http)
-        noun = "OpenAI batch line"
-    else:  # over HTTP a line is checked here as the daemon would: a server may ignore what it does not know
-        make_line, noun = functools.partial(NativeLine, checks_bodies=is_http), "line"
+    make_line, noun = _line_maker(client, is_openai, is_http, embed)
     summary = run_batch(stream_batch, items, make_line, InOrderWriter(out), max_in_flight, num_left)
     return dataclasses.replace(summary, num_skipped=selector.num_skipped, num_embedded=embed.num_inputs,
                                num_embedding_tokens=embed.num_prompt_tokens), noun
+
+
+def _line_maker(client, is_openai: bool, is_http: bool, embed: EmbeddingTally) -> tuple[Callable, str]:
+    """(what makes a batch line of an input line, the summary's noun for one)."""
+    if not is_openai:  # over HTTP a line is checked here as the daemon would: a server may ignore what it does not know
+        return functools.partial(NativeLine, checks_bodies=is_http), "line"
+    # `model` follows the HTTP API's rule: a name the daemon serves. An HTTP endpoint's
+    # names (and a cbatch one's thinking tags) are in its /v1/models listing, and it takes
+    # tools itself; a daemon's are in its health reply, and tools are rendered here with
+    # its chat template, as its HTTP server does.
+    if is_http:
+        model_names, reasoning = client.model_names, client.reasoning
+    else:
+        health = _ready_health(client)
+        model_names, reasoning = health["model_names"], health.get("reasoning")
+    return functools.partial(OpenAILine, model_names=model_names, embed=embed,
+                             chat_template=None if is_http else client.chat_template, reasoning=reasoning,
+                             forwards_tools=is_http), "OpenAI batch line"
 
 
 def _held_embeddings(client, patience: Patience, inputs, dimensions=None):
@@ -163,18 +168,7 @@ def _raise_keyboard_interrupt(signum, frame):
 def main(argv=None) -> None:
     # SIGTERM (a service manager, `kill`) stops a run as Ctrl-C does: what is written is kept.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    if args.max_in_flight < 1:
-        parser.error("--max-in-flight must be >= 1")
-    if args.resume and not args.output:
-        parser.error("--resume needs -o/--output")
-    check_transport_flags(parser, args)
-    if args.url:
-        try:
-            check_extra(URL, URL_MODULES, f"{PROG} --url")
-        except CbatchError as err:
-            exit_with(PROG, err.message, EXIT_USAGE)
+    args = _checked_args(argv)
     if args.detach or args.wait:
         sys.exit(run_job_command(args))
     num_lines, lines = open_input(args.prompts)
@@ -211,3 +205,20 @@ def main(argv=None) -> None:
         print(f"{PROG}: {args.output} also holds {counted(num_kept_lines - summary.num_skipped, 'line')} "
               "of an earlier run answering no line of this input", file=sys.stderr)
     sys.exit(EXIT_FAILED if summary.num_failed else EXIT_OK)
+
+
+def _checked_args(argv):
+    """The flags, with what the parser cannot check itself checked (a usage error ends here)."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.max_in_flight < 1:
+        parser.error("--max-in-flight must be >= 1")
+    if args.resume and not args.output:
+        parser.error("--resume needs -o/--output")
+    check_transport_flags(parser, args)
+    if args.url:
+        try:
+            check_extra(URL, URL_MODULES, f"{PROG} --url")
+        except CbatchError as err:
+            exit_with(PROG, err.message, EXIT_USAGE)
+    return args
