@@ -86,6 +86,21 @@ def is_parsed_inline(body: bytes) -> bool:
     return len(body) <= MAX_INLINE_PARSE_BYTES and not any(name in body for name in SCHEMA_FIELD_NAMES)
 
 
+async def _read_request(state: HttpState, request: Request, kind: str):
+    """(the request as cbatch bodies, its events' shape), each body the key's tenant's;
+    a large body is parsed off the event loop."""
+    body = await request.body()
+    if is_parsed_inline(body):
+        api, events = _parse(state, kind, body)
+    else:
+        api, events = await run_in_threadpool(_parse, state, kind, body)
+    check_choices_fit(request.scope, len(api.bodies))
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    if tenant is not None:  # the key's tenant, whatever the caller's body said
+        api.bodies = [{**body, "tenant": tenant} for body in api.bodies]
+    return api, events
+
+
 async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     """A completions, chat or responses request: errors before the first token get their
     status; a stream then goes out as server-sent events; a caller that hangs up cancels it."""
@@ -94,18 +109,10 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     refusal = await state.refusal()
     if refusal is not None:
         return state.error(endpoint, refusal, shape=shape)
-    body = await request.body()
     try:
-        if is_parsed_inline(body):
-            api, events = _parse(state, kind, body)
-        else:
-            api, events = await run_in_threadpool(_parse, state, kind, body)
-        check_choices_fit(request.scope, len(api.bodies))
+        api, events = await _read_request(state, request, kind)
     except CbatchError as err:
         return state.error(endpoint, err, shape=shape)
-    tenant = request.scope.get(TENANT_SCOPE_KEY)
-    if tenant is not None:  # the key's tenant, whatever the caller's body said
-        api.bodies = [{**body, "tenant": tenant} for body in api.bodies]
     state.num_in_flight += 1
     gen = Generation(state, api, endpoint, is_cancel_an_error=kind != RESPONSES)
     collect_events, stream_out = COLLECT.get(kind), STREAM.get(kind)
