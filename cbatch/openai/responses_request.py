@@ -60,18 +60,7 @@ def chat_messages(raw_input, instructions) -> list[dict]:
                 raise invalid(f"{where}.role must be user, assistant, system or developer")
             messages.append({"role": item["role"], "content": _content_of(where, item.get("content"))})
         elif kind == "function_call":
-            if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
-                raise invalid(f"{where} must be {{type: function_call, call_id, name, arguments}}")
-            try:
-                json.loads(item["arguments"])
-            except json.JSONDecodeError:
-                raise invalid(f"{where}.arguments is not JSON") from None
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1].get("tool_calls") and messages[-1]["content"] is None:
-                messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            _add_call(messages, where, item)
             call_ids.add(item["call_id"])
         elif kind == "function_call_output":
             if item.get("call_id") not in call_ids:
@@ -84,6 +73,23 @@ def chat_messages(raw_input, instructions) -> list[dict]:
             raise invalid(f"{where}.type must be message, function_call, function_call_output or reasoning, "
                           f"got {kind!r}")
     return messages
+
+
+def _add_call(messages: list[dict], where: str, item: dict) -> None:
+    """A function_call item as a call of the assistant message before it, when that one
+    only calls, else of a new one."""
+    if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
+        raise invalid(f"{where} must be {{type: function_call, call_id, name, arguments}}")
+    try:
+        json.loads(item["arguments"])
+    except json.JSONDecodeError:
+        raise invalid(f"{where}.arguments is not JSON") from None
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    if messages and messages[-1].get("tool_calls") and messages[-1]["content"] is None:
+        messages[-1]["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
 def _chat_tools(raw: dict) -> dict:
