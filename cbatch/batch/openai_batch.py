@@ -56,6 +56,16 @@ def _request_failure(custom_id, err: CbatchError) -> dict:
                          "body": error_body(err)}, "error": None}
 
 
+def _kind_of(number: int, item: dict) -> str:
+    """The line's kind of request, by its url; a line that is no request raises."""
+    if not isinstance(item.get("body"), dict):
+        raise CbatchError(INVALID_REQUEST, f"line {number} needs an object body")
+    kind = URL_KINDS.get(item.get("url"))
+    if kind is None or item.get("method", "POST") != "POST":
+        raise CbatchError(INVALID_REQUEST, f"line {number}: url must be one of {sorted(URL_KINDS)} with POST")
+    return kind
+
+
 class OpenAILine:
     """One input line: its parsed request, or why it cannot run, and its result so far.
     `embed(inputs, dimensions)` computes an embeddings line's vectors (a client's embeddings,
@@ -75,11 +85,7 @@ class OpenAILine:
             self.result = _line_failure(None, item, number)
             return
         try:
-            if not isinstance(item.get("body"), dict):
-                raise CbatchError(INVALID_REQUEST, f"line {number} needs an object body")
-            kind = URL_KINDS.get(item.get("url"))
-            if kind is None or item.get("method", "POST") != "POST":
-                raise CbatchError(INVALID_REQUEST, f"line {number}: url must be one of {sorted(URL_KINDS)} with POST")
+            kind = _kind_of(number, item)
         except CbatchError as err:
             self.result = _line_failure(self.custom_id, err)
             return
@@ -87,26 +93,30 @@ class OpenAILine:
             if kind == EMBEDDINGS:
                 embedding_request = parse_embedding_request(item["body"], model_names)
                 result = embed(embedding_request.inputs, embedding_request.dimensions)
-                response = embedding_response(embedding_request, result.data, result.prompt_tokens)
-                self._succeed(uuid.uuid4().hex, response)
-                return
-            # A batch file's lines yield to interactive requests unless a body says otherwise;
-            # a job's, whoever sent it, always do.
-            body = {"priority": BATCH, **item["body"], "stream": False}
-            if priority is not None:
-                body["priority"] = priority
-            if kind == RESPONSES:  # a chat request, answered in the Responses API's shapes
-                request = parse_responses_request(body, model_names, reasoning, chat_template=chat_template)
-                self.bodies = request.bodies
-                self.whole = WholeResponseEvents(ResponseEvents(request, echoed_fields(item["body"])))
-                return
-            request = parse_api_request(kind, body, model_names, reasoning, chat_template=chat_template,
-                                        forwards_tools=forwards_tools)
+                self._succeed(uuid.uuid4().hex,
+                              embedding_response(embedding_request, result.data, result.prompt_tokens))
+            else:
+                self._parse(kind, item, model_names, chat_template, reasoning, forwards_tools, priority)
         except CbatchError as err:
             if is_transient(err):  # the embeddings were refused past the run's patience: the run stops
                 raise
             self.result = _request_failure(self.custom_id, err)
+
+    def _parse(self, kind: str, item: dict, model_names: list[str], chat_template, reasoning, forwards_tools: bool,
+               priority: str | None) -> None:
+        """A generation line's bodies, and what gathers its answer."""
+        # A batch file's lines yield to interactive requests unless a body says otherwise;
+        # a job's, whoever sent it, always do.
+        body = {"priority": BATCH, **item["body"], "stream": False}
+        if priority is not None:
+            body["priority"] = priority
+        if kind == RESPONSES:  # a chat request, answered in the Responses API's shapes
+            request = parse_responses_request(body, model_names, reasoning, chat_template=chat_template)
+            self.bodies = request.bodies
+            self.whole = WholeResponseEvents(ResponseEvents(request, echoed_fields(item["body"])))
             return
+        request = parse_api_request(kind, body, model_names, reasoning, chat_template=chat_template,
+                                    forwards_tools=forwards_tools)
         self.bodies = request.bodies
         self.whole = WholeResponse(ResponseBuilder(request, system_fingerprint(model_names[0])))
 
