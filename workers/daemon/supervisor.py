@@ -66,17 +66,28 @@ class DaemonState(enum.Enum):
     STOPPED = "stopped"
 
 
+def http_servers(config: DaemonConfig, http_socket: socket.socket) -> HttpServers:
+    """The HTTP server processes and the job runner beside them (--http)."""
+    model_names = served_model_names(config.engine.model_path, config.aliases)
+    return HttpServers(http_socket, config.endpoint, model_names, config.http_processes, config.state_dir,
+                       max_body_bytes(config.engine.max_images, config.engine.max_image_bytes),
+                       config.api_key, config.api_keys_file, config.batch_retention_s, config.batch_job_slice_s)
+
+
+def startup_error(err: Exception, config: DaemonConfig) -> CbatchError:
+    """What a failure to open the front-end's sockets tells the person starting the daemon."""
+    if isinstance(err, CbatchError):
+        return err
+    if isinstance(err, zmq.ZMQError):
+        return CbatchError(ENDPOINT_IN_USE, f"cannot listen on {config.endpoint}: {err}; pass another --endpoint")
+    return CbatchError(INVALID_CONFIG, f"cannot read the CurveZMQ certificates: {err}")
+
+
 class Supervisor:
     def __init__(self, config: DaemonConfig, http_socket: socket.socket | None = None):
         self.config = config
         self.stop_requested = False
-        self.http = None
-        if http_socket is not None:
-            model_names = served_model_names(config.engine.model_path, config.aliases)
-            self.http = HttpServers(http_socket, config.endpoint, model_names, config.http_processes, config.state_dir,
-                                    max_body_bytes(config.engine.max_images, config.engine.max_image_bytes),
-                                    config.api_key, config.api_keys_file, config.batch_retention_s,
-                                    config.batch_job_slice_s)
+        self.http = http_servers(config, http_socket) if http_socket is not None else None
         self._tag = tag = f"cbatch-{os.getpid()}"
         self._files = [os.path.join(runtime_dir(), f"{tag}-{name}.sock") for name in ("control", "tick")]
         self.control_endpoint, self.tick_endpoint = (f"ipc://{path}" for path in self._files)
@@ -94,12 +105,7 @@ class Supervisor:
             self.zctx.destroy(linger=0)
             self.ring.close()
             self.ring.unlink()
-            if isinstance(err, CbatchError):
-                raise
-            if isinstance(err, zmq.ZMQError):
-                raise CbatchError(ENDPOINT_IN_USE,
-                                  f"cannot listen on {config.endpoint}: {err}; pass another --endpoint") from None
-            raise CbatchError(INVALID_CONFIG, f"cannot read the CurveZMQ certificates: {err}") from None
+            raise startup_error(err, config) from None
         client_path = ipc_path(config.endpoint)
         if client_path:
             os.chmod(client_path, 0o600)
