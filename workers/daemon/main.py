@@ -18,24 +18,11 @@ def main(argv=None) -> None:
         import signal
 
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop while it starts, as Ctrl-C
-        import logging
-
         from cbatch.cli.common import exit_with
-        from cbatch.extras import DEFAULT_MODEL_MODULE, SERVER, SERVER_MODULES, check_extra
         from cbatch.workers.daemon.endpoint_lock import lock_endpoint, release_endpoint
-        from cbatch.workers.daemon.flags import config_from_args, make_parser, warn_if_no_gpu
+        from cbatch.workers.daemon.flags import warn_if_no_gpu
 
-        parser = make_parser()
-        args = parser.parse_args(argv)
-        try:  # `pip install cbatch` is the client alone
-            check_extra(SERVER, (*SERVER_MODULES, *(() if args.model else (DEFAULT_MODEL_MODULE,))), "the daemon")
-        except CbatchError as err:
-            exit_with(PROG, err.message, EXIT_USAGE)
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-        try:
-            config = config_from_args(args)
-        except CbatchError as err:  # a value the flags allow but this machine or setting does not: one line
-            exit_with(PROG, err.message, EXIT_USAGE)
+        args, config = _args_and_config(argv)
         try:  # before the seconds of importing the rest: a client started beside this one waits for it
             lock_fd = lock_endpoint(config.endpoint)
         except CbatchError as err:
@@ -58,3 +45,24 @@ def main(argv=None) -> None:
             release_endpoint(config.endpoint, lock_fd)
         print(f"{PROG}: stopped while starting", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _args_and_config(argv):
+    """(the flags, the daemon's configuration they make); a usage error ends the process
+    with one line."""
+    import logging
+
+    from cbatch.cli.common import exit_with
+    from cbatch.extras import DEFAULT_MODEL_MODULE, SERVER, SERVER_MODULES, check_extra
+    from cbatch.workers.daemon.flags import config_from_args, make_parser
+
+    args = make_parser().parse_args(argv)
+    try:  # `pip install cbatch` is the client alone
+        check_extra(SERVER, (*SERVER_MODULES, *(() if args.model else (DEFAULT_MODEL_MODULE,))), "the daemon")
+    except CbatchError as err:
+        exit_with(PROG, err.message, EXIT_USAGE)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return args, config_from_args(args)
+    except CbatchError as err:  # a value the flags allow but this machine or setting does not: one line
+        exit_with(PROG, err.message, EXIT_USAGE)
