@@ -128,39 +128,16 @@ class PoolCacheManager:
         cached prefix (with `reuse`), with cells reserved for the rest. Returns (seq_id,
         tokens reused), or None (and changes nothing) when the pool cannot make room even
         by eviction."""
-        path = self._match(token_slice, num_tokens) if reuse else []
-        restore = self.host.match(token_slice, num_tokens) if self.host is not None and reuse else None
-        if restore is not None and restore.num_tokens - BLOCK_TOKENS * len(path) < MIN_RESTORE_TOKENS:
-            restore = None
-        if restore is not None:  # restored into cells of its own: nothing shared
-            path = []
-        source = self._owner_of(path[-1].block) if path else None
-        shared = source.blocks[: len(path)] if source else []
+        restore, source, shared = self._best_prefix(token_slice, num_tokens, reuse)
         pinned = sum(b.size for b in shared if b.num_running_owners == 0)
         num_needed = num_tokens - BLOCK_TOKENS * len(shared)
         if num_needed > self.num_cells_free + self.num_cells_evictable - pinned:
             return None
-        num_ids = 2 if self.pin_indexed_cells else 1
-        while len(self._free_seq_ids) < num_ids:
-            victim = next((h for h in self._cached.values() if h is not source), None)
-            if victim is None:
-                return None
-            self._evict(victim)
-        holder = Holder(self._free_seq_ids.pop())
-        if self.pin_indexed_cells:
-            holder.pin_id = self._free_seq_ids.pop()
-        self._holders[holder.seq_id] = holder
+        holder = self._new_holder(source)
+        if holder is None:
+            return None
         if shared:
-            if not source.is_running:
-                self._cached.move_to_end(source.seq_id)
-            for block in shared:
-                self._change(block, holder, +1)
-            holder.blocks = list(shared)
-            holder.num_indexed = len(shared)
-            holder.num_tokens = BLOCK_TOKENS * len(shared)
-            self.ops.append((OP_COPY, source.seq_id, holder.seq_id, 0, holder.num_tokens))
-            if holder.pin_id is not None:
-                self.ops.append((OP_COPY, source.seq_id, holder.pin_id, 0, holder.num_tokens))
+            self._share(source, shared, holder)
         is_reserved = self.grow(holder.seq_id, num_tokens)
         assert is_reserved, "room was checked above"
         num_reused = BLOCK_TOKENS * len(shared)
@@ -176,6 +153,47 @@ class PoolCacheManager:
         self.num_lookups += reuse and self.enable_prefix_cache
         self.num_device_hits += bool(shared)
         return holder.seq_id, num_reused
+
+    def _best_prefix(self, token_slice: TokenSlice, num_tokens: int, reuse: bool):
+        """(the host tier's saved state to restore or None, the holder whose blocks are
+        shared or None, those blocks): a restore worth MIN_RESTORE_TOKENS more than the
+        device's cached prefix is taken instead of it, into cells of its own."""
+        path = self._match(token_slice, num_tokens) if reuse else []
+        restore = self.host.match(token_slice, num_tokens) if self.host is not None and reuse else None
+        if restore is not None and restore.num_tokens - BLOCK_TOKENS * len(path) < MIN_RESTORE_TOKENS:
+            restore = None
+        if restore is not None:  # restored into cells of its own: nothing shared
+            path = []
+        source = self._owner_of(path[-1].block) if path else None
+        return restore, source, source.blocks[: len(path)] if source else []
+
+    def _new_holder(self, source: Holder | None) -> Holder | None:
+        """A holder with its sequence ids (two with pinned indexed cells), evicting cached
+        prefixes other than source's for them; None when no more can be evicted."""
+        num_ids = 2 if self.pin_indexed_cells else 1
+        while len(self._free_seq_ids) < num_ids:
+            victim = next((h for h in self._cached.values() if h is not source), None)
+            if victim is None:
+                return None
+            self._evict(victim)
+        holder = Holder(self._free_seq_ids.pop())
+        if self.pin_indexed_cells:
+            holder.pin_id = self._free_seq_ids.pop()
+        self._holders[holder.seq_id] = holder
+        return holder
+
+    def _share(self, source: Holder, shared: list, holder: Holder) -> None:
+        """The new holder shares source's first blocks: llama.cpp copies (marks) their cells."""
+        if not source.is_running:
+            self._cached.move_to_end(source.seq_id)
+        for block in shared:
+            self._change(block, holder, +1)
+        holder.blocks = list(shared)
+        holder.num_indexed = len(shared)
+        holder.num_tokens = BLOCK_TOKENS * len(shared)
+        self.ops.append((OP_COPY, source.seq_id, holder.seq_id, 0, holder.num_tokens))
+        if holder.pin_id is not None:
+            self.ops.append((OP_COPY, source.seq_id, holder.pin_id, 0, holder.num_tokens))
 
     def fork(self, src_seq_id: int, dst_seq_id: int, num_tokens: int) -> None:
         """dst (admitted, nothing computed) gives back the cells it reserved and shares
