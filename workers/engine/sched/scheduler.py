@@ -341,13 +341,34 @@ class Scheduler:
         fork.status = SeqStatus.DECODING  # at most the last prompt token left to compute
         self.running.append(fork)
 
+    def _start(self, seq: Sequence, parent: Sequence | None) -> int:
+        """An admitted sequence runs, or, with a running parent of the same prompt, forks
+        it: now, from the parent's last row, or once the parent's prompt is computed (then
+        1 is returned: one more fork waits)."""
+        if not seq.is_resumed:
+            seq.num_prompt_cached = min(seq.num_cached, seq.num_prompt_tokens)
+        seq.is_resumed, seq.num_paused_s = False, 0.0  # a new bound of pausing for each admission
+        self.waiting.share.on_admitted(seq)
+        if parent is None:
+            seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING
+            self.running.append(seq)
+        elif parent.is_prefilling:
+            seq.status = SeqStatus.FORKING
+            self.forks.add(parent, seq)
+            return 1
+        elif self.is_last_row_kept and can_share_last_row(parent, seq):
+            seq.status = SeqStatus.FORKING
+            self.row_forks.append((parent, seq))
+        else:
+            self._fork(parent, seq, seq.num_prompt_tokens - 1)
+        return 0
+
     def _admit(self) -> None:
         passed_over = []  # each keeps a slot: later arrivals must not take all of them
         num_forks = len(self.forks)
         if self.preempt_batch and self.waiting.num_interactive:
             num_free = self.max_running - len(self.running) - num_forks - len(self.row_forks)
-            num_wanted = num_slots_wanted(self.waiting.num_interactive, num_free)
-            for seq in choose_batch_victims(self.running, num_wanted):
+            for seq in choose_batch_victims(self.running, num_slots_wanted(self.waiting.num_interactive, num_free)):
                 self.preempt(seq, keep_cached=True)
         while self.waiting:
             num_taken = len(self.running) + num_forks + len(self.row_forks) + len(passed_over)
@@ -367,21 +388,6 @@ class Scheduler:
                 self.waiting.push_front(seq)
                 break
             seq.seq_id, seq.num_cached = placed
-            if not seq.is_resumed:
-                seq.num_prompt_cached = min(seq.num_cached, seq.num_prompt_tokens)
-            seq.is_resumed, seq.num_paused_s = False, 0.0  # a new bound of pausing for each admission
-            self.waiting.share.on_admitted(seq)
-            if parent is None:
-                seq.status = SeqStatus.PREFILLING if seq.num_uncached > 1 else SeqStatus.DECODING
-                self.running.append(seq)
-            elif parent.is_prefilling:
-                seq.status = SeqStatus.FORKING
-                self.forks.add(parent, seq)
-                num_forks += 1
-            elif self.is_last_row_kept and can_share_last_row(parent, seq):
-                seq.status = SeqStatus.FORKING
-                self.row_forks.append((parent, seq))
-            else:
-                self._fork(parent, seq, seq.num_prompt_tokens - 1)
+            num_forks += self._start(seq, parent)
         for seq in reversed(passed_over):
             self.waiting.push_front(seq)
