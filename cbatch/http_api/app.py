@@ -88,7 +88,11 @@ def is_parsed_inline(body: bytes) -> bool:
 
 async def _read_request(state: HttpState, request: Request, kind: str):
     """(the request as cbatch bodies, its events' shape), each body the key's tenant's;
-    a large body is parsed off the event loop."""
+    a large body is parsed off the event loop. A server that cannot take it now (starting,
+    draining) refuses it before its body is read."""
+    refusal = await state.refusal()
+    if refusal is not None:
+        raise refusal
     body = await request.body()
     if is_parsed_inline(body):
         api, events = _parse(state, kind, body)
@@ -106,9 +110,6 @@ async def _generate(state: HttpState, request: Request, kind: str) -> Response:
     status; a stream then goes out as server-sent events; a caller that hangs up cancels it."""
     endpoint = ENDPOINTS[kind]
     shape = ERROR_SHAPES.get(kind, error_body)
-    refusal = await state.refusal()
-    if refusal is not None:
-        return state.error(endpoint, refusal, shape=shape)
     try:
         api, events = await _read_request(state, request, kind)
     except CbatchError as err:
