@@ -1,7 +1,8 @@
-"""A constraint as it travels: a grammar's text, or a JSON schema written out as compact
-JSON, checked where the request arrives (size, nesting, UTF-8) and compiled by the decode
-worker (workers/engine/structured/compiler.py). Nothing here needs llguidance: a
-client-only install sends schemas too.
+"""A constraint as it travels: a grammar's text, a JSON schema written out as compact
+JSON, or a forced call (its format and its functions' parameter schemas, each as compact
+JSON), checked where the request arrives (size, nesting, UTF-8) and compiled by the decode
+worker (workers/engine/structured/), which builds every grammar. Nothing here needs
+llguidance: a client-only install sends schemas too.
 
 An object schema with `properties` and no `additionalProperties` takes no other
 properties, as llama.cpp's server has it: a small model otherwise goes on writing
@@ -119,14 +120,32 @@ def check_json_schema(value) -> str | None:
     """A JSON schema object as compact JSON text, its objects closed: the wire and the
     worker's cache of compiled constraints key on it. Its keys keep the caller's order,
     which is the order an object's properties are generated in."""
-    if value is None:
-        return None
+    return None if value is None else _schema_text("json_schema", value)
+
+
+def _schema_text(name: str, value) -> str:
     if not isinstance(value, dict):
-        raise invalid(f"json_schema must be a JSON schema object, got {type(value).__name__}")
+        raise invalid(f"{name} must be a JSON schema object, got {type(value).__name__}")
     if schema_depth(value, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise invalid(f"json_schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
+        raise invalid(f"{name} nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
     try:
         text = json.dumps(closed_objects(value), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as err:
-        raise invalid(f"json_schema is not JSON: {err}") from None
-    return checked_text("json_schema", text, MAX_CONSTRAINT_CHARS)
+        raise invalid(f"{name} is not JSON: {err}") from None
+    return checked_text(name, text, MAX_CONSTRAINT_CHARS)
+
+
+def check_tool_call(value) -> dict | None:
+    """A forced call, `{"format", "functions": {name: parameter schema}, "arguments_key",
+    "is_one_call"}`, with each schema as json_schema's compact text (`functions` becomes
+    [name, text] pairs, in order); the schemas together within MAX_CONSTRAINT_CHARS. The
+    other fields msgspec checks (params.ToolCall)."""
+    if value is None:
+        return None
+    functions = value.get("functions") if isinstance(value, dict) else None
+    if not isinstance(functions, dict) or not functions or not all(isinstance(name, str) for name in functions):
+        raise invalid("tool_call must be an object whose functions map each name to its parameter schema")
+    pairs = [[name, _schema_text(f"tool_call.functions.{name}", schema)] for name, schema in functions.items()]
+    if sum(len(text) for _, text in pairs) > MAX_CONSTRAINT_CHARS:
+        raise invalid(f"tool_call's parameter schemas are longer than {MAX_CONSTRAINT_CHARS} characters together")
+    return {**value, "functions": pairs}

@@ -11,7 +11,7 @@ import msgspec
 from msgspec import Meta
 
 from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
-from cbatch.constraints import check_grammar, check_json_schema
+from cbatch.constraints import check_grammar, check_json_schema, check_tool_call
 from cbatch.images import check_images
 from cbatch.text_checks import checked_text, invalid
 
@@ -35,6 +35,18 @@ def _ranged(kind: type, lo, hi, *, is_lo_open: bool = False):
     return Annotated[kind, Meta(gt=lo, le=hi) if is_lo_open else Meta(ge=lo, le=hi)]
 
 
+class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A forced call as it travels (the tool plan makes it, cbatch/tools/plan.py): how the
+    model writes calls (cbatch/tools/formats.py), the functions it may call, each with its
+    parameter schema as compact JSON text, and whether the answer is one call or several.
+    The decode worker builds its grammar (workers/engine/structured/tool_grammar.py)."""
+
+    format: Literal["json_answer", "tagged", "bare_json"]
+    functions: tuple[tuple[str, str], ...]  # (name, parameter schema), in the request's order
+    arguments_key: Literal["arguments", "parameters"] = "arguments"
+    is_one_call: bool = True
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A request's sampling parameters. Its annotated types are the caller's limits, which
     msgspec checks (type and range, in C) as it converts the caller's map; on the way to
@@ -52,6 +64,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     stop: tuple[str, ...] = ()
     grammar: str | None = None  # GBNF, or llguidance's Lark when it starts with %llguidance
     json_schema: str | None = None  # a JSON schema as compact JSON text (its keys in the caller's order)
+    tool_call: ToolCall | None = None  # the answer is a call of one of these functions
     ignore_eos: bool = False
     logprobs: _ranged(int, 0, MAX_TOP_LOGPROBS) | None = None  # None = none; K = the chosen and K most likely
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); ids checked by the engine
@@ -63,7 +76,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
 
     @property
     def has_constraint(self) -> bool:
-        return self.grammar is not None or self.json_schema is not None
+        return self.grammar is not None or self.json_schema is not None or self.tool_call is not None
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -148,9 +161,10 @@ def _reasoning_tags(value):
 # What msgspec cannot say: a caller's shape that differs from the field's (a string or a
 # list; an object of ids as strings; a schema object kept as text), and text that must be
 # UTF-8 (a lone surrogate passes a str type). These run first; msgspec checks the rest.
-_BY_HAND = {"stop": _stop, "grammar": check_grammar, "json_schema": check_json_schema, "logit_bias": _logit_bias,
-            "reasoning_tags": _reasoning_tags}
+_BY_HAND = {"stop": _stop, "grammar": check_grammar, "json_schema": check_json_schema, "tool_call": check_tool_call,
+            "logit_bias": _logit_bias, "reasoning_tags": _reasoning_tags}
 PARAM_NAMES = frozenset(SamplingParams.__struct_fields__)
+CONSTRAINT_NAMES = ("grammar", "json_schema", "tool_call")  # at most one a request
 
 
 def _field_error(err: msgspec.ValidationError, raw: dict) -> str:
@@ -209,11 +223,12 @@ def parse_request(request_id: int, raw: dict) -> Request:
                                           lo_open=True)}
     images = check_images(body.pop("images", None), prompt, messages)
     params = parse_params(body)
-    if params.grammar is not None and params.json_schema is not None:
-        raise invalid("give grammar or json_schema, not both")
+    given = [name for name in CONSTRAINT_NAMES if getattr(params, name) is not None]
+    if len(given) > 1:
+        raise invalid(f"give one of {', '.join(CONSTRAINT_NAMES)}, not {' and '.join(given)}")
     if params.has_constraint and params.ignore_eos:
-        raise invalid("a grammar or json_schema and ignore_eos cannot be combined: a completed constraint allows "
-                      "only end-of-generation")
+        raise invalid(f"{given[0]} and ignore_eos cannot be combined: a completed constraint allows only "
+                      "end-of-generation")
     if prompt is not None:
         prompt = checked_text("prompt", prompt, MAX_PROMPT_CHARS)
         return Request(request_id, prompt=prompt, params=params, images=images, **scheduling)

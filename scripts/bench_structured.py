@@ -63,7 +63,7 @@ MODES = {
     "json_schema": ("Person {i}, as JSON: ", {"json_schema": PERSON}),
     # a prompt after which the model opens an object (after "as JSON: " gemma writes `{}` and is done)
     "json_object": ("App {i}'s configuration:\n```json\n", {"json_schema": {"type": "object"}}),
-    "tool call": ("Call get_weather for city {i}: ", {"grammar": TOOL_PLAN.grammar()}),
+    "tool call": ("Call get_weather for city {i}: ", {"tool_call": TOOL_PLAN.constraint()}),
     # a thinking block the prompt opens, closed by a budget of 16 tokens, then the schema
     "think+schema": ("Person {i}. Think, then answer as JSON. <think>\n",
                      {"json_schema": PERSON, "reasoning_budget": 16, "reasoning_tags": ["<think>", "</think>"]}),

@@ -1,15 +1,18 @@
-"""cbatch.tools without a daemon: the call formats chat templates teach (read back; the
-grammars of forced calls are cbatch/tools/call_grammar.py's), the streamed hold-back of what may be a call, and
-the sandboxed template's globals and errors. The daemon runs are tests/test_tools*.py."""
+"""cbatch.tools without a daemon: the call formats chat templates teach (read back, and the
+grammar the decode worker builds for a forced call in each), the streamed hold-back of what
+may be a call, and the sandboxed template's globals and errors. The daemon runs are
+tests/test_tools*.py."""
 
 import json
 
 import pytest
 
 from cbatch.errors import CbatchError
+from cbatch.params import parse_params
 from cbatch.tools import ChatTemplate, ToolCallStream, template_of, tool_plan
 from cbatch.tools.formats import BareJson, Tagged
 from cbatch.tools.messages import template_messages
+from cbatch.workers.engine.structured.tool_grammar import tool_call_grammar
 
 CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": CITY}} for name in ("get_weather", "get_time")]
@@ -45,7 +48,8 @@ def test_a_bare_json_call_with_parameters_is_read_and_that_format_is_told_from_t
     assert template.call_format.arguments_key == "parameters"
     _, (call,) = plan(call_format=template.call_format).parse(' {"name": "get_time", "parameters": {"city": "Lima"}}')
     assert json.loads(call["function"]["arguments"]) == {"city": "Lima"}
-    assert r'\"parameters\"' in plan("required", template.call_format).grammar()  # a JSON key in GBNF
+    tool_call = parse_params({"tool_call": plan("required", template.call_format).constraint()}).tool_call
+    assert r'\"parameters\"' in tool_call_grammar(tool_call)  # a JSON key in a Lark literal
 
 
 def test_a_stream_releases_text_until_a_call_may_begin_and_ends_with_the_calls():

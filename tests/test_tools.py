@@ -153,7 +153,8 @@ def test_an_openai_batch_line_with_tools_sends_the_grammar_and_answers_with_tool
     body = {"model": "m", "messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
     line = OpenAILine(1, {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}, ["m"])
     (request,) = line.bodies
-    assert "get_weather" in request["grammar"] and "get_weather" in request["messages"][0]["content"]
+    assert list(request["tool_call"]["functions"]) == ["get_weather"]
+    assert "get_weather" in request["messages"][0]["content"]
     answer = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 3}}]}'
     line.add(0, Chunk(0, answer, [1], "stop", {"prompt_tokens": 9, "completion_tokens": 1}))
     choice = line.result["response"]["body"]["choices"][0]

@@ -15,7 +15,8 @@ def prepare_chat(body: dict, template: ChatTemplate | None) -> tuple[dict, ToolP
     With `template` (the model's own, knowing tools: template.template_of), a conversation
     with tools or tool turns is rendered by it into `prompt`, and calls are read in the
     format it teaches; otherwise the tools are described in a system message and the
-    messages go to the daemon, calls and results told in words. A forced call adds its grammar.
+    messages go to the daemon, calls and results told in words. A forced call adds its
+    `tool_call` constraint.
     """
     if "prompt" in body:
         raise invalid("tools and tool_choice take 'messages', not 'prompt'")
@@ -32,7 +33,7 @@ def prepare_chat(body: dict, template: ChatTemplate | None) -> tuple[dict, ToolP
         if "grammar" in rest or "json_schema" in rest:
             raise invalid("tool_choice required or a named function constrains the answer to a call: "
                           "give no grammar or response_format with it")
-        rest["grammar"] = plan.grammar()
+        rest["tool_call"] = plan.constraint()
     return rest, plan
 
 

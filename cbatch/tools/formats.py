@@ -7,16 +7,16 @@
 - BareJson (Llama 3.1 and the like): the whole answer is one `{"name", "arguments"}` (or
   "parameters", as the template says).
 
-A format's grammar is llguidance's Lark (call_grammar.py): the format's own text around
-each allowed function's call, whose arguments are that function's parameter schema, so a
-forced call's arguments always match their schema. The decode worker compiles it.
+A forced call travels as its format's `name` and the allowed functions' parameter
+schemas (ToolPlan.constraint); the decode worker builds the grammar, the format's own text
+around each call, whose arguments are that function's parameter schema, so a forced
+call's arguments always match their schema (workers/engine/structured/tool_grammar.py).
 """
 
 import json
 import re
 
 from cbatch.partial_markers import partial_marker_len
-from cbatch.tools.call_grammar import call_grammar, lark_literal
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE = '{"tool_calls": [', "]}"  # JSON_ANSWER's text around its calls
@@ -50,14 +50,8 @@ def _json(text: str):
 
 
 class JsonAnswer:
+    name = "json_answer"  # as a forced call names it on the wire (cbatch.params.ToolCall)
     arguments_key = "arguments"
-
-    def grammar(self, functions: dict[str, dict], is_one_call: bool) -> str:
-        """Lark for an answer that is a call (calls, unless `is_one_call`) of `functions`
-        (name -> parameter schema)."""
-        more = "" if is_one_call else f" ({lark_literal(', ')} call)*"
-        start = f"{lark_literal(TOOL_CALLS_OPEN)} call{more} {lark_literal(TOOL_CALLS_CLOSE)}"
-        return call_grammar(start, functions, self.arguments_key)
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         answer = _json(text)
@@ -71,11 +65,10 @@ class JsonAnswer:
 
 
 class BareJson(JsonAnswer):
+    name = "bare_json"  # one call: the format has no room for more
+
     def __init__(self, arguments_key: str):
         self.arguments_key = arguments_key
-
-    def grammar(self, functions: dict[str, dict], is_one_call: bool) -> str:
-        return call_grammar("call", functions, self.arguments_key)  # one call: the format has no room for more
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         answer = _json(text)
@@ -87,13 +80,10 @@ class BareJson(JsonAnswer):
 class Tagged(BareJson):
     """Each call in its own `<tool_call>` block; a bare JSON call is taken too."""
 
+    name = "tagged"
+
     def __init__(self):
         super().__init__("arguments")
-
-    def grammar(self, functions: dict[str, dict], is_one_call: bool) -> str:
-        block = f"{lark_literal(TOOL_CALL_OPEN + NEWLINE)} call {lark_literal(NEWLINE + TOOL_CALL_CLOSE)}"
-        more = "" if is_one_call else f" ({lark_literal(NEWLINE)} {block})*"
-        return call_grammar(block + more, functions, self.arguments_key)
 
     def parse(self, text: str, functions: dict) -> tuple[str, list[dict]] | None:
         blocks = _TAGGED_CALL.findall(text)

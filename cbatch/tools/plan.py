@@ -1,10 +1,11 @@
 """A request's tools: which functions, whether and how many calls are forced, and in
 which format the model writes them (formats.py).
 
-With `tool_choice` "required" or a named function the answer is constrained by a grammar
-around the functions' parameter schemas (call_grammar.py), so it is always a call whose arguments
-match its function's schema; with "auto" the model answers freely and an answer that is
-a call becomes `tool_calls`; with "none" the tools are not offered. A forced answer that
+With `tool_choice` "required" or a named function the answer is constrained to a call of
+them (constraint(): the decode worker builds the grammar around the functions' parameter
+schemas), so it is always a call whose arguments match its function's schema; with
+"auto" the model answers freely and an answer that is a call becomes `tool_calls`; with
+"none" the tools are not offered. A forced answer that
 max_tokens cut short is still a call, never content: its calls as far as they were
 written (cut_calls), with `finish_reason: "length"`, as OpenAI answers it.
 """
@@ -20,7 +21,7 @@ from cbatch.tools.formats import JSON_ANSWER, JsonAnswer
 
 MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# How every forced call begins (call_grammar.py): its name, then its arguments' key.
+# How every forced call begins (workers/engine/structured/tool_grammar.py): its name, then its arguments' key.
 _CALL_HEAD = re.compile(r'\{"name": ("[A-Za-z0-9_-]{1,64}"), "(?:arguments|parameters)": ')
 ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares none
 
@@ -60,12 +61,14 @@ class ToolPlan:
             return [first, *messages[1:]]
         return [{"role": "system", "content": self.instructions()}, *messages]
 
-    def grammar(self) -> str:
-        """llguidance's Lark for an answer that is a call (calls, when parallel) of the
-        allowed functions; the decode worker compiles it."""
-        allowed = {name: spec["parameters"] for name, spec in self.functions.items()
-                   if self.choice in ("required", name)}
-        return self.format.grammar(allowed, self.choice != "required" or not self.is_parallel)
+    def constraint(self) -> dict:
+        """A forced call's `tool_call` (cbatch.params.ToolCall): the format, the allowed
+        functions' parameter schemas and whether the answer is one call; the decode worker
+        builds its grammar."""
+        return {"format": self.format.name, "arguments_key": self.format.arguments_key,
+                "functions": {name: spec["parameters"] for name, spec in self.functions.items()
+                              if self.choice in ("required", name)},
+                "is_one_call": self.choice != "required" or not self.is_parallel}
 
     def parse(self, text: str) -> tuple[str | None, list[dict]] | None:
         """(the answer's text besides its calls or None, its calls in OpenAI's shape); None

@@ -21,7 +21,8 @@ Grammars: text that starts with `%llguidance` is llguidance's Lark (as llama.cpp
 takes it); any other is GBNF, converted to Lark by llguidance's own converter. The converter
 drops the parentheses of a group that holds one repeated item (`("a"{0,3}){0,3}` comes out
 as `"a"{0,3}{0,3}`, which Lark refuses): they are put back (regrouped). An error in a
-converted grammar says so, as it quotes the Lark text, not the caller's.
+converted grammar says so, as it quotes the Lark text, not the caller's. A forced call's
+grammar is built here from its tool_call (tool_grammar.py).
 """
 
 import ctypes
@@ -38,6 +39,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from cbatch.constraints import JSON_OPTIONS
 from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.params import SamplingParams
+from cbatch.workers.engine.structured.tool_grammar import tool_call_grammar
 
 LARK_MARKER = "%llguidance"
 MAX_COMPILED = 128  # compiled constraints kept for reuse, the least recently used dropped first
@@ -83,6 +85,8 @@ def _llguidance_grammar(params: SamplingParams) -> tuple[str, str]:
         except ValueError as err:
             raise CbatchError(INVALID_REQUEST, f"json_schema cannot be compiled: {err}") from None
         return "json_schema", grammar
+    if params.tool_call is not None:
+        return "tool_call", llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(params.tool_call))
     text = params.grammar
     if text.lstrip().startswith(LARK_MARKER):
         return "grammar", llguidance.LLMatcher.grammar_from_lark(text)
@@ -137,13 +141,13 @@ class ConstraintCompiler:
 
     def needs_compile(self, params: SamplingParams) -> bool:
         """Whether the request's constraint would be compiled (neither it nor its refusal is kept)."""
-        key = (params.grammar, params.json_schema)
+        key = (params.grammar, params.json_schema, params.tool_call)
         with self._lock:
             return params.has_constraint and key not in self._compiled and key not in self._refused
 
     def matcher(self, params: SamplingParams) -> llguidance.LLMatcher:
         """A fresh matcher for the request's constraint; raises CbatchError if it cannot compile."""
-        key = (params.grammar, params.json_schema)
+        key = (params.grammar, params.json_schema, params.tool_call)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
