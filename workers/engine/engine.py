@@ -91,7 +91,7 @@ class Engine:
         self._step_counts = (0, 0, 0, 0)  # see EngineStats.record_step
         self._deferred_frees: list[Sequence] = []  # ended while their batch decoded
         self.scheduler.is_last_row_kept = not self.is_overlapped
-        # The last decode's output rows while llama.cpp still holds them (forks.py).
+        # The last decode's output rows while llama.cpp still holds them (sched/forks.py).
         self._last_rows: list[tuple[Sequence, int, int]] = []
         self._last_num_outputs = 0
         self._images = image_writer(self.runner, config.batch_size)  # with a projector (--mmproj)
@@ -177,7 +177,7 @@ class Engine:
     def pause(self, request_id: int, is_paused: bool) -> None:
         """Back-pressure from a slow client: a paused request leaves the steps, keeping its
         slot and its KV until requests wait for it past the parking bound, until it is told
-        to go on (scheduler.py). Unknown ids are ignored."""
+        to go on (sched/scheduler.py). Unknown ids are ignored."""
         seq = self._seqs.get(request_id)
         if seq is not None:
             self.scheduler.set_paused(seq, is_paused)
@@ -262,7 +262,7 @@ class Engine:
 
     def _sample_row_forks(self) -> list[TokenEvent]:
         """Forks just admitted whose parent sampled its first token in the last decode
-        sample theirs from that row, before the next decode overwrites it (forks.py)."""
+        sample theirs from that row, before the next decode overwrites it (sched/forks.py)."""
         row_of = {id(seq): (row, index) for seq, row, index in self._last_rows}
         logit_rows = []
         for parent, fork in self.scheduler.take_row_forks():

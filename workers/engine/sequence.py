@@ -64,10 +64,10 @@ class Sequence:
     is_batch: bool = False  # admitted only when no interactive request waits
     budget: ThinkingBudget | None = None  # a thinking budget (reasoning_budget), forced in sampling
     deadline_s: float = math.inf  # on the monotonic clock, which every process of the host shares
-    tenant: str = DEFAULT_TENANT  # whose request: admission shares the steps among tenants (fair_share.py)
+    tenant: str = DEFAULT_TENANT  # whose request: admission shares the steps among tenants (sched/fair_share.py)
     tenant_weight: float = 1.0
     is_charged: bool = False  # its prompt was charged to its tenant (at its first admission)
-    is_resumed: bool = False  # preempted or requeued, waiting to be admitted again (waiting_queue.py)
+    is_resumed: bool = False  # preempted or requeued, waiting to be admitted again (sched/waiting_queue.py)
     # Its client reads slower than it generates: it decodes no more until told (engine.pause).
     paused_since_s: float | None = None  # when its current pause began (monotonic), None while not paused
     num_paused_s: float = 0.0  # its ended pauses since its last admission, in seconds

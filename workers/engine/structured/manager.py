@@ -4,8 +4,9 @@ the cache, and held behind its thinking block) and to the step (the picks checke
 misses masked). It keeps the vocabulary adapter, the compile cache and refusals
 (compiler.py), the masks and their counts (rows.py) and the gate (gate.py).
 
-A constraint reaches it as data, a request's `json_schema` or `grammar`; what it is to the
-matcher is decided here and nowhere else.
+A constraint reaches it as data, a request's `json_schema`, `grammar` or `tool_call` (a
+forced call, whose grammar tool_grammar.py builds); what it is to the matcher is decided
+here and nowhere else.
 """
 
 import llguidance
