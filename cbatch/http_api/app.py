@@ -50,10 +50,12 @@ ENDPOINTS = {CHAT: "chat", COMPLETION: "completions", RESPONSES: "responses", ME
 COLLECT = {RESPONSES: collect_response, MESSAGES: collect_message}
 STREAM = {RESPONSES: stream_response, MESSAGES: stream_message}
 ERROR_SHAPES = {MESSAGES: anthropic_error_body}
-# A body this small that names no schema (nothing to convert to a grammar) is parsed on the
-# event loop: handing it to a worker thread and back costs more CPU than parsing it, about
-# a tenth of the HTTP process's CPU for a short completion. Any body that names one of
-# these fields anywhere (a message's text included) is parsed on a thread, as larger ones are.
+# A body this small that names no schema, tools or grammar is parsed on the event loop:
+# handing it to a worker thread and back costs more CPU than parsing it, about a tenth of
+# the HTTP process's CPU for a short completion. A schema is walked (its depth, its objects
+# closed, its numbers bounded) and tools are rendered with the chat template's Jinja, which
+# take a while: any body that names one of these fields anywhere (a message's text
+# included) is parsed on a thread, as larger ones are.
 MAX_INLINE_PARSE_BYTES = 8 << 10
 SCHEMA_FIELD_NAMES = (b'"tools"', b'"functions"', b'"response_format"', b'"text"', b'"grammar"', b'"json_schema"')
 
