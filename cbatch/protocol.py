@@ -28,8 +28,8 @@ class MsgType(enum.IntEnum):
     PAUSE = 0x09  # {request_id, is_paused}: the client holds more of it than its caller took; no reply
     COUNT = 0x0A  # {nonce, body}: a request's prompt tokens, as the model sees it -> COUNT_REPLY (or ERROR)
     # front-end -> client
-    WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring[, chat_template,
-    #                 bos_token, eos_token, adds_bos]}: sent again when the worker is (re)ready
+    WELCOME = 0x21  # {version, model, parallel, ctx_per_seq, ring_name, tick_endpoint, use_ring[, tool_format,
+    #                 takes_images, n_ctx_train, keeps_billing_header]}: sent again when the worker is (re)ready
     RECORDS = 0x22  # {request_id, records: [[index, token_id, flags, finish, count, text], ...]}
     FINISHED = 0x23  # {request_id, finish_reason, usage, num_records, error[, stop_string]}
     ERROR = 0x24  # {code, message, request_id?, nonce?}

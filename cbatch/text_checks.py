@@ -4,6 +4,8 @@ surrogate through, which a str type accepts and every encoder after it refuses).
 
 from cbatch.errors import INVALID_REQUEST, CbatchError
 
+MAX_PROMPT_CHARS = 1 << 20  # of a prompt, or of one message's content
+
 
 def invalid(message: str) -> CbatchError:
     """The error of a request that cannot run as given (400 over HTTP)."""

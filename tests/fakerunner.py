@@ -67,8 +67,8 @@ class FakeRunner:
     def chat_template(self) -> None:
         return None  # a model without one: prompts are the caller's, and it thinks in no tags
 
-    def render_chat(self, messages) -> str:
-        return "".join(f"{role}: {content}\n" for role, content in messages)
+    def render_chat(self, messages, tools=()) -> str:
+        return "".join(f"{message.role}: {message.content}\n" for message in messages)
 
     def metadata(self, key: str) -> None:
         return None

@@ -43,16 +43,18 @@ def test_chat_turns_in_a_batch_each_end_on_their_own(chat_daemon):
 
 
 def test_a_chat_renders_as_the_models_own_template_writes_it(chat_daemon):
-    """One renderer: a chat without tools is rendered by the model's own Jinja template, as
-    a chat with tools is (cbatch/tools/template.py), so a conversation's prompt is the same
-    both ways, the template's default system prompt included: the same greedy answer as
-    the template's text sent as a prompt."""
-    from cbatch.tools.template import compiled_template
+    """One renderer: a chat is rendered by the model's own Jinja template in the decode
+    worker, with tools or without (workers/engine/chat_template.py), the template's default
+    system prompt included: the same greedy answer as the template's text sent as a prompt."""
+    from llama_cpp import Llama
+
+    from cbatch.model import chat_model_path
+    from cbatch.workers.engine.chat_template import ChatTemplate
 
     messages = [{"role": "user", "content": "Name a colour."}]
+    source = Llama(chat_model_path(), vocab_only=True, verbose=False).metadata["tokenizer.chat_template"]
     with chat_daemon.client() as client:
-        template = compiled_template(client.info)
-        prompt = template.render(messages, None)  # what a chat with tools is rendered by, tools aside
+        prompt = ChatTemplate(source, eos_token="<|im_end|>").render(messages, None)
         assert "You are a helpful AI assistant named SmolLM" in prompt  # SmolLM2's default system prompt
         rendered = client.generate(prompt=prompt, **ASK)
         chat = client.generate(messages=messages, **ASK)

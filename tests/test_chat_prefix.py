@@ -8,7 +8,7 @@ from conftest import REPO
 from llama_cpp import Llama
 
 from cbatch.model import chat_model_path
-from cbatch.tools.template import ChatTemplate
+from cbatch.workers.engine.chat_template import ChatTemplate
 
 TOOLS = [{"type": "function", "function": {"name": "water_plan", "description": "A watering plan.",
                                            "parameters": {"type": "object",

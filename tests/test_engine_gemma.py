@@ -4,6 +4,7 @@ import llama_cpp.llama_cpp as lc
 import pytest
 from enginekit import collect, generate, run_to_completion, submit
 
+from cbatch.chat_messages import ChatCall, ChatMessage, ToolSpec
 from cbatch.config import EngineConfig
 from cbatch.errors import INVALID_CONFIG, CbatchError
 from cbatch.workers.engine.engine import Engine
@@ -17,7 +18,7 @@ def gemma(gemma_model_path):
 
 
 def test_chat_messages_render_with_gemma_turn_markers(gemma):
-    text = gemma.runner.render_chat((("system", "Be brief."), ("user", "Hello")))
+    text = gemma.runner.render_chat((ChatMessage("system", "Be brief."), ChatMessage("user", "Hello")))
     assert text.startswith("<start_of_turn>user\n") and text.endswith("<start_of_turn>model\n")
     assert "Be brief." in text and "Hello" in text
     token_ids = gemma.runner.tokenize(text)
@@ -26,8 +27,19 @@ def test_chat_messages_render_with_gemma_turn_markers(gemma):
     assert token_ids.count(start_of_turn) == 2
     result = generate(gemma, [{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
                                "temperature": 0}])[0]
-    assert result.usage["prompt_tokens"] == len(gemma.runner.tokenize(gemma.runner.render_chat((("user", "Hello"),))))
+    prompt = gemma.runner.render_chat((ChatMessage("user", "Hello"),))
+    assert result.usage["prompt_tokens"] == len(gemma.runner.tokenize(prompt))
     assert result.finish_reason in ("stop", "length") and result.usage["completion_tokens"] >= 1
+
+
+def test_tools_and_tool_turns_need_a_template_that_knows_tools(gemma):
+    """gemma-3-270m has no Jinja template (llama.cpp's built-in renderer): cbatch's client
+    tells tools in words for it; tools sent as data are refused, naming what is missing."""
+    call = ChatMessage("assistant", "", tool_calls=(ChatCall("c1", "f", "{}"),))
+    for messages, tools in (((ChatMessage("user", "Hi"),), (ToolSpec("f", "", "{}"),)), ((call,), ())):
+        with pytest.raises(CbatchError, match="chat template that knows tools") as caught:
+            gemma.runner.render_chat(messages, tools)
+        assert caught.value.code == "invalid_request"
 
 
 def test_greedy_text_is_sensible_when_batched(gemma):

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {"cbatch": REPO / "cbatch", "cbatch.workers": REPO / "workers", "cbatch.ipc": REPO / "ipc"}
 SHARED = {"cbatch", "cbatch.errors", "cbatch.protocol", "cbatch.params", "cbatch.constraints", "cbatch.config",
           "cbatch.model", "cbatch.wording", "cbatch.embeddings", "cbatch.partial_markers", "cbatch.extras",
-          "cbatch.api_keys", "cbatch.images"}
+          "cbatch.api_keys", "cbatch.images", "cbatch.chat_messages"}
 # A module past this many lines says in its docstring why it is one concern, in a paragraph
 # that starts "One concern:". A smell detector, not a budget: no file is split or rewrapped
 # to meet it; line length is ruff's (.ci/run).
@@ -133,6 +133,16 @@ def top_level_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module.split(".")[0])
     return names
+
+
+def test_one_chat_renderer_in_the_decode_worker():
+    """Every chat is rendered by the model's template in the decode worker
+    (workers/engine/chat_template.py): nothing in cbatch/, the library callers install,
+    imports jinja2."""
+    library = {name: top_level_imports(path) for name, path in modules().items()
+               if path.is_relative_to(PACKAGE_DIRS["cbatch"])}
+    assert library and [name for name, imported in library.items() if "jinja2" in imported] == []
+    assert "jinja2" in top_level_imports(modules()["cbatch.workers.engine.chat_template"])
 
 
 def test_the_openai_shapes_know_nothing_of_http():

@@ -15,12 +15,25 @@ from cbatch.workers.messages import WorkerSubmit, decode, encode
 TEXT = st.text(min_size=1, max_size=12)  # hypothesis draws no lone surrogates, which parse_request refuses
 
 
+def tool_chats():
+    """A call, its result and the functions offered, as cbatch.tools prepares them."""
+    call = st.fixed_dictionaries({"id": TEXT, "function": st.fixed_dictionaries({
+        "name": TEXT, "arguments": st.dictionaries(TEXT, st.one_of(st.integers(), TEXT), max_size=2)})})
+    return st.tuples(st.lists(call, min_size=1, max_size=2), st.text(max_size=12)).map(lambda parts: {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": parts[0]},
+                     {"role": "tool", "content": parts[1], "tool_call_id": parts[0][0]["id"],
+                      "name": parts[0][0]["function"]["name"]}],
+        "offered_tools": [{"type": "function", "function": {"name": call["function"]["name"], "parameters": {
+            "type": "object"}}} for call in parts[0]]})
+
+
 def bodies():
     content = st.one_of(
         TEXT.map(lambda text: {"prompt": text}),
         st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                         "content": st.text(max_size=12)}),
-                 min_size=1, max_size=4).map(lambda messages: {"messages": messages}))
+                 min_size=1, max_size=4).map(lambda messages: {"messages": messages}),
+        tool_chats())
     fields = st.fixed_dictionaries({}, optional={
         "max_tokens": st.integers(1, 1 << 20), "temperature": st.one_of(st.integers(0, 2), st.floats(0, 100)),
         "top_k": st.integers(0, 50), "top_p": st.floats(0.01, 1), "min_p": st.floats(0, 1),

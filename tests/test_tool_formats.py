@@ -1,6 +1,7 @@
-"""cbatch.tools without a daemon: the call formats chat templates teach (read back, and the
-grammar the decode worker builds for a forced call in each), the streamed hold-back of what
-may be a call, and the sandboxed template's globals and errors. The daemon runs are
+"""cbatch.tools without a daemon: the call formats chat templates teach (read back, the
+grammar the decode worker builds for a forced call in each, and named in the handshake),
+the streamed hold-back of what may be a call, and the decode worker's sandboxed template's
+globals and errors. The daemon runs are
 tests/test_tools*.py."""
 
 import json
@@ -9,9 +10,10 @@ import pytest
 
 from cbatch.errors import CbatchError
 from cbatch.params import parse_params
-from cbatch.tools import ChatTemplate, ToolCallStream, template_of, tool_plan
+from cbatch.tools import ToolCallStream, format_of, tool_plan
 from cbatch.tools.formats import BareJson, Tagged
 from cbatch.tools.messages import template_messages
+from cbatch.workers.engine.chat_template import ChatTemplate, compiled_template, tool_format
 from cbatch.workers.engine.structured.tool_grammar import tool_call_grammar
 
 CITY = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
@@ -85,10 +87,14 @@ def test_the_sandbox_refuses_what_a_model_file_must_not_do():
         template.render(template_messages([{"role": "user", "content": "hi"}]), TOOLS)
 
 
-def test_only_a_template_that_knows_tools_is_used_for_them():
+def test_only_a_template_that_knows_tools_names_a_call_format_to_clients():
     smollm2_like = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    assert template_of({"chat_template": smollm2_like}) is None
-    assert template_of({"chat_template": "{% if"}) is None  # jinja2 cannot compile it: llama.cpp's renderer may
-    assert template_of({}) is None
-    assert template_of({"chat_template": LLAMA31_LIKE, "bos_token": "<s>", "adds_bos": True}).adds_bos
+    assert tool_format(ChatTemplate(smollm2_like)) == {} and tool_format(None) == {}
+    assert compiled_template("{% if", "", "", False) is None  # jinja2 cannot compile it: llama.cpp's renderer may
+    told = tool_format(ChatTemplate(LLAMA31_LIKE))
+    assert told == {"tool_format": {"name": "bare_json", "arguments_key": "parameters"}}
+    assert isinstance(format_of(told), BareJson) and format_of(told).arguments_key == "parameters"
+    assert isinstance(format_of({"tool_format": {"name": "tagged", "arguments_key": "arguments"}}), Tagged)
+    assert format_of({}) is None and format_of(None) is None
+    assert format_of({"tool_format": {"name": "json_answer"}}) is None  # cbatch's own is taught in words
 

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,9 @@ from httpkit import HttpDaemon
 
 from cbatch import AsyncClient
 from cbatch.protocol import MsgType
-from cbatch.tools import ChatTemplate
+from cbatch.tools.formats import Tagged
 from cbatch.tools.messages import template_messages
+from cbatch.workers.engine.chat_template import ChatTemplate
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city.",
@@ -56,11 +58,42 @@ def assert_weather(call: dict) -> dict:
     return arguments
 
 
-def test_the_handshake_carries_a_template_that_knows_tools(daemon):
+def test_the_handshake_names_the_call_format_the_template_teaches_and_not_the_template(daemon):
     with daemon.client() as client:
-        info, template = client.info, client.chat_template
-    assert "<tool_call>" in info["chat_template"] and info["bos_token"] == "<s>" and info["adds_bos"] is True
-    assert template is not None and template.knows_tools
+        info, call_format = client.info, client.tool_format
+    assert info["tool_format"] == {"name": "tagged", "arguments_key": "arguments"}
+    assert "chat_template" not in info and isinstance(call_format, Tagged)
+
+
+def test_the_worker_renders_tools_and_tool_turns_sent_as_data_and_refuses_them_shaped_wrong(daemon):
+    """A raw caller's chat with an earlier call, its result and the tools: the decode worker
+    renders them with the template (the usage counts the template's prompt); a call's
+    arguments that are not JSON and a stray field are refused by name, and a bystander's
+    request beside them completes."""
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "Sunny", "tool_call_id": "call_1", "name": "get_weather"}]
+    template = ChatTemplate((REPO / "scripts" / "chatml_tools.jinja").read_text(), "<s>", "</s>", adds_bos=True)
+    prompt = template.render(history, [WEATHER])
+    assert "<tool_response>\nSunny\n</tool_response>" in prompt and '"city": "Oslo"' in prompt
+    def bystander():
+        with daemon.client() as client:
+            return client.generate(prompt="hello", max_tokens=4, temperature=0)
+
+    with RawPeer(daemon.endpoint) as peer, ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(bystander)
+        body = {"messages": history, "offered_tools": [WEATHER], "max_tokens": 2}
+        peer.send(MsgType.SUBMIT, {"request_id": 1, "body": body})
+        _, finished = peer.recv_until(MsgType.FINISHED, timeout_s=60)
+        nan_call = {"function": {"name": "f", "arguments": float("nan")}}
+        bad_call = [*history[:1], {**history[1], "tool_calls": [nan_call]}]
+        for request_id, messages in ((2, bad_call), (3, [{**ASK[0], "tool_call_id": "x"}])):
+            peer.send(MsgType.SUBMIT, {"request_id": request_id, "body": {"messages": messages}})
+            _, error = peer.recv_until(MsgType.ERROR)
+            assert error["code"] == "invalid_request" and error["request_id"] == request_id, error
+            assert ("arguments is not JSON" if request_id == 2 else "takes only") in error["message"]
+        assert waiting.result(timeout=120).finish_reason == "length"
+    assert finished["usage"]["prompt_tokens"] == len(prompt.encode()) + 1
 
 
 def test_required_is_one_schema_valid_call_in_the_templates_format(api):
@@ -144,8 +177,8 @@ def _submit(daemon, tmp_path, lines: list[dict], *args: str) -> list[dict]:
 
 @pytest.mark.parametrize("over", ["zeromq", "http"])
 def test_a_native_batch_file_with_tools_writes_the_calls(daemon, tmp_path, over):
-    """Over ZeroMQ the submitter renders with the daemon's template; over --url the lines
-    go with their tools to /v1/chat/completions, whose server does."""
+    """Over ZeroMQ the submitter sends the tools to the daemon, whose template renders
+    them; over --url the lines go with their tools to /v1/chat/completions."""
     url = ("--url", f"{daemon.base_url}/v1") if over == "http" else ()
     out = _submit(daemon, tmp_path, [
         {"id": "call", "messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, **GREEDY},
@@ -163,8 +196,8 @@ def test_a_native_batch_file_with_tools_writes_the_calls(daemon, tmp_path, over)
 
 @pytest.mark.parametrize("over", ["zeromq", "http"])
 def test_an_openai_batch_file_with_tools_answers_with_tool_calls(daemon, tmp_path, over):
-    """Over ZeroMQ the submitter renders with the daemon's template; over --url the line's
-    tools go to the server, which does: the same prompt either way."""
+    """Over ZeroMQ the submitter sends the line's tools to the daemon; over --url to the
+    HTTP server, which sends them on: the same prompt either way."""
     body = {"messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, **GREEDY}
     over_http = daemon.openai().chat.completions.create(model=daemon.openai().models.list().data[0].id, **body)
     url = ("--url", f"{daemon.base_url}/v1") if over == "http" else ()
@@ -200,12 +233,12 @@ def test_the_docs_template_example_runs_as_printed(daemon, tiny_tools_model_path
     assert int(prompt_tokens) > 200 and reason == "length"
 
 
-def test_a_restarted_worker_welcomes_every_client_again_with_the_template(start_daemon, tiny_tools_model_path):
-    """A client welcomed while the model loads gets no template: every client is welcomed
-    again when the worker is ready (here after a restart), with it."""
+def test_a_restarted_worker_welcomes_every_client_again_with_the_call_format(start_daemon, tiny_tools_model_path):
+    """A client welcomed while the model loads gets no call format: every client is
+    welcomed again when the worker is ready (here after a restart), with it."""
     restarting = start_daemon(tiny_tools_model_path)
     with RawPeer(restarting.endpoint) as peer:
-        assert "<tool_call>" in peer.welcome["chat_template"]
+        assert peer.welcome["tool_format"]["name"] == "tagged"
         os.kill(restarting.health["worker_pid"], signal.SIGKILL)
         _, welcome = peer.recv_until(MsgType.WELCOME, timeout_s=60)
-    assert welcome["chat_template"] == peer.welcome["chat_template"] and welcome["adds_bos"] is True
+    assert welcome["tool_format"] == peer.welcome["tool_format"]

@@ -28,7 +28,7 @@ class WorkerReady(_Message):
     ctx_per_seq: int
     prefix_cache: str
     reasoning: dict | None = None  # workers/engine/thinking/tags.py: the tags the model thinks in
-    chat: dict = field(default_factory=dict)  # workers/engine/chat_texts.py: relayed to clients in WELCOME
+    chat: dict = field(default_factory=dict)  # the model's chat and input facts: relayed to clients in WELCOME
 
 
 class WorkerFailed(_Message):

@@ -154,7 +154,7 @@ def _output_format(raw: dict) -> dict:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}}
 
 
-def parse_messages_request(raw: dict, model_names: list[str], reasoning: dict | None, *, chat_template=None,
+def parse_messages_request(raw: dict, model_names: list[str], reasoning: dict | None, *, tool_format=None,
                            keeps_billing_header: bool = False) -> ApiRequest:
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
@@ -171,7 +171,7 @@ def parse_messages_request(raw: dict, model_names: list[str], reasoning: dict | 
             **{name: raw[name] for name in SAME_FIELDS if raw.get(name) is not None},
             **_tools(raw.get("tools"), raw.get("tool_choice")), **_thinking(raw.get("thinking"), reasoning),
             **_output_format(raw)}
-    api = parse_api_request(CHAT, chat, model_names, reasoning, chat_template=chat_template,
+    api = parse_api_request(CHAT, chat, model_names, reasoning, tool_format=tool_format,
                             keeps_billing_header=keeps_billing_header)
     api.schema_field = "output_config" if api.schema_field else None  # sent as the chat's response_format
     return api

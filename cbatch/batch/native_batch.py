@@ -20,8 +20,8 @@ def _answer(completion: Completion) -> dict:
 
 def check_body(body: dict) -> None:
     """Refuse a request body as the daemon would: by its own parsing (cbatch.params), after
-    any tools are made part of the request as the ZeroMQ client makes them (with no model
-    template: the tools are checked, not rendered)."""
+    any tools are made part of the request as the ZeroMQ client makes them (with no call
+    format named: the tools are checked and described in words)."""
     request = {name: value for name, value in body.items() if name != "id"}
     parse_request(1, prepare_request(request, None)[0])
 

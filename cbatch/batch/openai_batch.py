@@ -75,7 +75,7 @@ class OpenAILine:
     priority every line runs at whatever its body says (a job's), None = `batch` unless the
     body says otherwise (a file the caller runs itself)."""
 
-    def __init__(self, number: int, item, model_names: list[str], embed=None, chat_template=None, reasoning=None,
+    def __init__(self, number: int, item, model_names: list[str], embed=None, tool_format=None, reasoning=None,
                  forwards_tools: bool = False, priority: str | None = None):
         self.custom_id = item.get("custom_id") if isinstance(item, dict) else None
         self.bodies: list[dict] = []
@@ -96,13 +96,13 @@ class OpenAILine:
                 self._succeed(uuid.uuid4().hex,
                               embedding_response(embedding_request, result.data, result.prompt_tokens))
             else:
-                self._parse(kind, item, model_names, chat_template, reasoning, forwards_tools, priority)
+                self._parse(kind, item, model_names, tool_format, reasoning, forwards_tools, priority)
         except CbatchError as err:
             if is_transient(err):  # the embeddings were refused past the run's patience: the run stops
                 raise
             self.result = _request_failure(self.custom_id, err)
 
-    def _parse(self, kind: str, item: dict, model_names: list[str], chat_template, reasoning, forwards_tools: bool,
+    def _parse(self, kind: str, item: dict, model_names: list[str], tool_format, reasoning, forwards_tools: bool,
                priority: str | None) -> None:
         """A generation line's bodies, and what gathers its answer."""
         # A batch file's lines yield to interactive requests unless a body says otherwise;
@@ -111,11 +111,11 @@ class OpenAILine:
         if priority is not None:
             body["priority"] = priority
         if kind == RESPONSES:  # a chat request, answered in the Responses API's shapes
-            request = parse_responses_request(body, model_names, reasoning, chat_template=chat_template)
+            request = parse_responses_request(body, model_names, reasoning, tool_format=tool_format)
             self.bodies = request.bodies
             self.whole = WholeResponseEvents(ResponseEvents(request, echoed_fields(item["body"])))
             return
-        request = parse_api_request(kind, body, model_names, reasoning, chat_template=chat_template,
+        request = parse_api_request(kind, body, model_names, reasoning, tool_format=tool_format,
                                     forwards_tools=forwards_tools)
         self.bodies = request.bodies
         self.whole = WholeResponse(ResponseBuilder(request, system_fingerprint(model_names[0])))

@@ -123,15 +123,15 @@ def _line_maker(client, is_openai: bool, is_http: bool, embed: EmbeddingTally) -
         return functools.partial(NativeLine, checks_bodies=is_http), "line"
     # `model` follows the HTTP API's rule: a name the daemon serves. An HTTP endpoint's
     # names (and a cbatch one's thinking tags) are in its /v1/models listing, and it takes
-    # tools itself; a daemon's are in its health reply, and tools are rendered here with
-    # its chat template, as its HTTP server does.
+    # tools itself; a daemon's are in its health reply, and tools are prepared here for
+    # the call format its handshake names, as its HTTP server prepares them.
     if is_http:
         model_names, reasoning = client.model_names, client.reasoning
     else:
         health = _ready_health(client)
         model_names, reasoning = health["model_names"], health.get("reasoning")
     return functools.partial(OpenAILine, model_names=model_names, embed=embed,
-                             chat_template=None if is_http else client.chat_template, reasoning=reasoning,
+                             tool_format=None if is_http else client.tool_format, reasoning=reasoning,
                              forwards_tools=is_http), "OpenAI batch line"
 
 
@@ -142,8 +142,8 @@ def _held_embeddings(client, patience: Patience, inputs, dimensions=None):
 
 
 def _ready_health(client) -> dict:
-    """The daemon's health once its model is loaded: its chat template and thinking tags,
-    which OpenAI lines are rendered and split by as the HTTP server does, come with it."""
+    """The daemon's health once its model is loaded: its model names and thinking tags,
+    which OpenAI lines are checked and split by as the HTTP server does, come with it."""
     is_told = False
     while (health := client.health())["status"] == "starting":
         if not is_told:

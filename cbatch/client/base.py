@@ -14,7 +14,7 @@ from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_in
 from cbatch.errors import UNAVAILABLE, CbatchError
 from cbatch.openai.choices import expand_choices
 from cbatch.params import tenant as params_tenant
-from cbatch.tools import ChatTemplate, template_of
+from cbatch.tools import JsonAnswer, format_of
 
 CONNECT_TIMEOUT_S = 10.0
 STARTING_DAEMON_WAIT_S = 120.0  # for a starting daemon's socket: its imports on a busy machine
@@ -142,10 +142,11 @@ class ClientBase:
         return dict(self._session.welcome)
 
     @property
-    def chat_template(self) -> ChatTemplate | None:
-        """The model's own chat template when it knows tools (then requests with `tools` are
-        rendered by it, and calls read in its format); None for cbatch's own tool format."""
-        return template_of(self._session.welcome)
+    def tool_format(self) -> JsonAnswer | None:
+        """The call format the model's own chat template teaches, when it knows tools (then
+        the daemon renders a chat's tools and tool turns with it, and calls are read in this
+        format); None for cbatch's own tool format, taught in words."""
+        return format_of(self._session.welcome)
 
     def submit(self, prompt: str | None = None, messages: list | None = None, **params) -> RequestStream:
         """Send a request; read its chunks with read(stream)."""

@@ -90,7 +90,7 @@ class Session:
             raise self.failure
         if self._clock() < self._refusing_until_s:
             raise CbatchError(SHUTTING_DOWN, "the daemon is shutting down and accepts no new requests")
-        body, tool_plan = prepare_request(body, self.welcome)  # tools: a prompt (and grammar) made here
+        body, tool_plan = prepare_request(body, self.welcome)  # tools: the plan that reads calls back
         request_id = secrets.randbits(63) or 1  # unguessable by other clients
         frames = submit_frames(request_id, body)
         # Log-probabilities come relayed with their records, never from the ring.

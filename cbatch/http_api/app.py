@@ -53,16 +53,16 @@ ERROR_SHAPES = {MESSAGES: anthropic_error_body}
 # A body this small that names no schema, tools or grammar is parsed on the event loop:
 # handing it to a worker thread and back costs more CPU than parsing it, about a tenth of
 # the HTTP process's CPU for a short completion. A schema is walked (its depth, its objects
-# closed, its numbers bounded) and tools are rendered with the chat template's Jinja, which
-# take a while: any body that names one of these fields anywhere (a message's text
-# included) is parsed on a thread, as larger ones are.
+# closed, its numbers bounded), and so are tools' parameter schemas, which take a while:
+# any body that names one of these fields anywhere (a message's text included) is parsed
+# on a thread, as larger ones are.
 MAX_INLINE_PARSE_BYTES = 8 << 10
 SCHEMA_FIELD_NAMES = (b'"tools"', b'"functions"', b'"response_format"', b'"text"', b'"grammar"', b'"json_schema"')
 
 
 def _parse(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, ResponseEvents | MessageEvents | None]:
-    """A generation request read: run in a worker thread, as the chat template's rendering
-    and a JSON schema's validation take a while (both bounded), and the event loop
+    """A generation request read: run in a worker thread, as checking a JSON schema or a
+    tool's parameters takes a while (bounded), and the event loop
     meanwhile serves the other requests' streams."""
     api, events = _parsed(state, kind, body)
     api.headers = unenforced_header(api.bodies)
@@ -73,14 +73,14 @@ def _parsed(state: HttpState, kind: str, body: bytes) -> tuple[ApiRequest, Respo
     raw = json_body(body)
     keeps_billing_header = bool(state.client.info.get("keeps_billing_header"))  # --keep-billing-header
     if kind == RESPONSES:
-        api = parse_responses_request(raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
+        api = parse_responses_request(raw, state.model_names, state.reasoning, tool_format=state.client.tool_format,
                                       keeps_billing_header=keeps_billing_header)
         return api, ResponseEvents(api, echoed_fields(raw))
     if kind == MESSAGES:
-        api = parse_messages_request(raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
+        api = parse_messages_request(raw, state.model_names, state.reasoning, tool_format=state.client.tool_format,
                                      keeps_billing_header=keeps_billing_header)
         return api, MessageEvents(api)
-    return parse_api_request(kind, raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
+    return parse_api_request(kind, raw, state.model_names, state.reasoning, tool_format=state.client.tool_format,
                              keeps_billing_header=keeps_billing_header), None
 
 

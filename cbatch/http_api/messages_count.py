@@ -20,7 +20,7 @@ def _parse(state: HttpState, body: bytes) -> dict:
     raw = json_body(body)
     if isinstance(raw, dict):
         raw = {**raw, "max_tokens": 1}  # a count has no max_tokens; the request's parsing wants one
-    api = parse_messages_request(raw, state.model_names, state.reasoning, chat_template=state.client.chat_template,
+    api = parse_messages_request(raw, state.model_names, state.reasoning, tool_format=state.client.tool_format,
                                  keeps_billing_header=bool(state.client.info.get("keeps_billing_header")))
     return api.bodies[0]
 

@@ -148,7 +148,7 @@ class JobRun:
             return call_held(lambda: client.embeddings(inputs, dimensions, tenant), patience, client.pause)
 
         def make_line(number, item) -> OpenAILine:
-            line = OpenAILine(number, item, self.health["model_names"], embed=embed, chat_template=client.chat_template,
+            line = OpenAILine(number, item, self.health["model_names"], embed=embed, tool_format=client.tool_format,
                               reasoning=self.health.get("reasoning"), priority=BATCH)
             if tenant is not None:
                 line.bodies = [{**body, "tenant": tenant} for body in line.bodies]

@@ -35,7 +35,7 @@ from cbatch.openai.choices import expand_choices
 from cbatch.openai.image_parts import take_images
 from cbatch.openai.reasoning import reasoning_fields
 from cbatch.params import MAX_TOP_LOGPROBS, invalid
-from cbatch.tools import TOOL_FIELDS, ChatTemplate, ToolPlan, prepare_chat
+from cbatch.tools import TOOL_FIELDS, JsonAnswer, ToolPlan, prepare_chat
 
 CHAT, COMPLETION = "chat", "completion"
 RETRY_AFTER_S = 1  # what a 429 tells the caller to wait
@@ -174,12 +174,13 @@ def check_model(model, model_names: list[str]) -> str:
 
 
 def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | None = None, *,
-                      chat_template: ChatTemplate | None = None, forwards_tools: bool = False,
+                      tool_format: JsonAnswer | None = None, forwards_tools: bool = False,
                       keeps_billing_header: bool = False) -> ApiRequest:
     """Validate the OpenAI-only parts of a request and build cbatch bodies, one per choice.
     `model`, when given, must be one of `model_names`; `reasoning` is the model's thinking
-    tags (None: its answers are left as they are); `chat_template` is the model's own when
-    it knows tools (cbatch.tools.template_of), which then renders chats with tools. With
+    tags (None: its answers are left as they are); `tool_format` is the call format the model's
+    chat template teaches when it knows tools (cbatch.tools.format_of): the daemon then
+    renders a chat's tools and tool turns with that template. With
     `forwards_tools` (bodies bound for another OpenAI server) a chat's messages and tools
     stay as they are: that server renders them and reads the calls. Claude Code's billing
     line leaves the system prompt unless `keeps_billing_header` (billing_header.py)."""
@@ -194,7 +195,7 @@ def parse_api_request(kind: str, raw, model_names: list[str], reasoning: dict | 
     tools = None
     if kind == CHAT:
         body.update(reasoning_fields(raw.get("reasoning_budget"), raw.get("reasoning_effort"), reasoning))
-        body, tools = _chat_body(raw, body, chat_template, forwards_tools, keeps_billing_header)
+        body, tools = _chat_body(raw, body, tool_format, forwards_tools, keeps_billing_header)
         prompts = [{name: body.pop(name) for name in ("messages", "prompt") if name in body}]
     else:
         prompt = raw.get("prompt")
@@ -230,16 +231,16 @@ def _sampling_body(kind: str, raw: dict) -> tuple[dict, int | None]:
     return body, top_logprobs
 
 
-def _chat_body(raw: dict, body: dict, chat_template: ChatTemplate | None, forwards_tools: bool,
+def _chat_body(raw: dict, body: dict, tool_format: JsonAnswer | None, forwards_tools: bool,
                keeps_billing_header: bool) -> tuple[dict, ToolPlan | None]:
-    """The body with the chat's messages (or its prompt, rendered with tools) and images,
+    """The body with the chat's messages (and tools, for the daemon's template) and images,
     and the tool plan that reads its answers."""
     messages = raw.get("messages") if keeps_billing_header else strip_billing_header(raw.get("messages"))
     chat = {"messages": messages, **{name: raw[name] for name in TOOL_FIELDS if name in raw}}
     if forwards_tools:  # bound for a server that renders them and reads the calls itself
         return {**body, **chat}, None
     chat["messages"], images = take_images(chat["messages"])  # image parts: cbatch's images, a marker each
-    return prepare_chat({**body, **chat, **({"images": images} if images else {})}, chat_template)
+    return prepare_chat({**body, **chat, **({"images": images} if images else {})}, tool_format)
 
 
 def _choices(body: dict, prompts: list[dict], n) -> tuple[list[dict], list[int]]:

@@ -124,7 +124,7 @@ def _response_format(text) -> dict | None:
 
 
 def parse_responses_request(raw, model_names: list[str], reasoning: dict | None, *,
-                            chat_template=None, keeps_billing_header: bool = False) -> ApiRequest:
+                            tool_format=None, keeps_billing_header: bool = False) -> ApiRequest:
     if not isinstance(raw, dict):
         raise invalid("the request body must be a JSON object")
     if raw.get("previous_response_id") is not None:
@@ -149,7 +149,7 @@ def parse_responses_request(raw, model_names: list[str], reasoning: dict | None,
     chat["messages"] = chat_messages(raw.get("input"), raw.get("instructions"))
     if "model" in raw:
         chat["model"] = raw["model"]
-    api = parse_api_request(CHAT, chat, model_names, reasoning, chat_template=chat_template,
+    api = parse_api_request(CHAT, chat, model_names, reasoning, tool_format=tool_format,
                             keeps_billing_header=keeps_billing_header)
     if len(api.bodies) != 1:
         raise invalid("a response has one output")

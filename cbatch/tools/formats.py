@@ -104,3 +104,17 @@ class Tagged(BareJson):
 
 
 JSON_ANSWER = JsonAnswer()
+
+
+def format_of(welcome: dict | None) -> JsonAnswer | None:
+    """The call format the daemon's handshake names (`tool_format`: its model's chat
+    template knows tools and teaches it); None when it names none: cbatch's own format is
+    then taught in words."""
+    spec = (welcome or {}).get("tool_format")
+    if not isinstance(spec, dict):
+        return None
+    if spec.get("name") == Tagged.name:
+        return Tagged()
+    if spec.get("name") == BareJson.name and spec.get("arguments_key") in ("arguments", "parameters"):
+        return BareJson(spec["arguments_key"])
+    return None

@@ -4,9 +4,9 @@ OpenAI's messages add to cbatch's {role, content} the `developer` role (the syst
 content as a list of parts, assistant messages that call tools (`tool_calls`) and `tool`
 messages with a call's result (`tool_call_id`, which must answer a call made earlier).
 
-- template_messages: for a chat template that knows tools (template.py), in the shape
-  Hugging Face templates read: calls' arguments as objects, a result named after its
-  function.
+- template_messages: for a chat template that knows tools, which the decode worker
+  renders them with, in the shape Hugging Face templates read (cbatch/chat_messages.py
+  is that wire shape): calls' arguments as objects, a result named after its function.
 - cbatch_messages: text in the system, user and assistant roles, for a template that
   does not know tools (rendered in the decode worker). An earlier call is told in words
   ("Called get_weather with {...}.") and its result becomes a user message naming the
@@ -77,11 +77,6 @@ def template_messages(messages) -> list[dict]:
             call_names.update((call["id"], call["function"]["name"]) for call in entry["tool_calls"])
         checked.append(entry)
     return checked
-
-
-def has_tool_turns(messages: list[dict]) -> bool:
-    """Whether checked messages hold calls or their results."""
-    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
 
 
 def cbatch_messages(messages) -> list[dict]:

@@ -15,11 +15,11 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from cbatch.chat_messages import MAX_TOOLS
 from cbatch.constraints import MAX_SCHEMA_DEPTH, schema_depth
 from cbatch.params import invalid
 from cbatch.tools.formats import JSON_ANSWER, JsonAnswer
 
-MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # How every forced call begins (workers/engine/structured/tool_grammar.py): its name, then its arguments' key.
 _CALL_HEAD = re.compile(r'\{"name": ("[A-Za-z0-9_-]{1,64}"), "(?:arguments|parameters)": ')

@@ -49,7 +49,7 @@ def is_large_prompt(submit: WorkerSubmit) -> bool:
     if request.prompt is not None:
         num_chars = len(request.prompt)
     else:
-        num_chars = sum(len(content) for _, content in request.messages or ())
+        num_chars = sum(len(message.content) for message in request.messages or ())
     return num_chars >= MIN_LARGE_PROMPT_CHARS or bool(request.images)
 
 

@@ -29,7 +29,7 @@ from cbatch.workers.decode.io_thread import WorkerIO
 from cbatch.workers.decode.plan import WorkerPlan
 from cbatch.workers.decode.preparer import PREPARE_NICE_INCREMENT, RequestPreparer
 from cbatch.workers.decode.publisher import EventPublisher
-from cbatch.workers.engine.chat_texts import chat_texts
+from cbatch.workers.engine.chat_template import tool_format
 from cbatch.workers.engine.embedder import Embedder
 from cbatch.workers.engine.engine import Engine
 from cbatch.workers.messages import WorkerFailed, WorkerReady
@@ -102,7 +102,7 @@ def ready_message(engine: Engine, embedder: Embedder, plan: WorkerPlan) -> Worke
     """What the front-end and, through it, every client learn of the model once it is loaded."""
     description = f"{engine.description}, embeddings by {embedder.pooling} pooling"
     return WorkerReady(os.getpid(), description, engine.ctx_per_seq, engine.prefix_cache_note, engine.reasoning,
-                       {**chat_texts(engine.runner.model, engine.runner.vocab),
+                       {**tool_format(engine.runner.jinja_template),
                         "takes_images": engine.runner.vision is not None,
                         "n_ctx_train": llama_cpp.llama_model_n_ctx_train(engine.runner.model),
                         "keeps_billing_header": plan.engine.keep_billing_header})

@@ -12,6 +12,11 @@ from cbatch.workers.engine.structured.manager import StructuredOutput
 from cbatch.workers.engine.thinking.budget import ThinkingBudget
 
 
+def prompt_text(runner: ModelRunner, request: Request) -> str:
+    """The request's prompt, or its chat rendered with the model's template (tools too)."""
+    return request.prompt if request.messages is None else runner.render_chat(request.messages, request.offered_tools)
+
+
 def prepare_sequence(runner: ModelRunner, structured: StructuredOutput, request: Request, ctx_per_seq: int,
                      model_reasoning: dict | None, deadline_s: float) -> Sequence:
     """Tokenize the request, build its sampler and its constraint; raises CbatchError if it
@@ -20,7 +25,7 @@ def prepare_sequence(runner: ModelRunner, structured: StructuredOutput, request:
     if runner.is_embedding_only:
         raise CbatchError(MODEL_EMBEDS_ONLY, f"this model ({runner.architecture}) only computes embeddings: "
                                              "send it to /v1/embeddings (Client.embed), or serve a generative model")
-    text = request.prompt if request.messages is None else runner.render_chat(request.messages)
+    text = prompt_text(runner, request)
     max_prompt_bytes = ctx_per_seq * runner.max_token_bytes
     if len(text) > max_prompt_bytes or len(text.encode()) > max_prompt_bytes:  # not worth tokenizing
         raise CbatchError(
@@ -54,7 +59,7 @@ def count_prompt_tokens(runner: ModelRunner, request: Request) -> int:
     counted), for a count only: nothing is checked against a sequence's context."""
     if runner.is_embedding_only:
         raise CbatchError(MODEL_EMBEDS_ONLY, f"this model ({runner.architecture}) only computes embeddings")
-    text = request.prompt if request.messages is None else runner.render_chat(request.messages)
+    text = prompt_text(runner, request)
     return len(prompt_tokens(runner, request, text)[0])
 
 

@@ -17,10 +17,10 @@ import llama_cpp
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
+from cbatch.chat_messages import ChatMessage, ToolSpec, has_tool_turns, template_input
 from cbatch.config import EngineConfig
 from cbatch.errors import INVALID_CONFIG, INVALID_REQUEST, CbatchError
-from cbatch.tools.template import compiled_template
-from cbatch.workers.engine.chat_texts import chat_texts
+from cbatch.workers.engine.chat_template import model_template
 from cbatch.workers.engine.decode_mark import marked_decode, no_mark
 from cbatch.workers.engine.kv.base import OP_COPY, OP_REMOVE, OP_RESTORE, OP_SAVE
 from cbatch.workers.engine.sampling.backend import BackendSamplers
@@ -127,7 +127,7 @@ class LlamaRunner:
         self.eog_ids = np.array([t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)], np.int32)
         self._batch = BatchBuffer(config.batch_size)
         self._pieces: dict[int, bytes] = {}
-        self._jinja_template = None  # the model's own chat template compiled, False when it has none (render_chat)
+        self.jinja_template = model_template(self.model, self.vocab)  # None: llama.cpp's built-in renderer
         self._piece_buf = ctypes.create_string_buffer(MAX_PIECE_BYTES)
         self._decode_thread: ThreadPoolExecutor | None = None  # made by the first start_decode
         self._decoding: Future | None = None
@@ -240,20 +240,22 @@ class LlamaRunner:
         matches = [name for name in names if name and architecture.startswith(name)]
         return max(matches, key=len) if matches else None
 
-    def render_chat(self, messages: tuple[tuple[str, str], ...]) -> str:
-        """The chat's prompt as the model's own Jinja template writes it, the one renderer a
-        chat with tools goes through too (cbatch/tools/template.py), so a conversation
-        renders the same with tools or without; llama.cpp's built-in renderer only for a
-        model without a template jinja2 compiles (the embedded gemma-3-270m has none)."""
-        if self._jinja_template is None:
-            self._jinja_template = compiled_template(chat_texts(self.model, self.vocab)) or False
-        if self._jinja_template:
-            return self._jinja_template.render([{"role": role, "content": content} for role, content in messages],
-                                               None)
+    def render_chat(self, messages: tuple[ChatMessage, ...], tools: tuple[ToolSpec, ...] = ()) -> str:
+        """The chat's prompt as the model's own Jinja template writes it (chat_template.py),
+        tools and tool turns included, so a conversation renders the same with tools or
+        without; llama.cpp's built-in renderer only for a model without a template jinja2
+        compiles (the embedded gemma-3-270m has none), which takes no tools."""
+        has_tools = bool(tools) or has_tool_turns(messages)
+        if has_tools and (self.jinja_template is None or not self.jinja_template.knows_tools):
+            raise CbatchError(INVALID_REQUEST, "tools, tool calls and tool results need a chat template that knows "
+                                               "tools, and this model's does not: send them through cbatch.Client "
+                                               "or the HTTP server, which then describe them in words")
+        if self.jinja_template is not None:
+            return self.jinja_template.render(*template_input(messages, tools))
         template = self.chat_template()
         if not template:
             raise CbatchError(INVALID_REQUEST, "this model has no chat template: send 'prompt' instead of 'messages'")
-        encoded = [(role.encode(), content.encode()) for role, content in messages]
+        encoded = [(message.role.encode(), message.content.encode()) for message in messages]
         chat = (lc.llama_chat_message * len(encoded))(*(lc.llama_chat_message(r, c) for r, c in encoded))
         size = 2 * sum(len(c) for _, c in encoded) + 1024
         for _ in range(2):

@@ -8,12 +8,13 @@ Qwen3's adds `<think>\\n`) makes the model's output start inside it: a probe con
 rendered at start-up tells.
 """
 
+from cbatch.chat_messages import ChatMessage
 from cbatch.config import EngineConfig
 from cbatch.errors import CbatchError
 from cbatch.workers.engine.model_runner import ModelRunner
 
 KNOWN_TAGS = (("<think>", "</think>"), ("<thinking>", "</thinking>"))
-PROBE = (("user", "Hello"),)
+PROBE = (ChatMessage("user", "Hello"),)
 
 
 def model_reasoning(config: EngineConfig, runner: ModelRunner) -> dict | None:

@@ -1,12 +1,13 @@
-"""A model's own Jinja chat template, rendered as Hugging Face transformers and llama-server
-`--jinja` do: by the client for a chat with tools, by the decode worker for every other
-chat (the same class both ways, so a conversation renders the same).
+"""The model's own Jinja chat template, the one renderer of every chat (with tools or
+without, so a conversation renders the same either way), as Hugging Face transformers
+and llama-server `--jinja` render it.
 
-The daemon's WELCOME carries the GGUF's `tokenizer.chat_template` and its BOS/EOS texts
-(the decode worker reads them); the client renders the prompt and sends it as `prompt`.
 The template runs sandboxed (it comes with a model file, it is code) with what such
 templates expect: `messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`,
-`raise_exception`, `strftime_now`, and a `tojson` that keeps non-ASCII text.
+`raise_exception`, `strftime_now`, and a `tojson` that keeps non-ASCII text. The BOS the
+tokenizer adds is left out of the text. A template that uses `tools` teaches a call
+format (cbatch/tools/formats.py), which the handshake tells clients so they read calls
+back (tool_format).
 """
 
 import datetime
@@ -14,11 +15,12 @@ import functools
 import json
 
 import jinja2
+import llama_cpp.llama_cpp as lc
 from jinja2 import meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from cbatch.params import invalid
+from cbatch.text_checks import invalid
 from cbatch.tools.formats import TOOL_CALL_OPEN, BareJson, JsonAnswer, Tagged
 
 
@@ -53,7 +55,8 @@ class ChatTemplate:
         self.bos_token, self.eos_token, self.adds_bos = bos_token, eos_token, adds_bos
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
-        """The prompt for template_messages() and the offered tools (None: none offered),
+        """The prompt for messages and tools in the shape templates read (None: no tools
+        offered; cbatch.chat_messages.template_input),
         ending where the assistant's answer begins; without the BOS the daemon's tokenizer adds."""
         try:
             text = self._template.render(messages=messages, tools=tools, add_generation_prompt=True,
@@ -65,24 +68,33 @@ class ChatTemplate:
         return text
 
 
+def _special_text(vocab, token: int) -> str:
+    """A special token's text as written in a prompt ("<s>"); "" for no token (-1)."""
+    return (lc.llama_vocab_get_text(vocab, token) or b"").decode("utf-8", errors="replace") if token >= 0 else ""
+
+
 @functools.lru_cache(maxsize=8)
-def _compiled(source: str, bos_token: str, eos_token: str, adds_bos: bool) -> ChatTemplate | None:
+def compiled_template(source: str, bos_token: str, eos_token: str, adds_bos: bool) -> ChatTemplate | None:
     try:
         return ChatTemplate(source, bos_token, eos_token, adds_bos)
     except jinja2.TemplateError:  # one jinja2 cannot compile: llama.cpp's built-in renderer still may
         return None
 
 
-def compiled_template(texts: dict | None) -> ChatTemplate | None:
-    """The model's own template from its chat texts (workers/engine/chat_texts.py, relayed in
-    the daemon's handshake), or None when it has none or jinja2 cannot compile it."""
-    source = (texts or {}).get("chat_template")
+def model_template(model, vocab) -> ChatTemplate | None:
+    """The GGUF's own template compiled, with its BOS and EOS texts; None when it has none
+    or jinja2 cannot compile it."""
+    source = lc.llama_model_chat_template(model, None)
     if not source:
         return None
-    return _compiled(source, texts.get("bos_token", ""), texts.get("eos_token", ""), bool(texts.get("adds_bos")))
+    return compiled_template(source.decode("utf-8", errors="replace"), _special_text(vocab, lc.llama_vocab_bos(vocab)),
+                     _special_text(vocab, lc.llama_vocab_eos(vocab)), bool(lc.llama_vocab_get_add_bos(vocab)))
 
 
-def template_of(welcome: dict | None) -> ChatTemplate | None:
-    """The daemon's chat template from its handshake, when it has one that knows tools."""
-    template = compiled_template(welcome)
-    return template if template is not None and template.knows_tools else None
+def tool_format(template: ChatTemplate | None) -> dict:
+    """What the handshake tells clients of calls: the format the template teaches, when it
+    knows tools ({"name", "arguments_key"}); nothing otherwise (cbatch's own format is told
+    in words)."""
+    if template is None or not template.knows_tools:
+        return {}
+    return {"tool_format": {"name": template.call_format.name, "arguments_key": template.call_format.arguments_key}}
