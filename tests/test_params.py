@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from cbatch.chat_messages import ChatCall, ChatMessage, ToolSpec
 from cbatch.constraints import MAX_SCHEMA_DEPTH
 from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.openai.choices import expand_choices
@@ -59,6 +60,18 @@ BAD_BODIES = [
     ({"messages": [{"role": "user"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": None}]}, "content"),
     ({"messages": ["hi"]}, "messages[0]"),
+    # A chat's tools, calls and results as cbatch.tools prepares them for the daemon's template.
+    ({"messages": [{"role": "user", "content": "y", "tool_calls": []}]}, "messages[0] takes only"),
+    ({"messages": [{"role": "tool", "content": "y"}]}, "messages[0].tool_call_id must be a string"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls[0] must be"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": {"x": math.inf}}}]}]}, "arguments is not JSON"),
+    ({"prompt": "x", "offered_tools": [{"type": "function", "function": {"name": "f"}}]}, "take 'messages'"),
+    ({"messages": [{"role": "user", "content": "y"}], "offered_tools": [{"function": {"name": "f"}}]},
+     "offered_tools[0] must be"),
+    ({"messages": [{"role": "user", "content": "y"}], "offered_tools": [
+        {"type": "function", "function": {"name": "f", "parameters": []}}]}, "offered_tools[0] must be"),
 ]
 
 
@@ -77,7 +90,14 @@ def test_good_request_gets_defaults_and_values():
     assert request.params.is_plain_greedy
     chat = parse_request(10, {"messages": [{"role": "system", "content": "be brief"},
                                            {"role": "user", "content": "hi"}]})
-    assert chat.messages == (("system", "be brief"), ("user", "hi"))
+    assert chat.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "hi")) and not chat.offered_tools
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    tools = parse_request(11, {"messages": [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                            {"role": "tool", "content": "2", "tool_call_id": "c1", "name": "f"}],
+                               "offered_tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert tools.messages[0].tool_calls == (ChatCall("c1", "f", '{"x":1}'),)
+    assert (tools.messages[1].tool_call_id, tools.messages[1].name) == ("c1", "f")
+    assert tools.offered_tools == (ToolSpec("f", "", "{}"),)
     assert not chat.params.is_plain_greedy
 
 
