@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own `llama-server` from the llama.cpp source vendored in the pinned
-# llama-cpp-python sdist, for side-by-side figures (scripts/bench_long_prompts.py finds it
+# llama-cpp-python sdist, for side-by-side figures (scripts/bench.py long_prompts finds it
 # at build/llama-server/bin/llama-server). Same AMX rule as scripts/setup.sh. ~10 minutes
 # on 2 cores.
 set -euo pipefail

@@ -7,10 +7,10 @@ Stages, in order, each given what is left of --budget-s and skipped with a note 
                GPU's architecture only (read from nvidia-smi), Release, ninja (full mode only)
     model      the gemma-3-270m chunks in --stage-dir joined into one GGUF (or --model)
     gpu-tests  the suite's tests marked `gpu` (skipped with a note while none is marked)
-    serving    scripts/bench_serving.py at each --parallel: whole and streamed HTTP, the ZeroMQ
+    serving    scripts/bench.py serving at each --parallel: whole and streamed HTTP, the ZeroMQ
                batch, light callers; tok/s, TTFT p50, host ms per step, llama-server beside it
-    host-work  scripts/bench_host_work.py: host ms per decode step, by phase
-    long       scripts/bench_long_prompts.py: long prompts admitted among decoding ones
+    host-work  scripts/bench.py host_work: host ms per decode step, by phase
+    long       scripts/bench.py long_prompts: long prompts admitted among decoding ones
 
 Modes: `full` (a fresh device machine: every stage), `compare` (a warm machine that ran `full`:
 the measuring stages only), `rehearse` (no GPU: no build, this .venv's llama-cpp-python, small
@@ -94,7 +94,7 @@ def figures(text: str) -> str:
 
 
 def serving_figures(text: str) -> str:
-    """tok/s per path, TTFT p50/p99 and host ms a step over HTTP, from bench_serving's last block."""
+    """tok/s per path, TTFT p50/p99 and host ms a step over HTTP, from the serving bench's last block."""
     block = text.split("\npath ")[-1]
     rates = re.findall(rf"^(\S.*?)\s{{2,}}({NUMBER})\s", block, re.M)
     ttft = re.findall(rf"^\s*note: (.+?) streamed: TTFT p50 ({NUMBER}) ms, p90 {NUMBER} ms, p99 ({NUMBER}) ms", block,
@@ -159,15 +159,15 @@ def measure(run: Run, model: str, llama_server: str | None) -> None:
     if not llama_server:
         run.note("llama-server", "skipped", 0, "no binary (build it, or give --llama-server)")
     for parallel in a.parallel:
-        run.stage(f"serving {parallel}", f"{PYTHON} scripts/bench_serving.py --model {model} --parallel {parallel} "
+        run.stage(f"serving {parallel}", f"{PYTHON} scripts/bench.py serving --model {model} --parallel {parallel} "
                                          # it finds llama-server where the build stage (and
                                          # scripts/build_llama_server.sh) put it
                       f"--clients {min(parallel, a.clients)} --requests {a.requests} "
                                          f"--max-tokens {a.max_tokens} --threads {a.threads}{server}")
-    run.stage("host-work", f"{PYTHON} scripts/bench_host_work.py --parallel {' '.join(map(str, a.parallel))} "
+    run.stage("host-work", f"{PYTHON} scripts/bench.py host_work --parallel {' '.join(map(str, a.parallel))} "
                            f"--steps {a.steps} --modes greedy sampled --backend-sampling off on"
                            + (f" --vocab 1024 --model {run.out}/stand-in.gguf" if a.mode == "rehearse" else ""))
-    run.stage("long", f"{PYTHON} scripts/bench_long_prompts.py --model {model} --parallel {a.parallel[-1]} "
+    run.stage("long", f"{PYTHON} scripts/bench.py long_prompts --model {model} --parallel {a.parallel[-1]} "
                       # it finds llama-server where the build stage (and scripts/build_llama_server.sh) put it
                       f"--clients {min(a.parallel[-1], a.clients)} --requests 1 --workloads short,unique "
                       f"--configs streams,llama-server --file-lines 0 --no-cache-file-lines 0")

@@ -7,7 +7,7 @@ daemon. Needs the router extra (pip install 'cbatch[router]'; the test extras in
 
 Daemon i listens on port+1+i and on its own ipc:// endpoint in a scratch directory; with
 --pin it is bound to CPU i (taskset-style, through its affinity mask, so its --threads
-default is 1). The functions are the benchmark's too (scripts/bench_scale_out.py).
+default is 1). The functions are the benchmark's too (scripts/bench.py scale_out).
 """
 
 import argparse

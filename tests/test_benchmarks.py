@@ -20,7 +20,7 @@ NUMBER = r"\d+(?:\.\d+)?"
 
 
 def run_script(name: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), *args], cwd=REPO,
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), name, *args], cwd=REPO,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
@@ -28,14 +28,14 @@ def run_script(name: str, *args: str) -> str:
 
 @pytest.mark.slow
 def test_bench_decode_step_prints_a_row_per_level(tiny_model_path):
-    out = run_script("bench_decode_step", "--model", tiny_model_path, "--parallel", "1", "2")
+    out = run_script("decode_step", "--model", tiny_model_path, "--parallel", "1", "2")
     rows = [line.split() for line in out.splitlines() if re.fullmatch(rf"\s*\d+(\s+{NUMBER}){{3}}\s*", line)]
     assert [row[0] for row in rows] == ["1", "2"]
 
 
 @pytest.mark.slow
 def test_bench_engine_prints_in_turn_and_batched_rows(tiny_model_path):
-    out = run_script("bench_engine", "--model", tiny_model_path, "--parallel", "2", "--prompt-tokens", "16",
+    out = run_script("engine", "--model", tiny_model_path, "--parallel", "2", "--prompt-tokens", "16",
                      "--max-tokens", "4", "--modes", "greedy")
     assert re.search(rf"^greedy\s+in turn\s+\d+\s+{NUMBER}", out, re.M), out
     assert re.search(rf"^greedy\s+2\s+\d+\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}", out, re.M), out
@@ -44,7 +44,7 @@ def test_bench_engine_prints_in_turn_and_batched_rows(tiny_model_path):
 @pytest.mark.parametrize("backend", ["off", "on"])
 @pytest.mark.slow
 def test_bench_host_work_prints_every_phase(tmp_path, backend):
-    out = run_script("bench_host_work", "--vocab", "1024", "--model", str(tmp_path / "stand-in.gguf"),
+    out = run_script("host_work", "--vocab", "1024", "--model", str(tmp_path / "stand-in.gguf"),
                      "--parallel", "2", "--steps", "2", "--modes", "greedy", "sampled",
                      "--backend-sampling", backend, "--clock", "thread" if backend == "on" else "wall")
     rows = re.findall(rf"^(greedy|sampled)\s+2\s+{backend}((?:\s+{NUMBER}){{8}})\s*$", out, re.M)
@@ -53,7 +53,7 @@ def test_bench_host_work_prints_every_phase(tmp_path, backend):
 
 @pytest.mark.slow
 def test_bench_logprobs_prints_each_top_count_and_the_engine_ratio(tiny_model_path):
-    out = run_script("bench_logprobs", "--vocab", "1000", "--calls", "3", "--model", tiny_model_path,
+    out = run_script("logprobs", "--vocab", "1000", "--calls", "3", "--model", tiny_model_path,
                      "--parallel", "2", "--max-tokens", "4", "--rounds", "1")
     assert [int(k) for k in re.findall(rf"^logprobs=(\d+)\s+{NUMBER} ms per token", out, re.M)] == [0, 1, 5, 20]
     assert re.search(rf"^\s+with/without: {NUMBER}$", out, re.M), out
@@ -61,7 +61,7 @@ def test_bench_logprobs_prints_each_top_count_and_the_engine_ratio(tiny_model_pa
 
 @pytest.mark.slow
 def test_bench_serving_prints_every_path_with_its_cpu_per_token(tiny_model_path):
-    out = run_script("bench_serving", "--model", tiny_model_path, "--parallel", "2", "--clients", "2",
+    out = run_script("serving", "--model", tiny_model_path, "--parallel", "2", "--clients", "2",
                      "--requests", "4", "--max-tokens", "2", "--threads", "1")
     # Without llama-server: no ratio, and six CPU columns (caller, front-end, HTTP processes,
     # worker main thread, llama_decode wall, worker other threads) but the server's.
@@ -81,7 +81,7 @@ def test_bench_serving_prints_every_path_with_its_cpu_per_token(tiny_model_path)
 
 @pytest.mark.slow
 def test_bench_async_client_prints_its_cpu_per_request(tiny_model_path):
-    out = run_script("bench_async_client", "--model", tiny_model_path, "--requests", "64", "--max-tokens", "1", "2")
+    out = run_script("async_client", "--model", tiny_model_path, "--requests", "64", "--max-tokens", "1", "2")
     rows = re.findall(rf"^max_tokens +(\d+): +({NUMBER}) us CPU a request, +({NUMBER}) a token, +(\d+) requests/s$",
                       out, re.M)
     assert [int(max_tokens) for max_tokens, *_ in rows] == [1, 2], out
@@ -92,7 +92,7 @@ def test_bench_async_client_prints_its_cpu_per_request(tiny_model_path):
 def test_bench_priorities_prints_each_phase_and_the_verdict(tiny_model_path):
     """Interactive probes beside a running batch file: the script needs the batch file to
     fill every slot and keep a queue, and ends it when the probes are done."""
-    out = run_script("bench_priorities", "--model", tiny_model_path, "--parallel", "2", "--lines", "200",
+    out = run_script("priorities", "--model", tiny_model_path, "--parallel", "2", "--lines", "200",
                      "--batch-tokens", "16", "--max-in-flight", "8", "--probes", "5", "--batch-probes", "2")
     phases = re.findall(rf"^(idle daemon|beside the batch file, interactive|beside the batch file, as batch|"
                         rf"beside it, less the slot wait)\s+-?{NUMBER}\s+-?{NUMBER}$", out, re.M)
@@ -104,7 +104,7 @@ def test_bench_priorities_prints_each_phase_and_the_verdict(tiny_model_path):
 @pytest.mark.slow
 def test_bench_preempt_prints_both_settings_idle_and_loaded(tiny_model_path):
     """Probes beside batch streams that hold every slot, with preemption on, then off."""
-    out = run_script("bench_preempt", "--model", tiny_model_path, "--parallel", "1", "--probes", "3",
+    out = run_script("preempt", "--model", tiny_model_path, "--parallel", "1", "--probes", "3",
                      "--batch-tokens", "24")
     rows = re.findall(rf"^(on|off)\s+(idle|beside batch load)\s+{NUMBER}\s+{NUMBER}(?:\s+{NUMBER}\s+(\d+))?$",
                       out, re.M)
@@ -116,7 +116,7 @@ def test_bench_preempt_prints_both_settings_idle_and_loaded(tiny_model_path):
 
 @pytest.mark.slow
 def test_bench_embeddings_prints_each_path_and_the_stream_gaps(tiny_model_path):
-    out = run_script("bench_embeddings", "--model", tiny_model_path, "--clients", "1", "--requests", "2",
+    out = run_script("embeddings", "--model", tiny_model_path, "--clients", "1", "--requests", "2",
                      "--batch-sizes", "1", "4", "--parallel", "2", "--max-tokens", "8")
     rows = re.findall(rf"^(cbatch HTTP|cbatch Client)\s+{NUMBER}\s+-\s+{NUMBER}\s+-$", out, re.M)
     assert rows == ["cbatch HTTP", "cbatch Client"], out
@@ -126,7 +126,7 @@ def test_bench_embeddings_prints_each_path_and_the_stream_gaps(tiny_model_path):
 
 @pytest.mark.slow
 def test_bench_http_cpu_prints_both_parsers_and_their_ratio(tiny_model_path):
-    out = run_script("bench_http_cpu", "--model", tiny_model_path, "--requests", "8", "--callers", "2", "--rounds", "1")
+    out = run_script("http_cpu", "--model", tiny_model_path, "--requests", "8", "--callers", "2", "--rounds", "1")
     for parser in ("httptools", "h11"):
         assert re.search(rf"round 1\s+{parser}: +{NUMBER} req/s, HTTP process {NUMBER} ms CPU/request", out), out
     # Eight requests can take under one clock tick of the faster parser's CPU: then the ratio says so.
@@ -136,7 +136,7 @@ def test_bench_http_cpu_prints_both_parsers_and_their_ratio(tiny_model_path):
 @pytest.mark.slow
 def test_bench_fair_share_prints_both_settings(tiny_model_path):
     """A light tenant beside a heavy one's backlog, fair share on and then off."""
-    out = run_script("bench_fair_share", "--model", tiny_model_path, "--parallel", "2", "--light-clients", "1",
+    out = run_script("fair_share", "--model", tiny_model_path, "--parallel", "2", "--light-clients", "1",
                      "--heavy-factor", "3", "--light-requests", "4", "--max-tokens", "8")
     rows = re.findall(rf"^fair share (on |off): generated tokens heavy ({NUMBER})%, light ({NUMBER})% .+ light TTFT "
                       rf"p50 {NUMBER} ms, p99 {NUMBER} ms; load generators {NUMBER} CPU s", out, re.M)
@@ -146,7 +146,7 @@ def test_bench_fair_share_prints_both_settings(tiny_model_path):
 
 @pytest.mark.slow
 def test_bench_jobs_prints_every_figure(tiny_model_path):
-    out = run_script("bench_jobs", "--model", tiny_model_path, "--parallel", "2", "--lines", "10", "--max-tokens", "4",
+    out = run_script("jobs", "--model", tiny_model_path, "--parallel", "2", "--lines", "10", "--max-tokens", "4",
                      "--ttft-probes", "6", "--ttft-callers", "2", "--rss-lines", "30", "--kill-lines", "600")
     assert re.search(rf"job / submit {NUMBER}x; caller CPU per line: cbatch-submit {NUMBER} ms, job runner {NUMBER} ms",
                      out), out
@@ -159,7 +159,7 @@ def test_bench_jobs_prints_every_figure(tiny_model_path):
 
 @pytest.mark.slow
 def test_bench_structured_prints_the_row_costs_compile_times_and_each_mode(tiny_model_path):
-    out = run_script("bench_structured", "--model", tiny_model_path, "--parallel", "2", "--n", "1", "2",
+    out = run_script("structured", "--model", tiny_model_path, "--parallel", "2", "--n", "1", "2",
                      "--rounds", "1", "--max-tokens", "8", "--calls", "3", "--compile-delay", "--probes", "2")
     assert re.search(rf"^one row: llama.cpp GBNF sampler {NUMBER} ms \| llguidance check {NUMBER} ms, mask {NUMBER} ms",
                      out, re.M), out
@@ -199,7 +199,7 @@ def test_gpu_compare_rehearsal_runs_every_stage_and_skips_what_the_budget_cannot
 
 
 def test_bench_images_prints_each_load_and_the_shared_image_encoded_once(tiny_tools_model_path, tiny_projector_path):
-    out = run_script("bench_images", "--model", tiny_tools_model_path, "--mmproj", tiny_projector_path,
+    out = run_script("images", "--model", tiny_tools_model_path, "--mmproj", tiny_projector_path,
                      "--parallel", "4", "--streams", "1", "--max-tokens", "24", "--image-callers", "1")
     for load in ("alone", "beside 1 callers sending text", "beside 1 callers sending images"):
         assert re.search(rf"^text streams {load}: token gap median {NUMBER} ms", out, re.M), out
@@ -208,7 +208,7 @@ def test_bench_images_prints_each_load_and_the_shared_image_encoded_once(tiny_to
 
 
 def test_bench_request_path_prints_both_sides_of_every_body():
-    out = run_script("bench_request_path", "--repeat", "20", "--rounds", "1")
+    out = run_script("request_path", "--repeat", "20", "--rounds", "1")
     rows = re.findall(rf"^ *([A-Za-z0-9 ,]+?) +({NUMBER}) +({NUMBER})$", out, re.M)
     assert [name for name, *_ in rows] == ["short prompt", "chat, 4 messages", "every parameter", "64 KiB prompt"], out
     assert all(float(front_us) > 0 for _, front_us, _ in rows), out
@@ -217,7 +217,7 @@ def test_bench_request_path_prints_both_sides_of_every_body():
 @pytest.mark.slow
 def test_bench_conversations_prints_every_figure_and_the_restart(tiny_model_path):
     """llama-server is left out: a checkout need not have built it."""
-    out = run_script("bench_conversations", "--model", tiny_model_path, "--conversations", "3", "--turns", "2",
+    out = run_script("conversations", "--model", tiny_model_path, "--conversations", "3", "--turns", "2",
                      "--parallel", "1", "--system-tokens", "20", "--history-tokens", "60", "--answer-tokens", "4",
                      "--configs", "cbatch,cbatch-no-tier", "--restart", "1")
     rows = {name: line for name in ("cbatch ", "cbatch-no-tier") for line in out.splitlines()
@@ -231,7 +231,7 @@ def test_bench_conversations_prints_every_figure_and_the_restart(tiny_model_path
 
 @pytest.mark.slow
 def test_bench_state_moves_prints_the_steps_with_and_without_a_move(tiny_model_path):
-    out = run_script("bench_state_moves", "--model", tiny_model_path, "--streams", "2", "--slots", "1",
+    out = run_script("state_moves", "--model", tiny_model_path, "--streams", "2", "--slots", "1",
                      "--conversations", "3", "--turns", "2", "--history-words", "40", "--ctx-per-seq", "512")
     assert re.search(rf"with prompt tokens: .*a state moved \d+ steps, median {NUMBER} ms", out), out
     assert re.search(rf"saves: \d+, median {NUMBER} ms.*restores: \d+, median {NUMBER} ms", out, re.S), out
@@ -239,7 +239,7 @@ def test_bench_state_moves_prints_the_steps_with_and_without_a_move(tiny_model_p
 
 @pytest.mark.slow
 def test_bench_busy_host_prints_each_setting_on_a_busy_and_a_quiet_host(tiny_model_path):
-    out = run_script("bench_busy_host", "--model", tiny_model_path, "--requests", "4", "--max-tokens", "16")
+    out = run_script("busy_host", "--model", tiny_model_path, "--requests", "4", "--max-tokens", "16")
     for host in ("busy", "quiet"):
         for name in ("default", "-t 1", r"-t \d+"):
             assert re.search(rf"^{host} host, {name}: {NUMBER} s for 4 x 16 tokens, ending on \d+ compute threads",
@@ -251,7 +251,7 @@ def test_bench_busy_host_prints_each_setting_on_a_busy_and_a_quiet_host(tiny_mod
 
 @pytest.mark.slow
 def test_bench_stalled_readers_prints_the_idle_figure_and_both_kinds_of_stalled_readers(tiny_model_path):
-    out = run_script("bench_stalled_readers", "--model", tiny_model_path, "--parallel", "2", "--park-after", "1",
+    out = run_script("stalled_readers", "--model", tiny_model_path, "--parallel", "2", "--park-after", "1",
                      "--probes", "2")
     assert re.search(rf"^idle: time to first token median {NUMBER} ms, max {NUMBER} ms \(2 probes\)", out, re.M), out
     for name in ("zmq", "sse"):
@@ -259,3 +259,20 @@ def test_bench_stalled_readers_prints_the_idle_figure_and_both_kinds_of_stalled_
                          rf"max {NUMBER} s; [1-9]\d* parks; stalled streams whole once read: True; "
                          rf"target (met|missed)$", out, re.M), out
     assert re.search(rf"^CPU: the script used {NUMBER} s$", out, re.M), out
+
+
+def test_the_entry_lists_every_bench_and_writes_a_json_line_a_run(tmp_path):
+    listing = subprocess.run([sys.executable, "scripts/bench.py"], cwd=REPO, capture_output=True, text=True,
+                             timeout=RUN_TIMEOUT_S).stdout
+    named = {line.split()[0] for line in listing.splitlines() if line.startswith("  ")}
+    assert {path.stem for path in (REPO / "scripts" / "benches").glob("*.py")} - named == {
+        "__init__", "loadgen", "peers", "proc_cpu", "schema_suite"}
+    runs = tmp_path / "runs.jsonl"
+    out = run_script("--json", str(runs), "request_path", "--repeat", "5", "--rounds", "1")
+    (record,) = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert record["bench"] == "request_path" and record["argv"] == ["--repeat", "5", "--rounds", "1"]
+    assert len(record["commit"]) == 12 and record["machine"]["cores"] >= 1 and record["machine"]["memory_gib"] > 0
+    assert record["cpu_self_s"] > 0 and record["wall_s"] > 0 and record["output"] == out.splitlines()
+    unknown = subprocess.run([sys.executable, "scripts/bench.py", "nope"], cwd=REPO, capture_output=True, text=True,
+                             timeout=RUN_TIMEOUT_S)
+    assert unknown.returncode != 0 and "no bench named 'nope'" in unknown.stderr

@@ -104,10 +104,10 @@ def test_the_launcher_starts_and_stops_everything(tmp_path, tiny_model_path):
 def test_the_benchmark_runs(tiny_model_path):
     _, bench = _examples()[4]
     command = bench.strip().split()
-    assert command[:2] == [".venv/bin/python", "scripts/bench_scale_out.py"]
+    assert command[:3] == [".venv/bin/python", "scripts/bench.py", "scale_out"]
     small = ["--model", tiny_model_path, "--requests", "4", "--max-tokens", "4", "--concurrency", "2",
              "--prefixes", "2", "--questions", "2", "--prefix-words", "40", "--port", str(free_port())]
-    result = subprocess.run([sys.executable, "scripts/bench_scale_out.py", *small], cwd=REPO, capture_output=True,
+    result = subprocess.run([sys.executable, "scripts/bench.py", "scale_out", *small], cwd=REPO, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "through the router / direct:" in result.stdout and "cache_aware / round_robin:" in result.stdout

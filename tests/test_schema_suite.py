@@ -1,6 +1,6 @@
-"""The schema suite (scripts/schema_suite.py) through the real engine on the tiny model: every
-schema compiles, every answer that stops is valid under its schema (checked by the
-`jsonschema` library, formats included), schemas drawn by hypothesis too, and what
+"""The schema suite (scripts/benches/schema_suite.py) through the real engine on the tiny
+model: every schema compiles, every answer that stops is valid under its schema (checked
+by the `jsonschema` library, formats included), schemas drawn by hypothesis too, and what
 llguidance does not implement is an invalid_request that names it."""
 
 import json
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cbatch.errors import INVALID_REQUEST, CbatchError
 
-schema_suite = load_script("schema_suite")
+schema_suite = load_script("benches/schema_suite")
 LEAVES, REFUSED, suite = schema_suite.LEAVES, schema_suite.REFUSED, schema_suite.suite
 
 MAX_TOKENS = 256

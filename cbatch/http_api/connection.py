@@ -9,7 +9,7 @@ response's end; a request being answered (a long stream included) is never cut.
 The timeout is a mixin over both of uvicorn's protocols: httptools' (a C parser, the
 default: the HTTP process spends less CPU per request on it) and h11's (pure Python),
 which CBATCH_HTTP_PARSER=h11 picks, to measure one against the other
-(scripts/bench_http_cpu.py). CBATCH_HTTP_LOOP=uvloop likewise runs the server on uvloop's
+(scripts/bench.py http_cpu). CBATCH_HTTP_LOOP=uvloop likewise runs the server on uvloop's
 event loop instead of asyncio's own, when uvloop is installed.
 """
 

@@ -10,7 +10,7 @@ the priority is worth.
 
 The target: an interactive p99 under load no more than one step over the idle p99 plus
 the wait for a free slot (the daemon runs with --no-preempt-batch, so a probe that finds
-every slot busy waits for the first batch line to end; scripts/bench_preempt.py measures
+every slot busy waits for the first batch line to end; scripts/bench.py preempt measures
 what preemption does). The step is the probes' own median gap
 between tokens under load. Just before each probe the daemon's `stats()` tells how many
 tokens each running line has made, so the slot wait of that probe is the fewest tokens a
@@ -18,25 +18,22 @@ running line has left times the step; the figure checked is each probe's time to
 token less its slot wait.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
-    .venv/bin/python scripts/bench_priorities.py --model /tmp/tiny.gguf --parallel 16 --lines 10000
+    .venv/bin/python scripts/bench.py priorities --model /tmp/tiny.gguf --parallel 16 --lines 10000
 """
 
 import argparse
 import json
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_long_prompts import BIN_DIR, CbatchDaemon  # noqa: E402
-
-from cbatch.client import Client  # noqa: E402
-from cbatch.model import resolve_model_path  # noqa: E402
+from benches.peers import BIN_DIR, CbatchDaemon
+from cbatch.client import Client
+from cbatch.model import resolve_model_path
 
 LOAD_WAIT_S = 60.0  # for the batch file to fill every slot
 PROBE_GAP_S = (0.0, 0.05)  # a random pause between probes, so they land at any point of a step
@@ -146,6 +143,3 @@ def main(argv=None) -> None:
     print(f"target: p99 of (loaded TTFT - slot wait) <= idle p99 + one step = {bound_ms:.1f} ms: "
           f"{ms(beyond_slot_wait, 99):.1f} ms, {verdict}")
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 share on and off (`cbatch-worker --no-fair-share`), one daemon after the other.
 
 Each daemon serves HTTP with a keys file of two tenants of equal weight. The heavy tenant
-runs --heavy-factor times the light one's callers (scripts/loadgen.py, closed loops), so
+runs --heavy-factor times the light one's callers (scripts/benches/loadgen.py, closed loops), so
 both keep requests waiting: once the heavy load has filled the queue, the light tenant
 sends --light-requests streamed requests, and the run is the time they take. Printed per
 daemon: each tenant's share of the tokens generated over the run (from the daemon's usage
@@ -12,7 +12,7 @@ over the run. With fair share the light tenant should get about half the tokens 
 short wait; without, about 1 / (1 + heavy-factor), behind the heavy backlog.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
-    .venv/bin/python scripts/bench_fair_share.py --model /tmp/tiny.gguf
+    .venv/bin/python scripts/bench.py fair_share --model /tmp/tiny.gguf
 """
 
 import argparse
@@ -25,11 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import proc_cpu  # noqa: E402
-from bench_http import wait_http  # noqa: E402
-from bench_long_prompts import CbatchDaemon  # noqa: E402
-from bench_serving import LOADGEN, free_port  # noqa: E402
+from benches import proc_cpu
+from benches.peers import CbatchDaemon, free_port, wait_http
+from benches.serving import LOADGEN
 
 KEYS = "heavy key-heavy\nlight key-light\n"  # equal weights: fair share means equal tokens
 BACKLOG_TIMEOUT_S = 120.0
@@ -117,6 +115,3 @@ def main() -> None:
                   f"{run['elapsed_s']:.1f} s); light TTFT p50 {p50:.0f} ms, p99 {p99:.0f} ms; load generators "
                   f"{run['caller_cpu_s']:.2f} CPU s ({run['caller_cpu_s'] / run['elapsed_s']:.0%} of a core)")
 
-
-if __name__ == "__main__":
-    main()

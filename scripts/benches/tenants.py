@@ -10,7 +10,7 @@ at 64 sequences). A step's time is the CPU time of this process (time.process_ti
 so other work on a shared machine, which takes the CPU away between two calls, does not
 count in it.
 
-    .venv/bin/python scripts/bench_tenants.py --tenants 1000 --parallel 64
+    .venv/bin/python scripts/bench.py tenants --tenants 1000 --parallel 64
 """
 
 import argparse
@@ -79,6 +79,3 @@ def main() -> None:
         print(f"{num_tenants:6d} tenants: {ms:.4f} ms per step")
     print(f"fair share among {args.tenants} tenants costs {runs[args.tenants] - runs[1]:+.4f} ms per step")
 
-
-if __name__ == "__main__":
-    main()

@@ -13,7 +13,7 @@ bound. Then the stalled streams are read to their end: each must hold every toke
 The script's own CPU is printed (it shares the host with the daemon).
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
-    .venv/bin/python scripts/bench_stalled_readers.py --model /tmp/tiny.gguf
+    .venv/bin/python scripts/bench.py stalled_readers --model /tmp/tiny.gguf
 """
 
 import argparse
@@ -22,18 +22,14 @@ import json
 import resource
 import socket
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_long_prompts import CbatchDaemon  # noqa: E402
-
-from cbatch.client import AsyncClient, Client  # noqa: E402
-from cbatch.model import resolve_model_path  # noqa: E402
+from benches.peers import CbatchDaemon, free_port
+from cbatch.client import AsyncClient, Client
+from cbatch.model import resolve_model_path
 
 PAUSE_WAIT_S = 600.0  # for every stalled stream to fill its buffers and pause
 HTTP_WAIT_S = 60.0
@@ -122,11 +118,6 @@ class SseStalls:
         return counts
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -172,6 +163,3 @@ def main(argv=None) -> None:
     cpu_s = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
     print(f"CPU: the script used {cpu_s:.1f} s", flush=True)
 
-
-if __name__ == "__main__":
-    main()

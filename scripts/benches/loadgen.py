@@ -9,7 +9,7 @@ or, with --new-connections, a new one per request (as curl and many scripts do).
 --stream it also records the time to the first body bytes (TTFT). Prints one JSON object:
 requests, elapsed_s, ttft_s (streamed only), cpu_s (this process, user + system), errors.
 
-    .venv/bin/python scripts/loadgen.py --url http://127.0.0.1:8080 --prompts prompts.json \
+    .venv/bin/python scripts/benches/loadgen.py --url http://127.0.0.1:8080 --prompts prompts.json \
         --body '{"max_tokens": 64, "temperature": 0, "ignore_eos": true}' --clients 64 [--stream]
 """
 

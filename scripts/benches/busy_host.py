@@ -9,22 +9,18 @@ and with `-t N` (every core, the default's count), first with a CPU-bound busy l
 core beside it, then on the quiet host, and prints each wall time, the default's ratio to
 the best fixed count, the thread count the default ended on, and the CPU the client used.
 
-Usage: .venv/bin/python scripts/bench_busy_host.py [--model PATH] [--requests 10] [--max-tokens 64]
+Usage: .venv/bin/python scripts/bench.py busy_host [--model PATH] [--requests 10] [--max-tokens 64]
 """
 
 import argparse
 import multiprocessing
 import resource
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_long_prompts import CbatchDaemon  # noqa: E402
-
-from cbatch.client import Client  # noqa: E402
-from cbatch.config import num_usable_cpus  # noqa: E402
-from cbatch.model import resolve_model_path  # noqa: E402
+from benches.peers import CbatchDaemon
+from cbatch.client import Client
+from cbatch.config import num_usable_cpus
+from cbatch.model import resolve_model_path
 
 
 def busy_loop() -> None:
@@ -81,6 +77,3 @@ def main(argv=None) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     print(f"client CPU: {usage.ru_utime + usage.ru_stime:.1f} s")
 
-
-if __name__ == "__main__":
-    main()

@@ -57,6 +57,3 @@ def main() -> None:
         prefill_tps, step_s = bare_decode(model_path, parallel)
         print(f"{parallel:9d} {prefill_tps:13.1f} {1000 * step_s:8.1f} {parallel / step_s:12.1f}", flush=True)
 
-
-if __name__ == "__main__":
-    main()

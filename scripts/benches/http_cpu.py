@@ -3,7 +3,7 @@ one run: httptools (C, the default) and h11 (pure Python, CBATCH_HTTP_PARSER=h11
 --loops, each event loop: asyncio's own (the default) and uvloop's (CBATCH_HTTP_LOOP=uvloop,
 when uvloop is installed), both on httptools.
 
-    .venv/bin/python scripts/bench_http_cpu.py [--model M.gguf] [--requests 400] [--callers 4] [--rounds 2] [--loops]
+    .venv/bin/python scripts/bench.py http_cpu [--model M.gguf] [--requests 400] [--callers 4] [--rounds 2] [--loops]
 
 Short requests (max_tokens 1 by default) on the tiny model, so that per-request work, not
 decoding, is what is measured. The callers are light: threads with `http.client`, one
@@ -16,28 +16,21 @@ a core (then it, not the server, may set the pace).
 import argparse
 import http.client
 import json
-import socket
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_long_prompts import CbatchDaemon  # noqa: E402
-from bench_system import cpu_seconds  # noqa: E402
-from make_tiny_model import make_tiny_model  # noqa: E402
+from make_tiny_model import make_tiny_model
+
+from benches.peers import CbatchDaemon, free_port
+from benches.proc_cpu import process_cpu_s
 
 # Each comparison: (the default, the other), each with the environment that picks it.
 PARSERS = {"httptools": {"CBATCH_HTTP_PARSER": "httptools"}, "h11": {"CBATCH_HTTP_PARSER": "h11"}}
 LOOPS = {"asyncio": {"CBATCH_HTTP_LOOP": "asyncio"}, "uvloop": {"CBATCH_HTTP_LOOP": "uvloop"}}
 LIGHT_CALLER_CORES = 1 / 3  # more than this and the load generator may be the bottleneck
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_http(port: int, timeout_s: float = 120.0) -> None:
@@ -99,13 +92,13 @@ def measure(model: str, name: str, env: dict, args) -> dict:
         wait_for_http(port)
         run_callers(port, args.callers * 4, args.callers, args.max_tokens, args.new_connections)  # warm up
         http_pids, all_pids = daemon_pids(daemon)
-        http_before, all_before = sum(map(cpu_seconds, http_pids)), sum(map(cpu_seconds, all_pids))
+        http_before, all_before = sum(map(process_cpu_s, http_pids)), sum(map(process_cpu_s, all_pids))
         own_before = time.process_time()
         wall_s = run_callers(port, args.requests, args.callers, args.max_tokens, args.new_connections)
         num = args.requests // args.callers * args.callers
         return {"name": name, "num_requests": num, "requests_per_s": num / wall_s,
-                "http_cpu_ms": 1000 * (sum(map(cpu_seconds, http_pids)) - http_before) / num,
-                "daemon_cpu_ms": 1000 * (sum(map(cpu_seconds, all_pids)) - all_before) / num,
+                "http_cpu_ms": 1000 * (sum(map(process_cpu_s, http_pids)) - http_before) / num,
+                "daemon_cpu_ms": 1000 * (sum(map(process_cpu_s, all_pids)) - all_before) / num,
                 "caller_cores": (time.process_time() - own_before) / wall_s}
     finally:
         daemon.stop()
@@ -146,6 +139,3 @@ def cpu_ratio(row: dict, default: dict) -> str:
                 "requests: raise --requests)")
     return f"{row['http_cpu_ms'] / default['http_cpu_ms']:.2f}x"
 
-
-if __name__ == "__main__":
-    main()

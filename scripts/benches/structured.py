@@ -24,7 +24,7 @@ With --compile-delay, last: a daemon on the model, and a small streamed request'
 first token alone, then submitted just behind a request whose schema is about 100 KB
 (a new one each time, so nothing is cached): the delay is the difference of the medians.
 
-    .venv/bin/python scripts/bench_structured.py [--model PATH] [--parallel 1 4 16 64] [--n 1 4] [--rounds 2]
+    .venv/bin/python scripts/bench.py structured [--model PATH] [--parallel 1 4 16 64] [--n 1 4] [--rounds 2]
         [--compile-delay]
 """
 
@@ -40,9 +40,9 @@ import jsonschema
 import llama_cpp
 import llama_cpp.llama_cpp as lc
 import numpy as np
-from bench_long_prompts import CbatchDaemon  # this script's folder, as the schema suite
-from schema_suite import suite  # this script's folder: the schemas the tests use too
 
+from benches.peers import CbatchDaemon
+from benches.schema_suite import suite  # this script's folder: the schemas the tests use too
 from cbatch.client import Client
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
@@ -265,6 +265,3 @@ def main() -> None:
     if args.compile_delay:
         compile_delay(model_path, args.probes)
 
-
-if __name__ == "__main__":
-    main()

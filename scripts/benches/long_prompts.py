@@ -17,25 +17,16 @@ import argparse
 import json
 import os
 import random
-import shutil
-import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.request
-from pathlib import Path
 
 from llama_cpp import Llama
 
-from cbatch.client import Client
-from cbatch.errors import CbatchError
+from benches import peers
+from benches.peers import BIN_DIR, CbatchDaemon, LlamaServer
 from cbatch.model import resolve_model_path
 
-BIN_DIR = Path(sys.executable).parent
-LLAMA_SERVER = Path(__file__).resolve().parent.parent / "build" / "llama-server" / "bin" / "llama-server"
-START_TIMEOUT_S = 300.0
 WORDS = ("river stone light garden window paper music winter market engine story number silver forest "
          "question answer morning doctor letter summer island bridge planet coffee village animal ocean").split()
 CONFIGS = {  # name -> extra cbatch-worker flags
@@ -103,86 +94,6 @@ def closed_loop(prompts: list[str], num_clients: int, send) -> float:
     return sum(counts) / elapsed_s
 
 
-class CbatchDaemon:
-    def __init__(self, model_path: str, parallel: int, flags: list[str], extra_env: dict | None = None):
-        self.workdir = Path(tempfile.mkdtemp(prefix="cbb-"))
-        self.endpoint = f"ipc://{self.workdir / 'cbatch.sock'}"
-        self.env = {**os.environ, **(extra_env or {}), "XDG_RUNTIME_DIR": str(self.workdir),
-                    "CBATCH_ENDPOINT": self.endpoint}
-        self.log = open(self.workdir / "daemon.log", "w")
-        self.process = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "-m", model_path, "-np", str(parallel),
-                                         *flags],
-                                        env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                with Client(self.endpoint, connect_timeout_s=1.0) as client:
-                    if client.health()["status"] == "ok":
-                        return
-            except CbatchError:
-                time.sleep(0.2)
-        raise RuntimeError(f"cbatch-worker did not start: {(self.workdir / 'daemon.log').read_text()}")
-
-    def send(self, max_tokens: int):
-        local = threading.local()
-
-        def send(prompt: str) -> int:
-            if not hasattr(local, "client"):
-                local.client = Client(self.endpoint)
-            result = local.client.generate(prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            return result.usage["completion_tokens"]
-
-        return send
-
-    def stats(self) -> dict:
-        with Client(self.endpoint) as client:
-            return client.stats()
-
-    def stop(self):
-        self.process.terminate()
-        self.process.wait(timeout=60)
-        self.log.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-class LlamaServer:
-    def __init__(self, model_path: str, parallel: int, ctx_per_seq: int, threads: int, num_clients: int = 0,
-                 flags: tuple[str, ...] = ()):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(
-            [str(LLAMA_SERVER), "-m", model_path, "-np", str(parallel), "-c", str(parallel * ctx_per_seq),
-             "-t", str(threads), "-b", "512", "--port", str(self.port), "--no-webui",
-             "--threads-http", str(max(parallel, num_clients) + 4), *flags],  # a connection per client, as cbatch's
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError("llama-server did not start")
-
-    def send(self, max_tokens: int):
-        def send(prompt: str) -> int:
-            body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
-                               "cache_prompt": True}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
-                                             {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=3600) as reply:
-                return json.load(reply)["tokens_predicted"]
-
-        return send
-
-    def stop(self):
-        self.process.terminate()
-        self.process.wait(timeout=60)
-
-
 def run_file(daemon: CbatchDaemon, texts: Texts, num_lines: int) -> float:
     instruction = "Classify the sentiment of the review below as positive or negative.\n" + texts.words(1000)
     path = daemon.workdir / "lines.jsonl"
@@ -212,8 +123,8 @@ def main(argv=None) -> None:
     texts = Texts(model_path)
     workloads = args.workloads.split(",")
     configs = args.configs.split(",")
-    if "llama-server" in configs and not LLAMA_SERVER.exists():
-        print(f"note: {LLAMA_SERVER} is not built (scripts/build_llama_server.sh): llama-server skipped")
+    if "llama-server" in configs and not peers.LLAMA_SERVER.exists():
+        print(f"note: {peers.LLAMA_SERVER} is not built (scripts/build_llama_server.sh): llama-server skipped")
         configs.remove("llama-server")
     count = args.clients * args.requests
     prompts = {w: workload_prompts(texts, w, count) for w in workloads if w != "file"}
@@ -256,6 +167,3 @@ def main(argv=None) -> None:
             row += f"{table[w, 'streams'] / table[w, 'no-cache']:18.2f}"
         print(row)
 
-
-if __name__ == "__main__":
-    main()

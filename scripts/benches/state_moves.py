@@ -9,7 +9,7 @@ slowest step with no state moved and with one, the slowest with one against the 
 step of its kind (the target: at most 2x); then the saves' and restores' own times and
 sizes against the median step.
 
-    .venv/bin/python scripts/bench_state_moves.py [--model GGUF] [--streams 16] [--slots 4]
+    .venv/bin/python scripts/bench.py state_moves [--model GGUF] [--streams 16] [--slots 4]
 """
 
 import argparse
@@ -128,6 +128,3 @@ def main(argv=None) -> None:
     print(f"  host tier hits {stats.get('host_cache_hits', 0)}, prompt tokens computed "
           f"{stats['prompt_tokens_computed']}, reused {stats['prompt_tokens_reused']}")
 
-
-if __name__ == "__main__":
-    main()

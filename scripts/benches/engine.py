@@ -108,6 +108,3 @@ def main() -> None:
             print(f"{mode:8} {parallel:8d} {len(batch) * args.waves:8d} {tok_s:8.1f} {stats['decode_fraction']:9.3f} "
                   f"{tok_s / sequential:12.2f}", flush=True)
 
-
-if __name__ == "__main__":
-    main()

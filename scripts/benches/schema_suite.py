@@ -1,7 +1,7 @@
 """JSON schemas of the kinds real ones are made of, for the structured-output tests
-(tests/test_schema_suite.py) and bench_structured.py: hand-written ones (records, orders, events, recursive trees,
-tool parameters) and ones composed from the same parts by a seeded generator, so the
-suite is the same on every run. Every schema here is one llguidance compiles; the ones
+(tests/test_schema_suite.py) and the structured-output bench: hand-written ones (records,
+orders, events, recursive trees, tool parameters) and ones composed from the same parts by
+a seeded generator, so the suite is the same on every run. Every schema here is one llguidance compiles; the ones
 it refuses are in REFUSED, with the feature its 400 names."""
 
 import json

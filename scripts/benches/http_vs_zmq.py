@@ -3,7 +3,7 @@ against one daemon (and vs llama-server over HTTP when a binary is given), close
 with short prompts: tok/s with whole responses, then the same streamed for time to first
 token and inter-token latency (and streamed tok/s), each path both ways.
 
-    .venv/bin/python scripts/bench_http.py --parallel 16 --requests 64 --max-tokens 64 \
+    .venv/bin/python scripts/bench.py http_vs_zmq --parallel 16 --requests 64 --max-tokens 64 \
         [--llama-server /path/to/llama-server]
 
 Every client is a thread of this process, so the load generator shares the machine's
@@ -15,20 +15,17 @@ import argparse
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_long_prompts  # noqa: E402
-from bench_long_prompts import START_TIMEOUT_S, CbatchDaemon, LlamaServer  # noqa: E402
-from bench_system import cpu_seconds  # noqa: E402
-
-from cbatch.client import Client  # noqa: E402
-from cbatch.model import resolve_model_path  # noqa: E402
+from benches import long_prompts, peers
+from benches.peers import CbatchDaemon, LlamaServer, http_pid, wait_http
+from benches.proc_cpu import process_cpu_s
+from cbatch.client import Client
+from cbatch.model import resolve_model_path
 
 
 def prompts(count: int) -> list[str]:
@@ -48,7 +45,7 @@ def closed_loop(all_prompts: list[str], num_clients: int, make_send) -> tuple[fl
                 ttfts.append(ttft)
                 itls.extend(gaps)
 
-    elapsed_s = bench_long_prompts.run_clients(num_clients, loop)
+    elapsed_s = long_prompts.run_clients(num_clients, loop)
     return sum(counts) / elapsed_s, ttfts, itls
 
 
@@ -136,25 +133,6 @@ def percentiles(values: list[float]) -> str:
     return f"p50 {p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms"
 
 
-def http_pid(daemon: CbatchDaemon) -> int:
-    for line in reversed((daemon.workdir / "daemon.log").read_text().splitlines()):
-        if line.startswith("cbatch http: serving"):
-            return int(line.rsplit("pid ", 1)[1].rstrip(")"))
-    raise RuntimeError("no HTTP server in the daemon's log")
-
-
-def wait_http(base_url: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the HTTP server did not become healthy")
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
@@ -181,9 +159,9 @@ def main(argv=None) -> None:
         zmq_stream_tps, zmq_ttfts, zmq_itls = closed_loop(work, args.parallel,
                                                           zmq_sender(daemon.endpoint, args.max_tokens, True))
         pid = http_pid(daemon)
-        cpu_before, started = cpu_seconds(pid), time.perf_counter()
+        cpu_before, started = process_cpu_s(pid), time.perf_counter()
         http_tps, stream_tps, ttfts, itls = http_runs(base_url, work, args, model)
-        http_cpu = (cpu_seconds(pid) - cpu_before) / (time.perf_counter() - started)
+        http_cpu = (process_cpu_s(pid) - cpu_before) / (time.perf_counter() - started)
     finally:
         daemon.stop()
     print(f"model {model}, parallel {args.parallel}, {args.requests} requests x {args.max_tokens} tokens, "
@@ -199,7 +177,7 @@ def main(argv=None) -> None:
     print(f"  streamed: TTFT {percentiles(ttfts)}")
     print(f"  streamed: ITL  {percentiles(itls)}")
     if args.llama_server:
-        bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)
+        peers.LLAMA_SERVER = Path(args.llama_server)
         server = LlamaServer(model_path, args.parallel, 1024, os.cpu_count())
         try:
             ls_tps, ls_stream_tps, ls_ttfts, ls_itls = http_runs(f"http://127.0.0.1:{server.port}", work, args, model)
@@ -212,6 +190,3 @@ def main(argv=None) -> None:
         print(f"  streamed: TTFT {percentiles(ls_ttfts)}")
         print(f"  streamed: ITL  {percentiles(ls_itls)}")
 
-
-if __name__ == "__main__":
-    main()

@@ -18,10 +18,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benches.peers import BIN_DIR
 from cbatch.client import Client
 from cbatch.errors import CbatchError
 
-BIN_DIR = Path(sys.executable).parent
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 FLOOD = """
 import sys
@@ -102,6 +102,3 @@ def main() -> None:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=60)
 
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@
                     polling it sees) beside cbatch-submit's on the same file and daemon
                     (greedy, ignore_eos), each run twice in turn, their ratio, and each
                     caller's CPU per line (which a shared machine disturbs less)
-    TTFT            streamed /v1/completions from scripts/loadgen.py (--ttft-callers closed-loop
+    TTFT            streamed /v1/completions from scripts/benches/loadgen.py (--ttft-callers closed-loop
                     callers), idle and while a job runs: p50 and p99, and loaded p99 / idle p99
     memory          the peak RSS of the daemon's processes (the sum over its process tree,
                     from /proc) while it runs --rss-lines lines (in jobs of at most 50,000
@@ -13,7 +13,7 @@
                     the same --state-dir to the first line the job newly finished
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
-    .venv/bin/python scripts/bench_jobs.py --model /tmp/tiny.gguf --parallel 16 --lines 2000 --rss-lines 100000
+    .venv/bin/python scripts/bench.py jobs --model /tmp/tiny.gguf --parallel 16 --lines 2000 --rss-lines 100000
 """
 
 import argparse
@@ -32,13 +32,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_http import percentiles, prompts  # noqa: E402
-from bench_long_prompts import BIN_DIR, START_TIMEOUT_S  # noqa: E402
-from bench_serving import free_port  # noqa: E402
-from proc_cpu import process_cpu_s  # noqa: E402
-
-from cbatch.jobs.files import MAX_FILE_LINES  # noqa: E402
+from benches.http_vs_zmq import percentiles, prompts
+from benches.peers import BIN_DIR, START_TIMEOUT_S, free_port
+from benches.proc_cpu import process_cpu_s
+from cbatch.jobs.files import MAX_FILE_LINES
 
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 POLL_S = 0.1  # how often a job is polled: light beside the daemon's work
@@ -306,6 +303,3 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
 
-
-if __name__ == "__main__":
-    main()

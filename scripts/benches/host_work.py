@@ -18,19 +18,18 @@ Each level runs with sampling on the host ("off": the logit rows come back, argm
 chains run in Python's process) and inside llama_decode's graph ("on": token ids come
 back), side by side in one run.
 
-Usage: .venv/bin/python scripts/bench_host_work.py [--parallel 16 64] [--steps 32] [--backend-sampling off on]
+Usage: .venv/bin/python scripts/bench.py host_work [--parallel 16 64] [--steps 32] [--backend-sampling off on]
        [--vocab N] [--clock wall|thread]
 """
 
 import argparse
-import importlib.util
 import os
 import tempfile
 import time
-from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
 import zmq
+from make_tiny_model import make_tiny_model  # scripts/, the entry's folder
 
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
@@ -49,14 +48,6 @@ MODES = {
     "sampled": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": 1234},
 }
 PHASES = ("schedule+fill", "logits", "sample", "text", "publish")
-
-
-def load_make_tiny_model():
-    path = Path(__file__).resolve().parent / "make_tiny_model.py"
-    spec = importlib.util.spec_from_file_location("make_tiny_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_tiny_model
 
 
 class Timers:
@@ -162,7 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     publisher_module.STATS_INTERVAL_S = args.stats_interval
 
-    model_path = load_make_tiny_model()(args.model, num_tokens=args.vocab)
+    model_path = make_tiny_model(args.model, num_tokens=args.vocab)
     timers = Timers(time.thread_time_ns if args.clock == "thread" else time.perf_counter_ns)
     lc.llama_decode = timers.wrap("llama_decode", lc.llama_decode)  # the runner looks it up per call
     zctx = zmq.Context()
@@ -178,6 +169,3 @@ def main() -> None:
                       + f" {r['host']:10.3f} {r['llama_decode']:12.3f} {r['step']:8.3f}", flush=True)
     zctx.term()
 
-
-if __name__ == "__main__":
-    main()

@@ -10,25 +10,22 @@ for the first batch request to end. The batch requests' own duration is printed 
 for scale, and so are the daemon's preemptions and the CPU the figures come from.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
-    .venv/bin/python scripts/bench_preempt.py --model /tmp/tiny.gguf --parallel 4
+    .venv/bin/python scripts/bench.py preempt --model /tmp/tiny.gguf --parallel 4
 """
 
 import argparse
 import os
 import platform
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_long_prompts import CbatchDaemon  # noqa: E402
-from bench_priorities import ms, probe  # noqa: E402
-
-from cbatch.client import Client  # noqa: E402
-from cbatch.model import resolve_model_path  # noqa: E402
+from benches.peers import CbatchDaemon
+from benches.priorities import ms, probe
+from cbatch.client import Client
+from cbatch.model import resolve_model_path
 
 LOAD_WAIT_S = 60.0  # for the batch streams to hold every slot
 
@@ -117,6 +114,3 @@ def main(argv=None) -> None:
               f"{batch_s:>21}{result['num_preemptions']:>13}")
     print(f"CPU: {cpu_description()}")
 
-
-if __name__ == "__main__":
-    main()

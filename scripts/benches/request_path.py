@@ -6,7 +6,7 @@ and the decode worker's part (decode that message into the Request the engine pr
 Each body is run --repeat times in a row, best of --rounds; the figures are process CPU
 microseconds per request. Prints one line per body, and the CPU this run used.
 
-    .venv/bin/python scripts/bench_request_path.py
+    .venv/bin/python scripts/bench.py request_path
 """
 
 import argparse
@@ -76,6 +76,3 @@ def main() -> None:
         print(f"{name:>18}  {front_us:>12.1f}  {worker_us:>9.1f}")
     print(f"CPU used by this run: {time.process_time() - started:.1f} s (one process, one thread)")
 
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ tok/s through
     one Client's batch      generate_batch(max_in_flight=--clients), in this process
     threads                 --clients threads with a Client each (a threaded web app)
     AsyncClient             --clients coroutines sharing one AsyncClient (an asyncio app)
-    HTTP whole / streamed   /v1/completions from scripts/loadgen.py, a separate process of
+    HTTP whole / streamed   /v1/completions from scripts/benches/loadgen.py, a separate process of
                             raw kept-alive sockets on one thread; "new conn" opens a
                             connection per request, as curl and many scripts do
     llama-server            the same three HTTP ways (--llama-server PATH)
@@ -21,7 +21,7 @@ that used more than a third of a core is flagged: its server's figure is then su
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     scripts/build_llama_server.sh
-    .venv/bin/python scripts/bench_serving.py --model /tmp/tiny.gguf --parallel 64 --threads 2 1 \
+    .venv/bin/python scripts/bench.py serving --model /tmp/tiny.gguf --parallel 64 --threads 2 1 \
         --llama-server build/llama-server/bin/llama-server
 """
 
@@ -30,21 +30,17 @@ import asyncio
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_long_prompts  # noqa: E402
-import proc_cpu  # noqa: E402
-from bench_http import closed_loop, one_client_batch, percentiles, prompts, wait_http, zmq_sender  # noqa: E402
-from bench_long_prompts import CbatchDaemon, LlamaServer  # noqa: E402
-
-from cbatch.client import AsyncClient, Client  # noqa: E402
-from cbatch.model import resolve_model_path  # noqa: E402
+from benches import peers, proc_cpu
+from benches.http_vs_zmq import closed_loop, one_client_batch, percentiles, prompts, zmq_sender
+from benches.peers import CbatchDaemon, LlamaServer, free_port, wait_http
+from cbatch.client import AsyncClient, Client
+from cbatch.model import resolve_model_path
 
 CTX_PER_SEQ = 1024
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
@@ -53,11 +49,6 @@ MAX_CALLER_CORE_SHARE = 1 / 3
 CPU_COLUMNS = ("caller", "front-end", "HTTP processes", "worker main thread", "llama_decode wall",
                "worker other threads", "server")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def own_cpu_s() -> float:
@@ -224,7 +215,7 @@ def main(argv=None) -> None:
                         help="an environment variable for cbatch's daemon only (repeatable)")
     args = parser.parse_args(argv)
     if args.llama_server:
-        bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)
+        peers.LLAMA_SERVER = Path(args.llama_server)
     model_path = resolve_model_path(args.model)
     work = prompts(args.requests)
     with tempfile.NamedTemporaryFile("w", suffix=".json") as prompts_file:
@@ -240,6 +231,3 @@ def main(argv=None) -> None:
                             f"{args.requests} requests x {args.max_tokens} tokens (greedy, ignore_eos), "
                             f"{prompt_tokens}-token prompts, {args.clients} closed-loop callers", measured)
 
-
-if __name__ == "__main__":
-    main()

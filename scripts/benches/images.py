@@ -11,7 +11,7 @@ process CPU is printed beside, since on a small machine it shares the cores with
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny-chat.gguf --chat-template scripts/chatml_tools.jinja
     .venv/bin/python scripts/make_tiny_projector.py /tmp/tiny-projector.gguf
-    .venv/bin/python scripts/bench_images.py --model /tmp/tiny-chat.gguf --mmproj /tmp/tiny-projector.gguf
+    .venv/bin/python scripts/bench.py images --model /tmp/tiny-chat.gguf --mmproj /tmp/tiny-projector.gguf
 """
 
 import argparse
@@ -27,15 +27,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "tests"))
-from bench_http import http_sender, wait_http  # noqa: E402
-from bench_long_prompts import CbatchDaemon  # noqa: E402
-from imagekit import image_part, png_bytes  # noqa: E402
+from benches.http_vs_zmq import http_sender
+from benches.peers import CbatchDaemon, wait_http
+from cbatch.client import Client
+from cbatch.workers.decode.publisher import STATS_INTERVAL_S
 
-from cbatch.client import Client  # noqa: E402
-from cbatch.workers.decode.publisher import STATS_INTERVAL_S  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from imagekit import image_part, png_bytes  # noqa: E402  (the tests' helpers)
 
 IMAGE_SIDE = 64  # pixels: the tiny projector pads every image to its own 32 x 32
 
@@ -140,6 +139,3 @@ def main(argv=None) -> None:
         print(f"8 concurrent requests, {name}: {elapsed_s * 1000:.1f} ms, {num_encoded} encoder runs")
     print(f"benchmark process CPU: {cpu_s:.1f} s")
 
-
-if __name__ == "__main__":
-    main()

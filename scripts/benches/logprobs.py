@@ -5,7 +5,7 @@ with and without `logprobs`, alternating, in one run (asking for logprobs also k
 request on the host sampling path and copies its logit row out of llama.cpp's buffer).
 Only requests that ask for logprobs pay it.
 
-    .venv/bin/python scripts/bench_logprobs.py [--model PATH] [--parallel 16]
+    .venv/bin/python scripts/bench.py logprobs [--model PATH] [--parallel 16]
 """
 
 import argparse
@@ -13,10 +13,9 @@ import time
 
 import numpy as np
 
-# This script's folder is on sys.path; bench_engine loads llama_cpp before numpy, the
-# order a CUDA build needs (see cbatch/__init__.py).
-from bench_engine import make_prompts, run_engine
-
+# The engine bench loads llama_cpp before numpy, the order a CUDA build needs (see
+# cbatch/__init__.py).
+from benches.engine import make_prompts, run_engine
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.workers.engine.runner import LlamaRunner
@@ -68,6 +67,3 @@ def time_engine(model_path: str, parallel: int, max_tokens: int, num_top: int, r
               f"  {step_ms:8.2f} ms per step")
     print(f"  with/without: {tok_s['with'] / tok_s['without']:.3f}")
 
-
-if __name__ == "__main__":
-    main()

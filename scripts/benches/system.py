@@ -18,21 +18,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_engine import make_prompts
 
+from benches.engine import make_prompts
+from benches.peers import BIN_DIR
+from benches.proc_cpu import process_cpu_s
 from cbatch.client import Client
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import parse_request
 from cbatch.workers.engine.engine import Engine
 
-BIN_DIR = Path(sys.executable).parent
 IDLE_WINDOW_S = 5.0
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def run_in_process(model_path, parallel, bodies) -> float:
@@ -112,9 +108,9 @@ def idle_reader_cpu(env, parallel: int) -> tuple[float, float]:
             os.kill(worker_pid, signal.SIGSTOP)
         proc = subprocess.Popen([sys.executable, "-c", waiter], env=env)
         time.sleep(2.0)  # connected and waiting
-        before = cpu_seconds(proc.pid)
+        before = process_cpu_s(proc.pid)
         time.sleep(IDLE_WINDOW_S)
-        results.append(100 * (cpu_seconds(proc.pid) - before) / IDLE_WINDOW_S)
+        results.append(100 * (process_cpu_s(proc.pid) - before) / IDLE_WINDOW_S)
         if not with_traffic:
             os.kill(worker_pid, signal.SIGCONT)
         for p in blockers + [proc]:
@@ -175,6 +171,3 @@ def main() -> None:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(60)
 
-
-if __name__ == "__main__":
-    main()

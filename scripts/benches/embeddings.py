@@ -16,7 +16,7 @@ size, so that llama-server, which serves completions and embeddings from one set
 events, and the median, is printed for both.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
-    .venv/bin/python scripts/bench_embeddings.py --model /tmp/tiny.gguf \\
+    .venv/bin/python scripts/bench.py embeddings --model /tmp/tiny.gguf \\
         [--llama-server build/llama-server/bin/llama-server]
 """
 
@@ -31,13 +31,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_long_prompts  # noqa: E402
-from bench_http import closed_loop, http_sender, prompts, wait_http  # noqa: E402
-from bench_long_prompts import CbatchDaemon, LlamaServer  # noqa: E402
-
-from cbatch.client import Client  # noqa: E402
-from cbatch.model import resolve_model_path  # noqa: E402
+from benches import peers
+from benches.http_vs_zmq import closed_loop, http_sender, prompts
+from benches.peers import CbatchDaemon, LlamaServer, wait_http
+from cbatch.client import Client
+from cbatch.model import resolve_model_path
 
 CTX_PER_SEQ = 1024
 STREAM_TIMEOUT_S = 60.0
@@ -161,7 +159,7 @@ def main(argv=None) -> None:
     parser.add_argument("--llama-server", default="", help="a llama-server binary to compare with")
     args = parser.parse_args(argv)
     if args.llama_server:
-        bench_long_prompts.LLAMA_SERVER = Path(args.llama_server)
+        peers.LLAMA_SERVER = Path(args.llama_server)
     model_path = resolve_model_path(args.model)
     rates, gaps = measure(args, model_path)
     print(f"model {Path(model_path).name}; {args.clients} closed-loop callers x {args.requests} requests per size, "
@@ -187,6 +185,3 @@ def _gap_text(gap: tuple[float, float] | None) -> str:
         return f"no token within {STREAM_TIMEOUT_S:.0f} s (starved)"
     worst, median = gap
     return f"worst {worst:.1f} ms (median {median:.1f})"
-
-if __name__ == "__main__":
-    main()

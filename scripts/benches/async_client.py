@@ -1,7 +1,7 @@
 """The AsyncClient's own CPU per request: the cost of its pump (socket, ring, waking the
 waiting coroutines), which an HTTP server process pays for every request it relays.
 
-    .venv/bin/python scripts/bench_async_client.py [--model /tmp/tiny.gguf] [--requests 1024]
+    .venv/bin/python scripts/bench.py async_client [--model /tmp/tiny.gguf] [--requests 1024]
 
 One daemon (tiny model, --parallel 64, one compute thread); 64 coroutines share one
 AsyncClient and send their share of --requests in turn, once to warm up and once timed,
@@ -12,15 +12,13 @@ request and per token, and the requests a second.
 import argparse
 import asyncio
 import resource
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_long_prompts import CbatchDaemon  # noqa: E402
-from make_tiny_model import make_tiny_model  # noqa: E402
+from make_tiny_model import make_tiny_model
 
-from cbatch.client import AsyncClient  # noqa: E402
+from benches.peers import CbatchDaemon
+from cbatch.client import AsyncClient
 
 NUM_COROUTINES = 64
 
@@ -64,6 +62,3 @@ def main() -> None:
     finally:
         daemon.stop()
 
-
-if __name__ == "__main__":
-    main()

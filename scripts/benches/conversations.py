@@ -15,7 +15,7 @@ the end, and the CPU this script's callers used (they share the host with the se
 new one starts on the same directory. Turn N+1 is sent first to a fresh daemon without the
 directory (cold), then to the restarted one (from disk), and the run goes on from there.
 
-    .venv/bin/python scripts/bench_conversations.py [--conversations 16 --turns 4 --parallel 4] \\
+    .venv/bin/python scripts/bench.py conversations [--conversations 16 --turns 4 --parallel 4] \\
         [--restart 2] [--runs 2] [--model GGUF] [--cbatch-flags '--kv-unified']
 """
 
@@ -26,28 +26,19 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_http import wait_http  # noqa: E402
-from bench_long_prompts import BIN_DIR, LLAMA_SERVER, START_TIMEOUT_S, Texts  # noqa: E402
-
-from cbatch.model import resolve_model_path  # noqa: E402
+from benches.long_prompts import Texts
+from benches.peers import BIN_DIR, LLAMA_SERVER, START_TIMEOUT_S, free_port, wait_http
+from cbatch.model import resolve_model_path
 
 TURN_TIMEOUT_S = 3600.0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -313,6 +304,3 @@ def main(argv=None) -> None:
         if args.restart:
             measure_restart(args, run, model_path)
 
-
-if __name__ == "__main__":
-    main()

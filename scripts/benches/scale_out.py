@@ -1,7 +1,7 @@
 """Daemons behind the smg router on this machine: what the router costs, what a second
 daemon adds, and what prefix-aware routing buys (docs/scale-out.md has the figures).
 
-    .venv/bin/python scripts/bench_scale_out.py [--model PATH] [--requests N] [--max-tokens N]
+    .venv/bin/python scripts/bench.py scale_out [--model PATH] [--requests N] [--max-tokens N]
 
 1. one daemon pinned to CPU 0 with --threads 1, reached directly, then through the router;
 2. two daemons pinned to CPUs 0 and 1 (their --threads default follows the affinity mask:
@@ -110,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        sys.exit("bench_scale_out: needs 2 CPUs")
+        sys.exit("bench.py scale_out: needs 2 CPUs")
     common = [*(["--model", args.model] if args.model else []), "--parallel", str(args.concurrency)]
     pinned = [{cpus[0]}, {cpus[1]}]
     questions = [f"Question {i}: what comes after {i}?" for i in range(2 * args.requests)]
@@ -158,6 +158,3 @@ def main() -> None:
     ratio = by_policy["cache_aware"]["tok_per_s"] / max(by_policy["round_robin"]["tok_per_s"], 1e-9)
     print(f"  cache_aware / round_robin: {ratio:.2f}", flush=True)
 
-
-if __name__ == "__main__":
-    main()
