@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 BENCHES = Path(__file__).resolve().parent / "benches"
-HELPERS = frozenset({"__init__", "loadgen", "peers", "proc_cpu", "schema_suite"})  # modules the benches share
+# What the benches share (benches/__init__.py), not benches themselves.
+HELPERS = frozenset({"__init__", "callers", "loadgen", "peers", "proc_cpu", "schema_suite"})
 
 
 def bench_names() -> list[str]:

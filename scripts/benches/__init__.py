@@ -1,6 +1,7 @@
 """The benchmarks `scripts/bench.py NAME` runs, one module each with its own options
 (`main()` reads them), and what they share: the peers they start and measure against
-(peers: a cbatch daemon, llama-server, and waiting for an HTTP server), the closed-loop
-callers in the bench's own process (long_prompts, http_vs_zmq), the light HTTP load
-generator that runs as a process of its own (loadgen), the processes' CPU read from /proc
-(proc_cpu) and the schema suite (schema_suite)."""
+(peers: a cbatch daemon, llama-server, and waiting for an HTTP server), the callers in the
+bench's own process (callers: closed loops of client threads over the ZeroMQ Client or
+HTTP, one Client's batch), the light HTTP load generator that runs as a process of its own
+(loadgen), the processes' CPU read from /proc (proc_cpu) and the schema suite
+(schema_suite)."""

@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 
 from benches import peers
-from benches.http_vs_zmq import closed_loop, http_sender, prompts
+from benches.callers import closed_loop, http_sender, prompts
 from benches.peers import CbatchDaemon, LlamaServer, wait_http
 from cbatch.client import Client
 from cbatch.model import resolve_model_path

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benches.http_vs_zmq import http_sender
+from benches.callers import http_sender
 from benches.peers import CbatchDaemon, wait_http
 from cbatch.client import Client
 from cbatch.workers.decode.publisher import STATS_INTERVAL_S

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benches.http_vs_zmq import percentiles, prompts
+from benches.callers import percentiles, prompts
 from benches.peers import BIN_DIR, START_TIMEOUT_S, free_port
 from benches.proc_cpu import process_cpu_s
 from cbatch.jobs.files import MAX_FILE_LINES

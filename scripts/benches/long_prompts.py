@@ -18,12 +18,12 @@ import json
 import os
 import random
 import subprocess
-import threading
 import time
 
 from llama_cpp import Llama
 
 from benches import peers
+from benches.callers import closed_loop, counted
 from benches.peers import BIN_DIR, CbatchDaemon, LlamaServer
 from cbatch.model import resolve_model_path
 
@@ -59,39 +59,6 @@ def workload_prompts(texts: Texts, name: str, count: int) -> tuple[list[str], in
         return [f"{instruction}\nQuestion {i}: " + texts.words(12) for i in range(count)], 16
     assert name == "unique"
     return [f"Document {i}.\n" + texts.words(810) for i in range(count)], 16
-
-
-def run_clients(num_clients: int, client_loop) -> float:
-    """Run client_loop(i) on num_clients threads at once; seconds until all are done. The
-    first exception a client raised is raised here, after the run."""
-    errors: list[BaseException] = []
-
-    def guarded(i):
-        try:
-            client_loop(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(num_clients)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - started
-
-
-def closed_loop(prompts: list[str], num_clients: int, send) -> float:
-    """Each client sends its share of prompts one after another; returns tokens/s."""
-    counts = [0] * num_clients
-
-    def client_loop(i):
-        counts[i] = sum(send(p) for p in prompts[i::num_clients])
-
-    elapsed_s = run_clients(num_clients, client_loop)  # before the sum: the clients fill counts
-    return sum(counts) / elapsed_s
 
 
 def run_file(daemon: CbatchDaemon, texts: Texts, num_lines: int) -> float:
@@ -134,7 +101,7 @@ def main(argv=None) -> None:
             server = LlamaServer(model_path, args.parallel, args.ctx_per_seq, os.cpu_count() or 1)
             try:
                 for w, (ps, max_tokens) in prompts.items():
-                    table[w, config] = closed_loop(ps, args.clients, server.send(max_tokens))
+                    table[w, config] = closed_loop(ps, args.clients, counted(server.send(max_tokens)))[0]
                     print(f"  {config:12} {w:7} {table[w, config]:8.1f}", flush=True)
             finally:
                 server.stop()
@@ -147,7 +114,7 @@ def main(argv=None) -> None:
                     table[w, config] = run_file(daemon, texts, num_lines)
                 else:
                     ps, max_tokens = prompts[w]
-                    table[w, config] = closed_loop(ps, args.clients, daemon.send(max_tokens))
+                    table[w, config] = closed_loop(ps, args.clients, counted(daemon.send(max_tokens)))[0]
                 stats = daemon.stats()
             finally:
                 daemon.stop()

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from benches import peers, proc_cpu
-from benches.http_vs_zmq import closed_loop, one_client_batch, percentiles, prompts, zmq_sender
+from benches.callers import closed_loop, one_client_batch, percentiles, prompts, zmq_sender
 from benches.peers import CbatchDaemon, LlamaServer, free_port, wait_http
 from cbatch.client import AsyncClient, Client
 from cbatch.model import resolve_model_path
