@@ -274,7 +274,8 @@ def test_a_waiting_job_ends_when_its_window_does_or_it_is_cancelled_while_anothe
     """A tenant's jobs run one at a time: one waiting behind a long job ends `expired` when its window
     does, counting its requests and with a batch_expired line for each, and `cancelled` when
     it is cancelled, while the other runs."""
-    _, long_lines = _long_lines(400)  # minutes of work: it runs all through the test, which cancels it at the end
+    # Many minutes of work, on a fast machine too: it runs all through the test, which cancels it at the end.
+    _, long_lines = _long_lines(2000)
     running = _started(daemon, long_lines, 1)
     waiting_ids = [f"w{i}" for i in range(5)]
     waiting = api.batches.create(input_file_id=_upload(api, [_line(i, {"model": "m", "prompt": "x", **GREEDY})
