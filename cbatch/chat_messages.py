@@ -21,6 +21,7 @@ import msgspec
 from cbatch.text_checks import MAX_PROMPT_CHARS, checked_text, invalid
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+PLAIN_ROLES = frozenset(CHAT_ROLES[:3])  # a message of these with only role and content is plain text
 MAX_MESSAGES = 1024
 MAX_TOOLS = 128
 MAX_CALLS = 128  # in one assistant message
@@ -72,6 +73,10 @@ def _calls(where: str, value) -> tuple[ChatCall, ...]:
 
 
 def _message(i: int, message) -> ChatMessage:
+    """One message checked; a plain {role, content} one takes the short way (most do)."""
+    if type(message) is dict and len(message) == 2 and message.get("role") in PLAIN_ROLES and "content" in message:
+        return ChatMessage(message["role"], checked_text(f"messages[{i}].content", message["content"],
+                                                         MAX_PROMPT_CHARS, allow_empty=True))
     where = f"messages[{i}]"
     if not isinstance(message, dict) or not {"role", "content"} <= set(message):
         raise invalid(f"{where} must be an object with 'role' and 'content'")
