@@ -1,5 +1,5 @@
 """The engine's llama.cpp model and context: loading, tokenizer, batch, decode and logits.
-The samplers (workers/engine/sampling/), the embedder and chat_texts call llama.cpp too,
+The samplers (workers/engine/sampling/), the embedder and chat_template call llama.cpp too,
 on the model and context this module owns.
 
 Uses llama-cpp-python's low-level ctypes bindings (not its high-level `Llama`, which
