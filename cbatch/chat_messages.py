@@ -26,7 +26,7 @@ MAX_MESSAGES = 1024
 MAX_TOOLS = 128
 MAX_CALLS = 128  # in one assistant message
 MAX_NAME_CHARS = 256  # of a call's id or a function's name
-MAX_JSON_CHARS = 1 << 18  # of a call's arguments or a function's parameters, written out
+MAX_JSON_CHARS = MAX_PROMPT_CHARS  # of a call's arguments or a function's parameters, written out
 
 
 class ChatCall(msgspec.Struct, frozen=True, array_like=True):
@@ -52,7 +52,7 @@ class ToolSpec(msgspec.Struct, frozen=True, array_like=True):
 def _json_text(name: str, value) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RecursionError) as err:
         raise invalid(f"{name} is not JSON: {err}") from None
     return checked_text(name, text, MAX_JSON_CHARS)
 
@@ -74,8 +74,10 @@ def _calls(where: str, value) -> tuple[ChatCall, ...]:
 
 def _message(i: int, message) -> ChatMessage:
     """One message checked; a plain {role, content} one takes the short way (most do)."""
-    if type(message) is dict and len(message) == 2 and message.get("role") in PLAIN_ROLES and "content" in message:
-        return ChatMessage(message["role"], checked_text(f"messages[{i}].content", message["content"],
+    is_dict = type(message) is dict
+    role = message.get("role") if is_dict else None
+    if is_dict and len(message) == 2 and isinstance(role, str) and role in PLAIN_ROLES and "content" in message:
+        return ChatMessage(role, checked_text(f"messages[{i}].content", message["content"],
                                                          MAX_PROMPT_CHARS, allow_empty=True))
     where = f"messages[{i}]"
     if not isinstance(message, dict) or not {"role", "content"} <= set(message):

@@ -49,6 +49,7 @@ class FakeRunner:
         self.has_backend_sampling = False
         self.is_embedding_only = False
         self.vision = None  # no projector: no images
+        self.jinja_template = None  # chats render as "role: content" lines (render_chat)
         self.num_gpu_layers = 0
         self.num_threads = 1
         self.max_token_bytes = 4  # a token per character

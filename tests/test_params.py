@@ -11,6 +11,14 @@ from cbatch.errors import INVALID_REQUEST, CbatchError
 from cbatch.openai.choices import expand_choices
 from cbatch.params import MAX_SEED, SamplingParams, parse_params, parse_request
 
+
+def _nested(depth: int) -> list:
+    value = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 BAD_BODIES = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
@@ -62,11 +70,15 @@ BAD_BODIES = [
     ({"messages": ["hi"]}, "messages[0]"),
     # A chat's tools, calls and results as cbatch.tools prepares them for the daemon's template.
     ({"messages": [{"role": "user", "content": "y", "tool_calls": []}]}, "messages[0] takes only"),
+    ({"messages": [{"role": ["user"], "content": "y"}]}, "messages[0].role must be one of"),
+    ({"messages": [42]}, "messages[0] must be an object"),
     ({"messages": [{"role": "tool", "content": "y"}]}, "messages[0].tool_call_id must be a string"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]}]},
      "messages[0].tool_calls[0] must be"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "f", "arguments": {"x": math.inf}}}]}]}, "arguments is not JSON"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": _nested(2000)}}]}]}, "arguments is not JSON"),
     ({"prompt": "x", "offered_tools": [{"type": "function", "function": {"name": "f"}}]}, "take 'messages'"),
     ({"messages": [{"role": "user", "content": "y"}], "offered_tools": [{"function": {"name": "f"}}]},
      "offered_tools[0] must be"),

@@ -88,5 +88,10 @@ def test_a_large_prompt_is_told_from_the_fields_alone():
     assert is_large_prompt(worker_submit(1, {"messages": [{"role": "system", "content": half},
                                                           {"role": "user", "content": half}]}))
     assert not is_large_prompt(worker_submit(1, {"messages": [{"role": "user", "content": half}]}))
+    # A chat's calls and offered tools are text the template renders too.
+    call = {"id": "c", "function": {"name": "f", "arguments": {"text": half}}}
+    tool = {"type": "function", "function": {"name": "f", "description": half}}
+    assert is_large_prompt(worker_submit(1, {"messages": [{"role": "assistant", "content": "", "tool_calls": [call]}],
+                                             "offered_tools": [tool]}))
     # A malformed one (a front-end bug) is not large: the preparer rejects it, the I/O thread lives on.
     assert not is_large_prompt(WorkerSubmit(Request(1)))

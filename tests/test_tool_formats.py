@@ -9,8 +9,8 @@ import json
 import pytest
 
 from cbatch.errors import CbatchError
-from cbatch.params import parse_params
-from cbatch.tools import ToolCallStream, format_of, tool_plan
+from cbatch.params import parse_params, parse_request
+from cbatch.tools import ToolCallStream, format_of, prepare_chat, tool_plan
 from cbatch.tools.formats import BareJson, Tagged
 from cbatch.tools.messages import template_messages
 from cbatch.workers.engine.chat_template import ChatTemplate, compiled_template, tool_format
@@ -98,3 +98,17 @@ def test_only_a_template_that_knows_tools_names_a_call_format_to_clients():
     assert format_of({}) is None and format_of(None) is None
     assert format_of({"tool_format": {"name": "json_answer"}}) is None  # cbatch's own is taught in words
 
+
+def test_a_call_without_an_id_or_with_a_number_for_one_reaches_the_template_as_text():
+    """Some clients send calls without ids, or numbers for them: the result still names its
+    call, and the daemon takes both; an id of another type is refused by name."""
+    calls = [{"type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+             {"id": 7, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "tool_call_id": 7, "content": "rain"}]
+    body, _ = prepare_chat({"messages": history, "tools": TOOLS}, Tagged())
+    request = parse_request(1, body)
+    assert [call.id for call in request.messages[1].tool_calls] == ["", "7"]
+    assert (request.messages[2].tool_call_id, request.messages[2].name) == ("7", "get_weather")
+    with pytest.raises(CbatchError, match=r"messages\[2\].tool_call_id must be a string"):
+        prepare_chat({"messages": [*history[:2], {**history[2], "tool_call_id": ["x"]}], "tools": TOOLS}, Tagged())

@@ -36,6 +36,15 @@ def _text(where: str, content) -> str:
     return content
 
 
+def _call_id(where: str, value) -> str:
+    """A call's id as text: some clients send none (then "") or a number."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise invalid(f"{where} must be a string, got {type(value).__name__}")
+    return str(value)
+
+
 def _calls_of(where: str, tool_calls) -> list[dict]:
     """An assistant message's `tool_calls` with their arguments as objects."""
     if not isinstance(tool_calls, list):
@@ -50,7 +59,7 @@ def _calls_of(where: str, tool_calls) -> list[dict]:
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except json.JSONDecodeError:
             raise invalid(f"{where}.tool_calls[{j}].function.arguments is not JSON") from None
-        calls.append({"id": call.get("id"), "type": "function",
+        calls.append({"id": _call_id(f"{where}.tool_calls[{j}].id", call.get("id")), "type": "function",
                       "function": {"name": function["name"], "arguments": arguments}})
     return calls
 
@@ -67,7 +76,7 @@ def template_messages(messages) -> list[dict]:
         role = "system" if message["role"] == "developer" else message["role"]
         entry = {"role": role, "content": _text(where, message.get("content"))}
         if role == "tool":
-            call_id = message.get("tool_call_id")
+            call_id = _call_id(f"{where}.tool_call_id", message.get("tool_call_id"))
             if call_id not in call_names:
                 raise invalid(f"{where}.tool_call_id must name a call of an earlier assistant message, "
                               f"got {call_id!r}")

@@ -41,15 +41,17 @@ MIN_LARGE_PROMPT_CHARS = 1 << 16
 
 
 def is_large_prompt(submit: WorkerSubmit) -> bool:
-    """The prompt, or the chat messages' text, judged on the I/O thread; a request with
-    images is large too (the vision encoder runs in its preparation). One with neither a
-    prompt nor messages (a front-end bug) is not large: the preparer rejects it, and the
-    I/O thread lives on."""
+    """The prompt, or the chat's text (messages, calls' arguments and the offered tools),
+    judged on the I/O thread; a request with images is large too (the vision encoder runs
+    in its preparation). One with neither a prompt nor messages (a front-end bug) is not
+    large: the preparer rejects it, and the I/O thread lives on."""
     request = submit.request
     if request.prompt is not None:
         num_chars = len(request.prompt)
     else:
-        num_chars = sum(len(message.content) for message in request.messages or ())
+        num_chars = sum(len(message.content) + sum(len(call.arguments) for call in message.tool_calls)
+                        for message in request.messages or ())
+        num_chars += sum(len(tool.description) + len(tool.parameters) for tool in request.offered_tools)
     return num_chars >= MIN_LARGE_PROMPT_CHARS or bool(request.images)
 
 

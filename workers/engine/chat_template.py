@@ -87,8 +87,10 @@ def model_template(model, vocab) -> ChatTemplate | None:
     source = lc.llama_model_chat_template(model, None)
     if not source:
         return None
-    return compiled_template(source.decode("utf-8", errors="replace"), _special_text(vocab, lc.llama_vocab_bos(vocab)),
-                     _special_text(vocab, lc.llama_vocab_eos(vocab)), bool(lc.llama_vocab_get_add_bos(vocab)))
+    bos_text = _special_text(vocab, lc.llama_vocab_bos(vocab))
+    eos_text = _special_text(vocab, lc.llama_vocab_eos(vocab))
+    return compiled_template(source.decode("utf-8", errors="replace"), bos_text, eos_text,
+                             bool(lc.llama_vocab_get_add_bos(vocab)))
 
 
 def tool_format(template: ChatTemplate | None) -> dict:

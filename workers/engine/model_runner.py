@@ -42,6 +42,7 @@ class ModelRunner(Protocol):
     n_vocab: int
     eog_ids: np.ndarray  # int32, every end-of-generation token
     max_token_bytes: int  # the longest token's text
+    jinja_template: Any  # the model's own chat template (chat_template.ChatTemplate), None without one
     vision: "Vision | None"  # the vision projector, with --mmproj
     mark_decoding: Any  # called with the step's request ids around llama_decode (the crash mark)
 
