@@ -9,7 +9,7 @@ generated; the next turn's prompt is the last prompt, its answer and a new user 
 Printed for each server: the wall time, the later turns' time to first token (median and
 p99), the prompt tokens computed per turn (the prompt less the cached tokens both servers
 report in usage.prompt_tokens_details), cbatch's hits per cache tier, the server's RSS at
-the end, and the CPU this script's callers used (they share the host with the server).
+the end, and the CPU this bench's callers used (they share the host with the server).
 
 --restart N: a third run, of cbatch with --cache-dir: after turn N its daemon stops and a
 new one starts on the same directory. Turn N+1 is sent first to a fresh daemon without the

@@ -42,7 +42,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from benches.peers import CbatchDaemon
-from benches.schema_suite import suite  # this script's folder: the schemas the tests use too
+from benches.schema_suite import suite  # the schemas the tests use too
 from cbatch.client import Client
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
