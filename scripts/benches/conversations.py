@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from benches.callers import run_clients
 from benches.long_prompts import Texts
 from benches.peers import BIN_DIR, LLAMA_SERVER, START_TIMEOUT_S, free_port, wait_http
 from cbatch.model import resolve_model_path
@@ -173,26 +174,16 @@ class Workload:
 def run_turns(server: Server, workload: Workload, turns: range, answer_tokens: int) -> dict[int, list[Turn]]:
     """Every conversation through `turns`, each on its own thread; the turns by number."""
     by_turn: dict[int, list[Turn]] = {turn: [] for turn in turns}
-    errors = []
     lock = threading.Lock()
 
     def conversation(i: int) -> None:
-        try:
-            for turn in turns:
-                done = Turn(server.port, workload.prompts[i], answer_tokens)
-                with lock:
-                    by_turn[turn].append(done)
-                workload.advance(i, turn, done.answer)
-        except Exception as err:  # noqa: BLE001  reported after the run
-            errors.append(err)
+        for turn in turns:
+            done = Turn(server.port, workload.prompts[i], answer_tokens)
+            with lock:
+                by_turn[turn].append(done)
+            workload.advance(i, turn, done.answer)
 
-    threads = [threading.Thread(target=conversation, args=(i,)) for i in range(len(workload.prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    run_clients(len(workload.prompts), conversation)
     return by_turn
 
 

@@ -17,12 +17,12 @@ import argparse
 import http.client
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from make_tiny_model import make_tiny_model
 
+from benches.callers import run_clients
 from benches.peers import CbatchDaemon, free_port
 from benches.proc_cpu import process_cpu_s
 
@@ -74,15 +74,10 @@ def run_callers(port: int, num_requests: int, num_callers: int, max_tokens: int,
             if is_new_connection:
                 connection.close()
 
-    threads = [threading.Thread(target=caller, args=(num_requests // num_callers,)) for _ in range(num_callers)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    elapsed_s = run_clients(num_callers, lambda _: caller(num_requests // num_callers))
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
-    return time.perf_counter() - started
+    return elapsed_s
 
 
 def measure(model: str, name: str, env: dict, args) -> dict:

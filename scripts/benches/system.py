@@ -13,12 +13,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benches import callers
 from benches.engine import make_prompts
 from benches.peers import BIN_DIR
 from benches.proc_cpu import process_cpu_s
@@ -79,13 +79,7 @@ def run_clients(endpoint, bodies, num_clients) -> tuple[float, list[int]]:
         for body in bodies[k::num_clients]:
             counts[k] += sum(len(chunk.token_ids) for chunk in clients[k].stream(**body))
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(num_clients)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - started
+    elapsed = callers.run_clients(num_clients, work)
     for client in clients:
         client.close()
     return sum(counts) / elapsed, latencies
