@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 NUMBER = r"-?\d+(?:\.\d+)?"
 # The least time a stage is started with: below it the stage is skipped with a note.
@@ -200,6 +200,3 @@ def main(argv=None) -> None:
     measure(run, model, llama_server)
     run.finish()
 
-
-if __name__ == "__main__":
-    main()

@@ -10,20 +10,17 @@ word start ("▁a", llama.cpp's form of a word-initial WordPiece) and as a conti
 ("a", WordPiece's "##a"), and a few whole words; so any ASCII text tokenizes, character by
 character where no word matches. Byte-identical on every run (fixed numpy seed).
 
-Usage: python scripts/make_tiny_embedding_model.py OUT_PATH [mean|cls]   (prints the path written)
+Written by `python scripts/make_tiny_model.py --kind embedding OUT_PATH [--pooling mean|cls]`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_model import RandomTensors, finish_writing, new_writer, write_atomically  # noqa: E402
+from tiny_models.gguf_files import RandomTensors, finish_writing, new_writer, write_atomically
 
 SEED = 4321
 N_EMBD, N_LAYER, N_HEAD, N_FF = 32, 2, 2, 64
@@ -81,15 +78,3 @@ def make_tiny_embedding_model(path: str | os.PathLike[str], pooling: str = "mean
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
     return write_atomically(path, lambda tmp: write_gguf(tmp, pooling))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not 1 <= len(args) <= 2:
-        sys.exit("usage: make_tiny_embedding_model.py OUT_PATH [mean|cls]")
-    print(make_tiny_embedding_model(*args))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,9 +3,9 @@ cancels and killed clients mixed in. Prints what was delivered against what the 
 generated, errors by code, memory of each daemon process, and leaks; exits 1 on any
 loss, duplicate, leak or unexplained error.
 
-    python scripts/soak.py                          # 2000 requests, 32 clients, tiny model
-    python scripts/soak.py --model gemma --requests 200 --clients 8
-    python scripts/soak.py --ring-capacity 32       # ring readers lapped all the time: soaks their recovery
+    scripts/bench.py soak                           # 2000 requests, 32 clients, tiny model
+    scripts/bench.py soak --model gemma --requests 200 --clients 8
+    scripts/bench.py soak --ring-capacity 32        # ring readers lapped all the time: soaks their recovery
 """
 
 import argparse
@@ -78,7 +78,7 @@ def rss_kib(pid: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="'tiny' (made by make_tiny_model.py), 'gemma', or a path")
+    parser.add_argument("--model", default="tiny", help="'tiny' (scripts/tiny_models/llama.py), 'gemma', or a path")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--parallel", type=int, default=8)
@@ -87,8 +87,7 @@ def main() -> int:
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="cbatch-soak-"))
     if args.model == "tiny":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from make_tiny_model import make_tiny_model
+        from tiny_models.llama import make_tiny_model  # scripts/, the entry's folder
         model_path = make_tiny_model(str(workdir / "tiny.gguf"))
     else:
         model_path = resolve_model_path(None if args.model == "gemma" else args.model)
@@ -194,6 +193,3 @@ def main() -> int:
     shutil.rmtree(workdir, ignore_errors=True)
     return 1 if failures else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,22 +10,18 @@ The projector's output width must equal the text model's n_embd (mtmd refuses th
 otherwise): `--n-embd-text` writes one for another model, e.g. one that does not fit.
 Byte-identical on every run (fixed numpy seed).
 
-Usage: python scripts/make_tiny_projector.py OUT_PATH [--n-embd-text N]   (prints the path written)
+Written by `python scripts/make_tiny_model.py --kind projector OUT_PATH [--n-embd-text N]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-from pathlib import Path
 
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_model import N_EMBD as TEXT_N_EMBD  # noqa: E402
-from make_tiny_model import RandomTensors, finish_writing, write_atomically
+from tiny_models.gguf_files import RandomTensors, finish_writing, write_atomically
+from tiny_models.llama import N_EMBD as TEXT_N_EMBD
 
 SEED = 2468
 N_EMBD, N_LAYER, N_HEAD, N_FF, N_PROJ_HIDDEN = 32, 1, 2, 48, 48
@@ -81,16 +77,3 @@ def write_gguf(path: str, n_embd_text: int) -> None:
 def make_tiny_projector(path: str | os.PathLike[str], n_embd_text: int = TEXT_N_EMBD) -> str:
     """Write the projector to `path` (atomically; untouched if already identical)."""
     return write_atomically(path, lambda tmp: write_gguf(tmp, n_embd_text))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write the tiny random-weight vision projector.")
-    parser.add_argument("path")
-    parser.add_argument("--n-embd-text", type=int, default=TEXT_N_EMBD, help="the text model's embedding width")
-    args = parser.parse_args(argv)
-    print(make_tiny_projector(args.path, args.n_embd_text))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
