@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# cbatch beside llama-server on a GPU machine that has no package registry: see scripts/gpu_compare.py.
+# cbatch beside llama-server on a GPU machine that has no package registry: see scripts/benches/gpu_compare.py.
 #
 #   scripts/gpu_compare.sh prepare     here: stage what the device needs in .gpu-stage/ (ignored by git),
 #                                      one folder per carried call, each under 64 MiB:
@@ -8,7 +8,7 @@
 #                                                 and the vendored llama.cpp's commit
 #                                        part1..4 gemma-3-270m's four chunks as the model package holds them
 #   scripts/gpu_compare.sh stage DIR   there: copy the carried .gpu-stage/* into DIR (kept while warm)
-#   scripts/gpu_compare.sh full|compare|rehearse [gpu_compare.py options]
+#   scripts/gpu_compare.sh full|compare|rehearse [the gpu_compare bench's options]
 #                                      run the stages; OUT names the output folder
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +60,7 @@ full|compare|rehearse)
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${STAGE_DIR:-/tmp/stage}"/wheels/*.whl
     fi
     export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    PYTHONUNBUFFERED=1 exec "$py" scripts/gpu_compare.py --mode "$mode" "$@" ;;
+    PYTHONUNBUFFERED=1 exec "$py" scripts/bench.py gpu_compare --mode "$mode" "$@" ;;
 *)
     echo "usage: $0 prepare | stage DIR | full|compare|rehearse [options]" >&2; exit 2 ;;
 esac

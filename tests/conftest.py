@@ -18,14 +18,14 @@ def load_script(name: str):
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("models") / "tiny-llama.gguf"
-    return load_script("make_tiny_model").make_tiny_model(str(path))
+    return load_script("make_tiny_model").llama.make_tiny_model(str(path))
 
 
 @pytest.fixture(scope="session")
 def tiny_bert_path(tmp_path_factory) -> str:
     """An embedding-only model: a tiny random-weight BERT declaring mean pooling."""
     path = tmp_path_factory.mktemp("models") / "tiny-bert.gguf"
-    return load_script("make_tiny_embedding_model").make_tiny_embedding_model(str(path))
+    return load_script("make_tiny_model").embedding.make_tiny_embedding_model(str(path))
 
 
 @pytest.fixture(scope="session")
@@ -33,14 +33,14 @@ def tiny_tools_model_path(tmp_path_factory) -> str:
     """The tiny model with a chat template that knows tools (Hermes-style <tool_call> tags)."""
     path = tmp_path_factory.mktemp("models") / "tiny-tools.gguf"
     template = (REPO / "scripts" / "chatml_tools.jinja").read_text()
-    return load_script("make_tiny_model").make_tiny_model(str(path), chat_template=template)
+    return load_script("make_tiny_model").llama.make_tiny_model(str(path), chat_template=template)
 
 
 @pytest.fixture(scope="session")
 def tiny_projector_path(tmp_path_factory) -> str:
     """A random-weight LLaVA-style vision projector (mmproj) for the tiny model."""
     path = tmp_path_factory.mktemp("models") / "tiny-projector.gguf"
-    return load_script("make_tiny_projector").make_tiny_projector(str(path))
+    return load_script("make_tiny_model").projector.make_tiny_projector(str(path))
 
 
 @pytest.fixture(scope="session")

@@ -271,7 +271,7 @@ def test_pooling_flag_for_a_model_that_declares_none(start_daemon, tiny_model_pa
 
 
 def test_a_declared_pooling_wins_over_the_flag(start_daemon, tmp_path):
-    cls_model = load_script("make_tiny_embedding_model").make_tiny_embedding_model(tmp_path / "cls.gguf", "cls")
+    cls_model = load_script("make_tiny_model").embedding.make_tiny_embedding_model(tmp_path / "cls.gguf", "cls")
     with start_daemon(cls_model, *DAEMON_ARGS, "--pooling", "last").client() as client:
         assert client.stats()["embedding_pooling"] == "cls"
         assert len(client.embed(PROBE)[0]) == 32

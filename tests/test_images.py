@@ -1,4 +1,4 @@
-"""Images in the conversation: the tiny projector (scripts/make_tiny_projector.py) as
+"""Images in the conversation: the tiny projector (scripts/tiny_models/projector.py) as
 llama.cpp's mtmd loads it, and images through the daemon's real paths."""
 
 import ctypes
@@ -29,7 +29,7 @@ def mtmd_context(projector_path: str, model):
 
 
 def test_mtmd_loads_the_tiny_projector_and_writes_an_image_into_one_sequence(tiny_projector_path, text_model):
-    projector = load_script("make_tiny_projector")
+    projector = load_script("make_tiny_model").projector
     ctx = mtmd_context(tiny_projector_path, text_model)
     assert ctx and mtmd.mtmd_support_vision(ctx)
     chunks = mtmd.mtmd_input_chunks_init()
@@ -69,7 +69,7 @@ def test_mtmd_loads_the_tiny_projector_and_writes_an_image_into_one_sequence(tin
 
 
 def test_mtmd_refuses_a_projector_whose_width_is_not_the_models(tmp_path, text_model):
-    path = load_script("make_tiny_projector").make_tiny_projector(tmp_path / "narrow.gguf", n_embd_text=32)
+    path = load_script("make_tiny_model").projector.make_tiny_projector(tmp_path / "narrow.gguf", n_embd_text=32)
     assert not mtmd_context(path, text_model)
 
 

@@ -103,7 +103,7 @@ def test_without_a_projector_an_image_is_a_400_naming_mmproj(start_http_daemon, 
 def test_a_projector_that_does_not_fit_the_model_stops_the_start(start_daemon, tiny_tools_model_path, tmp_path):
     from conftest import load_script
 
-    narrow = load_script("make_tiny_projector").make_tiny_projector(tmp_path / "narrow.gguf", n_embd_text=32)
+    narrow = load_script("make_tiny_model").projector.make_tiny_projector(tmp_path / "narrow.gguf", n_embd_text=32)
     with pytest.raises(RuntimeError, match="could not load the projector"):
         start_daemon(tiny_tools_model_path, "--mmproj", narrow)
 

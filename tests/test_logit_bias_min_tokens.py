@@ -6,7 +6,7 @@ from daemonkit import Daemon, serve_module
 
 from cbatch.errors import CbatchError
 
-EOS_ID = 2  # </s> in scripts/make_tiny_model.py
+EOS_ID = 2  # </s> in scripts/tiny_models/llama.py
 
 
 @pytest.fixture(scope="module")

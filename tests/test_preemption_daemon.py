@@ -26,7 +26,7 @@ NUM_TOP_LOGPROBS = 5
 
 def token_bytes(token_id: int) -> bytes:
     """A token's bytes in the byte-level vocabulary of the random-weight test model."""
-    tiny_model = load_script("make_tiny_model")
+    tiny_model = load_script("make_tiny_model").llama
     if token_id == tiny_model.SPACE_ID:
         return b" "
     return bytes([token_id - tiny_model.FIRST_BYTE_ID])

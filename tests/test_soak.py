@@ -15,10 +15,19 @@ from conftest import REPO
     ("--requests", "150", "--clients", "8", "--ring-capacity", "8"),
 ], ids=["default-ring", "tiny-ring"])
 def test_short_soak_loses_nothing_and_leaks_nothing(args):
-    run = subprocess.run([sys.executable, str(REPO / "scripts" / "soak.py"), *args],
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "soak", *args],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "SOAK PASSED" in run.stdout and "requests with a mismatch: 0" in run.stdout
     if "--ring-capacity" in args:
         num_fetches = int(re.search(r"FETCHes answered \(lapped ring readers\): (\d+)", run.stdout)[1])
         assert num_fetches >= 10, run.stdout
+
+
+def test_a_failed_soak_fails_the_bench_entry(tmp_path):
+    """The entry exits with the bench's own status: a daemon that cannot start fails the soak."""
+    not_a_model = tmp_path / "not-a-model.gguf"
+    not_a_model.write_text("plain text, not GGUF")
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "soak", "--model", str(not_a_model),
+                          "--requests", "1", "--clients", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and "SOAK FAILED: the daemon exited" in run.stdout, run.stdout + run.stderr

@@ -18,7 +18,7 @@ PICK = {"type": "function", "function": {"name": "pick", "parameters": {
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    path = load_script("make_tiny_model").make_tiny_model(
+    path = load_script("make_tiny_model").llama.make_tiny_model(
         str(tmp_path_factory.mktemp("models") / "tiny-tagged.gguf"),
         chat_template=(REPO / "scripts" / "chatml_tools.jinja").read_text(), user_defined=TAGS)
     yield from serve_module(Daemon(path, "--parallel", "2"))

@@ -25,7 +25,7 @@ def daemon(tmp_path_factory):
     template = (REPO / "scripts" / "chatml_tools.jinja").read_text()
     opening = template.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
     assert opening != template
-    path = load_script("make_tiny_model").make_tiny_model(
+    path = load_script("make_tiny_model").llama.make_tiny_model(
         str(tmp_path_factory.mktemp("models") / "tiny-thinking.gguf"), chat_template=opening)
     yield from serve_module(HttpDaemon(path, "--parallel", "2", "--alias", "m"))
 

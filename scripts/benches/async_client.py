@@ -15,7 +15,7 @@ import resource
 import time
 from pathlib import Path
 
-from make_tiny_model import make_tiny_model
+from tiny_models.llama import make_tiny_model
 
 from benches.peers import CbatchDaemon
 from cbatch.client import AsyncClient

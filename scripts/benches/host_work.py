@@ -29,7 +29,7 @@ import time
 
 import llama_cpp.llama_cpp as lc
 import zmq
-from make_tiny_model import make_tiny_model  # scripts/, the entry's folder
+from tiny_models.llama import make_tiny_model  # scripts/, the entry's folder
 
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring

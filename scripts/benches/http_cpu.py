@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from make_tiny_model import make_tiny_model
+from tiny_models.llama import make_tiny_model
 
 from benches.callers import run_clients
 from benches.peers import CbatchDaemon, free_port

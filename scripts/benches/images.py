@@ -10,7 +10,7 @@ against 8 with a new image each: their time, and the vision encoder's runs (the 
 process CPU is printed beside, since on a small machine it shares the cores with the daemon.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny-chat.gguf --chat-template scripts/chatml_tools.jinja
-    .venv/bin/python scripts/make_tiny_projector.py /tmp/tiny-projector.gguf
+    .venv/bin/python scripts/make_tiny_model.py --kind projector /tmp/tiny-projector.gguf
     .venv/bin/python scripts/bench.py images --model /tmp/tiny-chat.gguf --mmproj /tmp/tiny-projector.gguf
 """
 
