@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from cbatch.errors import INVALID_CONFIG, CbatchError
 
 DEFAULT_TENANT = "default"  # the tenant of a request that names none (a native client, a single --api-key)
-TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")  # fits a metrics label and a log line as it is
+TENANT_PATTERN = r"\A[A-Za-z0-9_.-]{1,64}\Z"  # fits a metrics label and a log line as it is
+TENANT_NAME = re.compile(TENANT_PATTERN)
 MAX_WEIGHT = 1e6
 MAX_LIMIT = 1 << 40
 

@@ -5,12 +5,12 @@ reach a queue, so the decode loop only ever sees well-formed requests.
 """
 
 import reprlib
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args, get_origin
 
 import msgspec
-from msgspec import Meta
+from msgspec import Meta, structs
 
-from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, is_tenant_name
+from cbatch.api_keys import DEFAULT_TENANT, MAX_WEIGHT, TENANT_PATTERN
 from cbatch.chat_messages import ChatMessage, ToolSpec, parse_messages, parse_tools
 from cbatch.constraints import check_grammar, check_json_schema, check_tool_call
 from cbatch.images import check_images
@@ -90,6 +90,16 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         )
 
 
+class Scheduling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """When a request is admitted and how long it may take, and whose it is: a request's
+    fields of the same names (`timeout` as the caller writes it), bounds checked by msgspec."""
+
+    priority: Literal["interactive", "batch"] = INTERACTIVE
+    timeout_s: _ranged(float, 0.0, MAX_TIMEOUT_S, is_lo_open=True) | None = msgspec.field(default=None, name="timeout")
+    tenant: Annotated[str, Meta(pattern=TENANT_PATTERN)] = DEFAULT_TENANT
+    tenant_weight: _ranged(float, 0.0, MAX_WEIGHT, is_lo_open=True) = 1.0
+
+
 class Request(msgspec.Struct, frozen=True, array_like=True):
     """A validated request: exactly one of `prompt` or `messages`. The one shape a request
     has from the front-end, which parses the caller's map into it, to the decode worker,
@@ -163,18 +173,38 @@ def _reasoning_tags(value):
 _BY_HAND = {"stop": _stop, "grammar": check_grammar, "json_schema": check_json_schema, "tool_call": check_tool_call,
             "logit_bias": _logit_bias, "reasoning_tags": _reasoning_tags}
 PARAM_NAMES = frozenset(SamplingParams.__struct_fields__)
+SCHEDULING_NAMES = tuple(field.encode_name for field in structs.fields(Scheduling))
 CONSTRAINT_NAMES = ("grammar", "json_schema", "tool_call")  # at most one a request
 
 
-def _field_error(err: msgspec.ValidationError, raw: dict) -> str:
+def _choices(struct: type) -> dict[str, tuple]:
+    """The values each Literal field of `struct` takes, by the name a caller writes it."""
+    return {field.encode_name: get_args(field.type) for field in structs.fields(struct)
+            if get_origin(field.type) is Literal}
+
+
+_CHOICES = {SamplingParams: _choices(SamplingParams), Scheduling: _choices(Scheduling)}
+
+
+def _field_error(err: msgspec.ValidationError, raw: dict, struct: type) -> str:
     """msgspec's message ("Expected `int` >= 1 - at `$.max_tokens`") led by the field's
-    name, and followed by what the caller sent where it says only what it expected."""
+    name, and followed by what the caller sent where it says only what it expected; a
+    field of a few values names them."""
     expected, _, path = str(err).rpartition(" - at `$.")
     name = path.rstrip("`")
     if not expected or name not in raw:
         return str(err)
+    if name in _CHOICES[struct]:
+        return f"{name} must be one of {list(_CHOICES[struct][name])}, got {reprlib.repr(raw[name])}"
     said = f"{expected[0].lower()}{expected[1:]}"
     return f"{name}: {said}" if ", got `" in said else f"{name}: {said}, got {reprlib.repr(raw[name])}"
+
+
+def _converted(raw: dict, struct: type):
+    try:
+        return msgspec.convert(raw, struct, strict=True)
+    except msgspec.ValidationError as err:
+        raise invalid(_field_error(err, raw, struct)) from None
 
 
 def parse_params(raw: dict) -> SamplingParams:
@@ -182,11 +212,13 @@ def parse_params(raw: dict) -> SamplingParams:
     unknown = sorted(set(raw) - PARAM_NAMES)
     if unknown:
         raise invalid(f"unknown parameter(s) {unknown}; known: {sorted(PARAM_NAMES)}")
-    shaped = {name: _BY_HAND[name](value) if name in _BY_HAND else value for name, value in raw.items()}
-    try:
-        return msgspec.convert(shaped, SamplingParams, strict=True)
-    except msgspec.ValidationError as err:
-        raise invalid(_field_error(err, raw)) from None
+    return _converted({name: _BY_HAND[name](value) if name in _BY_HAND else value for name, value in raw.items()},
+                      SamplingParams)
+
+
+def parse_scheduling(raw: dict) -> Scheduling:
+    """`priority`, `timeout`, `tenant` and `tenant_weight`, as a caller or the front-end sends them."""
+    return _converted(raw, Scheduling)
 
 
 def parse_request(request_id: int, raw: dict) -> Request:
@@ -198,11 +230,7 @@ def parse_request(request_id: int, raw: dict) -> Request:
     prompt, messages = body.pop("prompt", None), body.pop("messages", None)
     if (prompt is None) == (messages is None):
         raise invalid("give exactly one of 'prompt' or 'messages'")
-    scheduling = {"priority": priority(body.pop("priority", INTERACTIVE)),
-                  "timeout_s": timeout(body.pop("timeout", None)),
-                  "tenant": tenant(body.pop("tenant", DEFAULT_TENANT)),
-                  "tenant_weight": _float("tenant_weight", body.pop("tenant_weight", 1.0), 0.0, MAX_WEIGHT,
-                                          lo_open=True)}
+    when = parse_scheduling({name: body.pop(name) for name in SCHEDULING_NAMES if name in body})
     images = check_images(body.pop("images", None), prompt, messages)
     offered_tools = body.pop("offered_tools", None)
     if offered_tools and prompt is not None:
@@ -216,23 +244,6 @@ def parse_request(request_id: int, raw: dict) -> Request:
                       "end-of-generation")
     if prompt is not None:
         prompt = checked_text("prompt", prompt, MAX_PROMPT_CHARS)
-        return Request(request_id, prompt=prompt, params=params, images=images, **scheduling)
+        return Request(request_id, prompt=prompt, params=params, images=images, **structs.asdict(when))
     return Request(request_id, messages=parse_messages(messages), params=params, images=images,
-                   offered_tools=parse_tools(offered_tools), **scheduling)
-
-
-def priority(value) -> str:
-    if value not in PRIORITIES:
-        raise invalid(f"priority must be one of {list(PRIORITIES)}, got {value!r}")
-    return value
-
-
-def tenant(value) -> str:
-    if not is_tenant_name(value):
-        raise invalid(f"tenant must be 1 to 64 letters, digits, '_', '.' or '-', got {value!r}")
-    return value
-
-
-def timeout(value) -> float | None:
-    """Seconds a request may take from its arrival, queued and running; None = the default."""
-    return None if value is None else _float("timeout", value, 0.0, MAX_TIMEOUT_S, lo_open=True)
+                   offered_tools=parse_tools(offered_tools), **structs.asdict(when))

@@ -84,6 +84,15 @@ BAD_BODIES = [
      "offered_tools[0] must be"),
     ({"messages": [{"role": "user", "content": "y"}], "offered_tools": [
         {"type": "function", "function": {"name": "f", "parameters": []}}]}, "offered_tools[0] must be"),
+    # Scheduling: each message leads with the field's name as the caller wrote it.
+    ({"prompt": "x", "priority": "urgent"}, "priority must be one of ['interactive', 'batch'], got 'urgent'"),
+    ({"prompt": "x", "timeout": 0}, "timeout: expected `float` > 0.0, got 0"),
+    ({"prompt": "x", "timeout": 8 * 24 * 3600}, "timeout: expected `float` <= 604800"),
+    ({"prompt": "x", "timeout": True}, "timeout: expected `float | null`, got `bool`"),
+    ({"prompt": "x", "tenant": "two words"}, "tenant: expected `str` matching regex"),
+    ({"prompt": "x", "tenant": "t" * 65}, "tenant: expected `str` matching regex"),
+    ({"prompt": "x", "tenant_weight": 0}, "tenant_weight: expected `float` > 0.0, got 0"),
+    ({"prompt": "x", "tenant_weight": math.nan}, "tenant_weight"),
 ]
 
 
@@ -111,6 +120,11 @@ def test_good_request_gets_defaults_and_values():
     assert (tools.messages[1].tool_call_id, tools.messages[1].name) == ("c1", "f")
     assert tools.offered_tools == (ToolSpec("f", "", "{}"),)
     assert not chat.params.is_plain_greedy
+    batch = parse_request(12, {"prompt": "x", "priority": "batch", "timeout": 2, "tenant": "team-a",
+                               "tenant_weight": 3})
+    assert (batch.priority, batch.timeout_s, batch.tenant, batch.tenant_weight) == ("batch", 2.0, "team-a", 3.0)
+    assert (request.priority, request.timeout_s, request.tenant, request.tenant_weight) == ("interactive", None,
+                                                                                          "default", 1.0)
 
 
 def test_n_expands_into_choices_with_consecutive_seeds():

@@ -13,7 +13,7 @@ from cbatch.client.streams import Completion, RequestStream
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs, vector_list
 from cbatch.errors import UNAVAILABLE, CbatchError
 from cbatch.openai.choices import expand_choices
-from cbatch.params import tenant as params_tenant
+from cbatch.params import parse_scheduling
 from cbatch.tools import JsonAnswer, format_of
 
 CONNECT_TIMEOUT_S = 10.0
@@ -114,7 +114,7 @@ def embed_messages(inputs, dimensions: int | None, tenant: str | None = None) ->
     inputs = parse_inputs(inputs)
     extra = {} if parse_dimensions(dimensions) is None else {"dimensions": dimensions}
     if tenant is not None:
-        extra["tenant"] = params_tenant(tenant)
+        extra["tenant"] = parse_scheduling({"tenant": tenant}).tenant
     return [{"input": inputs[at:at + MAX_INPUTS_PER_MESSAGE], "part": part, **extra}
             for part, at in enumerate(range(0, len(inputs), MAX_INPUTS_PER_MESSAGE))]
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs
 from cbatch.errors import QUEUE_FULL, SHUTTING_DOWN, CbatchError
-from cbatch.params import tenant as parse_tenant
+from cbatch.params import parse_scheduling
 from cbatch.protocol import MsgType, field
 from cbatch.workers.daemon.client_link import ClientLink
 from cbatch.workers.daemon.tenant_ledger import TenantLedger
@@ -53,7 +53,7 @@ class EmbedRelay:
         nonce = field(body, "nonce", int)
         inputs = parse_inputs(field(body, "input", (str, list)), MAX_INPUTS_PER_MESSAGE)
         dimensions = parse_dimensions(body.get("dimensions"))
-        tenant = parse_tenant(body.get("tenant", DEFAULT_TENANT))
+        tenant = parse_scheduling({"tenant": body.get("tenant", DEFAULT_TENANT)}).tenant
         part = field(body, "part", int, optional=True) or 0
         is_first = part == 0
         if is_draining:
