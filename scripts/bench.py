@@ -4,9 +4,10 @@
 Every run says, on stderr, the commit it measured (and whether the tree had changes), the
 machine (CPU model, cores, memory, accelerator) and, when it ends, its wall time and the
 CPU this process (the in-process callers) and its reaped children (daemons, llama-server,
-load generators) used. `--json FILE`, before NAME, appends the same as one JSON line, with
-the run's command and its printed figures, so runs on different machines and commits sit
-side by side in one file.
+load generators) used. A bench prints its figures as tables and its other findings as
+notes (benches/report.py); `--json FILE`, before NAME, appends all of that as one JSON
+line, with the run's command, its tables (rows of numbers under their column names), notes
+and printed text, so runs on different machines and commits sit side by side in one file.
 
     .venv/bin/python scripts/bench.py request_path
     .venv/bin/python scripts/bench.py --json runs.jsonl serving --model /tmp/tiny.gguf --parallel 16
@@ -26,9 +27,11 @@ import sys
 import time
 from pathlib import Path
 
+from benches import report  # scripts/benches/, beside this file
+
 BENCHES = Path(__file__).resolve().parent / "benches"
 # What the benches share (benches/__init__.py), not benches themselves.
-HELPERS = frozenset({"__init__", "callers", "loadgen", "peers", "proc_cpu", "schema_suite"})
+HELPERS = frozenset({"__init__", "callers", "loadgen", "peers", "proc_cpu", "report", "schema_suite"})
 
 
 def bench_names() -> list[str]:
@@ -83,7 +86,8 @@ class _Tee(io.TextIOBase):
         self.terminal.flush()
 
 
-def run(name: str, argv: list[str], json_path: str | None) -> None:
+def run(name: str, argv: list[str], json_path: str | None) -> int:
+    """Run one bench; its exit status (a bench whose `main` returns nonzero failed a check)."""
     commit = _git("rev-parse", "--short=12", "HEAD")
     record = {"bench": name, "argv": argv, "commit": commit, "is_dirty": bool(_git("status", "--porcelain")),
               "machine": machine(), "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
@@ -96,16 +100,17 @@ def run(name: str, argv: list[str], json_path: str | None) -> None:
         _cpu_s(resource.RUSAGE_CHILDREN)
     tee = _Tee(sys.stdout)
     with contextlib.redirect_stdout(tee):
-        module.main()
+        status = module.main()
     record.update(wall_s=round(time.perf_counter() - started_s, 3),
                   cpu_self_s=round(_cpu_s(resource.RUSAGE_SELF) - self_cpu_s, 3),
                   cpu_children_s=round(_cpu_s(resource.RUSAGE_CHILDREN) - children_cpu_s, 3),
-                  output=tee.kept.getvalue().splitlines())
+                  status=status or 0, **report.kept(), output=tee.kept.getvalue().splitlines())
     print(f"# bench {name}: {record['wall_s']:.1f} s; CPU {record['cpu_self_s']:.1f} s in this process (its "
           f"callers), {record['cpu_children_s']:.1f} s in its reaped children", file=sys.stderr, flush=True)
     if json_path:
         with open(json_path, "a") as out:
             out.write(json.dumps(record) + "\n")
+    return status or 0
 
 
 def main() -> None:
@@ -121,7 +126,7 @@ def main() -> None:
         return
     if args[0] not in names:
         sys.exit(f"bench.py: no bench named {args[0]!r}; the benches: {', '.join(names)}")
-    run(args[0], args[1:], json_path)
+    sys.exit(run(args[0], args[1:], json_path))
 
 
 if __name__ == "__main__":

@@ -101,15 +101,23 @@ def test_the_launcher_starts_and_stops_everything(tmp_path, tiny_model_path):
 
 
 @pytest.mark.slow
-def test_the_benchmark_runs(tiny_model_path):
+def test_the_benchmark_runs(tiny_model_path, tmp_path):
     _, bench = _examples()[4]
     command = bench.strip().split()
     assert command[:3] == [".venv/bin/python", "scripts/bench.py", "scale_out"]
     small = ["--model", tiny_model_path, "--requests", "4", "--max-tokens", "4", "--concurrency", "2",
              "--prefixes", "2", "--questions", "2", "--prefix-words", "40", "--port", str(free_port())]
-    result = subprocess.run([sys.executable, "scripts/bench.py", "scale_out", *small], cwd=REPO, capture_output=True,
-                            text=True, timeout=600)
+    runs = tmp_path / "runs.jsonl"
+    result = subprocess.run([sys.executable, "scripts/bench.py", "--json", str(runs), "scale_out", *small], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "through the router / direct:" in result.stdout and "cache_aware / round_robin:" in result.stdout
-    assert "prefix-cache hits:" in result.stdout and " 0 failed" in result.stdout
+    (record,) = [json.loads(line) for line in runs.read_text().splitlines()]
+    (loads,) = record["tables"]
+    rows = {row[0]: dict(zip(loads["columns"], row)) for row in loads["rows"]}
+    assert list(rows) == ["1. one daemon, direct", "1. one daemon, through smg", "2. two daemons, through smg",
+                          "3. prefixes, cache_aware", "3. prefixes, round_robin"], result.stdout
+    assert all(row["tok/s"] > 0 and row["failed"] == 0 for row in rows.values()), result.stdout
+    assert [row["prefix hits %"] is not None for row in rows.values()] == [False] * 3 + [True] * 2, result.stdout
+    assert [line.split(":")[0] for line in record["notes"][1:]] == [
+        "through the router / direct", "two daemons / one direct", "cache_aware / round_robin"], record["notes"]
 

@@ -1,11 +1,11 @@
 """Short soaks through the real daemon: the same script as the long one, fewer requests."""
 
-import re
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO
+from test_benchmarks import run_bench, table
 
 
 @pytest.mark.parametrize("args", [
@@ -14,14 +14,13 @@ from conftest import REPO
     # so nearly every token reaches its reader through overrun recovery.
     ("--requests", "150", "--clients", "8", "--ring-capacity", "8"),
 ], ids=["default-ring", "tiny-ring"])
-def test_short_soak_loses_nothing_and_leaks_nothing(args):
-    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "soak", *args],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "SOAK PASSED" in run.stdout and "requests with a mismatch: 0" in run.stdout
+def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path, args):
+    record = run_bench(tmp_path, "soak", *args)
+    assert record["status"] == 0 and record["notes"][-1] == "SOAK PASSED", record["output"]
+    figures = dict(table(record, "Delivered against generated")["rows"])
+    assert figures["requests with a mismatch"] == 0, record["output"]
     if "--ring-capacity" in args:
-        num_fetches = int(re.search(r"FETCHes answered \(lapped ring readers\): (\d+)", run.stdout)[1])
-        assert num_fetches >= 10, run.stdout
+        assert figures["FETCHes answered (lapped ring readers)"] >= 10, record["output"]
 
 
 def test_a_failed_soak_fails_the_bench_entry(tmp_path):

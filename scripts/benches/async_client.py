@@ -5,8 +5,8 @@ waiting coroutines), which an HTTP server process pays for every request it rela
 
 One daemon (tiny model, --parallel 64, one compute thread); 64 coroutines share one
 AsyncClient and send their share of --requests in turn, once to warm up and once timed,
-for each --max-tokens. Prints the CPU seconds of this process (the client alone) per
-request and per token, and the requests a second.
+for each --max-tokens. Prints a row per --max-tokens: the CPU of this process (the client
+alone) per request and per token, and the requests a second.
 """
 
 import argparse
@@ -18,6 +18,7 @@ from pathlib import Path
 from tiny_models.llama import make_tiny_model
 
 from benches.peers import CbatchDaemon
+from benches.report import Table, note
 from cbatch.client import AsyncClient
 
 NUM_COROUTINES = 64
@@ -53,12 +54,15 @@ def main() -> None:
         make_tiny_model(args.model)
     num_requests = args.requests // NUM_COROUTINES * NUM_COROUTINES
     daemon = CbatchDaemon(args.model, NUM_COROUTINES, ["-c", str(NUM_COROUTINES * 256), "-t", "1"])
+    note(f"{num_requests} requests from {NUM_COROUTINES} coroutines sharing one AsyncClient; one daemon, "
+         f"--parallel {NUM_COROUTINES}, one compute thread")
+    figures = Table("The AsyncClient's own CPU, the timed round", "max_tokens", "CPU us/request", "CPU us/token",
+                    "requests/s")
     try:
         for max_tokens in args.max_tokens:
             cpu_s, wall_s = asyncio.run(timed_round(daemon.endpoint, num_requests, max_tokens))
-            print(f"max_tokens {max_tokens:3d}: {1e6 * cpu_s / num_requests:7.1f} us CPU a request, "
-                  f"{1e6 * cpu_s / num_requests / max_tokens:6.1f} a token, {num_requests / wall_s:6.0f} requests/s",
-                  flush=True)
+            figures.row(max_tokens, 1e6 * cpu_s / num_requests, 1e6 * cpu_s / num_requests / max_tokens,
+                        num_requests / wall_s)
     finally:
         daemon.stop()
 

@@ -6,8 +6,9 @@ the daemon's default (--threads left out) drops to one thread while that lasts
 (workers/engine/thread_governor.py). This runs the same requests (concurrent greedy
 generations from one light client) against a daemon with the default threads, with `-t 1`
 and with `-t N` (every core, the default's count), first with a CPU-bound busy loop per
-core beside it, then on the quiet host, and prints each wall time, the default's ratio to
-the best fixed count, the thread count the default ended on, and the CPU the client used.
+core beside it, then on the quiet host. A table per host: each setting's wall time and
+the compute threads it ended on; then notes: the daemon's log lines where its thread
+governor acted, the default's ratio to the best fixed count, and the CPU the client used.
 
 Usage: .venv/bin/python scripts/bench.py busy_host [--model PATH] [--requests 10] [--max-tokens 64]
 """
@@ -18,6 +19,7 @@ import resource
 import time
 
 from benches.peers import CbatchDaemon
+from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.config import num_usable_cpus
 from cbatch.model import resolve_model_path
@@ -55,25 +57,29 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     num_cpus = num_usable_cpus()
     configs = {"default": [], "-t 1": ["-t", "1"], f"-t {num_cpus}": ["-t", str(num_cpus)]}
+    note(f"{args.requests} concurrent requests of {args.max_tokens} tokens from one client, {num_cpus} usable CPUs")
     for is_busy in (True, False):
+        host = "busy" if is_busy else "quiet"
         hogs = [multiprocessing.Process(target=busy_loop, daemon=True) for _ in range(num_cpus if is_busy else 0)]
         for hog in hogs:
             hog.start()
         try:
-            walls = {}
+            walls, governor_lines = {}, {}
+            runs = Table(f"{host} host ({len(hogs)} busy loops beside the daemon)", "threads", "wall s",
+                         "compute threads at the end", widths={"threads": 10})
             for name, threads in configs.items():
-                wall_s, num_threads, lines = run_once(resolve_model_path(args.model), threads, args)
+                wall_s, num_threads, governor_lines[name] = run_once(resolve_model_path(args.model), threads, args)
                 walls[name] = wall_s
-                print(f"{'busy' if is_busy else 'quiet'} host, {name}: {wall_s:.1f} s for {args.requests} x "
-                      f"{args.max_tokens} tokens, ending on {num_threads} compute threads"
-                      + (f" ({lines})" if lines else ""), flush=True)
+                runs.row(name, wall_s, num_threads)
         finally:
             for hog in hogs:
                 hog.kill()
                 hog.join()
+        for name, lines in governor_lines.items():
+            if lines:
+                note(f"{host} host, {name}, the daemon's log: {lines}")
         best = min(wall for name, wall in walls.items() if name != "default")
-        print(f"{'busy' if is_busy else 'quiet'} host ({len(hogs)} busy loops beside the daemon): default / best "
-              f"fixed -t {walls['default'] / best:.2f}x", flush=True)
+        note(f"{host} host: default / best fixed -t {walls['default'] / best:.2f}x")
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    print(f"client CPU: {usage.ru_utime + usage.ru_stime:.1f} s")
+    note(f"client CPU: {usage.ru_utime + usage.ru_stime:.1f} s")
 

@@ -131,8 +131,8 @@ def counted(send):
     return lambda: lambda prompt: (send(prompt), None, [])
 
 
-def percentiles(values: list[float]) -> str:
-    if not values:
-        return "n/a"
-    p50, p90, p99 = np.percentile(np.array(values) * 1000, [50, 90, 99])
-    return f"p50 {p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms"
+def percentiles_ms(seconds: list[float]) -> list[float | None]:
+    """p50, p90 and p99 of these times, in milliseconds (None each when there are none)."""
+    if not seconds:
+        return [None] * 3
+    return [float(ms) for ms in np.percentile(np.array(seconds) * 1000, [50, 90, 99])]

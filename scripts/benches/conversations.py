@@ -6,14 +6,16 @@ llama-server with its defaults (its host-memory prompt cache on) when it is buil
 A closed loop: every conversation runs on a thread of its own and sends its next turn once
 the last is answered: POST /v1/completions, streamed, greedy, ignore_eos, --answer-tokens
 generated; the next turn's prompt is the last prompt, its answer and a new user line.
-Printed for each server: the wall time, the later turns' time to first token (median and
-p99), the prompt tokens computed per turn (the prompt less the cached tokens both servers
-report in usage.prompt_tokens_details), cbatch's hits per cache tier, the server's RSS at
-the end, and the CPU this bench's callers used (they share the host with the server).
+Printed, a row for each server: the wall time, the later turns' time to first token
+(median and p99), the prompt tokens computed per turn (the prompt less the cached tokens
+both servers report in usage.prompt_tokens_details), the server's RSS at the end, the CPU
+this bench's callers used (they share the host with the server) and cbatch's hits per
+cache tier; then cbatch's ratios to llama-server, as a note.
 
 --restart N: a third run, of cbatch with --cache-dir: after turn N its daemon stops and a
 new one starts on the same directory. Turn N+1 is sent first to a fresh daemon without the
-directory (cold), then to the restarted one (from disk), and the run goes on from there.
+directory (cold), then to the restarted one (from disk), and the run goes on from there:
+a table of its own, a row for each of the two daemons.
 
     .venv/bin/python scripts/bench.py conversations [--conversations 16 --turns 4 --parallel 4] \\
         [--restart 2] [--runs 2] [--model GGUF] [--cbatch-flags '--kv-unified']
@@ -36,9 +38,14 @@ from pathlib import Path
 from benches.callers import run_clients
 from benches.long_prompts import Texts
 from benches.peers import BIN_DIR, LLAMA_SERVER, START_TIMEOUT_S, free_port, wait_http
+from benches.report import Table, note
 from cbatch.model import resolve_model_path
 
 TURN_TIMEOUT_S = 3600.0
+CACHE_METRICS = {'cbatch_kv_cache_hits_total{tier="device"}': "device hits",
+                 'cbatch_kv_cache_hits_total{tier="host"}': "host hits",
+                 'cbatch_kv_cache_hits_total{tier="disk"}': "disk hits", "cbatch_kv_cache_misses_total": "misses",
+                 "cbatch_host_cache_bytes": "host bytes"}
 
 
 
@@ -103,15 +110,11 @@ class Cbatch(Server):
         connection.request("GET", "/metrics")
         text = connection.getresponse().read().decode()
         connection.close()
-        wanted = {'cbatch_kv_cache_hits_total{tier="device"}': "device hits",
-                  'cbatch_kv_cache_hits_total{tier="host"}': "host hits",
-                  'cbatch_kv_cache_hits_total{tier="disk"}': "disk hits", "cbatch_kv_cache_misses_total": "misses",
-                  "cbatch_host_cache_bytes": "host bytes"}
         found = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")
-            if name in wanted:
-                found[wanted[name]] = int(float(value))
+            if name in CACHE_METRICS:
+                found[CACHE_METRICS[name]] = int(float(value))
         return found
 
     def stop(self) -> None:
@@ -194,13 +197,14 @@ def p99(values: list[float]) -> float:
 def summary(name: str, by_turn: dict[int, list[Turn]], wall_s: float, server: Server, cpu_s: float) -> dict:
     later = [t.ttft_s for turn, done in by_turn.items() if turn > 0 for t in done]
     computed = {turn: round(statistics.mean(t.num_computed for t in done)) for turn, done in by_turn.items()}
-    row = {"name": name, "wall_s": wall_s, "ttft_median_s": statistics.median(later) if later else 0.0,
-           "ttft_p99_s": p99(later) if later else 0.0, "computed": computed,
-           "rss_mb": rss_bytes(server.process.pid) / 1e6, "stats": server.stats(), "callers_cpu_s": cpu_s}
-    print(f"  {name:14} wall {wall_s:7.1f} s   later turns TTFT median {row['ttft_median_s']:6.2f} s, "
-          f"p99 {row['ttft_p99_s']:6.2f} s   prompt tokens computed per turn {computed}   "
-          f"RSS {row['rss_mb']:.0f} MB   callers' CPU {cpu_s:.1f} s   {row['stats'] or ''}", flush=True)
-    return row
+    return {"name": name, "wall_s": wall_s, "ttft_median_s": statistics.median(later) if later else 0.0,
+            "ttft_p99_s": p99(later) if later else 0.0, "computed": computed,
+            "rss_mb": rss_bytes(server.process.pid) / 1e6, "stats": server.stats(), "callers_cpu_s": cpu_s}
+
+
+def cache_cells(stats: dict) -> list[int | None]:
+    """A server's cache counters in CACHE_METRICS' order; None for one it does not report."""
+    return [stats.get(name) for name in CACHE_METRICS.values()]
 
 
 def callers_cpu_s() -> float:
@@ -220,8 +224,10 @@ def measure(name: str, start, args, texts_seed: int, model_path: str) -> dict:
         server.stop()
 
 
-def measure_restart(args, texts_seed: int, model_path: str) -> None:
-    """cbatch with --cache-dir, stopped after turn --restart and started again on the directory."""
+def measure_restart(args, texts_seed: int, model_path: str) -> tuple[list[Turn], list[Turn], dict]:
+    """cbatch with --cache-dir, stopped after turn --restart and started again on the directory:
+    the turn after the restart sent cold and from the directory, and the restarted daemon's
+    cache hits at the end."""
     cache_dir = tempfile.mkdtemp(prefix="cbconv-cache-")
     flags = [*args.cbatch_flags.split(), "--cache-dir", cache_dir]
     workload = Workload(Texts(model_path, texts_seed), args.conversations, args.system_tokens, args.history_tokens,
@@ -247,13 +253,7 @@ def measure_restart(args, texts_seed: int, model_path: str) -> None:
             server.stop()
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    turn = args.restart
-    cold_ttft = statistics.median(t.ttft_s for t in cold[turn])
-    warm_ttft = statistics.median(t.ttft_s for t in warm[turn])
-    print(f"  restart after turn {turn}: turn {turn + 1} TTFT median cold {cold_ttft:.2f} s, from --cache-dir "
-          f"{warm_ttft:.2f} s ({warm_ttft / cold_ttft:.2f}x); prompt tokens computed per turn cold "
-          f"{round(statistics.mean(t.num_computed for t in cold[turn]))}, from disk "
-          f"{round(statistics.mean(t.num_computed for t in warm[turn]))}   {stats}", flush=True)
+    return cold[args.restart], warm[args.restart], stats
 
 
 def main(argv=None) -> None:
@@ -275,23 +275,39 @@ def main(argv=None) -> None:
     model_path = resolve_model_path(args.model)
     configs = args.configs.split(",")
     if "llama-server" in configs and not LLAMA_SERVER.exists():
-        print(f"note: {LLAMA_SERVER} is not built (scripts/build_llama_server.sh): llama-server skipped")
+        note(f"{LLAMA_SERVER} is not built (scripts/build_llama_server.sh): llama-server skipped")
         configs.remove("llama-server")
     starts = {
         "cbatch": lambda: Cbatch(model_path, args.parallel, args.cbatch_flags.split()),
         "cbatch-no-tier": lambda: Cbatch(model_path, args.parallel, [*args.cbatch_flags.split(), "--cache-ram", "0"]),
         "llama-server": lambda: LlamaServer(model_path, args.parallel, args.ctx_per_seq),
     }
-    print(f"{args.conversations} conversations x {args.turns} turns over {args.parallel} slots: a "
-          f"~{args.system_tokens}-token shared system text, ~{args.history_tokens} tokens of history each, "
-          f"{args.user_tokens}-token user lines, {args.answer_tokens}-token answers; {os.cpu_count()} CPUs")
+    note(f"{args.conversations} conversations x {args.turns} turns over {args.parallel} slots: a "
+         f"~{args.system_tokens}-token shared system text, ~{args.history_tokens} tokens of history each, "
+         f"{args.user_tokens}-token user lines, {args.answer_tokens}-token answers; {os.cpu_count()} CPUs")
+    turn_columns = [f"turn {turn + 1} computed" for turn in range(args.turns)]
     for run in range(args.runs):
-        print(f"run {run + 1}")
-        rows = {name: measure(name, starts[name], args, run, model_path) for name in configs}
+        figures = Table(f"Run {run + 1}: each server's wall time, later turns' TTFT, prompt tokens computed per turn, "
+                        "cache hits", "server", "wall s", "TTFT median s", "TTFT p99 s", *turn_columns, "RSS MB",
+                        "callers CPU s", *CACHE_METRICS.values(), widths={"server": 14})
+        rows = {}
+        for name in configs:
+            row = rows[name] = measure(name, starts[name], args, run, model_path)
+            figures.row(name, row["wall_s"], row["ttft_median_s"], row["ttft_p99_s"], *row["computed"].values(),
+                        row["rss_mb"], row["callers_cpu_s"], *cache_cells(row["stats"]))
         if "cbatch" in rows and "llama-server" in rows:
             cbatch, peer = rows["cbatch"], rows["llama-server"]
-            print(f"  cbatch / llama-server: speed (wall) {peer['wall_s'] / cbatch['wall_s']:.2f}x, later turns' "
-                  f"TTFT median {cbatch['ttft_median_s'] / peer['ttft_median_s']:.2f}x", flush=True)
+            note(f"run {run + 1}, cbatch / llama-server: speed (wall) {peer['wall_s'] / cbatch['wall_s']:.2f}x, "
+                 f"later turns' TTFT median {cbatch['ttft_median_s'] / peer['ttft_median_s']:.2f}x")
         if args.restart:
-            measure_restart(args, run, model_path)
+            cold, warm, stats = measure_restart(args, run, model_path)
+            cold_ttft, warm_ttft = (statistics.median(t.ttft_s for t in turns) for turns in (cold, warm))
+            restart = Table(f"Run {run + 1}: restart after turn {args.restart}, turn {args.restart + 1} on a cold "
+                            "daemon and on one restarted on --cache-dir", "daemon", "TTFT median s",
+                            "prompt tokens computed", *CACHE_METRICS.values(), widths={"daemon": 16})
+            restart.row("cold", cold_ttft, round(statistics.mean(t.num_computed for t in cold)), *cache_cells({}))
+            restart.row("from --cache-dir", warm_ttft, round(statistics.mean(t.num_computed for t in warm)),
+                        *cache_cells(stats))
+            note(f"run {run + 1}, restart: turn {args.restart + 1} TTFT median from --cache-dir / cold "
+                 f"{warm_ttft / cold_ttft:.2f}x")
 

@@ -1,10 +1,12 @@
 """Bare llama_decode cost on this machine: one decode step for 1..16 sequences, and prefill
 throughput, through the engine's runner with no scheduling, sampling or sockets. It shows
-how much batching can buy before any cbatch code is involved."""
+how much batching can buy before any cbatch code is involved. Prints the setup, then a row
+per number of sequences: prefill tokens/s, a decode step's milliseconds and decode tokens/s."""
 
 import argparse
 import time
 
+from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import SamplingParams
@@ -51,9 +53,9 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     model_path = resolve_model_path(args.model)
-    print(f"model {model_path}; {PROMPT_TOKENS}-token prompts, {NUM_STEPS} decode steps")
-    print(f"{'sequences':>9} {'prefill tok/s':>13} {'step ms':>8} {'decode tok/s':>12}")
+    note(f"model {model_path}; {PROMPT_TOKENS}-token prompts, {NUM_STEPS} decode steps")
+    figures = Table("Bare llama_decode, by number of sequences", "sequences", "prefill tok/s", "step ms",
+                    "decode tok/s")
     for parallel in args.parallel:
         prefill_tps, step_s = bare_decode(model_path, parallel)
-        print(f"{parallel:9d} {prefill_tps:13.1f} {1000 * step_s:8.1f} {parallel / step_s:12.1f}", flush=True)
-
+        figures.row(parallel, prefill_tps, 1000 * step_s, parallel / step_s)

@@ -8,12 +8,13 @@ For each --batch-sizes level (inputs per request), --clients closed-loop callers
     cbatch Client       Client.embed over ZeroMQ (a thread and a Client per caller)
     llama-server        POST /v1/embeddings of `llama-server --embeddings --pooling mean`
 
-and the inputs embedded per second are printed with cbatch's ratio to llama-server. Then,
-on each server, one streamed completion (--max-tokens, greedy, ignore_eos) runs alone
-and again beside an embedding load (--parallel - 1 callers sending batches of the largest
-size, so that llama-server, which serves completions and embeddings from one set of
---parallel slots, keeps a slot for the stream): the worst gap between two of its token
-events, and the median, is printed for both.
+and the inputs embedded per second are printed, a row per path and size, with cbatch's
+ratio to llama-server. Then, on each server, one streamed completion (--max-tokens,
+greedy, ignore_eos) runs alone and again beside an embedding load (--parallel - 1 callers
+sending batches of the largest size, so that llama-server, which serves completions and
+embeddings from one set of --parallel slots, keeps a slot for the stream): the worst gap
+between two of its token events, and the median, is printed for both (none, and a note,
+for a stream starved of tokens).
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     .venv/bin/python scripts/bench.py embeddings --model /tmp/tiny.gguf \\
@@ -34,6 +35,7 @@ import numpy as np
 from benches import peers
 from benches.callers import closed_loop, http_sender, prompts
 from benches.peers import CbatchDaemon, LlamaServer, wait_http
+from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.model import resolve_model_path
 
@@ -162,26 +164,23 @@ def main(argv=None) -> None:
         peers.LLAMA_SERVER = Path(args.llama_server)
     model_path = resolve_model_path(args.model)
     rates, gaps = measure(args, model_path)
-    print(f"model {Path(model_path).name}; {args.clients} closed-loop callers x {args.requests} requests per size, "
-          f"--parallel {args.parallel}; inputs embedded per second (mean pooling, normalized), and /server: "
-          "the ratio to llama-server")
-    print(f"{'path':20}" + "".join(f"  {'batch ' + str(size):>10} {'/server':>8}" for size in args.batch_sizes))
+    note(f"model {Path(model_path).name}; {args.clients} closed-loop callers x {args.requests} requests per size, "
+         f"--parallel {args.parallel}; mean pooling, normalized")
+    figures = Table("Inputs embedded per second, and the ratio to llama-server", "path", "inputs/request",
+                    "inputs/s", "/ llama-server", widths={"path": len(SERVER)})
     for name, by_size in rates.items():
-        if not by_size:
-            continue
-        cells = []
-        for size in args.batch_sizes:
+        for size, rate in by_size.items():
             server = rates[SERVER].get(size)
-            ratio = f"{by_size[size] / server:8.2f}" if server else f"{'-':>8}"
-            cells.append(f"  {by_size[size]:10.1f} {ratio}")
-        print(f"{name:20}" + "".join(cells))
-    for name, (alone, loaded) in gaps.items():
-        print(f"{name}: token gap of a {args.max_tokens}-token stream: {_gap_text(alone)} alone; {_gap_text(loaded)} "
-              f"beside {args.parallel - 1} callers embedding batches of {max(args.batch_sizes)}")
-
-
-def _gap_text(gap: tuple[float, float] | None) -> str:
-    if gap is None:
-        return f"no token within {STREAM_TIMEOUT_S:.0f} s (starved)"
-    worst, median = gap
-    return f"worst {worst:.1f} ms (median {median:.1f})"
+            figures.row(name, size, rate, rate / server if server else None)
+    embedding_load = f"beside {args.parallel - 1} callers embedding batches of {max(args.batch_sizes)}"
+    stream_gaps = Table(f"Gaps between the token events of a {args.max_tokens}-token stream, alone and loaded "
+                        f"({embedding_load})", "server", "load", "worst gap ms", "median gap ms",
+                        widths={"server": 12})
+    starved = []
+    for name, by_load in gaps.items():
+        for load, gap in zip(("alone", "loaded"), by_load):
+            stream_gaps.row(name, load, *(gap or (None, None)))
+            if gap is None:
+                starved.append(f"{name}, {'alone' if load == 'alone' else embedding_load}")
+    for stream in starved:
+        note(f"{stream}: no token within {STREAM_TIMEOUT_S:.0f} s (starved)")

@@ -1,9 +1,10 @@
 """Engine benchmark: continuous batching vs serving the same prompts one after another.
 
 For each parallel level the in-process engine runs max(parallel, 8) requests (prompts of
-about 128 tokens, 64 generated) and the table shows aggregate generated tokens/s, the
-fraction of step time spent inside llama_decode, and the ratio to llama_cpp.Llama
-serving the same prompts in turn, measured in the same run.
+about 128 tokens, 64 generated). Prints the setup, then one table: for each mode a row for
+llama_cpp.Llama serving the prompts in turn, then a row per parallel level, each with its
+aggregate generated tokens/s, the fraction of step time spent inside llama_decode, and the
+ratio to serving in turn, measured in the same run.
 """
 
 import argparse
@@ -11,6 +12,7 @@ import time
 
 import llama_cpp
 
+from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import parse_request
@@ -92,19 +94,17 @@ def main() -> None:
     llm = llama_cpp.Llama(model_path=model_path, n_ctx=1024, n_batch=512, verbose=False)
     prompts = make_prompts(lambda text: len(llm.tokenize(text.encode())), max(max(args.parallel), 8),
                            args.prompt_tokens)
-    print(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, "
-          f"{args.max_tokens} generated each; "
-          f"{args.waves} wave(s), {'unified KV' if args.kv_unified else 'one KV stream per slot'}, "
-          f"prefix cache {'on' if args.prefix_cache else 'off'}")
-    print(f"{'mode':8} {'parallel':>8} {'requests':>8} {'tok/s':>8} {'in decode':>9} {'x sequential':>12}")
+    note(f"model {model_path}; {len(prompts)} prompts of ~{args.prompt_tokens} tokens, {args.max_tokens} generated "
+         f"each; {args.waves} wave(s), {'unified KV' if args.kv_unified else 'one KV stream per slot'}, "
+         f"prefix cache {'on' if args.prefix_cache else 'off'}")
+    figures = Table("Generated tokens/s, served in turn and batched", "mode", "parallel", "requests", "tok/s",
+                    "decode share", "x in turn")
     for mode in args.modes:
         params = MODES[mode]
         sequential = run_sequential(llm, prompts, params, args.max_tokens)
-        print(f"{mode:8} {'in turn':>8} {len(prompts):8d} {sequential:8.1f} {'':>9} {1.0:12.2f}")
+        figures.row(mode, "in turn", len(prompts), sequential, None, 1.0)
         for parallel in args.parallel:
             batch = prompts[: max(parallel, 8)]
             tok_s, stats = run_engine(model_path, parallel, batch, params, args.max_tokens, args.waves, args.kv_unified,
                                       args.prefix_cache)
-            print(f"{mode:8} {parallel:8d} {len(batch) * args.waves:8d} {tok_s:8.1f} {stats['decode_fraction']:9.3f} "
-                  f"{tok_s / sequential:12.2f}", flush=True)
-
+            figures.row(mode, parallel, len(batch) * args.waves, tok_s, stats["decode_fraction"], tok_s / sequential)

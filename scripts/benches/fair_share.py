@@ -4,11 +4,12 @@ share on and off (`cbatch-worker --no-fair-share`), one daemon after the other.
 Each daemon serves HTTP with a keys file of two tenants of equal weight. The heavy tenant
 runs --heavy-factor times the light one's callers (scripts/benches/loadgen.py, closed loops), so
 both keep requests waiting: once the heavy load has filled the queue, the light tenant
-sends --light-requests streamed requests, and the run is the time they take. Printed per
-daemon: each tenant's share of the tokens generated over the run (from the daemon's usage
-per tenant, so a request that ends just after the light ones began counts whole), the
-light tenant's time to first token (p50 and p99), and the CPU the load generators used
-over the run. With fair share the light tenant should get about half the tokens and a
+sends --light-requests streamed requests, and the run is the time they take. A table row
+per daemon: each tenant's share of the tokens generated over the run (from the daemon's
+usage per tenant, so a request that ends just after the light ones began counts whole),
+the tokens and the run's length, the light tenant's time to first token (p50 and p99), and
+the CPU the load generators used over the run (seconds, and cores: seconds per second of
+the run). With fair share the light tenant should get about half the tokens and a
 short wait; without, about 1 / (1 + heavy-factor), behind the heavy backlog.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
@@ -27,6 +28,7 @@ import numpy as np
 
 from benches import proc_cpu
 from benches.peers import CbatchDaemon, free_port, wait_http
+from benches.report import Table, note
 from benches.serving import LOADGEN
 
 KEYS = "heavy key-heavy\nlight key-light\n"  # equal weights: fair share means equal tokens
@@ -101,17 +103,19 @@ def main() -> None:
     parser.add_argument("--light-requests", type=int, default=100, help="the light tenant's requests: the run")
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
-    print(f"--parallel {args.parallel}, {args.max_tokens} tokens a request; light: {args.light_clients} callers, "
-          f"{args.light_requests} streamed requests; heavy: {args.light_clients * args.heavy_factor} callers")
+    note(f"--parallel {args.parallel}, {args.max_tokens} tokens a request; light: {args.light_clients} callers, "
+         f"{args.light_requests} streamed requests; heavy: {args.light_clients * args.heavy_factor} callers")
     with tempfile.TemporaryDirectory(prefix="cbbfs-") as tmp:
         workdir = Path(tmp)
         (workdir / "keys").write_text(KEYS)
+        runs = Table("the tokens generated over the run, and the light tenant's wait", "fair share", "heavy tokens %",
+                     "light tokens %", "tokens", "run s", "light TTFT p50 ms", "light TTFT p99 ms", "loadgen CPU s",
+                     "loadgen cores")
         for fair_share in (True, False):
             run = measure(args, workdir, fair_share)
             total = sum(run["generated"].values())
-            shares = ", ".join(f"{tenant} {count / total:.1%}" for tenant, count in run["generated"].items())
             p50, p99 = run["ttft_ms"]
-            print(f"fair share {'on ' if fair_share else 'off'}: generated tokens {shares} ({total} in "
-                  f"{run['elapsed_s']:.1f} s); light TTFT p50 {p50:.0f} ms, p99 {p99:.0f} ms; load generators "
-                  f"{run['caller_cpu_s']:.2f} CPU s ({run['caller_cpu_s'] / run['elapsed_s']:.0%} of a core)")
+            runs.row("on" if fair_share else "off", 100 * run["generated"]["heavy"] / total,
+                     100 * run["generated"]["light"] / total, total, run["elapsed_s"], float(p50), float(p99),
+                     run["caller_cpu_s"], run["caller_cpu_s"] / run["elapsed_s"])
 

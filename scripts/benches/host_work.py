@@ -2,8 +2,8 @@
 
 Writes a random-weight model with a full-size vocabulary (262,144 tokens, as gemma's) and
 a tiny body (scripts/make_tiny_model.py), runs the real engine on it at each parallel
-level, greedy and sampled, and prints the time per decode step spent outside
-llama_decode, split by phase:
+level, greedy and sampled, and prints a table row per run: the ms per decode step spent
+outside llama_decode, split by phase, their total, llama_decode's and the whole step's:
 
     schedule+fill  scheduling, KV bookkeeping and filling the llama_batch
     logits         reading what the step produced: the logit rows (or the sampled ids)
@@ -31,6 +31,7 @@ import llama_cpp.llama_cpp as lc
 import zmq
 from tiny_models.llama import make_tiny_model  # scripts/, the entry's folder
 
+from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
 from cbatch.params import parse_request
@@ -157,15 +158,14 @@ def main() -> None:
     timers = Timers(time.thread_time_ns if args.clock == "thread" else time.perf_counter_ns)
     lc.llama_decode = timers.wrap("llama_decode", lc.llama_decode)  # the runner looks it up per call
     zctx = zmq.Context()
-    print(f"model {model_path} ({args.vocab} tokens, tiny body); {args.steps} decode steps per run; "
-          "ms per step")
-    print(f"{'mode':8} {'seqs':>4} {'backend':>7} " + " ".join(f"{name:>13}" for name in PHASES)
-          + f" {'host total':>10} {'llama_decode':>12} {'step':>8}")
+    note(f"model {model_path} ({args.vocab} tokens, tiny body); {args.steps} decode steps per run")
+    figures = Table("ms per decode step, by phase", "mode", "seqs", "backend", *(f"{name} ms" for name in PHASES),
+                    "host total ms", "llama_decode ms", "step ms")
     for mode in args.modes:
         for parallel in args.parallel:
             for backend in args.backend_sampling:
                 r = run_level(model_path, parallel, MODES[mode], backend == "on", args.steps, timers, zctx)
-                print(f"{mode:8} {parallel:4d} {backend:>7} " + " ".join(f"{r[name]:13.3f}" for name in PHASES)
-                      + f" {r['host']:10.3f} {r['llama_decode']:12.3f} {r['step']:8.3f}", flush=True)
+                figures.row(mode, parallel, backend, *(r[name] for name in PHASES), r["host"], r["llama_decode"],
+                            r["step"])
     zctx.term()
 

@@ -10,7 +10,8 @@ decoding, is what is measured. The callers are light: threads with `http.client`
 keep-alive connection each (or a new connection per request with --new-connections). The
 figures are CPU seconds read from /proc: the HTTP server process(es) and the whole daemon
 per request, and this load generator's own CPU, flagged when it used more than a third of
-a core (then it, not the server, may set the pace).
+a core (then it, not the server, may set the pace). A table per round, a row per parser
+(or loop); then notes: the flag, and the other's HTTP CPU per request over the default's.
 """
 
 import argparse
@@ -25,6 +26,7 @@ from tiny_models.llama import make_tiny_model
 from benches.callers import run_clients
 from benches.peers import CbatchDaemon, free_port
 from benches.proc_cpu import process_cpu_s
+from benches.report import Table, note
 
 # Each comparison: (the default, the other), each with the environment that picks it.
 PARSERS = {"httptools": {"CBATCH_HTTP_PARSER": "httptools"}, "h11": {"CBATCH_HTTP_PARSER": "h11"}}
@@ -112,19 +114,25 @@ def main() -> None:
                         help="compare the event loops (asyncio, uvloop), not the parsers")
     args = parser.parse_args()
     model = args.model or make_tiny_model(Path(tempfile.mkdtemp(prefix="cbb-")) / "tiny.gguf")
-    print(f"{args.requests} requests of {args.max_tokens} token(s), {args.callers} callers, "
-          f"{'a new connection each' if args.new_connections else 'keep-alive'}, --parallel {args.parallel}")
+    note(f"{args.requests} requests of {args.max_tokens} token(s), {args.callers} callers, "
+         f"{'a new connection each' if args.new_connections else 'keep-alive'}, --parallel {args.parallel}")
     variants = LOOPS if args.loops else PARSERS
     default, other = variants
+    variant_column = "loop" if args.loops else "parser"
     for round_number in range(1, args.rounds + 1):
-        rows = {name: measure(model, name, env, args) for name, env in variants.items()}
-        for row in rows.values():
-            flag = "  (load generator heavy)" if row["caller_cores"] > LIGHT_CALLER_CORES else ""
-            print(f"round {round_number} {row['name']:>9}: {row['requests_per_s']:7.1f} req/s, HTTP process "
-                  f"{row['http_cpu_ms']:.2f} ms CPU/request, whole daemon {row['daemon_cpu_ms']:.2f} ms; "
-                  f"load generator {row['caller_cores']:.2f} cores{flag}")
+        figures = Table(f"round {round_number}", variant_column, "req/s", "HTTP CPU ms/req", "daemon CPU ms/req",
+                        "load generator cores", widths={variant_column: max(map(len, variants))})
+        rows = {}
+        for name, env in variants.items():
+            rows[name] = measure(model, name, env, args)
+            figures.row(name, rows[name]["requests_per_s"], rows[name]["http_cpu_ms"], rows[name]["daemon_cpu_ms"],
+                        rows[name]["caller_cores"])
+        heavy = [name for name, row in rows.items() if row["caller_cores"] > LIGHT_CALLER_CORES]
+        if heavy:
+            note(f"round {round_number}: the load generator used over {LIGHT_CALLER_CORES:.2f} of a core beside "
+                 f"{', '.join(heavy)}: it, not the server, may have set the pace")
         ratio = cpu_ratio(rows[other], rows[default])
-        print(f"round {round_number}: HTTP CPU per request {other} / {default} = {ratio}")
+        note(f"round {round_number}: HTTP CPU per request {other} / {default} = {ratio}")
 
 
 def cpu_ratio(row: dict, default: dict) -> str:

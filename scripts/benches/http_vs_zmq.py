@@ -1,7 +1,9 @@
 """Generated tokens/s through the OpenAI HTTP endpoint vs the ZeroMQ Client, in one run
 against one daemon (and vs llama-server over HTTP when a binary is given), closed loop
 with short prompts: tok/s with whole responses, then the same streamed for time to first
-token and inter-token latency (and streamed tok/s), each path both ways.
+token and inter-token latency (and streamed tok/s), each path both ways. Prints a row per
+path (one Client's batch, whole responses only) and, as notes, the setup, the HTTP
+server's CPU and each path's ratio to ZeroMQ (and to llama-server).
 
     .venv/bin/python scripts/bench.py http_vs_zmq --parallel 16 --requests 64 --max-tokens 64 \
         [--llama-server /path/to/llama-server]
@@ -18,9 +20,10 @@ import time
 from pathlib import Path
 
 from benches import peers
-from benches.callers import closed_loop, http_sender, one_client_batch, percentiles, prompts, zmq_sender
+from benches.callers import closed_loop, http_sender, one_client_batch, percentiles_ms, prompts, zmq_sender
 from benches.peers import CbatchDaemon, LlamaServer, http_pid, wait_http
 from benches.proc_cpu import process_cpu_s
+from benches.report import Table, note
 from cbatch.model import resolve_model_path
 
 
@@ -50,31 +53,27 @@ def main(argv=None) -> None:
     work = prompts(args.requests)
     daemon = CbatchDaemon(model_path, args.parallel, ["--http", str(args.port), "-c", str(1024 * args.parallel)])
     base_url = f"http://127.0.0.1:{args.port}"
+    note(f"model {model}, parallel {args.parallel}, {args.requests} requests x {args.max_tokens} tokens, "
+         f"{args.parallel} closed-loop clients (ZeroMQ: {args.parallel} threads, a Client each)")
+    paths = Table("Generated tokens/s, whole and streamed, and the streamed latency", "path", "whole tok/s",
+                  "streamed tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p90 ms",
+                  "ITL p99 ms", widths={"path": 26})
     try:
         wait_http(base_url)
         closed_loop(work[:args.parallel], args.parallel, zmq_sender(daemon.endpoint, 8))  # warm-up
         batch_tps = one_client_batch(daemon.endpoint, work, args.max_tokens, args.parallel)
+        paths.row("one Client, generate_batch", batch_tps, *[None] * 7)
         zmq_tps, _, _ = closed_loop(work, args.parallel, zmq_sender(daemon.endpoint, args.max_tokens))
         zmq_stream_tps, zmq_ttfts, zmq_itls = closed_loop(work, args.parallel,
                                                           zmq_sender(daemon.endpoint, args.max_tokens, True))
+        paths.row("ZeroMQ Client", zmq_tps, zmq_stream_tps, *percentiles_ms(zmq_ttfts), *percentiles_ms(zmq_itls))
         pid = http_pid(daemon)
         cpu_before, started = process_cpu_s(pid), time.perf_counter()
         http_tps, stream_tps, ttfts, itls = http_runs(base_url, work, args, model)
         http_cpu = (process_cpu_s(pid) - cpu_before) / (time.perf_counter() - started)
+        paths.row("HTTP (cbatch)", http_tps, stream_tps, *percentiles_ms(ttfts), *percentiles_ms(itls))
     finally:
         daemon.stop()
-    print(f"model {model}, parallel {args.parallel}, {args.requests} requests x {args.max_tokens} tokens, "
-          f"{args.parallel} closed-loop clients")
-    print(f"one Client, generate_batch: {batch_tps:8.1f} tok/s whole responses")
-    print(f"ZeroMQ Client:   {zmq_tps:8.1f} tok/s whole responses; {zmq_stream_tps:.1f} tok/s streamed "
-          f"({args.parallel} threads, a Client each)")
-    print(f"  streamed: TTFT {percentiles(zmq_ttfts)}")
-    print(f"  streamed: ITL  {percentiles(zmq_itls)}")
-    print(f"HTTP (cbatch):   {http_tps:8.1f} tok/s whole responses = {http_tps / zmq_tps:.2f} of ZeroMQ; "
-          f"{stream_tps:.1f} tok/s streamed = {stream_tps / zmq_stream_tps:.2f} of ZeroMQ streamed; "
-          f"HTTP server process CPU {100 * http_cpu:.0f}% of one core")
-    print(f"  streamed: TTFT {percentiles(ttfts)}")
-    print(f"  streamed: ITL  {percentiles(itls)}")
     if args.llama_server:
         peers.LLAMA_SERVER = Path(args.llama_server)
         server = LlamaServer(model_path, args.parallel, 1024, os.cpu_count())
@@ -82,10 +81,10 @@ def main(argv=None) -> None:
             ls_tps, ls_stream_tps, ls_ttfts, ls_itls = http_runs(f"http://127.0.0.1:{server.port}", work, args, model)
         finally:
             server.stop()
-        print(f"llama-server:    {ls_tps:8.1f} tok/s whole responses; {ls_stream_tps:.1f} tok/s streamed; "
-              f"cbatch HTTP / llama-server = {http_tps / ls_tps:.2f} whole, {stream_tps / ls_stream_tps:.2f} streamed")
-        print(f"  vs llama-server whole: one Client's batch {batch_tps / ls_tps:.2f}, "
-              f"threads with a Client each {zmq_tps / ls_tps:.2f}, HTTP {http_tps / ls_tps:.2f}")
-        print(f"  streamed: TTFT {percentiles(ls_ttfts)}")
-        print(f"  streamed: ITL  {percentiles(ls_itls)}")
-
+        paths.row("llama-server", ls_tps, ls_stream_tps, *percentiles_ms(ls_ttfts), *percentiles_ms(ls_itls))
+    note(f"HTTP (cbatch) / ZeroMQ: {http_tps / zmq_tps:.2f} whole, {stream_tps / zmq_stream_tps:.2f} streamed; "
+         f"HTTP server process CPU {100 * http_cpu:.0f}% of one core")
+    if args.llama_server:
+        note(f"cbatch HTTP / llama-server: {http_tps / ls_tps:.2f} whole, {stream_tps / ls_stream_tps:.2f} streamed")
+        note(f"vs llama-server whole: one Client's batch {batch_tps / ls_tps:.2f}, "
+             f"threads with a Client each {zmq_tps / ls_tps:.2f}, HTTP {http_tps / ls_tps:.2f}")

@@ -2,12 +2,13 @@
 
 --streams text streams (streamed /v1/completions, --max-tokens each, greedy, ignore_eos)
 run alone, then again while image chat requests are sent --image-callers at a time, each
-with an image never sent before (so each is decoded and encoded). Printed: the streams'
-median and worst gap between two token events in each run, the image requests' time to
-first token (p50 and worst), and then 8 concurrent requests with one same new image
-against 8 with a new image each: their time, and the vision encoder's runs (the worker's
-`num_images_encoded`), once for the shared image. The benchmark's own
-process CPU is printed beside, since on a small machine it shares the cores with the daemon.
+with an image never sent before (so each is decoded and encoded), and again with text
+requests as long in their place. Printed, a row per run: the streams' median, p99 and
+worst gap between two token events, and the load's requests with their time to first
+token (p50 and worst); then a row each for 8 concurrent requests with one same new image
+and for 8 with a new image each: their time, and the vision encoder's runs (the worker's
+`num_images_encoded`), once for the shared image. The benchmark's own process CPU is
+noted beside, since on a small machine it shares the cores with the daemon.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny-chat.gguf --chat-template scripts/chatml_tools.jinja
     .venv/bin/python scripts/make_tiny_model.py --kind projector /tmp/tiny-projector.gguf
@@ -29,6 +30,7 @@ import numpy as np
 
 from benches.callers import http_sender
 from benches.peers import CbatchDaemon, wait_http
+from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.workers.decode.publisher import STATS_INTERVAL_S
 
@@ -128,14 +130,15 @@ def main(argv=None) -> None:
         daemon.stop()
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
     cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
-    print(f"model {model} with {Path(args.mmproj).name}, --parallel {args.parallel}; {args.streams} text streams of "
-          f"{args.max_tokens} tokens; images {IMAGE_SIDE}x{IMAGE_SIDE} PNG, each new")
+    note(f"model {model} with {Path(args.mmproj).name}, --parallel {args.parallel}; {args.streams} text streams of "
+         f"{args.max_tokens} tokens; images {IMAGE_SIDE}x{IMAGE_SIDE} PNG, each new")
+    streams = Table("Text streams' gaps between token events, alone and beside each load", "run", "gap p50 ms",
+                    "gap p99 ms", "worst gap ms", "load requests", "load TTFT p50 ms", "load worst TTFT ms",
+                    widths={"run": max(len(name) for name in runs)})
     for name, (gaps, ttfts) in runs.items():
-        sent = f"; their {len(ttfts)} requests' TTFT p50 {np.median(ttfts):.1f} ms, worst {max(ttfts):.1f} ms" \
-            if ttfts else ""
-        print(f"text streams {name}: token gap median {np.median(gaps):.1f} ms, p99 {np.percentile(gaps, 99):.1f} ms, "
-              f"worst {max(gaps):.1f} ms{sent}")
+        streams.row(name, float(np.median(gaps)), float(np.percentile(gaps, 99)), max(gaps), len(ttfts),
+                    float(np.median(ttfts)) if ttfts else None, max(ttfts) if ttfts else None)
+    concurrent = Table("8 concurrent requests with images", "images", "wall ms", "encoder runs", widths={"images": 18})
     for name, (elapsed_s, num_encoded) in (("one same new image", shared), ("8 new images", distinct)):
-        print(f"8 concurrent requests, {name}: {elapsed_s * 1000:.1f} ms, {num_encoded} encoder runs")
-    print(f"benchmark process CPU: {cpu_s:.1f} s")
-
+        concurrent.row(name, elapsed_s * 1000, num_encoded)
+    note(f"benchmark process CPU: {cpu_s:.1f} s")

@@ -12,6 +12,8 @@
     restart         kill -9 of the daemon mid-job, then the time from starting it again on
                     the same --state-dir to the first line the job newly finished
 
+Each is a table of its own (the ratios and the job's state beside the probes are notes).
+
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     .venv/bin/python scripts/bench.py jobs --model /tmp/tiny.gguf --parallel 16 --lines 2000 --rss-lines 100000
 """
@@ -32,9 +34,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benches.callers import percentiles, prompts
+from benches.callers import percentiles_ms, prompts
 from benches.peers import BIN_DIR, START_TIMEOUT_S, free_port
 from benches.proc_cpu import process_cpu_s
+from benches.report import Table, note
 from cbatch.jobs.files import MAX_FILE_LINES
 
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
@@ -177,13 +180,13 @@ def throughput(daemon: Daemon, args) -> None:
         jobs.append(job_tok_s(daemon, lines))
     shutil.rmtree(out_dir)
     ratio = sum(tok_s for tok_s, _ in jobs) / sum(tok_s for tok_s, _ in submits)
-    rates = {name: " / ".join(f"{tok_s:.0f}" for tok_s, _ in runs)
-             for name, runs in (("submit", submits), ("job", jobs))}
-    cpu_ms = {name: 1000 * sum(cpu_s for _, cpu_s in runs) / (len(runs) * args.lines)
-              for name, runs in (("submit", submits), ("job", jobs))}
-    print(f"throughput, {args.lines} lines x {args.max_tokens} tokens: cbatch-submit {rates['submit']} tok/s, "
-          f"batch job {rates['job']} tok/s; job / submit {ratio:.2f}x; caller CPU per line: cbatch-submit "
-          f"{cpu_ms['submit']:.2f} ms, job runner {cpu_ms['job']:.2f} ms")
+    figures = Table(f"Throughput, {args.lines} lines x {args.max_tokens} tokens, each way run twice in turn (a job's "
+                    "caller is its job runner)", "way", "run 1 tok/s", "run 2 tok/s", "caller CPU ms/line",
+                    widths={"way": 13})
+    for name, runs in (("cbatch-submit", submits), ("batch job", jobs)):
+        cpu_ms_per_line = 1000 * sum(cpu_s for _, cpu_s in runs) / (len(runs) * args.lines)
+        figures.row(name, *(tok_s for tok_s, _ in runs), cpu_ms_per_line)
+    note(f"batch job / cbatch-submit, tok/s over both runs: {ratio:.2f}x")
 
 
 def ttfts(daemon: Daemon, args) -> list[float]:
@@ -201,7 +204,10 @@ def ttfts(daemon: Daemon, args) -> list[float]:
 
 
 def ttft(daemon: Daemon, args) -> None:
+    figures = Table(f"Interactive TTFT, {args.ttft_probes} streamed requests from {args.ttft_callers} callers", "load",
+                    "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", widths={"load": 20})
     idle = ttfts(daemon, args)
+    figures.row("idle", *percentiles_ms(idle))
     batch_id = daemon.create_job(batch_lines(min(20 * args.lines, MAX_FILE_LINES),
                                              args.max_tokens))  # outlasts the probes
     daemon.wait([batch_id], lambda batch: batch["status"] != "validating")
@@ -210,9 +216,9 @@ def ttft(daemon: Daemon, args) -> None:
     daemon.http.post(f"/v1/batches/{batch_id}/cancel")
     daemon.wait([batch_id])
     ratio = np.percentile(loaded, 99) / np.percentile(idle, 99)
-    print(f"interactive TTFT, {args.ttft_probes} streamed requests from {args.ttft_callers} callers: idle "
-          f"{percentiles(idle)}; beside a running job {percentiles(loaded)} (the job was {running['status']}, "
-          f"{running['request_counts']['completed']} lines done); p99 beside / idle {ratio:.2f}x")
+    figures.row("beside a running job", *percentiles_ms(loaded))
+    note(f"TTFT p99 beside a running job / idle {ratio:.2f}x (the job was {running['status']}, "
+         f"{running['request_counts']['completed']} lines done)")
 
 
 def memory(daemon: Daemon, args) -> None:
@@ -235,9 +241,10 @@ def memory(daemon: Daemon, args) -> None:
     is_running = False
     sampler.join()
     num_done = sum(batch["request_counts"]["completed"] for batch in batches)
-    print(f"memory, {args.rss_lines} lines of 1 token in {len(sizes)} jobs: {num_done} completed in {elapsed_s:.0f} s "
-          f"({num_done / elapsed_s:.0f} lines/s; 1,000,000 lines would take {1e6 / (num_done / elapsed_s) / 60:.0f} "
-          f"min); daemon RSS idle {idle_mb:.0f} MB, peak {peak_mb:.0f} MB, {peak_mb - idle_mb:.0f} MB above idle")
+    figures = Table("Memory, lines of 1 token queued at once: the daemon's RSS", "lines", "jobs", "completed",
+                    "wall s", "lines/s", "min for 1M lines", "RSS idle MB", "RSS peak MB", "above idle MB")
+    figures.row(args.rss_lines, len(sizes), num_done, elapsed_s, num_done / elapsed_s,
+                1e6 / (num_done / elapsed_s) / 60, idle_mb, peak_mb, peak_mb - idle_mb)
 
 
 def restart(model: str, args, state_dir: str) -> None:
@@ -273,9 +280,10 @@ def restart(model: str, args, state_dir: str) -> None:
     again = ready["daemon"]
     batch = again.wait([batch_id])[0]
     again.stop()
-    print(f"restart after kill -9 with {num_before} of {args.kill_lines} lines done: the first new line "
-          f"{first_line_s:.2f} s after the start (its /health answered 200 after {ready['s']:.2f} s); the job then "
-          f"{batch['status']} with {batch['request_counts']['completed']} lines")
+    figures = Table("Restart after kill -9 mid-job, times from the new daemon's start", "lines", "done at kill",
+                    "first new line s", "/health 200 s", "job then", "lines done")
+    figures.row(args.kill_lines, num_before, first_line_s, ready["s"], batch["status"],
+                batch["request_counts"]["completed"])
 
 
 def main(argv=None) -> None:

@@ -3,7 +3,9 @@ token over a full-size (262,144-token, as gemma-3's) logit row against the plain
 every greedy token costs anyway; then the whole engine, greedy requests decoded together
 with and without `logprobs`, alternating, in one run (asking for logprobs also keeps a
 request on the host sampling path and copies its logit row out of llama.cpp's buffer).
-Only requests that ask for logprobs pay it.
+Only requests that ask for logprobs pay it. Prints a table of each computation's
+milliseconds per token and its ratio to the argmax, then one of the engine's tokens/s and
+milliseconds per step without and with logprobs, and the ratio of the two tokens/s.
 
     .venv/bin/python scripts/bench.py logprobs [--model PATH] [--parallel 16]
 """
@@ -16,6 +18,7 @@ import numpy as np
 # The engine bench loads llama_cpp before numpy, the order a CUDA build needs (see
 # cbatch/__init__.py).
 from benches.engine import make_prompts, run_engine
+from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.workers.engine.runner import LlamaRunner
@@ -41,10 +44,11 @@ def main() -> None:
     args = parser.parse_args()
     row = np.random.default_rng(0).standard_normal(args.vocab).astype(np.float32) * 4
     argmax_ms = per_call_ms(row.argmax, args.calls)
-    print(f"vocabulary {args.vocab}: argmax {argmax_ms:.3f} ms per token")
+    computation = Table(f"One logit row of {args.vocab} tokens", "computation", "ms per token", "x argmax")
+    computation.row("argmax", argmax_ms, 1.0)
     for num_top in (0, 1, 5, 20):
         ms = per_call_ms(lambda: token_logprobs(row, 7, num_top, lambda t: b"x"), args.calls)
-        print(f"logprobs={num_top:<2}  {ms:.3f} ms per token  ({ms / argmax_ms:.1f}x the argmax)")
+        computation.row(f"logprobs={num_top}", ms, ms / argmax_ms)
     time_engine(resolve_model_path(args.model), args.parallel, args.max_tokens, args.top, args.rounds)
 
 
@@ -58,12 +62,11 @@ def time_engine(model_path: str, parallel: int, max_tokens: int, num_top: int, r
     for _ in range(rounds):
         for name, extra in (("without", {}), ("with", {"logprobs": num_top})):
             results[name].append(run_engine(model_path, parallel, prompts, {"temperature": 0.0, **extra}, max_tokens))
-    print(f"engine, {parallel} greedy requests decoded together, {max_tokens} tokens each, mean of {rounds} runs:")
+    engine = Table(f"Engine, {parallel} greedy requests decoded together, {max_tokens} tokens each, mean of {rounds} "
+                   "runs", "logprobs", "top", "tok/s", "step ms")
     tok_s = {}
     for name, runs in results.items():
         tok_s[name] = sum(t for t, _ in runs) / len(runs)
         step_ms = sum(stats["avg_step_ms"] for _, stats in runs) / len(runs)
-        print(f"  {name:7} logprobs={num_top if name == 'with' else '-':<2}  {tok_s[name]:8.1f} tok/s"
-              f"  {step_ms:8.2f} ms per step")
-    print(f"  with/without: {tok_s['with'] / tok_s['without']:.3f}")
-
+        engine.row(name, num_top if name == "with" else None, tok_s[name], step_ms)
+    note(f"engine tok/s with/without logprobs: {tok_s['with'] / tok_s['without']:.3f}")

@@ -10,7 +10,9 @@ another; greedy, ignore_eos, so every request generates exactly its max_tokens):
   unique  ~815-token prompts sharing nothing, 16 generated
   file    cbatch-submit over --file-lines lines sharing a ~1000-token instruction, 16
           generated each (cbatch only; --no-cache-file-lines lines without the cache)
-Figures are generated tokens per second of wall time (lines per second for the file).
+Figures are generated tokens per second of wall time (lines per second for the file): a
+row per run as it ends (with cbatch's prefix-cache hit rate), then a table of workloads by
+configuration with the ratios of streams to llama-server and to no-cache.
 """
 
 import argparse
@@ -25,6 +27,7 @@ from llama_cpp import Llama
 from benches import peers
 from benches.callers import closed_loop, counted
 from benches.peers import BIN_DIR, CbatchDaemon, LlamaServer
+from benches.report import Table, note
 from cbatch.model import resolve_model_path
 
 WORDS = ("river stone light garden window paper music winter market engine story number silver forest "
@@ -91,18 +94,20 @@ def main(argv=None) -> None:
     workloads = args.workloads.split(",")
     configs = args.configs.split(",")
     if "llama-server" in configs and not peers.LLAMA_SERVER.exists():
-        print(f"note: {peers.LLAMA_SERVER} is not built (scripts/build_llama_server.sh): llama-server skipped")
+        note(f"{peers.LLAMA_SERVER} is not built (scripts/build_llama_server.sh): llama-server skipped")
         configs.remove("llama-server")
     count = args.clients * args.requests
     prompts = {w: workload_prompts(texts, w, count) for w in workloads if w != "file"}
-    table: dict[tuple[str, str], float] = {}
+    rates: dict[tuple[str, str], float] = {}
+    runs = Table("runs, as each ends", "config", "workload", "tok/s (file: lines/s)", "cache hit rate",
+                 widths={"config": 15})
     for config in configs:
         if config == "llama-server":
             server = LlamaServer(model_path, args.parallel, args.ctx_per_seq, os.cpu_count() or 1)
             try:
                 for w, (ps, max_tokens) in prompts.items():
-                    table[w, config] = closed_loop(ps, args.clients, counted(server.send(max_tokens)))[0]
-                    print(f"  {config:12} {w:7} {table[w, config]:8.1f}", flush=True)
+                    rates[w, config] = closed_loop(ps, args.clients, counted(server.send(max_tokens)))[0]
+                    runs.row(config, w, rates[w, config], None)
             finally:
                 server.stop()
             continue
@@ -111,26 +116,22 @@ def main(argv=None) -> None:
             try:
                 if w == "file":
                     num_lines = args.no_cache_file_lines if "no-cache" in config else args.file_lines
-                    table[w, config] = run_file(daemon, texts, num_lines)
+                    rates[w, config] = run_file(daemon, texts, num_lines)
                 else:
                     ps, max_tokens = prompts[w]
-                    table[w, config] = closed_loop(ps, args.clients, counted(daemon.send(max_tokens)))[0]
+                    rates[w, config] = closed_loop(ps, args.clients, counted(daemon.send(max_tokens)))[0]
                 stats = daemon.stats()
             finally:
                 daemon.stop()
-            if (w, config) in table:
-                print(f"  {config:12} {w:7} {table[w, config]:8.1f}   cache hit rate {stats['cache_hit_rate']:.2f}",
-                      flush=True)
-    print(f"\nparallel {args.parallel}, {args.clients} clients x {args.requests} requests, "
-          f"file {args.file_lines} lines ({args.no_cache_file_lines} without the cache); tok/s (file: lines/s)")
-    print(f"{'workload':9}" + "".join(f"{c:>14}" for c in configs)
-          + ("  streams/llama-server" if "llama-server" in configs else "") + "  streams/no-cache")
+            if (w, config) in rates:
+                runs.row(config, w, rates[w, config], stats["cache_hit_rate"])
+    ratios = {"llama-server": "streams/llama-server", "no-cache": "streams/no-cache"}
+    ratios = {peer: column for peer, column in ratios.items() if peer in configs}
+    summary = Table(f"parallel {args.parallel}, {args.clients} clients x {args.requests} requests, file "
+                    f"{args.file_lines} lines ({args.no_cache_file_lines} without the cache); tok/s (file: lines/s)",
+                    "workload", *configs, *ratios.values())
     for w in workloads:
-        row = f"{w:9}" + "".join(f"{table[w, c]:14.1f}" if (w, c) in table else f"{'-':>14}" for c in configs)
-        if "llama-server" in configs:
-            ratio = table.get((w, "streams"), 0) / table[w, "llama-server"] if (w, "llama-server") in table else None
-            row += f"{ratio:22.2f}" if ratio else f"{'-':>22}"
-        if (w, "no-cache") in table and (w, "streams") in table:
-            row += f"{table[w, 'streams'] / table[w, 'no-cache']:18.2f}"
-        print(row)
+        summary.row(w, *(rates.get((w, c)) for c in configs),
+                    *(rates[w, "streams"] / rates[w, peer] if (w, "streams") in rates and rates.get((w, peer))
+                      else None for peer in ratios))
 

@@ -6,8 +6,9 @@ idle daemon (streamed, each timed from its submit to its first token), then the 
 probes beside --parallel batch-priority streams that hold every slot (each asks for
 --batch-tokens tokens and sends its next request as soon as one ends). With preemption
 an interactive probe takes a batch stream's slot at the next step; without it, it waits
-for the first batch request to end. The batch requests' own duration is printed beside,
-for scale, and so are the daemon's preemptions and the CPU the figures come from.
+for the first batch request to end. One table, a row per setting and phase: the probes'
+p50 and p99, and beside the load the batch requests' own duration, for scale, and the
+daemon's preemptions; then a note of the CPU the figures come from.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     .venv/bin/python scripts/bench.py preempt --model /tmp/tiny.gguf --parallel 4
@@ -24,6 +25,7 @@ import numpy as np
 
 from benches.peers import CbatchDaemon
 from benches.priorities import ms, probe
+from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.model import resolve_model_path
 
@@ -101,16 +103,16 @@ def main(argv=None) -> None:
     parser.add_argument("--probe-tokens", type=int, default=8)
     args = parser.parse_args(argv)
     model_path = str(resolve_model_path(args.model))
-    results = {preempt: measure(model_path, args, preempt) for preempt in (True, False)}
-    print(f"model {Path(model_path).name}, --parallel {args.parallel}, {args.parallel} batch streams of "
-          f"{args.batch_tokens}-token requests, {args.probes} interactive probes a phase of {args.probe_tokens} tokens")
-    print(f"{'preemption':<12}{'daemon':<20}{'TTFT p50 ms':>12}{'p99 ms':>9}{'batch request p50 s':>21}"
-          f"{'preemptions':>13}")
-    for preempt, result in results.items():
+    note(f"model {Path(model_path).name}, --parallel {args.parallel}, {args.parallel} batch streams of "
+         f"{args.batch_tokens}-token requests, {args.probes} interactive probes a phase of {args.probe_tokens} tokens")
+    ttfts = Table("interactive TTFT", "preemption", "daemon", "TTFT p50 ms", "TTFT p99 ms", "batch request p50 s",
+                  "preemptions", widths={"daemon": 17})
+    for preempt in (True, False):
+        result = measure(model_path, args, preempt)
         setting = "on" if preempt else "off"
-        batch_s = f"{np.median(result['batch_s']):.2f}" if result["batch_s"] else "-"
-        print(f"{setting:<12}{'idle':<20}{ms(result['idle'], 50):>12.1f}{ms(result['idle'], 99):>9.1f}")
-        print(f"{setting:<12}{'beside batch load':<20}{ms(result['busy'], 50):>12.1f}{ms(result['busy'], 99):>9.1f}"
-              f"{batch_s:>21}{result['num_preemptions']:>13}")
-    print(f"CPU: {cpu_description()}")
+        batch_s = float(np.median(result["batch_s"])) if result["batch_s"] else None
+        ttfts.row(setting, "idle", ms(result["idle"], 50), ms(result["idle"], 99), None, None)
+        ttfts.row(setting, "beside batch load", ms(result["busy"], 50), ms(result["busy"], 99), batch_s,
+                  result["num_preemptions"])
+    note(f"CPU: {cpu_description()}")
 

@@ -15,7 +15,8 @@ what preemption does). The step is the probes' own median gap
 between tokens under load. Just before each probe the daemon's `stats()` tells how many
 tokens each running line has made, so the slot wait of that probe is the fewest tokens a
 running line has left times the step; the figure checked is each probe's time to first
-token less its slot wait.
+token less its slot wait. Prints the setup, a table of each phase's p50 and p99, then the
+step, the slot waits and the target's verdict as notes.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     .venv/bin/python scripts/bench.py priorities --model /tmp/tiny.gguf --parallel 16 --lines 10000
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benches.peers import BIN_DIR, CbatchDaemon
+from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.model import resolve_model_path
 
@@ -128,18 +130,18 @@ def main(argv=None) -> None:
     # to free than it looked: the difference can be a little below zero, never far above the truth.
     beyond_slot_wait = [ttft - steps * step_s for ttft, steps in zip(busy_ttfts, steps_to_slot)]
     bound_ms = ms(idle_ttfts, 99) + step_s * 1000
-    print(f"model {Path(model_path).name}, --parallel {args.parallel}, a {args.lines}-line batch file "
-          f"({args.batch_tokens} tokens a line, {args.max_in_flight} in flight), {args.probes} probes a phase "
-          f"of {args.probe_tokens} tokens")
-    print(f"{'interactive TTFT':<36} {'p50 ms':>8} {'p99 ms':>8}")
-    print(f"{'idle daemon':<36} {ms(idle_ttfts, 50):>8.1f} {ms(idle_ttfts, 99):>8.1f}")
-    print(f"{'beside the batch file, interactive':<36} {ms(busy_ttfts, 50):>8.1f} {ms(busy_ttfts, 99):>8.1f}")
-    print(f"{'beside the batch file, as batch':<36} {ms(fifo_ttfts, 50):>8.1f} {ms(fifo_ttfts, 99):>8.1f}")
-    print(f"{'beside it, less the slot wait':<36} {ms(beyond_slot_wait, 50):>8.1f} {ms(beyond_slot_wait, 99):>8.1f}")
-    print(f"step under load {step_s * 1000:.2f} ms (idle {np.median(idle_gaps) * 1000:.2f} ms); slot wait "
-          f"p50 {np.median(steps_to_slot):.0f} steps, max {max(steps_to_slot)}; the batch file was still queued "
-          f"at the end: {still_loaded}")
+    note(f"model {Path(model_path).name}, --parallel {args.parallel}, a {args.lines}-line batch file "
+         f"({args.batch_tokens} tokens a line, {args.max_in_flight} in flight), {args.probes} probes a phase "
+         f"of {args.probe_tokens} tokens")
+    ttfts = Table("interactive TTFT", "phase", "p50 ms", "p99 ms", widths={"phase": 34})
+    for phase, phase_ttfts in (("idle daemon", idle_ttfts), ("beside the batch file, interactive", busy_ttfts),
+                               ("beside the batch file, as batch", fifo_ttfts),
+                               ("beside it, less the slot wait", beyond_slot_wait)):
+        ttfts.row(phase, ms(phase_ttfts, 50), ms(phase_ttfts, 99))
+    note(f"step under load {step_s * 1000:.2f} ms (idle {np.median(idle_gaps) * 1000:.2f} ms); slot wait "
+         f"p50 {np.median(steps_to_slot):.0f} steps, max {max(steps_to_slot)}; the batch file was still queued "
+         f"at the end: {still_loaded}")
     verdict = "met" if ms(beyond_slot_wait, 99) <= bound_ms else "missed"
-    print(f"target: p99 of (loaded TTFT - slot wait) <= idle p99 + one step = {bound_ms:.1f} ms: "
-          f"{ms(beyond_slot_wait, 99):.1f} ms, {verdict}")
+    note(f"target: p99 of (loaded TTFT - slot wait) <= idle p99 + one step = {bound_ms:.1f} ms: "
+         f"{ms(beyond_slot_wait, 99):.1f} ms, {verdict}")
 

@@ -15,6 +15,7 @@ import time
 import msgpack
 import msgspec
 
+from benches.report import Table, note
 from cbatch.params import parse_request
 from cbatch.workers.daemon.probation import request_fingerprint
 from cbatch.workers.messages import WorkerSubmit, decode, encode
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     started = time.process_time()
-    print(f"{'body':>18}  {'front-end us':>12}  {'worker us':>9}")
+    figures = Table("CPU per request, the best of --rounds", "body", "front-end us", "worker us", widths={"body": 16})
     for name, body in BODIES.items():
         frame = msgpack.packb({"request_id": 7, "body": body}, use_bin_type=True)
         repeat = max(1, args.repeat // (100 if len(frame) > 10_000 else 1))
@@ -73,6 +74,6 @@ def main() -> None:
         assert worker(frames) == msgspec.structs.replace(parse_request(7, body), tenant_weight=2.0)
         front_us = us_per_request(lambda: front_end(7, frame), repeat, args.rounds)
         worker_us = us_per_request(lambda: worker(frames), repeat, args.rounds)
-        print(f"{name:>18}  {front_us:>12.1f}  {worker_us:>9.1f}")
-    print(f"CPU used by this run: {time.process_time() - started:.1f} s (one process, one thread)")
+        figures.row(name, front_us, worker_us)
+    note(f"CPU used by this run: {time.process_time() - started:.1f} s (one process, one thread)")
 

@@ -9,7 +9,9 @@ daemon adds, and what prefix-aware routing buys (docs/scale-out.md has the figur
 3. several shared prefixes (~600 tokens each) with many questions each, through the router
    with cache_aware and with round_robin (fresh daemons for each): the prefix-cache hit
    rate (prompt tokens the daemons did not compute) and the throughput.
-Each load is `--concurrency` callers per daemon sending non-streamed completions.
+Each load is `--concurrency` callers per daemon sending non-streamed completions. Prints a
+row per load (its tok/s, tokens, time, failures, and the hit rate in 3) and the ratios
+between them as notes.
 """
 
 import argparse
@@ -20,6 +22,8 @@ import time
 
 import httpx
 from scale_out import ScaleOut, free_port
+
+from benches.report import Table, note
 
 WORDS = ("river", "stone", "lamp", "orchard", "signal", "harbor", "copper", "meadow", "ledger", "falcon")
 
@@ -75,13 +79,8 @@ def prefix_hit_rate(daemon_urls: list[str]) -> float:
     return reused / max(reused + daemon_counter(daemon_urls, "cbatch_prompt_tokens_computed"), 1.0)
 
 
-def measure(label: str, base_url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    result = asyncio.run(run_load(base_url, model_of(base_url), prompts, concurrency, max_tokens))
-    print(f"  {label}: {result['tok_per_s']:.1f} tok/s ({result['completion_tokens']} tokens in "
-          f"{result['elapsed_s']:.1f} s, {result['failed']} failed)", flush=True)
-    if result["failed"]:
-        print(f"  the first failure: {result['first_failure']}", flush=True)
-    return result
+def measure(base_url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    return asyncio.run(run_load(base_url, model_of(base_url), prompts, concurrency, max_tokens))
 
 
 def with_daemons(cpus: list[set[int]], worker_args: list[str], run) -> object:
@@ -114,47 +113,52 @@ def main() -> None:
     common = [*(["--model", args.model] if args.model else []), "--parallel", str(args.concurrency)]
     pinned = [{cpus[0]}, {cpus[1]}]
     questions = [f"Question {i}: what comes after {i}?" for i in range(2 * args.requests)]
-    print(f"CPUs {cpus[0]} and {cpus[1]}; {args.concurrency} callers per daemon, {args.max_tokens} tokens a request",
-          flush=True)
+    note(f"CPUs {cpus[0]} and {cpus[1]}; {args.concurrency} callers per daemon, {args.max_tokens} tokens a request; "
+         f"1. one daemon pinned to one CPU, --threads 1; 2. two daemons pinned to a CPU each, default --threads; "
+         f"3. {args.prefixes} shared {args.prefix_words}-word prefixes x {args.questions} questions, two daemons")
+    loads = Table("Completion tokens per second of each load", "load", "tok/s", "tokens", "wall s", "failed",
+                  "prompt tokens", "prefix hits %", widths={"load": 27})
+    first_failures = []
 
-    print("1. one daemon pinned to one CPU, --threads 1", flush=True)
+    def add(label: str, result: dict) -> None:
+        loads.row(label, result["tok_per_s"], result["completion_tokens"], result["elapsed_s"], result["failed"],
+                  result["prompt_tokens"], 100 * result["hit_rate"] if "hit_rate" in result else None)
+        if result["failed"]:
+            first_failures.append(f"{label}, the first failure: {result['first_failure']}")
 
     def one(scale_out: ScaleOut) -> tuple[dict, dict]:
-        direct = measure("direct", scale_out.daemon_urls[0], questions[:args.requests], args.concurrency,
-                         args.max_tokens)
+        direct = measure(scale_out.daemon_urls[0], questions[:args.requests], args.concurrency, args.max_tokens)
+        add("1. one daemon, direct", direct)
         scale_out.start_router(args.port, "cache_aware")
-        routed = measure("through smg", scale_out.router_url, questions[:args.requests], args.concurrency,
-                         args.max_tokens)
+        routed = measure(scale_out.router_url, questions[:args.requests], args.concurrency, args.max_tokens)
+        add("1. one daemon, through smg", routed)
         return direct, routed
 
     direct, routed = with_daemons(pinned[:1], [*common, "--threads", "1"], one)
-    print(f"  through the router / direct: {routed['tok_per_s'] / direct['tok_per_s']:.2f}", flush=True)
-
-    print("2. two daemons pinned to a CPU each, default --threads, behind smg", flush=True)
 
     def two(scale_out: ScaleOut) -> dict:
         scale_out.start_router(args.port, "cache_aware")
-        return measure("two daemons", scale_out.router_url, questions, 2 * args.concurrency, args.max_tokens)
+        return measure(scale_out.router_url, questions, 2 * args.concurrency, args.max_tokens)
 
     both = with_daemons(pinned, common, two)
-    print(f"  two daemons / one direct: {both['tok_per_s'] / direct['tok_per_s']:.2f}", flush=True)
+    add("2. two daemons, through smg", both)
 
-    print(f"3. {args.prefixes} shared {args.prefix_words}-word prefixes x {args.questions} questions, two daemons",
-          flush=True)
     prompts = [prefix_text(p, args.prefix_words) + f"Question {q}: what is item {q}?" for q in range(args.questions)
                for p in range(args.prefixes)]
     by_policy = {}
     for policy in ("cache_aware", "round_robin"):
         def shared_prefixes(scale_out: ScaleOut, policy=policy) -> dict:
             scale_out.start_router(args.port, policy)
-            result = measure(policy, scale_out.router_url, prompts, 2 * args.concurrency, args.max_tokens)
+            result = measure(scale_out.router_url, prompts, 2 * args.concurrency, args.max_tokens)
             time.sleep(0.5)  # the daemons' stats reach their metrics every quarter second
             result["hit_rate"] = prefix_hit_rate(scale_out.daemon_urls)
-            print(f"    prefix-cache hits: {100 * result['hit_rate']:.0f}% of {result['prompt_tokens']} prompt tokens",
-                  flush=True)
             return result
 
         by_policy[policy] = with_daemons(pinned, common, shared_prefixes)
+        add(f"3. prefixes, {policy}", by_policy[policy])
     ratio = by_policy["cache_aware"]["tok_per_s"] / max(by_policy["round_robin"]["tok_per_s"], 1e-9)
-    print(f"  cache_aware / round_robin: {ratio:.2f}", flush=True)
-
+    note(f"through the router / direct: {routed['tok_per_s'] / direct['tok_per_s']:.2f}")
+    note(f"two daemons / one direct: {both['tok_per_s'] / direct['tok_per_s']:.2f}")
+    note(f"cache_aware / round_robin: {ratio:.2f}")
+    for failure in first_failures:
+        note(failure)

@@ -16,8 +16,11 @@ whole responses) and the CPU it cost per generated token, in microseconds: the c
 (this process, or the load generator), cbatch's front-end, HTTP processes, the decode
 worker's main thread (the engine loop, which also computes its share of each llama_decode:
 the wall time inside llama_decode is printed beside it) and its other threads (mostly
-llama.cpp's compute), and llama-server in total. A load generator
-that used more than a third of a core is flagged: its server's figure is then suspect.
+llama.cpp's compute), and llama-server in total. Two more tables per setting: each streamed
+path's time to first token (p50, p90, p99), and the decode worker's steps during each cbatch
+path (tokens a step, and a step's ms split into llama_decode and the host work outside it).
+A load generator that used more than a third of a core is flagged in a note: its server's
+figure is then suspect.
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     scripts/build_llama_server.sh
@@ -37,8 +40,9 @@ import time
 from pathlib import Path
 
 from benches import peers, proc_cpu
-from benches.callers import closed_loop, one_client_batch, percentiles, prompts, zmq_sender
+from benches.callers import closed_loop, one_client_batch, percentiles_ms, prompts, zmq_sender
 from benches.peers import CbatchDaemon, LlamaServer, free_port, wait_http
+from benches.report import Table, note
 from cbatch.client import AsyncClient, Client
 from cbatch.model import resolve_model_path
 
@@ -46,9 +50,11 @@ CTX_PER_SEQ = 1024
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 HTTP_WAYS = (("whole", []), ("streamed", ["--stream"]), ("whole, new conn", ["--new-connections"]))
 MAX_CALLER_CORE_SHARE = 1 / 3
-CPU_COLUMNS = ("caller", "front-end", "HTTP processes", "worker main thread", "llama_decode wall",
-               "worker other threads", "server")
-
+# The parts whose CPU a path cost, each with its column's name (microseconds per generated token).
+CPU_COLUMNS = {"caller": "caller us/tok", "front-end": "front-end us/tok", "HTTP processes": "HTTP procs us/tok",
+               "worker main thread": "worker main us/tok", "llama_decode wall": "decode wall us/tok",
+               "worker other threads": "worker other us/tok", "server": "server us/tok"}
+STEP_COLUMNS = ("steps", "tokens/step", "step ms", "llama_decode ms", "host ms")
 
 
 def own_cpu_s() -> float:
@@ -61,18 +67,17 @@ def llama_decode_s(stats: dict) -> float:
     return stats["decode_fraction"] * stats["avg_step_ms"] / 1000 * stats["num_steps"]
 
 
-def steps_note(before: dict, after: dict) -> str:
-    """The decode worker's steps between two stats: tokens a step, and the wall time of a
-    step split into llama_decode and the host work outside it (where a GPU's decode is a
-    few ms, the host part is what the loop adds to every token)."""
+def worker_steps(before: dict, after: dict) -> tuple:
+    """The decode worker's steps between two stats, as STEP_COLUMNS: their number, tokens a
+    step, and the wall time of a step split into llama_decode and the host work outside it
+    (where a GPU's decode is a few ms, the host part is what the loop adds to every token)."""
     num_steps = after["num_steps"] - before["num_steps"]
     if num_steps <= 0:
-        return "no steps"
+        return num_steps, None, None, None, None
     step_ms = (after["avg_step_ms"] * after["num_steps"] - before["avg_step_ms"] * before["num_steps"]) / num_steps
     decode_ms = 1000 * (llama_decode_s(after) - llama_decode_s(before)) / num_steps
     tokens = (after["generated_tokens"] - before["generated_tokens"]) / num_steps
-    return (f"{num_steps} steps, {tokens:.1f} tokens a step, {step_ms:.2f} ms a step: "
-            f"{decode_ms:.2f} in llama_decode, {step_ms - decode_ms:.2f} host")
+    return num_steps, tokens, step_ms, decode_ms, step_ms - decode_ms
 
 
 def async_callers(endpoint: str, work: list[str], max_tokens: int, num_clients: int) -> float:
@@ -105,18 +110,21 @@ def loadgen(url: str, prompts_path: str, args, extra: list[str]) -> tuple[float,
 
 
 class Measured:
-    """The table's rows: tok/s, CPU per token by part, and notes, per path."""
+    """The tables' rows, per path: tok/s, CPU per token by part, TTFT percentiles (streamed
+    paths), the decode worker's steps (cbatch's paths); and notes."""
 
     def __init__(self):
         self.tok_s: dict[str, float] = {}
         self.cpu_us: dict[str, dict[str, float]] = {}
+        self.ttft_ms: dict[str, list[float]] = {}
+        self.steps: dict[str, tuple] = {}
         self.notes: list[str] = []
 
     def add(self, name: str, tok_s: float, elapsed_s: float, num_tokens: int, cpu_s: dict[str, float],
             ttfts: list[float]) -> None:
         self.tok_s[name] = tok_s
         if ttfts:
-            self.notes.append(f"{name}: TTFT {percentiles(ttfts)}")
+            self.ttft_ms[name] = percentiles_ms(ttfts)
         self.cpu_us[name] = {part: 1e6 * seconds / num_tokens for part, seconds in cpu_s.items()}
         if cpu_s.get("caller", 0.0) > MAX_CALLER_CORE_SHARE * elapsed_s:
             self.notes.append(f"{name}: the caller used {cpu_s['caller'] / elapsed_s:.0%} of a core")
@@ -144,7 +152,7 @@ def measure_cbatch(model_path: str, parallel: int, threads: int, args, work: lis
             parts["llama_decode wall"] = llama_decode_s(stats_after) - llama_decode_s(stats_before)
             caller = caller_cpu_s if caller_cpu_s is not None else own_cpu_s() - own_before
             measured.add(name, tok_s, elapsed_s, num_tokens, {"caller": caller, **parts}, ttfts)
-            measured.notes.append(f"{name}: worker {steps_note(stats_before, stats_after)}")
+            measured.steps[name] = worker_steps(stats_before, stats_after)
 
         timed("one Client, generate_batch",
               lambda: (one_client_batch(endpoint, work, args.max_tokens, args.clients), None, []))
@@ -179,18 +187,24 @@ def peer_of(name: str) -> str:
     return f"llama-server HTTP {way}"
 
 
-def print_table(title: str, measured: Measured) -> None:
-    print(f"\n{title}")
-    print(f"{'path':32} {'tok/s':>9} {'/server':>8}  " + " ".join(f"{c[:12]:>12}" for c in CPU_COLUMNS)
-          + "   (CPU microseconds per generated token)")
+def print_tables(setting: str, setup: str, measured: Measured) -> None:
+    """The setting's tables, once every path is measured: a cbatch path's ratio needs
+    llama-server's figure, measured after it."""
+    paths = Table(f"paths at {setting}: {setup}; CPU in microseconds per generated token", "path", "tok/s",
+                  "/server", *CPU_COLUMNS.values(), widths={"path": 30})
     for name, tok_s in measured.tok_s.items():
         peer = measured.tok_s.get(peer_of(name))
-        ratio = f"{tok_s / peer:.2f}" if peer and not name.startswith("llama-server") else "-"
-        cells = " ".join(f"{measured.cpu_us[name][c]:12.1f}" if c in measured.cpu_us[name] else f"{'':>12}"
-                         for c in CPU_COLUMNS)
-        print(f"{name:32} {tok_s:9.1f} {ratio:>8}  {cells}")
-    for note in measured.notes:
-        print(f"  note: {note}")
+        ratio = tok_s / peer if peer and not name.startswith("llama-server") else None
+        paths.row(name, tok_s, ratio, *(measured.cpu_us[name].get(part) for part in CPU_COLUMNS))
+    ttft = Table(f"time to first token at {setting}", "path", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
+                 widths={"path": 30})
+    for name, ttft_ms in measured.ttft_ms.items():
+        ttft.row(name, *ttft_ms)
+    steps = Table(f"the decode worker's steps at {setting}", "path", *STEP_COLUMNS, widths={"path": 30})
+    for name, figures in measured.steps.items():
+        steps.row(name, *figures)
+    for text in measured.notes:
+        note(text)
 
 
 def name_value(text: str) -> tuple[str, str]:
@@ -227,7 +241,8 @@ def main(argv=None) -> None:
                 prompt_tokens = measure_cbatch(model_path, parallel, threads, args, work, prompts_file.name, measured)
                 if args.llama_server:
                     measure_llama_server(model_path, parallel, threads, args, work, prompts_file.name, measured)
-                print_table(f"model {Path(model_path).name}, --threads {threads}, --parallel {parallel}: "
-                            f"{args.requests} requests x {args.max_tokens} tokens (greedy, ignore_eos), "
-                            f"{prompt_tokens}-token prompts, {args.clients} closed-loop callers", measured)
+                print_tables(f"--threads {threads}, --parallel {parallel}",
+                             f"model {Path(model_path).name}, {args.requests} requests x {args.max_tokens} tokens "
+                             f"(greedy, ignore_eos), {prompt_tokens}-token prompts, {args.clients} closed-loop "
+                             "callers", measured)
 

@@ -1,6 +1,7 @@
 """Soak: thousands of mixed requests from many client processes against one daemon, with
-cancels and killed clients mixed in. Prints what was delivered against what the worker
-generated, errors by code, memory of each daemon process, and leaks; exits 1 on any
+cancels and killed clients mixed in. Prints the requests by how they ended (errors by
+code), what was delivered against what the worker generated with the leaks, and the
+memory of each daemon process, then SOAK PASSED or SOAK FAILED and why; exits 1 on any
 loss, duplicate, leak or unexplained error.
 
     scripts/bench.py soak                           # 2000 requests, 32 clients, tiny model
@@ -9,6 +10,7 @@ loss, duplicate, leak or unexplained error.
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -22,6 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.errors import CbatchError
 from cbatch.model import resolve_model_path
@@ -30,6 +33,7 @@ BIN_DIR = Path(sys.executable).parent
 CANCEL_FRACTION = 0.1
 KILLED_CLIENT_FRACTION = 1 / 8
 MEMORY_SAMPLE_S = 0.5
+DAEMON_EXIT_WAIT_S = 10.0
 
 
 def random_body(rng: random.Random, is_real_model: bool) -> dict:
@@ -76,6 +80,24 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def healthy(endpoint: str, daemon: subprocess.Popen) -> dict | None:
+    """The daemon's health once it is ok; None when the daemon exited first: it listens
+    before it loads the model, so a model it cannot load ends it once its socket is up."""
+    with Client(endpoint) as probe:
+        while True:
+            try:
+                health = probe.health()
+            except CbatchError:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    daemon.wait(DAEMON_EXIT_WAIT_S)  # a daemon that stopped answering as it exits
+                if daemon.returncode is None:
+                    raise
+                return None
+            if health["status"] == "ok":
+                return health
+            time.sleep(0.1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="'tiny' (scripts/tiny_models/llama.py), 'gemma', or a path")
@@ -101,13 +123,13 @@ def main() -> int:
     failures: list[str] = []
     while not (workdir / "soak.sock").exists():
         if daemon.poll() is not None:
-            print(f"SOAK FAILED: the daemon exited {daemon.returncode} before listening")
+            note(f"SOAK FAILED: the daemon exited {daemon.returncode} before listening")
             return 1
         time.sleep(0.1)
-    with Client(endpoint) as probe:
-        while probe.health()["status"] != "ok":
-            time.sleep(0.1)
-        health = probe.health()
+    health = healthy(endpoint, daemon)
+    if health is None:
+        note(f"SOAK FAILED: the daemon exited {daemon.returncode} before it was healthy")
+        return 1
     worker_pid, ring_name = health["worker_pid"], f"cbatch-{daemon.pid}"
     rng = random.Random(args.seed)
     per_client = [args.requests // args.clients + (i < args.requests % args.clients) for i in range(args.clients)]
@@ -181,15 +203,28 @@ def main() -> int:
     except ProcessLookupError:
         pass
 
-    print(f"soak: model {Path(model_path).name}, parallel {args.parallel}, {args.clients} client processes "
-          f"({len(killed)} killed mid-run), {args.requests} requests planned, {elapsed:.1f} s")
-    print(f"requests completed: {len(results)} ({dict(reasons)}); errors by code: {dict(errors) or 'none'}")
-    print(f"tokens delivered {delivered} / generated {generated}; requests with a mismatch: {mismatched}")
-    print(f"ring capacity {args.ring_capacity or 'default'}; FETCHes answered (lapped ring readers): {num_fetches}")
-    print(f"memory (RSS MiB): daemon peak {peak['daemon'] / 1024:.1f} final {final['daemon'] / 1024:.1f}; "
-          f"worker peak {peak['worker'] / 1024:.1f} final {final['worker'] / 1024:.1f}")
-    print(f"leaked segments/sockets: {len(leaks)}; daemon exit code {exit_code}")
-    print("SOAK PASSED" if not failures else "SOAK FAILED: " + "; ".join(failures))
+    note(f"soak: model {Path(model_path).name}, parallel {args.parallel}, ring capacity "
+         f"{args.ring_capacity or 'default'}, {args.clients} client processes ({len(killed)} killed mid-run), "
+         f"{args.requests} requests planned, {elapsed:.1f} s")
+    outcomes = Table("Requests completed (by the clients not killed), by how they ended", "ended", "requests",
+                     widths={"ended": 24})
+    for reason, count in reasons.items():
+        outcomes.row(f"finish_reason {reason}", count)
+    for code, count in errors.items():
+        outcomes.row(f"error {code}", count)
+    checks = Table("Delivered against generated, and what the daemon left behind", "figure", "value",
+                   widths={"figure": 38})
+    checks.row("requests completed", len(results))
+    checks.row("tokens delivered", delivered)
+    checks.row("tokens generated", generated)
+    checks.row("requests with a mismatch", mismatched)
+    checks.row("FETCHes answered (lapped ring readers)", num_fetches)
+    checks.row("leaked segments/sockets", len(leaks))
+    checks.row("daemon exit code", exit_code)
+    memory = Table("Memory of each daemon process", "process", "RSS peak MiB", "RSS final MiB")
+    for process in ("daemon", "worker"):
+        memory.row(process, peak[process] / 1024, final[process] / 1024)
+    note("SOAK PASSED" if not failures else "SOAK FAILED: " + "; ".join(failures))
     shutil.rmtree(workdir, ignore_errors=True)
     return 1 if failures else 0
 

@@ -10,7 +10,10 @@ slot paused, the same probes run again. A probe that finds every slot held waits
 daemon parks a paused request (paused longer than --park-after with others waiting), so
 the target is each probe's time to first token at most 2 x the idle median plus the park
 bound. Then the stalled streams are read to their end: each must hold every token.
-The script's own CPU is printed (it shares the host with the daemon).
+One table, a row for the idle daemon and one per kind of stalled reader: the probes' first,
+median and longest time to first token, the parks, and how many stalled streams held every
+token once read; then notes: the target and its verdicts, and the script's own CPU (it
+shares the host with the daemon).
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     .venv/bin/python scripts/bench.py stalled_readers --model /tmp/tiny.gguf
@@ -28,6 +31,7 @@ import time
 import httpx
 
 from benches.peers import CbatchDaemon, free_port
+from benches.report import Table, note
 from cbatch.client import AsyncClient, Client
 from cbatch.model import resolve_model_path
 
@@ -139,11 +143,12 @@ def main(argv=None) -> None:
                 raise RuntimeError("the HTTP server did not come up")
             time.sleep(0.2)
         with Client(daemon.endpoint) as client:
+            ttfts = Table(f"time to first token of {args.probes} probes beside {args.parallel} stalled readers",
+                          "stalled readers", "first ms", "median ms", "max ms", "parks", "streams whole")
             idle = probe_ttfts(client, args.probes)
-            idle_s = statistics.median(idle)
-            bound_s = 2 * idle_s + args.park_after
-            print(f"idle: time to first token median {idle_s * 1000:.1f} ms, max {max(idle) * 1000:.1f} ms "
-                  f"({args.probes} probes); the target beside stalled readers: at most {bound_s:.2f} s", flush=True)
+            ttfts.row("none (idle)", idle[0] * 1000, statistics.median(idle) * 1000, max(idle) * 1000, None, None)
+            bound_s = 2 * statistics.median(idle) + args.park_after
+            verdicts = {}
             for name, stalls in (("zmq", lambda: ZmqStalls(daemon.endpoint, args.parallel, args.stall_tokens)),
                                  ("sse", lambda: SseStalls(port, args.parallel, args.stall_tokens))):
                 parks_before = client.stats()["num_parks"]
@@ -152,14 +157,14 @@ def main(argv=None) -> None:
                 beside = probe_ttfts(client, args.probes)
                 num_parks = client.stats()["num_parks"] - parks_before
                 counts = stalled.finish()
-                verdict = "met" if max(beside) <= bound_s else "missed"
-                print(f"{name}: {args.parallel} stalled readers, time to first token first {beside[0]:.2f} s, "
-                      f"median {statistics.median(beside) * 1000:.1f} ms, max {max(beside):.2f} s; {num_parks} parks; "
-                      f"stalled streams whole once read: {counts == [args.stall_tokens] * args.parallel}; "
-                      f"target {verdict}", flush=True)
+                verdicts[name] = "met" if max(beside) <= bound_s else "missed"
+                ttfts.row(name, beside[0] * 1000, statistics.median(beside) * 1000, max(beside) * 1000, num_parks,
+                          sum(count == args.stall_tokens for count in counts))
+            note(f"target: each probe beside stalled readers at most 2 x the idle median + --park-after = "
+                 f"{bound_s:.2f} s: " + ", ".join(f"{name} {verdict}" for name, verdict in verdicts.items()))
     finally:
         daemon.stop()
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
     cpu_s = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
-    print(f"CPU: the script used {cpu_s:.1f} s", flush=True)
+    note(f"CPU: the script used {cpu_s:.1f} s")
 

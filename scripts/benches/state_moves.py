@@ -3,11 +3,13 @@ engine in-process (the decode worker's loop, without its sockets) runs --streams
 generations beside --conversations conversations that take turns on --slots more slots,
 so that every few steps a stream's state is saved to host memory or restored from it.
 
-Printed, for the steps that decode only and for those that also compute prompt tokens
-(the step that admits a returning turn prefills its new tokens too): the median and the
-slowest step with no state moved and with one, the slowest with one against the median
-step of its kind (the target: at most 2x); then the saves' and restores' own times and
-sizes against the median step.
+Printed, after the setup: a table of the steps, all of them, then those that decode only
+and those that also compute prompt tokens (the step that admits a returning turn prefills
+its new tokens too), each kind with no state moved and with one: their count, median and
+slowest step, and the slowest with a state moved against the median step of its kind (the
+target, met or missed in a note: at most 2x); then the saves' and restores' own times and
+sizes against the median step; then the host tier's hits and the prompt tokens computed
+and reused.
 
     .venv/bin/python scripts/bench.py state_moves [--model GGUF] [--streams 16] [--slots 4]
 """
@@ -16,6 +18,7 @@ import argparse
 import statistics
 import time
 
+from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
 from cbatch.params import parse_request
@@ -101,30 +104,34 @@ def main(argv=None) -> None:
                         waiting[request_id] = (conversation, turn + 1)
     stats = engine.snapshot()
     engine.close()
-    median = statistics.median(t for times in steps.values() for t in times)
+    all_steps = [t for times in steps.values() for t in times]
+    median = statistics.median(all_steps)
 
-    def ms(seconds: float) -> str:
-        return f"{1000 * seconds:.1f} ms"
+    def count_median_slowest_ms(times: list[float]) -> tuple:
+        return (len(times), 1000 * statistics.median(times), 1000 * max(times)) if times else (0, None, None)
 
-    print(f"{args.streams} streams decoding beside {args.conversations} conversations x {args.turns} turns on "
-          f"{args.slots} slots ({args.history_words}-word histories); "
-          f"{sum(len(times) for times in steps.values())} steps, median {ms(median)}")
+    note(f"{args.streams} streams decoding beside {args.conversations} conversations x {args.turns} turns on "
+         f"{args.slots} slots ({args.history_words}-word histories)")
+    step_times = Table("Step times, with and without a state moved", "steps", "state moved", "count", "median ms",
+                       "slowest ms", "x its median", widths={"steps": 18})
+    step_times.row("all", "either", *count_median_slowest_ms(all_steps), None)
+    ratios = []  # of each kind, its slowest step that moved a state over its median step with none moved
     for is_prefill, kind in ((False, "decode only"), (True, "with prompt tokens")):
         still, moved = steps[is_prefill, False], steps[is_prefill, True]
-        line = f"  {kind:18}: no state moved {len(still)} steps"
-        if still:
-            line += f", median {ms(statistics.median(still))}, slowest {ms(max(still))}"
+        step_times.row(kind, "no", *count_median_slowest_ms(still), None)
         if moved:
-            reference = statistics.median(still) if still else median
-            line += (f"; a state moved {len(moved)} steps, median {ms(statistics.median(moved))}, slowest "
-                     f"{ms(max(moved))}: {max(moved) / reference:.2f}x its kind's median (target: at most 2x)")
-        print(line)
+            ratios.append(max(moved) / (statistics.median(still) if still else median))
+        step_times.row(kind, "yes", *count_median_slowest_ms(moved), ratios[-1] if moved else None)
+    if ratios:
+        note(f"target: the slowest step with a state moved at most 2x the median step of its kind: "
+             f"{max(ratios):.2f}x, {'met' if max(ratios) <= 2 else 'missed'}")
+    moves = Table("State moves between the slots and the host tier", "move", "count", "median ms", "slowest ms",
+                  "slowest % of median step", "median MB")
     for name, timings in (("saves", timed.saves), ("restores", timed.restores)):
-        if timings:
-            slowest = max(t for t, _ in timings)
-            print(f"  {name}: {len(timings)}, median {ms(statistics.median(t for t, _ in timings))}, slowest "
-                  f"{ms(slowest)} ({100 * slowest / median:.0f}% of the median step), median size "
-                  f"{statistics.median(b for _, b in timings) / 1e6:.1f} MB")
-    print(f"  host tier hits {stats.get('host_cache_hits', 0)}, prompt tokens computed "
-          f"{stats['prompt_tokens_computed']}, reused {stats['prompt_tokens_reused']}")
-
+        times = [t for t, _ in timings]
+        moves.row(name, *count_median_slowest_ms(times), 100 * max(times) / median if times else None,
+                  statistics.median(b for _, b in timings) / 1e6 if timings else None)
+    tokens = Table("Prompt tokens and the host tier", "run", "host tier hits", "prompt tokens computed",
+                   "prompt tokens reused", widths={"run": 9})
+    tokens.row("whole run", stats.get("host_cache_hits", 0), stats["prompt_tokens_computed"],
+               stats["prompt_tokens_reused"])

@@ -13,16 +13,18 @@ prompts; greedy for n = 1, sampled with a seed a choice otherwise): `json_schema
 opens (free for a budget of 16 tokens, the schema from its close tag on), each run first;
 then plain decoding of exactly as many tokens per sequence (ignore_eos, max_tokens set to
 what the constrained sequence produced, the same prompts shared the same way), so both runs
-decode the same batch shapes. Printed per mode: tokens, wall tok/s, the cost per token
-against plain (plain tok/s over the mode's), host ms per step (a step's time outside
-llama_decode), the share of constrained tokens whose check missed, and `valid`: of the
-answers that stopped (not cut by max_tokens), how many are what was asked (the schema's
-JSON after the thinking, an object, a call of the function). No callers: the engine runs
-in this process, whose CPU time is printed beside the wall time.
+decode the same batch shapes. Printed, a row per round, concurrency, n and mode: tokens,
+wall tok/s and plain's, the cost per token against plain (plain tok/s over the mode's),
+host ms per step (a step's time outside llama_decode) and plain's, the share of
+constrained tokens whose check missed, the answers that stopped (not cut by max_tokens)
+and how many of those are `valid`, what was asked (the schema's JSON after the thinking,
+an object, a call of the function). No callers: the engine runs in this process, whose
+CPU time is printed beside the wall time.
 
 With --compile-delay, last: a daemon on the model, and a small streamed request's time to
 first token alone, then submitted just behind a request whose schema is about 100 KB
-(a new one each time, so nothing is cached): the delay is the difference of the medians.
+(a new one each time, so nothing is cached): a row each, and a note of the delay, the
+difference of the medians.
 
     .venv/bin/python scripts/bench.py structured [--model PATH] [--parallel 1 4 16 64] [--n 1 4] [--rounds 2]
         [--compile-delay]
@@ -42,6 +44,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from benches.peers import CbatchDaemon
+from benches.report import Table, note
 from benches.schema_suite import suite  # the schemas the tests use too
 from cbatch.client import Client
 from cbatch.config import EngineConfig
@@ -89,7 +92,7 @@ def time_one_row(model_path: str, num_calls: int) -> None:
         gbnf_ms = (time.perf_counter() - started) / num_calls * 1e3
         lc.llama_sampler_free(grammar)
         matcher = engine.structured.compiler.matcher(parse_params({"json_schema": {"type": "object"}}))
-        print(f"vocabulary adapter built in {engine.structured.compiler.adapter_build_s:.2f} s ({n_vocab} tokens)")
+        note(f"vocabulary adapter built in {engine.structured.compiler.adapter_build_s:.2f} s ({n_vocab} tokens)")
         brace = runner.tokenize("{", add_special=False)[0]
         started = time.perf_counter()
         for _ in range(num_calls):
@@ -100,14 +103,19 @@ def time_one_row(model_path: str, num_calls: int) -> None:
         for _ in range(num_calls):
             rows._fill_masks([matcher])
         mask_ms = (time.perf_counter() - started) / num_calls * 1e3
-        print(f"one row: llama.cpp GBNF sampler {gbnf_ms:.3f} ms | llguidance check {check_ms:.4f} ms, "
-              f"mask {mask_ms:.3f} ms ({gbnf_ms / mask_ms:.0f}x less than GBNF on a miss)")
+        one_row = Table(f"One logit row of {n_vocab} tokens, constrained", "enforcement", "ms per row",
+                        widths={"enforcement": 22})
+        one_row.row("llama.cpp GBNF sampler", gbnf_ms)
+        one_row.row("llguidance check", check_ms)
+        one_row.row("llguidance mask", mask_ms)
+        note(f"llguidance's mask, which only a missed check pays, costs {gbnf_ms / mask_ms:.0f}x less than GBNF")
         for schema in suite():
             engine.structured.compiler.matcher(parse_params({"json_schema": schema}))
         compile_ms = sorted(1e3 * s for s in engine.structured.compiler.compile_s)
         p99 = compile_ms[min(len(compile_ms) - 1, int(0.99 * len(compile_ms)))]
-        print(f"compile: {len(compile_ms)} schemas, p50 {statistics.median(compile_ms):.2f} ms, p99 {p99:.2f} ms, "
-              f"max {compile_ms[-1]:.2f} ms")
+        compile_times = Table("Schema compile times", "schemas", "count", "p50 ms", "p99 ms", "max ms",
+                              widths={"schemas": 12})
+        compile_times.row("schema suite", len(compile_ms), statistics.median(compile_ms), p99, compile_ms[-1])
     finally:
         engine.close()
 
@@ -165,7 +173,7 @@ def bodies_of(prompt: str, parallel: int, n: int, fields: dict) -> list[dict]:
             for i in range(parallel)]
 
 
-def compare(model_path: str, parallel: int, n: int, max_tokens: int) -> None:
+def compare(modes: Table, round_number: int, model_path: str, parallel: int, n: int, max_tokens: int) -> None:
     engine = Engine(EngineConfig(model_path=model_path, parallel=parallel, ctx_size=parallel * 1024))
     try:
         engine.structured.tokenizer()  # the adapter, outside the timings
@@ -181,10 +189,9 @@ def compare(model_path: str, parallel: int, n: int, max_tokens: int) -> None:
             tok_s, plain_tok_s = num_tokens / wall_s, sum(a["tokens"] for a in plain_answers) / plain_wall_s
             stopped = [a for a in answers if a["finish"] == "stop"]
             num_valid = sum(is_valid(mode, a["text"]) for a in stopped)
-            print(f"{parallel:>8} {n:>2} {mode:12} {num_tokens:>6} {tok_s:>8.1f} {plain_tok_s:>8.1f} "
-                  f"{plain_tok_s / tok_s:>7.2f}x {figures['host_ms']:>7.2f} {plain_figures['host_ms']:>7.2f} "
-                  f"{figures['miss']:>6.1%} {f'{num_valid}/{len(stopped)}':>7} {cpu_s:>6.1f} "
-                  f"{wall_s + plain_wall_s:>6.1f}")
+            modes.row(round_number, parallel, n, mode, num_tokens, tok_s, plain_tok_s, plain_tok_s / tok_s,
+                      figures["host_ms"], plain_figures["host_ms"], 100 * figures["miss"], len(stopped), num_valid,
+                      cpu_s, wall_s + plain_wall_s)
     finally:
         engine.close()
 
@@ -233,10 +240,13 @@ def compile_delay(model_path: str, num_probes: int) -> None:
                     big.join()
                 compile_s.append(time.perf_counter() - big_started)
         idle, behind = statistics.median(idle_s), statistics.median(behind_s)
-        print(f"compile delay: {len(json.dumps(big_schema(0))) / 1e3:.0f} KB schema answered in "
-              f"{statistics.median(compile_s) * 1e3:.0f} ms (median); a small request's first token "
-              f"{idle * 1e3:.1f} ms alone, {behind * 1e3:.1f} ms behind it (max {max(behind_s) * 1e3:.1f} ms): "
-              f"+{(behind - idle) * 1e3:.1f} ms")
+        schema_kb = len(json.dumps(big_schema(0))) / 1e3
+        first_token = Table(f"A small request's first token, alone and behind a {schema_kb:.0f} KB schema's request",
+                            "submitted", "median ms", "max ms", widths={"submitted": 17})
+        first_token.row("alone", idle * 1e3, max(idle_s) * 1e3)
+        first_token.row("behind the schema", behind * 1e3, max(behind_s) * 1e3)
+        note(f"compile delay: {schema_kb:.0f} KB schema answered in {statistics.median(compile_s) * 1e3:.0f} ms "
+             f"(median); a small request's first token {(behind - idle) * 1e3:+.1f} ms behind it")
     finally:
         daemon.stop()
 
@@ -253,15 +263,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50, help="per one-row timing")
     args = parser.parse_args()
     model_path = resolve_model_path(args.model)
-    print(f"model {os.path.basename(model_path)}, {os.cpu_count()} CPUs, greedy, max_tokens {args.max_tokens}")
+    note(f"model {os.path.basename(model_path)}, {os.cpu_count()} CPUs, greedy, max_tokens {args.max_tokens}")
     time_one_row(model_path, args.calls)
-    print(f"{'parallel':>8} {'n':>2} {'mode':12} {'tokens':>6} {'tok/s':>8} {'plain':>8} {'cost':>8} "
-          f"{'host ms':>7} {'plain':>7} {'missed':>6} {'valid':>7} {'cpu s':>6} {'wall s':>6}")
+    modes = Table("Each mode against plain decoding of as many tokens", "round", "parallel", "n", "mode", "tokens",
+                  "tok/s", "plain tok/s", "cost x", "host ms", "plain host ms", "missed %", "stopped", "valid",
+                  "CPU s", "wall s", widths={"mode": 12})
     for round_index in range(args.rounds):
-        print(f"round {round_index + 1}")
         for parallel in args.parallel:
             for n in args.n:
-                compare(model_path, parallel, n, args.max_tokens)
+                compare(modes, round_index + 1, model_path, parallel, n, args.max_tokens)
     if args.compile_delay:
         compile_delay(model_path, args.probes)
-

@@ -4,6 +4,12 @@ N concurrent Clients, in one run; plus token delivery latency and idle reader CP
 Latency is measured by the local clients from the ring's publish stamp (written by the
 worker just before it moves the write cursor) to the moment the client has read the
 records; a step's sampling precedes its publish by that step's postprocessing only.
+
+Prints the setup; a row per path, its tokens/s and their ratio to the in-process engine's
+(the mean of a run before the other paths and one after them, both in a note); the
+delivery latency's percentiles for one Client and for --parallel Clients; and the % of a
+core a client process waiting for its token uses, with no traffic and while --parallel
+other requests stream.
 """
 
 import argparse
@@ -12,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +25,9 @@ import numpy as np
 
 from benches import callers
 from benches.engine import make_prompts
-from benches.peers import BIN_DIR
+from benches.peers import BIN_DIR, CbatchDaemon
 from benches.proc_cpu import process_cpu_s
+from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
@@ -128,40 +134,33 @@ def main() -> None:
     counter.close()
     bodies = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True} for p in prompts]
 
-    workdir = Path(tempfile.mkdtemp(prefix="cbatch-bench-"))
-    endpoint = f"ipc://{workdir / 'bench.sock'}"
-    env = {**os.environ, "CBATCH_ENDPOINT": endpoint, "XDG_RUNTIME_DIR": str(workdir)}
-    daemon = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "--model", model_path, "--parallel", str(args.parallel),
-                               "--ctx-size", str(1024 * args.parallel)], env=env, stderr=subprocess.DEVNULL)
+    daemon = CbatchDaemon(model_path, args.parallel, ["--ctx-size", str(1024 * args.parallel)])
+    env, endpoint = daemon.env, daemon.endpoint
     try:
-        while not (workdir / "bench.sock").exists():
-            time.sleep(0.1)
-        with Client(endpoint) as probe:
-            while probe.health()["status"] != "ok":
-                time.sleep(0.1)
-        print(f"model {model_path}; parallel {args.parallel}; {args.requests} requests of ~{args.prompt_tokens} prompt "
-              f"tokens, {args.max_tokens} generated, greedy")
+        note(f"model {model_path}; parallel {args.parallel}; {args.requests} requests of ~{args.prompt_tokens} prompt "
+             f"tokens, {args.max_tokens} generated, greedy")
         in_process = run_in_process(model_path, args.parallel, bodies)
-        submit = run_submit(env, bodies, workdir)
+        submit = run_submit(env, bodies, daemon.workdir)
         one, one_latencies = run_one_client(endpoint, bodies)
         clients, latencies = run_clients(endpoint, bodies, args.parallel)
         in_process_again = run_in_process(model_path, args.parallel, bodies)
         reference = (in_process + in_process_again) / 2
-        print(f"{'path':34} {'tok/s':>8} {'vs in-process':>14}")
+        throughput = Table("Throughput by path", "path", "tok/s", "x in-process", widths={"path": 34})
         for name, value in (("in-process engine (mean of 2)", reference), ("cbatch-submit", submit),
                             ("1 Client, stream_batch", one),
                             (f"{args.parallel} concurrent Clients (threads)", clients)):
-            print(f"{name:34} {value:8.1f} {value / reference:14.3f}")
-        print(f"  in-process runs: {in_process:.1f} and {in_process_again:.1f} tok/s")
+            throughput.row(name, value, value / reference)
+        note(f"in-process runs: {in_process:.1f} and {in_process_again:.1f} tok/s")
+        delivery = Table("Delivery latency, ring publish -> read", "readers", "reads", "p50 ms", "p99 ms", "max ms",
+                         widths={"readers": 11})
         for name, values in (("1 Client", one_latencies), (f"{args.parallel} Clients", latencies)):
             lat_ms = np.array(values) / 1e6
-            print(f"delivery latency, ring publish -> read, {name}, {len(lat_ms)} reads: "
-                  f"p50 {np.percentile(lat_ms, 50):.3f} ms, p99 {np.percentile(lat_ms, 99):.3f} ms, "
-                  f"max {lat_ms.max():.3f} ms")
+            delivery.row(name, len(lat_ms), np.percentile(lat_ms, 50), np.percentile(lat_ms, 99), lat_ms.max())
         quiet, busy = idle_reader_cpu(env, args.parallel)
-        print(f"idle reader CPU over {IDLE_WINDOW_S:.0f} s: {quiet:.2f}% of a core with no traffic, "
-              f"{busy:.2f}% while {args.parallel} other requests stream")
+        idle_cpu = Table(f"Idle reader CPU over {IDLE_WINDOW_S:.0f} s", "traffic", "% of a core",
+                         widths={"traffic": 27})
+        idle_cpu.row("none", quiet)
+        idle_cpu.row(f"{args.parallel} other requests streaming", busy)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(60)
+        daemon.stop()
 

@@ -8,7 +8,8 @@ requests spread over --tenants tenants of unequal weights; the difference of the
 step times is what the tenants cost (target: at most 0.05 ms per step for 1,000 tenants
 at 64 sequences). A step's time is the CPU time of this process (time.process_time),
 so other work on a shared machine, which takes the CPU away between two calls, does not
-count in it.
+count in it. Prints the setup, a row per run (its tenants and milliseconds per step, the
+fastest of --repeats) and what the tenants cost.
 
     .venv/bin/python scripts/bench.py tenants --tenants 1000 --parallel 64
 """
@@ -18,6 +19,7 @@ import itertools
 import math
 import time
 
+from benches.report import Table, note
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.pool import PoolCacheManager
 from cbatch.workers.engine.sched.scheduler import Scheduler
@@ -74,8 +76,8 @@ def main() -> None:
         for num_tenants in runs:
             runs[num_tenants] = min(runs[num_tenants], step_ms(num_tenants, args.parallel, args.steps,
                                                                args.output_tokens, args.queue))
-    print(f"{args.parallel} sequences, {args.queue} waiting, {args.output_tokens} tokens each, {args.steps} steps")
+    note(f"{args.parallel} sequences, {args.queue} waiting, {args.output_tokens} tokens each, {args.steps} steps")
+    figures = Table("Scheduler CPU per step, the fastest of --repeats", "tenants", "ms per step")
     for num_tenants, ms in runs.items():
-        print(f"{num_tenants:6d} tenants: {ms:.4f} ms per step")
-    print(f"fair share among {args.tenants} tenants costs {runs[args.tenants] - runs[1]:+.4f} ms per step")
-
+        figures.row(num_tenants, ms)
+    note(f"fair share among {args.tenants} tenants costs {runs[args.tenants] - runs[1]:+.4f} ms per step")
