@@ -174,6 +174,7 @@ _BY_HAND = {"stop": _stop, "grammar": check_grammar, "json_schema": check_json_s
             "logit_bias": _logit_bias, "reasoning_tags": _reasoning_tags}
 PARAM_NAMES = frozenset(SamplingParams.__struct_fields__)
 SCHEDULING_NAMES = tuple(field.encode_name for field in structs.fields(Scheduling))
+DEFAULT_SCHEDULING = Scheduling()  # most requests set none of it: no conversion for them
 CONSTRAINT_NAMES = ("grammar", "json_schema", "tool_call")  # at most one a request
 
 
@@ -230,7 +231,8 @@ def parse_request(request_id: int, raw: dict) -> Request:
     prompt, messages = body.pop("prompt", None), body.pop("messages", None)
     if (prompt is None) == (messages is None):
         raise invalid("give exactly one of 'prompt' or 'messages'")
-    when = parse_scheduling({name: body.pop(name) for name in SCHEDULING_NAMES if name in body})
+    when = DEFAULT_SCHEDULING if body.keys().isdisjoint(SCHEDULING_NAMES) else \
+        parse_scheduling({name: body.pop(name) for name in SCHEDULING_NAMES if name in body})
     images = check_images(body.pop("images", None), prompt, messages)
     offered_tools = body.pop("offered_tools", None)
     if offered_tools and prompt is not None:
