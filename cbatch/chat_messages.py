@@ -49,7 +49,8 @@ class ToolSpec(msgspec.Struct, frozen=True, array_like=True):
     parameters: str  # a JSON schema as compact JSON
 
 
-def _json_text(name: str, value) -> str:
+def json_text(name: str, value) -> str:
+    """`value` as compact JSON text, refused under `name` when it is not JSON or too long."""
     try:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as err:
@@ -68,7 +69,7 @@ def _calls(where: str, value) -> tuple[ChatCall, ...]:
         calls.append(ChatCall(checked_text(f"{where}.tool_calls[{j}].id", call.get("id", ""), MAX_NAME_CHARS,
                                            allow_empty=True),
                               checked_text(f"{where}.tool_calls[{j}].function.name", function["name"], MAX_NAME_CHARS),
-                              _json_text(f"{where}.tool_calls[{j}].function.arguments", function["arguments"])))
+                              json_text(f"{where}.tool_calls[{j}].function.arguments", function["arguments"])))
     return tuple(calls)
 
 
@@ -121,7 +122,7 @@ def parse_tools(value) -> tuple[ToolSpec, ...]:
         tools.append(ToolSpec(checked_text(f"{where}.name", function.get("name"), MAX_NAME_CHARS),
                               checked_text(f"{where}.description", function.get("description", ""), MAX_JSON_CHARS,
                                            allow_empty=True),
-                              _json_text(f"{where}.parameters", function.get("parameters", {}))))
+                              json_text(f"{where}.parameters", function.get("parameters", {}))))
     return tuple(tools)
 
 

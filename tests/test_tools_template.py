@@ -7,6 +7,7 @@ grammar makes them calls, so every call here is forced."""
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -167,6 +168,25 @@ def test_a_named_function_with_a_grammar_is_a_clear_error(daemon):
         client.generate(messages=ASK, tools=[WEATHER], tool_choice=NAMED, grammar='root ::= "x"')
     assert caught.value.code == "invalid_request" and "grammar" in caught.value.message
 
+
+
+@pytest.mark.parametrize("function, mentions", [
+    ({"name": "f", "parameters": {"type": "object", "properties": {"x": {"maximum": math.nan}}}},
+     "tools[0].function.parameters is not JSON"),
+    ({"name": "f", "description": ["not", "text"]}, "tools[0].function.description must be a string"),
+])
+def test_a_tool_the_daemon_could_not_describe_is_refused_under_the_callers_name(daemon, function, mentions):
+    """What the worker checks of offered tools is checked first where the caller's `tools`
+    are read, so the error names the field the caller sent; a bystander's chat carries on."""
+    from cbatch.errors import CbatchError
+
+    with daemon.client() as client:
+        for choice in ("auto", "required"):
+            with pytest.raises(CbatchError) as caught:
+                client.generate(messages=ASK, tools=[{"type": "function", "function": function}],
+                                tool_choice=choice, **GREEDY)
+            assert caught.value.code == "invalid_request" and mentions in caught.value.message, caught.value.message
+        assert client.generate(messages=ASK, tools=[WEATHER], tool_choice=NAMED, **GREEDY).tool_calls
 
 def _submit(daemon, tmp_path, lines: list[dict], *args: str) -> list[dict]:
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

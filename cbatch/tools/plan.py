@@ -15,9 +15,10 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from cbatch.chat_messages import MAX_TOOLS
+from cbatch.chat_messages import MAX_JSON_CHARS, MAX_TOOLS, json_text
 from cbatch.constraints import MAX_SCHEMA_DEPTH, schema_depth
 from cbatch.params import invalid
+from cbatch.text_checks import checked_text
 from cbatch.tools.formats import JSON_ANSWER, JsonAnswer
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -117,7 +118,12 @@ def _functions(tools) -> dict[str, dict]:
             raise invalid(f"tools[{i}].function.parameters must be a JSON schema object")
         if schema_depth(parameters, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
             raise invalid(f"tools[{i}].function.parameters nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep")
-        functions[name] = {"description": str(function.get("description", "")), "parameters": parameters}
+        json_text(f"tools[{i}].function.parameters", parameters)  # the daemon's check, under the caller's name
+        description = function.get("description")
+        if description is not None:
+            description = checked_text(f"tools[{i}].function.description", description, MAX_JSON_CHARS,
+                                       allow_empty=True)
+        functions[name] = {"description": description or "", "parameters": parameters}
     return functions
 
 
