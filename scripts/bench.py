@@ -31,7 +31,7 @@ from benches import report  # scripts/benches/, beside this file
 
 BENCHES = Path(__file__).resolve().parent / "benches"
 # What the benches share (benches/__init__.py), not benches themselves.
-HELPERS = frozenset({"__init__", "callers", "loadgen", "peers", "proc_cpu", "report", "schema_suite"})
+HELPERS = frozenset({"__init__", "callers", "loadgen", "options", "peers", "proc_cpu", "report", "schema_suite"})
 
 
 def bench_names() -> list[str]:

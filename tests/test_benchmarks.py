@@ -425,7 +425,7 @@ def test_the_entry_lists_every_bench_and_writes_a_json_line_a_run(tmp_path):
                              timeout=RUN_TIMEOUT_S).stdout
     named = {line.split()[0] for line in listing.splitlines() if line.startswith("  ")}
     assert {path.stem for path in (REPO / "scripts" / "benches").glob("*.py")} - named == {
-        "__init__", "callers", "loadgen", "peers", "proc_cpu", "report", "schema_suite"}
+        "__init__", "callers", "loadgen", "options", "peers", "proc_cpu", "report", "schema_suite"}
     runs = tmp_path / "runs.jsonl"
     out = run_script("--json", str(runs), "request_path", "--repeat", "5", "--rounds", "1")
     (record,) = [json.loads(line) for line in runs.read_text().splitlines()]

@@ -9,7 +9,6 @@ for each --max-tokens. Prints a row per --max-tokens: the CPU of this process (t
 alone) per request and per token, and the requests a second.
 """
 
-import argparse
 import asyncio
 import resource
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from tiny_models.llama import make_tiny_model
 
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon
 from benches.report import Table, note
 from cbatch.client import AsyncClient
@@ -43,10 +43,8 @@ async def timed_round(endpoint: str, num_requests: int, max_tokens: int) -> tupl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, model=None, requests=1024, max_tokens=[1, 16])
     parser.add_argument("--model", default="/tmp/tiny.gguf", help="GGUF (written as the tiny test model if missing)")
-    parser.add_argument("--requests", type=int, default=1024)
-    parser.add_argument("--max-tokens", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
     if args.requests < NUM_COROUTINES:
         parser.error(f"--requests must be at least {NUM_COROUTINES}, one for each coroutine")

@@ -13,11 +13,11 @@ governor acted, the default's ratio to the best fixed count, and the CPU the cli
 Usage: .venv/bin/python scripts/bench.py busy_host [--model PATH] [--requests 10] [--max-tokens 64]
 """
 
-import argparse
 import multiprocessing
 import resource
 import time
 
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon
 from benches.report import Table, note
 from cbatch.client import Client
@@ -50,10 +50,7 @@ def run_once(model: str, threads: list[str], args) -> tuple[float, int, str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded default model)")
-    parser.add_argument("--requests", type=int, default=10)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser = bench_parser(__doc__, requests=10, max_tokens=64)
     args = parser.parse_args(argv)
     num_cpus = num_usable_cpus()
     configs = {"default": [], "-t 1": ["-t", "1"], f"-t {num_cpus}": ["-t", str(num_cpus)]}

@@ -21,7 +21,6 @@ a table of its own, a row for each of the two daemons.
         [--restart 2] [--runs 2] [--model GGUF] [--cbatch-flags '--kv-unified']
 """
 
-import argparse
 import http.client
 import json
 import os
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from benches.callers import run_clients
 from benches.long_prompts import Texts
+from benches.options import bench_parser
 from benches.peers import BIN_DIR, LLAMA_SERVER, START_TIMEOUT_S, free_port, wait_http
 from benches.report import Table, note
 from cbatch.model import resolve_model_path
@@ -257,11 +257,9 @@ def measure_restart(args, texts_seed: int, model_path: str) -> tuple[list[Turn],
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
+    parser = bench_parser(__doc__, parallel=4)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=150)
     parser.add_argument("--history-tokens", type=int, default=1300)
     parser.add_argument("--user-tokens", type=int, default=20)

@@ -3,9 +3,9 @@ throughput, through the engine's runner with no scheduling, sampling or sockets.
 how much batching can buy before any cbatch code is involved. Prints the setup, then a row
 per number of sequences: prefill tokens/s, a decode step's milliseconds and decode tokens/s."""
 
-import argparse
 import time
 
+from benches.options import bench_parser
 from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
@@ -48,9 +48,7 @@ def bare_decode(model_path: str, parallel: int, prompt_tokens: int = PROMPT_TOKE
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser = bench_parser(__doc__, parallel=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     model_path = resolve_model_path(args.model)
     note(f"model {model_path}; {PROMPT_TOKENS}-token prompts, {NUM_STEPS} decode steps")

@@ -21,7 +21,6 @@ for a stream starved of tokens).
         [--llama-server build/llama-server/bin/llama-server]
 """
 
-import argparse
 import os
 import socket
 import sys
@@ -34,6 +33,7 @@ import numpy as np
 
 from benches import peers
 from benches.callers import closed_loop, http_sender, prompts
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon, LlamaServer, wait_http
 from benches.report import Table, note
 from cbatch.client import Client
@@ -151,13 +151,11 @@ def measure(args, model_path: str) -> tuple[dict, dict]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
+    parser = bench_parser(__doc__, clients=(8, "closed-loop callers"),
+                          requests=(20, "requests per caller at each size"),
+                          parallel=(16, "--parallel / -np of both servers"),
+                          max_tokens=(128, "the streamed completion's tokens"))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64], help="inputs per request")
-    parser.add_argument("--clients", type=int, default=8, help="closed-loop callers")
-    parser.add_argument("--requests", type=int, default=20, help="requests per caller at each size")
-    parser.add_argument("--parallel", type=int, default=16, help="--parallel / -np of both servers")
-    parser.add_argument("--max-tokens", type=int, default=128, help="the streamed completion's tokens")
     parser.add_argument("--llama-server", default="", help="a llama-server binary to compare with")
     args = parser.parse_args(argv)
     if args.llama_server:

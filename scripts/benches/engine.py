@@ -12,6 +12,7 @@ import time
 
 import llama_cpp
 
+from benches.options import bench_parser
 from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
@@ -78,11 +79,7 @@ def run_engine(model_path, parallel, prompts, params, max_tokens, waves=1, kv_un
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--parallel", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser = bench_parser(__doc__, parallel=[1, 2, 4, 8, 16], prompt_tokens=128, max_tokens=64)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--waves", type=int, default=1, help="run each level's prompts this many times in a row")
     parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False)

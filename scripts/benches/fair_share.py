@@ -16,7 +16,6 @@ short wait; without, about 1 / (1 + heavy-factor), behind the heavy backlog.
     .venv/bin/python scripts/bench.py fair_share --model /tmp/tiny.gguf
 """
 
-import argparse
 import json
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benches import proc_cpu
+from benches.options import REQUIRED, bench_parser
 from benches.peers import CbatchDaemon, free_port, wait_http
 from benches.report import Table, note
 from benches.serving import LOADGEN
@@ -94,14 +94,11 @@ def measure(args, workdir: Path, fair_share: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a GGUF file (scripts/make_tiny_model.py makes a tiny one)")
-    parser.add_argument("--parallel", type=int, default=4)
+    parser = bench_parser(__doc__, model=REQUIRED, parallel=4, max_tokens=32)
     parser.add_argument("--threads", type=int, default=0, help="the daemon's -t (default: its own default)")
     parser.add_argument("--light-clients", type=int, default=4, help="the light tenant's callers")
     parser.add_argument("--heavy-factor", type=int, default=10, help="the heavy tenant's callers per light one")
     parser.add_argument("--light-requests", type=int, default=100, help="the light tenant's requests: the run")
-    parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     note(f"--parallel {args.parallel}, {args.max_tokens} tokens a request; light: {args.light_clients} callers, "
          f"{args.light_requests} streamed requests; heavy: {args.light_clients * args.heavy_factor} callers")

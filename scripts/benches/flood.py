@@ -13,7 +13,6 @@ flooder's requests outlived it, and whether the daemon is still alive.
     .venv/bin/python scripts/bench.py flood --model /tmp/tiny.gguf
 """
 
-import argparse
 import os
 import signal
 import statistics
@@ -24,6 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benches.options import bench_parser
 from benches.peers import BIN_DIR
 from benches.report import Table, note
 from cbatch.client import Client
@@ -69,11 +69,7 @@ def add_row(latencies: Table, phase: str, measured: tuple[list[float], Counter])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded default model)")
-    parser.add_argument("--parallel", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=10, help="short requests timed in each phase")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser = bench_parser(__doc__, parallel=4, requests=(10, "short requests timed in each phase"), max_tokens=8)
     parser.add_argument("--flood-s", type=float, default=3.0, help="how long the flooder runs before timing starts")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="cbatch-flood-"))

@@ -22,7 +22,6 @@ written to $OUT/table.txt, and the versions with every stage's status, figures, 
 notes to $OUT/summary.json. While it runs, a line per stage goes to stderr as the stage ends.
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -33,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from benches.options import bench_parser
 from benches.report import Table, cell, note
 
 REPO = Path(__file__).resolve().parents[2]
@@ -218,13 +218,11 @@ def measure(run: Run, model: str, llama_server: str | None) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, model=None, parallel=[16, 64, 256],
+                          clients=(256, "closed-loop callers, at most --parallel"),
+                          requests=(1024, "requests per path"), max_tokens=128)
     parser.add_argument("--mode", choices=["full", "compare", "rehearse"], default="full")
     parser.add_argument("--budget-s", type=float, default=540, help="stop by itself within this (default 9 min)")
-    parser.add_argument("--parallel", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--clients", type=int, default=256, help="closed-loop callers, at most --parallel")
-    parser.add_argument("--requests", type=int, default=1024, help="requests per path")
-    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=4, help="llama.cpp threads for both servers (GPU: few)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps measured for host work")
     parser.add_argument("--model", help="GGUF (default: the gemma chunks joined from --stage-dir)")

@@ -22,7 +22,6 @@ Usage: .venv/bin/python scripts/bench.py host_work [--parallel 16 64] [--steps 3
        [--vocab N] [--clock wall|thread]
 """
 
-import argparse
 import os
 import tempfile
 import time
@@ -31,6 +30,7 @@ import llama_cpp.llama_cpp as lc
 import zmq
 from tiny_models.llama import make_tiny_model  # scripts/, the entry's folder
 
+from benches.options import bench_parser
 from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.ipc.ring import create_ring
@@ -134,8 +134,7 @@ def run_level(model_path: str, parallel: int, params: dict, backend_sampling: bo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parallel", type=int, nargs="+", default=[16, 64])
+    parser = bench_parser(__doc__, model=None, parallel=[16, 64])
     parser.add_argument("--steps", type=int, default=32, help="decode steps measured per run")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--backend-sampling", nargs="+", default=["off", "on"], choices=["off", "on"],

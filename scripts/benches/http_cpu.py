@@ -14,7 +14,6 @@ a core (then it, not the server, may set the pace). A table per round, a row per
 (or loop); then notes: the flag, and the other's HTTP CPU per request over the default's.
 """
 
-import argparse
 import http.client
 import json
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from tiny_models.llama import make_tiny_model
 
 from benches.callers import run_clients
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon, free_port
 from benches.proc_cpu import process_cpu_s
 from benches.report import Table, note
@@ -102,13 +102,9 @@ def measure(model: str, name: str, env: dict, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__, model=None, parallel=8, requests=400, max_tokens=1, rounds=2)
     parser.add_argument("--model", default=None, help="GGUF (default: the tiny test model, written to a temp dir)")
-    parser.add_argument("--parallel", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--callers", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-connections", action="store_true", help="a new connection per request, as curl")
     parser.add_argument("--loops", action="store_true",
                         help="compare the event loops (asyncio, uvloop), not the parsers")

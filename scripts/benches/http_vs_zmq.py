@@ -13,7 +13,6 @@ cores with the server, as it would on one host. The HTTP server's own CPU time i
 from /proc for its run.
 """
 
-import argparse
 import os
 import socket
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from benches import peers
 from benches.callers import closed_loop, http_sender, one_client_batch, percentiles_ms, prompts, zmq_sender
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon, LlamaServer, http_pid, wait_http
 from benches.proc_cpu import process_cpu_s
 from benches.report import Table, note
@@ -36,11 +36,7 @@ def http_runs(url: str, work: list[str], args, model: str) -> tuple[float, float
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
-    parser.add_argument("--parallel", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser = bench_parser(__doc__, parallel=16, requests=64, max_tokens=64)
     parser.add_argument("--port", type=int, default=0, help="HTTP port (default: a free one)")
     parser.add_argument("--llama-server", default="", help="a llama-server binary to compare with")
     args = parser.parse_args(argv)

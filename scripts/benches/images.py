@@ -15,7 +15,6 @@ noted beside, since on a small machine it shares the cores with the daemon.
     .venv/bin/python scripts/bench.py images --model /tmp/tiny-chat.gguf --mmproj /tmp/tiny-projector.gguf
 """
 
-import argparse
 import concurrent.futures
 import json
 import resource
@@ -29,6 +28,7 @@ import httpx
 import numpy as np
 
 from benches.callers import http_sender
+from benches.options import REQUIRED, bench_parser
 from benches.peers import CbatchDaemon, wait_http
 from benches.report import Table, note
 from cbatch.client import Client
@@ -102,12 +102,9 @@ def concurrent_images(daemon, url: str, model: str, images: list[bytes]) -> tupl
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="GGUF of the text model")
+    parser = bench_parser(__doc__, model=REQUIRED, parallel=8, max_tokens=(400, "tokens per text stream"))
     parser.add_argument("--mmproj", required=True, help="its vision projector GGUF")
-    parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--streams", type=int, default=3, help="text streams")
-    parser.add_argument("--max-tokens", type=int, default=400, help="tokens per text stream")
     parser.add_argument("--image-callers", type=int, default=2, help="closed-loop callers sending images")
     args = parser.parse_args(argv)
     with socket.socket() as sock:

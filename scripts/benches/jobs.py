@@ -18,7 +18,6 @@ Each is a table of its own (the ratios and the job's state beside the probes are
     .venv/bin/python scripts/bench.py jobs --model /tmp/tiny.gguf --parallel 16 --lines 2000 --rss-lines 100000
 """
 
-import argparse
 import contextlib
 import json
 import os
@@ -35,6 +34,7 @@ import httpx
 import numpy as np
 
 from benches.callers import percentiles_ms, prompts
+from benches.options import REQUIRED, bench_parser
 from benches.peers import BIN_DIR, START_TIMEOUT_S, free_port
 from benches.proc_cpu import process_cpu_s
 from benches.report import Table, note
@@ -287,12 +287,9 @@ def restart(model: str, args, state_dir: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--parallel", type=int, default=16)
+    parser = bench_parser(__doc__, model=REQUIRED, parallel=16, max_tokens=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lines", type=int, default=2000, help="lines of the throughput file")
-    parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--ttft-probes", type=int, default=200)
     parser.add_argument("--ttft-callers", type=int, default=8, help="interactive callers, each one request at a time")
     parser.add_argument("--rss-lines", type=int, default=100_000, help="lines run for the memory figure")

@@ -10,7 +10,6 @@ milliseconds per step without and with logprobs, and the ratio of the two tokens
     .venv/bin/python scripts/bench.py logprobs [--model PATH] [--parallel 16]
 """
 
-import argparse
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ import numpy as np
 # The engine bench loads llama_cpp before numpy, the order a CUDA build needs (see
 # cbatch/__init__.py).
 from benches.engine import make_prompts, run_engine
+from benches.options import bench_parser
 from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
@@ -33,14 +33,12 @@ def per_call_ms(fn, num_calls: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__, model=None, parallel=16, max_tokens=32,
+                          rounds=(2, "engine runs without and with logprobs, alternating"))
     parser.add_argument("--vocab", type=int, default=262_144)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--model", default=None, help="GGUF for the engine runs (default: the embedded gemma-3-270m)")
-    parser.add_argument("--parallel", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=5, help="top_logprobs asked for in the engine runs")
-    parser.add_argument("--rounds", type=int, default=2, help="engine runs without and with logprobs, alternating")
     args = parser.parse_args()
     row = np.random.default_rng(0).standard_normal(args.vocab).astype(np.float32) * 4
     argmax_ms = per_call_ms(row.argmax, args.calls)

@@ -15,7 +15,6 @@ row per run as it ends (with cbatch's prefix-cache hit rate), then a table of wo
 configuration with the ratios of streams to llama-server and to no-cache.
 """
 
-import argparse
 import json
 import os
 import random
@@ -26,6 +25,7 @@ from llama_cpp import Llama
 
 from benches import peers
 from benches.callers import closed_loop, counted
+from benches.options import bench_parser
 from benches.peers import BIN_DIR, CbatchDaemon, LlamaServer
 from benches.report import Table, note
 from cbatch.model import resolve_model_path
@@ -77,11 +77,7 @@ def run_file(daemon: CbatchDaemon, texts: Texts, num_lines: int) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
-    parser.add_argument("--parallel", type=int, default=16)
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=3, help="requests per client")
+    parser = bench_parser(__doc__, parallel=16, clients=16, requests=(3, "requests per client"))
     parser.add_argument("--workloads", default="short,shared,unique,file")
     parser.add_argument("--configs", default="streams,no-cache,pool,llama-server")
     parser.add_argument("--file-lines", type=int, default=256)

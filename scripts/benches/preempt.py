@@ -14,7 +14,6 @@ daemon's preemptions; then a note of the CPU the figures come from.
     .venv/bin/python scripts/bench.py preempt --model /tmp/tiny.gguf --parallel 4
 """
 
-import argparse
 import os
 import platform
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon
 from benches.priorities import ms, probe
 from benches.report import Table, note
@@ -95,9 +95,7 @@ def cpu_description() -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded model)")
-    parser.add_argument("--parallel", type=int, default=4)
+    parser = bench_parser(__doc__, parallel=4)
     parser.add_argument("--batch-tokens", type=int, default=256, help="max_tokens of each batch request")
     parser.add_argument("--probes", type=int, default=50, help="interactive probes per phase")
     parser.add_argument("--probe-tokens", type=int, default=8)

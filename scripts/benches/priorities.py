@@ -22,7 +22,6 @@ step, the slot waits and the target's verdict as notes.
     .venv/bin/python scripts/bench.py priorities --model /tmp/tiny.gguf --parallel 16 --lines 10000
 """
 
-import argparse
 import json
 import random
 import subprocess
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benches.options import bench_parser
 from benches.peers import BIN_DIR, CbatchDaemon
 from benches.report import Table, note
 from cbatch.client import Client
@@ -87,9 +87,7 @@ def wait_loaded(daemon: CbatchDaemon, parallel: int) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="GGUF path (default: the embedded model)")
-    parser.add_argument("--parallel", type=int, default=16)
+    parser = bench_parser(__doc__, parallel=16)
     parser.add_argument("--lines", type=int, default=10_000, help="lines of the batch file")
     parser.add_argument("--batch-tokens", type=int, default=32, help="max_tokens of each batch line")
     parser.add_argument("--max-in-flight", type=int, default=64, help="cbatch-submit's window")

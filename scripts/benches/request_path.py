@@ -9,12 +9,12 @@ microseconds per request. Prints one line per body, and the CPU this run used.
     .venv/bin/python scripts/bench.py request_path
 """
 
-import argparse
 import time
 
 import msgpack
 import msgspec
 
+from benches.options import bench_parser
 from benches.report import Table, note
 from cbatch.params import parse_request
 from cbatch.workers.daemon.probation import request_fingerprint
@@ -61,9 +61,7 @@ def us_per_request(run, repeat: int, rounds: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = bench_parser(__doc__, model=None, repeat=2000, rounds=5)
     args = parser.parse_args()
     started = time.process_time()
     figures = Table("CPU per request, the best of --rounds", "body", "front-end us", "worker us", widths={"body": 16})

@@ -14,7 +14,6 @@ row per load (its tok/s, tokens, time, failures, and the hit rate in 3) and the 
 between them as notes.
 """
 
-import argparse
 import asyncio
 import os
 import sys
@@ -23,6 +22,7 @@ import time
 import httpx
 from scale_out import ScaleOut, free_port
 
+from benches.options import bench_parser
 from benches.report import Table, note
 
 WORDS = ("river", "stone", "lamp", "orchard", "signal", "harbor", "copper", "meadow", "ledger", "falcon")
@@ -96,10 +96,8 @@ def with_daemons(cpus: list[set[int]], worker_args: list[str], run) -> object:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="GGUF file (default: cbatch's default model)")
-    parser.add_argument("--requests", type=int, default=48, help="requests per daemon in 1 and 2 (default 48)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    parser = bench_parser(__doc__, requests=(48, "requests per daemon in 1 and 2 (default 48)"),
+                          max_tokens=(64, "tokens per request (default 64)"))
     parser.add_argument("--concurrency", type=int, default=8, help="callers per daemon (default 8)")
     parser.add_argument("--prefixes", type=int, default=4, help="shared prefixes in 3 (default 4)")
     parser.add_argument("--questions", type=int, default=8, help="questions per prefix in 3 (default 8)")

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from benches import peers, proc_cpu
 from benches.callers import closed_loop, one_client_batch, percentiles_ms, prompts, zmq_sender
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon, LlamaServer, free_port, wait_http
 from benches.report import Table, note
 from cbatch.client import AsyncClient, Client
@@ -215,9 +216,7 @@ def name_value(text: str) -> tuple[str, str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
-    parser.add_argument("--parallel", type=int, nargs="+", default=[64])
+    parser = bench_parser(__doc__, parallel=[64])
     parser.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count(), max(1, os.cpu_count() - 1)],
                         help="llama.cpp compute threads, the same for both servers (default: all cores, then one "
                              "core left to the host processes)")

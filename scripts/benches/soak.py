@@ -9,7 +9,6 @@ loss, duplicate, leak or unexplained error.
     scripts/bench.py soak --ring-capacity 32        # ring readers lapped all the time: soaks their recovery
 """
 
-import argparse
 import contextlib
 import json
 import multiprocessing
@@ -24,6 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from benches.options import bench_parser
 from benches.report import Table, note
 from cbatch.client import Client
 from cbatch.errors import CbatchError
@@ -99,11 +99,8 @@ def healthy(endpoint: str, daemon: subprocess.Popen) -> dict | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, model=None, requests=2000, clients=32, parallel=8)
     parser.add_argument("--model", default="tiny", help="'tiny' (scripts/tiny_models/llama.py), 'gemma', or a path")
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--parallel", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ring-capacity", type=int, default=None, help="token ring records (default: the daemon's)")
     args = parser.parse_args()

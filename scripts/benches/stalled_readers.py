@@ -19,7 +19,6 @@ shares the host with the daemon).
     .venv/bin/python scripts/bench.py stalled_readers --model /tmp/tiny.gguf
 """
 
-import argparse
 import asyncio
 import json
 import resource
@@ -30,6 +29,7 @@ import time
 
 import httpx
 
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon, free_port
 from benches.report import Table, note
 from cbatch.client import AsyncClient, Client
@@ -124,9 +124,7 @@ class SseStalls:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded default model)")
-    parser.add_argument("--parallel", type=int, default=4)
+    parser = bench_parser(__doc__, parallel=4)
     parser.add_argument("--park-after", type=float, default=5.0, help="the daemon's --park-after, seconds")
     parser.add_argument("--probes", type=int, default=5)
     parser.add_argument("--stall-tokens", type=int, default=12000, help="max_tokens of each stalled stream")

@@ -14,10 +14,10 @@ and reused.
     .venv/bin/python scripts/bench.py state_moves [--model GGUF] [--streams 16] [--slots 4]
 """
 
-import argparse
 import statistics
 import time
 
+from benches.options import bench_parser
 from benches.report import Table, note
 from cbatch.config import EngineConfig
 from cbatch.model import resolve_model_path
@@ -58,8 +58,7 @@ def words(rng_index: int, count: int) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--streams", type=int, default=16, help="long generations decoding all along")
     parser.add_argument("--slots", type=int, default=4, help="slots the conversations share")
     parser.add_argument("--conversations", type=int, default=12)

@@ -30,7 +30,6 @@ difference of the medians.
         [--compile-delay]
 """
 
-import argparse
 import ctypes
 import json
 import os
@@ -43,6 +42,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
+from benches.options import bench_parser
 from benches.peers import CbatchDaemon
 from benches.report import Table, note
 from benches.schema_suite import suite  # the schemas the tests use too
@@ -252,12 +252,8 @@ def compile_delay(model_path: str, num_probes: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF (default: the embedded gemma-3-270m)")
-    parser.add_argument("--parallel", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser = bench_parser(__doc__, parallel=[1, 4, 16, 64], max_tokens=48, rounds=2)
     parser.add_argument("--n", type=int, nargs="+", default=[1], help="choices a prompt")
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--compile-delay", action="store_true", help="then the ~100 KB schema's delay")
     parser.add_argument("--probes", type=int, default=9, help="small requests timed for --compile-delay")
     parser.add_argument("--calls", type=int, default=50, help="per one-row timing")

@@ -12,7 +12,6 @@ core a client process waiting for its token uses, with no traffic and while --pa
 other requests stream.
 """
 
-import argparse
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ import numpy as np
 
 from benches import callers
 from benches.engine import make_prompts
+from benches.options import bench_parser
 from benches.peers import BIN_DIR, CbatchDaemon
 from benches.proc_cpu import process_cpu_s
 from benches.report import Table, note
@@ -120,12 +120,7 @@ def idle_reader_cpu(env, parallel: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--parallel", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser = bench_parser(__doc__, parallel=16, requests=32, prompt_tokens=128, max_tokens=64)
     args = parser.parse_args()
 
     model_path = resolve_model_path(args.model)

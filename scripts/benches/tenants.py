@@ -14,11 +14,11 @@ fastest of --repeats) and what the tenants cost.
     .venv/bin/python scripts/bench.py tenants --tenants 1000 --parallel 64
 """
 
-import argparse
 import itertools
 import math
 import time
 
+from benches.options import bench_parser
 from benches.report import Table, note
 from cbatch.params import SamplingParams
 from cbatch.workers.engine.kv.pool import PoolCacheManager
@@ -61,9 +61,8 @@ def step_ms(num_tenants: int, parallel: int, num_steps: int, output_tokens: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, model=None, parallel=64)
     parser.add_argument("--tenants", type=int, default=1000)
-    parser.add_argument("--parallel", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--queue", type=int, default=4000, help="requests kept waiting")
