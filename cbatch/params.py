@@ -5,7 +5,7 @@ reach a queue, so the decode loop only ever sees well-formed requests.
 """
 
 import reprlib
-from typing import Annotated, Literal, get_args, get_origin
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta, structs
@@ -24,7 +24,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIASES = 1024  # token ids one request may bias
 MAX_LOGIT_BIAS = 100.0  # as OpenAI: -100 bans a token in practice, +100 all but forces it
 INTERACTIVE, BATCH = "interactive", "batch"
-PRIORITIES = (INTERACTIVE, BATCH)  # admission order: every waiting interactive request before any batch one
+Priority = Literal["interactive", "batch"]
+PRIORITIES = get_args(Priority)  # admission order: every waiting interactive request before any batch one
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -94,7 +95,7 @@ class Scheduling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """When a request is admitted and how long it may take, and whose it is: a request's
     fields of the same names (`timeout` as the caller writes it), bounds checked by msgspec."""
 
-    priority: Literal["interactive", "batch"] = INTERACTIVE
+    priority: Priority = INTERACTIVE
     timeout_s: _ranged(float, 0.0, MAX_TIMEOUT_S, is_lo_open=True) | None = msgspec.field(default=None, name="timeout")
     tenant: Annotated[str, Meta(pattern=TENANT_PATTERN)] = DEFAULT_TENANT
     tenant_weight: _ranged(float, 0.0, MAX_WEIGHT, is_lo_open=True) = 1.0
@@ -110,7 +111,7 @@ class Request(msgspec.Struct, frozen=True, array_like=True):
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None  # cbatch/chat_messages.py: rendered by the decode worker
     params: SamplingParams = SamplingParams()
-    priority: Literal["interactive", "batch"] = INTERACTIVE
+    priority: Priority = INTERACTIVE
     timeout_s: float | None = None  # seconds from its arrival at the daemon; None = the daemon's default
     # Whose request it is (the HTTP server sets it from the API key) and that tenant's
     # share of the decode steps, which the front-end sets from the keys file.
@@ -178,25 +179,21 @@ DEFAULT_SCHEDULING = Scheduling()  # most requests set none of it: no conversion
 CONSTRAINT_NAMES = ("grammar", "json_schema", "tool_call")  # at most one a request
 
 
-def _choices(struct: type) -> dict[str, tuple]:
-    """The values each Literal field of `struct` takes, by the name a caller writes it."""
-    return {field.encode_name: get_args(field.type) for field in structs.fields(struct)
-            if get_origin(field.type) is Literal}
+# What a refused field of a few values, or of a pattern, must be: said in words, not as
+# msgspec's enum or regex.
+_MUST_BE = {"priority": f"one of {list(PRIORITIES)}", "tenant": "1 to 64 letters, digits, '_', '.' or '-'"}
 
 
-_CHOICES = {SamplingParams: _choices(SamplingParams), Scheduling: _choices(Scheduling)}
-
-
-def _field_error(err: msgspec.ValidationError, raw: dict, struct: type) -> str:
+def _field_error(err: msgspec.ValidationError, raw: dict) -> str:
     """msgspec's message ("Expected `int` >= 1 - at `$.max_tokens`") led by the field's
     name, and followed by what the caller sent where it says only what it expected; a
-    field of a few values names them."""
+    field of a few values, or of a pattern, says what it must be in words."""
     expected, _, path = str(err).rpartition(" - at `$.")
     name = path.rstrip("`")
     if not expected or name not in raw:
         return str(err)
-    if name in _CHOICES[struct]:
-        return f"{name} must be one of {list(_CHOICES[struct][name])}, got {reprlib.repr(raw[name])}"
+    if name in _MUST_BE and ("enum value" in expected or "matching regex" in expected):
+        return f"{name} must be {_MUST_BE[name]}, got {reprlib.repr(raw[name])}"
     said = f"{expected[0].lower()}{expected[1:]}"
     return f"{name}: {said}" if ", got `" in said else f"{name}: {said}, got {reprlib.repr(raw[name])}"
 
@@ -205,7 +202,7 @@ def _converted(raw: dict, struct: type):
     try:
         return msgspec.convert(raw, struct, strict=True)
     except msgspec.ValidationError as err:
-        raise invalid(_field_error(err, raw, struct)) from None
+        raise invalid(_field_error(err, raw)) from None
 
 
 def parse_params(raw: dict) -> SamplingParams:

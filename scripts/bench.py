@@ -6,8 +6,10 @@ machine (CPU model, cores, memory, accelerator) and, when it ends, its wall time
 CPU this process (the in-process callers) and its reaped children (daemons, llama-server,
 load generators) used. A bench prints its figures as tables and its other findings as
 notes (benches/report.py); `--json FILE`, before NAME, appends all of that as one JSON
-line, with the run's command, its tables (rows of numbers under their column names), notes
-and printed text, so runs on different machines and commits sit side by side in one file.
+line, with the run's command, its exit status, its tables (rows of numbers under their
+column names), notes and printed text, so runs on different machines and commits sit side
+by side in one file. The entry exits with the bench's status (a bench's `main` returns
+nonzero when a check it makes failed).
 
     .venv/bin/python scripts/bench.py request_path
     .venv/bin/python scripts/bench.py --json runs.jsonl serving --model /tmp/tiny.gguf --parallel 16

@@ -24,18 +24,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", nargs="?", help=f"where to write it (the llama model: default {llama.DEFAULT_PATH})")
     parser.add_argument("--kind", choices=sorted(OPTIONS), default="llama")
     parser.add_argument("--chat-template", metavar="FILE", help="llama: a Jinja chat template to embed")
-    parser.add_argument("--pooling", choices=sorted(embedding.POOLING), help="embedding: how it pools (mean)")
+    parser.add_argument("--pooling", choices=sorted(embedding.POOLING), help="embedding: how it pools (default mean)")
     parser.add_argument("--n-embd-text", type=int, help=f"projector: the text model's width ({llama.N_EMBD})")
     args = parser.parse_args(argv)
-    stray = [name for name in set().union(*OPTIONS.values()) - OPTIONS[args.kind] if getattr(args, name) is not None]
+    stray = [name for name in sorted(set().union(*OPTIONS.values()) - OPTIONS[args.kind])
+             if getattr(args, name) is not None]
     if stray:
         parser.error(f"--{stray[0].replace('_', '-')} is not an option of --kind {args.kind}")
     if args.path is None and args.kind != "llama":
         parser.error(f"--kind {args.kind} needs OUT_PATH")
+    given = {name: getattr(args, name) for name in OPTIONS[args.kind] if getattr(args, name) is not None}
     if args.kind == "embedding":
-        print(embedding.make_tiny_embedding_model(args.path, args.pooling or "mean"))
+        print(embedding.make_tiny_embedding_model(args.path, **given))
     elif args.kind == "projector":
-        print(projector.make_tiny_projector(args.path, args.n_embd_text or llama.N_EMBD))
+        print(projector.make_tiny_projector(args.path, **given))
     else:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         print(llama.make_tiny_model(args.path or llama.DEFAULT_PATH, chat_template=template))

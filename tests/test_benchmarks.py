@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, load_script
 
 RUN_TIMEOUT_S = 300
 NUMBER = r"\d+(?:\.\d+)?"
@@ -437,3 +437,21 @@ def test_the_entry_lists_every_bench_and_writes_a_json_line_a_run(tmp_path):
     unknown = subprocess.run([sys.executable, "scripts/bench.py", "nope"], cwd=REPO, capture_output=True, text=True,
                              timeout=RUN_TIMEOUT_S)
     assert unknown.returncode != 0 and "no bench named 'nope'" in unknown.stderr
+
+
+def test_a_table_keeps_numbers_as_json_and_refuses_a_cell_that_is_not_one(capsys):
+    """numpy's scalars become Python numbers and a NaN becomes None in the kept row (the
+    JSON line stays strict), small figures keep their digits on the terminal, and a cell
+    that is no number, text or None is refused at its row, not when the line is written."""
+    import numpy as np
+
+    report = load_script("benches/report")
+    figures = report.Table("figures", "name", "count", "share", "missing", "tiny")
+    figures.row("first", np.int64(3), np.float32(0.5), float("nan"), 4.2e-05)
+    with pytest.raises(TypeError, match="a table cell is a number, text or None, got list"):
+        figures.row("second", [1], 1, 1, 1)
+    report.note("a note")
+    kept = json.loads(json.dumps(report.kept(), allow_nan=False))
+    assert kept == {"tables": [{"title": "figures", "columns": ["name", "count", "share", "missing", "tiny"],
+                                "rows": [["first", 3, 0.5, None, 4.2e-05]]}], "notes": ["a note"]}
+    assert capsys.readouterr().out.splitlines()[2].split() == ["first", "3", "0.5", "-", "4.2e-05"]

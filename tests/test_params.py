@@ -89,8 +89,9 @@ BAD_BODIES = [
     ({"prompt": "x", "timeout": 0}, "timeout: expected `float` > 0.0, got 0"),
     ({"prompt": "x", "timeout": 8 * 24 * 3600}, "timeout: expected `float` <= 604800"),
     ({"prompt": "x", "timeout": True}, "timeout: expected `float | null`, got `bool`"),
-    ({"prompt": "x", "tenant": "two words"}, "tenant: expected `str` matching regex"),
-    ({"prompt": "x", "tenant": "t" * 65}, "tenant: expected `str` matching regex"),
+    ({"prompt": "x", "tenant": "two words"},
+     "tenant must be 1 to 64 letters, digits, '_', '.' or '-', got 'two words'"),
+    ({"prompt": "x", "tenant": "t" * 65}, "tenant must be 1 to 64 letters"),
     ({"prompt": "x", "tenant_weight": 0}, "tenant_weight: expected `float` > 0.0, got 0"),
     ({"prompt": "x", "tenant_weight": math.nan}, "tenant_weight"),
 ]

@@ -169,7 +169,6 @@ def test_a_named_function_with_a_grammar_is_a_clear_error(daemon):
     assert caught.value.code == "invalid_request" and "grammar" in caught.value.message
 
 
-
 @pytest.mark.parametrize("function, mentions", [
     ({"name": "f", "parameters": {"type": "object", "properties": {"x": {"maximum": math.nan}}}},
      "tools[0].function.parameters is not JSON"),
@@ -187,6 +186,7 @@ def test_a_tool_the_daemon_could_not_describe_is_refused_under_the_callers_name(
                                 tool_choice=choice, **GREEDY)
             assert caught.value.code == "invalid_request" and mentions in caught.value.message, caught.value.message
         assert client.generate(messages=ASK, tools=[WEATHER], tool_choice=NAMED, **GREEDY).tool_calls
+
 
 def _submit(daemon, tmp_path, lines: list[dict], *args: str) -> list[dict]:
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -23,7 +23,6 @@ for a stream starved of tokens).
 
 import os
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -144,7 +143,7 @@ def measure(args, model_path: str) -> tuple[dict, dict]:
             gaps["llama-server"] = (token_gaps(url, model, args.max_tokens),
                                     token_gaps(url, model, args.max_tokens, load, args.parallel - 1))
         except httpx.HTTPError as err:  # a build that cannot embed, or generate beside embeddings
-            print(f"llama-server: {err!r}", file=sys.stderr)
+            note(f"llama-server: measured no further after {err!r}; its rows stop there")
         finally:
             server.stop()
     return rates, gaps

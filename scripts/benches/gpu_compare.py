@@ -109,7 +109,9 @@ class Run:
         self.summary["stages"][name] = {"status": status, "s": round(seconds, 1), "figures": figures, **(kept or {})}
         print(f"[{time.monotonic() - self.started:5.0f} s] {name}: {status}", file=sys.stderr, flush=True)
 
-    def finish(self) -> None:
+    def finish(self) -> int:
+        """Print and write the table of the stages; 1 when a stage failed or ran out of time
+        (a skipped one is no failure: the budget said so), which the entry exits with."""
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):  # kept as printed for table.txt, then shown
             stages = Table("stages", "stage", "status", "s", "figures", widths={"stage": 18, "status": 12})
@@ -119,6 +121,7 @@ class Run:
         (self.out / "table.txt").write_text(printed.getvalue())
         (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1) + "\n")
         sys.stdout.write(printed.getvalue())
+        return int(any(status.startswith("failed") or status == "out of time" for _, status, _, _ in self.rows))
 
 
 def table_rows(record: dict, title: str) -> list[list]:
@@ -163,7 +166,7 @@ def versions(run: Run) -> None:
     commit = Path(run.args.stage_dir) / "llama.cpp.commit"
     run.summary["versions"]["llama.cpp"] = commit.read_text().strip() if commit.exists() else "absent"
     run.add("versions", "ok", 0, "; ".join(f"{k}: {v.splitlines()[-1] if v else '-'}"
-                                             for k, v in run.summary["versions"].items()))
+                                            for k, v in run.summary["versions"].items()))
 
 
 def build(run: Run) -> str | None:
@@ -217,7 +220,7 @@ def measure(run: Run, model: str, llama_server: str | None) -> None:
                       f"--configs streams,llama-server --file-lines 0 --no-cache-file-lines 0", long_figures)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = bench_parser(__doc__, model=None, parallel=[16, 64, 256],
                           clients=(256, "closed-loop callers, at most --parallel"),
                           requests=(1024, "requests per path"), max_tokens=128)
@@ -240,5 +243,5 @@ def main(argv=None) -> None:
         run.add("build", "skipped", 0, f"{args.mode} mode: no build")
     model = model_path(run)
     measure(run, model, llama_server)
-    run.finish()
+    return run.finish()
 

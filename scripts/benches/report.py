@@ -12,12 +12,25 @@ MIN_WIDTH = 8
 
 def cell(value) -> str:
     """A figure as the terminal shows it: floats to the digits that matter at their size
-    (a rate of 1234.5, a ratio of 1.25, a fraction of 0.873), None as "-"."""
+    (a rate of 1234.5, a ratio of 1.25, a fraction of 0.873 or 4.2e-05), None as "-"."""
     if value is None:
         return "-"
     if isinstance(value, float) and math.isfinite(value):
-        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}" if abs(value) >= 1 else f"{value:.3f}"
+        return f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
     return str(value)
+
+
+def kept_value(value):
+    """A cell as the JSON line keeps it: numpy's scalars as Python's, floats to 7 digits,
+    a NaN or an infinity as None (the line stays strict JSON); anything else is refused
+    here, at the row, not after the run when the line is written."""
+    if hasattr(value, "item") and not isinstance(value, (bool, int, float, str)):
+        value = value.item()  # a numpy scalar
+    if value is not None and not isinstance(value, (bool, int, float, str)):
+        raise TypeError(f"a table cell is a number, text or None, got {type(value).__name__}")
+    if isinstance(value, float):
+        return float(f"{value:.7g}") if math.isfinite(value) else None
+    return value
 
 
 class Table:
@@ -34,8 +47,9 @@ class Table:
     def row(self, *values) -> None:
         if len(values) != len(self.columns):
             raise ValueError(f"a row of {len(self.columns)} columns {self.columns}, got {len(values)} values")
-        self.rows.append([round(v, 6) if isinstance(v, float) else v for v in values])
-        self._print([cell(value) for value in values])
+        row = [kept_value(value) for value in values]
+        self.rows.append(row)
+        self._print([cell(value) for value in row])
 
     def _print(self, cells) -> None:
         first, *rest = cells

@@ -4,7 +4,7 @@ struct, set the tenant's weight, encode the worker's message, take the crash fin
 and the decode worker's part (decode that message into the Request the engine prepares).
 
 Each body is run --repeat times in a row, best of --rounds; the figures are process CPU
-microseconds per request. Prints one line per body, and the CPU this run used.
+microseconds per request. Prints a table with a row per body, and the CPU this run used.
 
     .venv/bin/python scripts/bench.py request_path
 """

@@ -192,16 +192,16 @@ def print_tables(setting: str, setup: str, measured: Measured) -> None:
     """The setting's tables, once every path is measured: a cbatch path's ratio needs
     llama-server's figure, measured after it."""
     paths = Table(f"paths at {setting}: {setup}; CPU in microseconds per generated token", "path", "tok/s",
-                  "/server", *CPU_COLUMNS.values(), widths={"path": 30})
+                  "/server", *CPU_COLUMNS.values(), widths={"path": 34})
     for name, tok_s in measured.tok_s.items():
         peer = measured.tok_s.get(peer_of(name))
         ratio = tok_s / peer if peer and not name.startswith("llama-server") else None
         paths.row(name, tok_s, ratio, *(measured.cpu_us[name].get(part) for part in CPU_COLUMNS))
     ttft = Table(f"time to first token at {setting}", "path", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
-                 widths={"path": 30})
+                 widths={"path": 34})
     for name, ttft_ms in measured.ttft_ms.items():
         ttft.row(name, *ttft_ms)
-    steps = Table(f"the decode worker's steps at {setting}", "path", *STEP_COLUMNS, widths={"path": 30})
+    steps = Table(f"the decode worker's steps at {setting}", "path", *STEP_COLUMNS, widths={"path": 34})
     for name, figures in measured.steps.items():
         steps.row(name, *figures)
     for text in measured.notes:

@@ -4,9 +4,9 @@ code), what was delivered against what the worker generated with the leaks, and 
 memory of each daemon process, then SOAK PASSED or SOAK FAILED and why; exits 1 on any
 loss, duplicate, leak or unexplained error.
 
-    scripts/bench.py soak                           # 2000 requests, 32 clients, tiny model
-    scripts/bench.py soak --model gemma --requests 200 --clients 8
-    scripts/bench.py soak --ring-capacity 32        # ring readers lapped all the time: soaks their recovery
+    .venv/bin/python scripts/bench.py soak                      # 2000 requests, 32 clients, tiny model
+    .venv/bin/python scripts/bench.py soak --model gemma --requests 200 --clients 8
+    .venv/bin/python scripts/bench.py soak --ring-capacity 32   # ring readers lapped all the time: soaks their recovery
 """
 
 import contextlib
@@ -110,13 +110,24 @@ def main() -> int:
         model_path = make_tiny_model(str(workdir / "tiny.gguf"))
     else:
         model_path = resolve_model_path(None if args.model == "gemma" else args.model)
-    is_real_model = args.model != "tiny"
 
     endpoint = f"ipc://{workdir / 'soak.sock'}"
     env = {**os.environ, "CBATCH_ENDPOINT": endpoint, "XDG_RUNTIME_DIR": str(workdir)}
     ring_args = ["--ring-capacity", str(args.ring_capacity)] if args.ring_capacity else []
     daemon = subprocess.Popen([str(BIN_DIR / "cbatch-worker"), "--model", model_path, "--parallel", str(args.parallel),
                                "--ctx-size", str(1024 * args.parallel), *ring_args], env=env, stderr=subprocess.DEVNULL)
+    try:
+        return soak(args, daemon, workdir, model_path)
+    finally:  # a soak that failed early leaves no daemon running and no files behind
+        if daemon.poll() is None:
+            daemon.terminate()
+            daemon.wait(60)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def soak(args, daemon: subprocess.Popen, workdir: Path, model_path: str) -> int:
+    """The soak against a started daemon: its verdict, 0 when nothing was lost or leaked."""
+    endpoint, is_real_model = f"ipc://{workdir / 'soak.sock'}", args.model != "tiny"
     failures: list[str] = []
     while not (workdir / "soak.sock").exists():
         if daemon.poll() is not None:
@@ -222,6 +233,5 @@ def main() -> int:
     for process in ("daemon", "worker"):
         memory.row(process, peak[process] / 1024, final[process] / 1024)
     note("SOAK PASSED" if not failures else "SOAK FAILED: " + "; ".join(failures))
-    shutil.rmtree(workdir, ignore_errors=True)
     return 1 if failures else 0
 

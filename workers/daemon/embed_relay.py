@@ -16,7 +16,6 @@ nonce and refused the same way: none of a refused call runs.
 import time
 from collections import OrderedDict
 
-from cbatch.api_keys import DEFAULT_TENANT
 from cbatch.embeddings import MAX_INPUTS_PER_MESSAGE, parse_dimensions, parse_inputs
 from cbatch.errors import QUEUE_FULL, SHUTTING_DOWN, CbatchError
 from cbatch.params import parse_scheduling
@@ -53,7 +52,7 @@ class EmbedRelay:
         nonce = field(body, "nonce", int)
         inputs = parse_inputs(field(body, "input", (str, list)), MAX_INPUTS_PER_MESSAGE)
         dimensions = parse_dimensions(body.get("dimensions"))
-        tenant = parse_scheduling({"tenant": body.get("tenant", DEFAULT_TENANT)}).tenant
+        tenant = parse_scheduling({"tenant": body["tenant"]} if "tenant" in body else {}).tenant
         part = field(body, "part", int, optional=True) or 0
         is_first = part == 0
         if is_draining:
