@@ -16,9 +16,8 @@ import json
 import uuid
 
 from cbatch.errors import CbatchError
+from cbatch.openai.answer_parts import AnswerParts
 from cbatch.openai.mapping import ApiRequest, error_status
-from cbatch.openai.reasoning import ReasoningSplitter
-from cbatch.tools import ToolCallStream
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 EMPTY_BLOCKS = {"thinking": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""}}
@@ -51,8 +50,7 @@ class MessageEvents:
     def __init__(self, api: ApiRequest):
         self.message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": api.model,
                         "content": [], "stop_reason": None, "stop_sequence": None, "usage": message_usage(None)}
-        self._splitter = ReasoningSplitter(api.reasoning) if api.reasoning else None
-        self._tools = ToolCallStream(api.tools) if api.tools else None
+        self._parts = AnswerParts(api)
         self._open: dict | None = None  # the thinking or text block being streamed
 
     def start(self, prompt_tokens: int = 0) -> list[dict]:
@@ -67,15 +65,8 @@ class MessageEvents:
              ) -> list[dict]:
         """The events of the answer's next text (and of its end, with a finish reason, and
         the stop sequence that ended it, if one did)."""
-        events = []
-        content = text
-        if self._splitter is not None:
-            reasoning, content = self._splitter.push(text, is_last=finish_reason is not None)
-            if reasoning:
-                events += self._text("thinking", reasoning)
-        deltas = [{"content": content}] if content else []
-        if self._tools is not None:
-            deltas, finish_reason = self._tools.push(content, finish_reason)
+        reasoning, deltas, finish_reason = self._parts.push(text, finish_reason)
+        events = self._text("thinking", reasoning) if reasoning else []
         for delta in deltas:
             if delta.get("content"):
                 events += self._text("text", delta["content"])

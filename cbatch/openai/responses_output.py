@@ -14,9 +14,8 @@ not stream is the same events' last response.
 import time
 import uuid
 
+from cbatch.openai.answer_parts import AnswerParts
 from cbatch.openai.mapping import ApiRequest
-from cbatch.openai.reasoning import ReasoningSplitter
-from cbatch.tools import ToolCallStream
 
 # output item type -> (content part type, its delta event, its done event)
 PARTS = {"message": ("output_text", "response.output_text.delta", "response.output_text.done"),
@@ -54,8 +53,7 @@ class ResponseEvents:
         self.output: list[dict] = []
         self._open: dict | None = None  # the reasoning or message item being streamed
         self._num_events = 0
-        self._splitter = ReasoningSplitter(api.reasoning) if api.reasoning else None
-        self._tools = ToolCallStream(api.tools) if api.tools else None
+        self._parts = AnswerParts(api)
         self._num_reasoning_tokens = 0
 
     def event(self, kind: str, **fields) -> dict:
@@ -79,16 +77,11 @@ class ResponseEvents:
 
     def push(self, text: str, num_tokens: int, finish_reason: str | None, usage: dict | None) -> list[dict]:
         """The events for the answer's next text (and its end, with a finish reason)."""
+        reasoning, deltas, finish_reason = self._parts.push(text, finish_reason)
         events = []
-        content = text
-        if self._splitter is not None:
-            reasoning, content = self._splitter.push(text, is_last=finish_reason is not None)
-            if reasoning:  # thinking tokens: those of the rounds that carried thinking
-                self._num_reasoning_tokens += num_tokens
-                events += self._text("reasoning", reasoning)
-        deltas = [{"content": content}] if content else []
-        if self._tools is not None:
-            deltas, finish_reason = self._tools.push(content, finish_reason)
+        if reasoning:  # thinking tokens: those of the rounds that carried thinking
+            self._num_reasoning_tokens += num_tokens
+            events += self._text("reasoning", reasoning)
         for delta in deltas:
             if delta.get("content"):
                 events += self._text("message", delta["content"])
