@@ -16,6 +16,9 @@ Each is a table of its own (the ratios and the job's state beside the probes are
 
     .venv/bin/python scripts/make_tiny_model.py /tmp/tiny.gguf
     .venv/bin/python scripts/bench.py jobs --model /tmp/tiny.gguf --parallel 16 --lines 2000 --rss-lines 100000
+
+`--cbatch-flags '--cache-ram 0'` runs the daemon without its host-memory tier, which keeps
+the KV states of the lines' prompts (up to --cache-ram) and so is part of the memory figure.
 """
 
 import contextlib
@@ -81,8 +84,8 @@ class Daemon:
         self.log = open(self.workdir / "daemon.log", "w")
         self.process = subprocess.Popen(
             [str(BIN_DIR / "cbatch-worker"), "-m", model, "-np", str(args.parallel), "-t", str(args.threads),
-             "--http", str(self.port), "--state-dir", state_dir], env=self.env, stdout=self.log,
-            stderr=subprocess.STDOUT)
+             "--http", str(self.port), "--state-dir", state_dir, *args.cbatch_flags.split()],
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=60)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -294,6 +297,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ttft-callers", type=int, default=8, help="interactive callers, each one request at a time")
     parser.add_argument("--rss-lines", type=int, default=100_000, help="lines run for the memory figure")
     parser.add_argument("--kill-lines", type=int, default=400, help="lines of the job killed mid-way")
+    parser.add_argument("--cbatch-flags", default="", help="more cbatch-worker flags, e.g. '--cache-ram 0'")
     args = parser.parse_args(argv)
     state_dir = tempfile.mkdtemp(prefix="cbj-state-")
     try:
