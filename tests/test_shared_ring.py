@@ -9,10 +9,12 @@ import subprocess
 import sys
 import threading
 
+import pytest
 from common import GREEDY
 from daemonkit import wait_until
 from ringkit import publish
 
+from cbatch.client.ring_inbox import RingInbox
 from cbatch.client.shared_ring import RingTap, SharedRingReader
 from cbatch.client.streams import RequestStream
 from cbatch.ipc.ring import RingWriter, create_ring
@@ -181,3 +183,30 @@ def test_a_request_carried_over_from_the_relay_reads_what_the_ring_got_before_it
         ring.unlink()
     assert error is None and not gapped_ids
     assert [(index, token_id) for index, token_id, *_ in rows[7]] == [(3, 103), (4, 104), (5, 105)]
+
+
+def test_a_tap_collected_after_its_reader_stopped_closes_its_inbox_and_writes_nowhere(tmp_path):
+    """A finalizer may run long after the reader thread ended (a client of an earlier daemon,
+    collected later on any thread): it must neither write to the closed wake pipe, whose
+    descriptor number a new pipe may hold by then, nor leave its inbox's pipe open."""
+    ring = create_ring(f"cbatch-test-late-{os.getpid()}", 64)
+    try:
+        tap = RingTap(ring.name, f"ipc://{tmp_path / 'tick.sock'}")
+        reader = tap._reader
+        tap.close()  # the last user: the reader thread ends and closes its pipe
+        assert not reader._thread.is_alive()
+        read_fd, write_fd = os.pipe()  # takes the lowest free numbers: the reader's old ones
+        os.set_blocking(read_fd, False)
+        late_inbox = RingInbox()
+        try:
+            reader.depart_later(late_inbox, [7])
+            with pytest.raises(BlockingIOError):
+                os.read(read_fd, 1)  # nothing was written into the pipe that reused the numbers
+        finally:
+            os.close(read_fd)
+            os.close(write_fd)
+        with pytest.raises(OSError):
+            os.fstat(late_inbox.wake_fd)  # the late departure closed its inbox
+    finally:
+        ring.close()
+        ring.unlink()

@@ -15,9 +15,14 @@ record goes to the one inbox that watches its request.
 Finalizers: a client dropped without close() (an AsyncClient in a reference cycle, say)
 gives its tap back when the garbage collector runs, and the collector runs on whatever
 thread happens to allocate, the reader's own included, in the middle of pump() with the
-lock held. So the collected path takes no lock and waits for nothing: it queues the
-departure, and the reader thread applies it (unwatch, close the inbox, release) at its
-next wake-up, which the queueing causes. Only an explicit close() gives back at once. Overruns: the ids the RingReader
+lock held. So the collected path takes no lock of the reader's and waits for nothing: it
+queues the departure, and the reader thread applies it (unwatch, close the inbox, release)
+at its next wake-up, which the queueing causes. Only an explicit close() gives back at
+once. A collection can also come after the reader thread ended (seen in a benchmark: a
+client from an earlier daemon's phase collected on a thread of the next): the wake pipe is
+closed then, and a write to its number could land in whatever reused it, so the pipe is
+written and closed under a lock of its own (held for the write or the close, nothing
+else), and a departure that finds it closed closes its inbox itself. Overruns: the ids the RingReader
 reports as gapped reach their inbox as gap notices; the session fetches what it missed
 over ZeroMQ and calls resume(). Any thread may also pump the reader itself (`pump()`),
 as a session does before it acts on a FINISHED message, whose records the worker wrote
@@ -91,24 +96,35 @@ class SharedRingReader:
         # pops are atomic, so the finalizer that queues one takes no lock.
         self._departures: deque[tuple[RingInbox, list[int]]] = deque()
         self._is_stopping = False  # the last user left: the reader thread ends
-        # Wakes the reader thread: a departure was queued, or the last user left.
+        # Wakes the reader thread: a departure was queued, or the last user left. Written
+        # and closed under _pipe_lock (reentrant: a finalizer may run on the thread that
+        # holds it); once _is_pipe_closed, nothing writes to its descriptors again.
         self._wake_read_fd, self._wake_write_fd = os.pipe()
         os.set_blocking(self._wake_write_fd, False)
+        self._pipe_lock = threading.RLock()
+        self._is_pipe_closed = False
         self._thread = threading.Thread(target=self._run, args=(tick_endpoint,), name="cbatch-ring-reader",
                                         daemon=True)
         self._thread.start()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_write_fd, b"\0")
-        except BlockingIOError:
-            pass  # a full pipe wakes the thread as well
+        with self._pipe_lock:
+            if self._is_pipe_closed:
+                return  # the thread ended: nothing to wake
+            try:
+                os.write(self._wake_write_fd, b"\0")
+            except BlockingIOError:
+                pass  # a full pipe wakes the thread as well
 
     def depart_later(self, inbox: RingInbox, request_ids: list[int]) -> None:
         """A collected tap's give-back, from whatever thread the collector ran on: queued
         for the reader thread, never blocking (see the module docstring)."""
-        self._departures.append((inbox, request_ids))
-        self._wake()
+        with self._pipe_lock:
+            if self._is_pipe_closed:  # the thread ended: nothing puts into the inbox any more
+                inbox.close()
+                return
+            self._departures.append((inbox, request_ids))
+            self._wake()
 
     def _apply_departures(self) -> None:
         """On the reader thread, holding no lock: what collected taps queued."""
@@ -195,8 +211,12 @@ class SharedRingReader:
                 self.pump()
         finally:  # the thread owns what it reads with, so nothing is closed under it
             tick.close(linger=0)
-            os.close(self._wake_read_fd)
-            os.close(self._wake_write_fd)
+            with self._pipe_lock:
+                self._is_pipe_closed = True
+                os.close(self._wake_read_fd)
+                os.close(self._wake_write_fd)
+            while self._departures:  # queued after the last wake-up: no later one comes
+                self._departures.popleft()[0].close()
             self._ring.close()
 
 
