@@ -15,15 +15,16 @@ record goes to the one inbox that watches its request.
 Finalizers: a client dropped without close() (an AsyncClient in a reference cycle, say)
 gives its tap back when the garbage collector runs, and the collector runs on whatever
 thread happens to allocate, the reader's own included, in the middle of pump() with the
-lock held. So the collected path takes no lock of the reader's and waits for nothing: it
+lock held. So the collected path never takes the reader's lock and waits for nothing: it
 queues the departure, and the reader thread applies it (unwatch, close the inbox, release)
 at its next wake-up, which the queueing causes. Only an explicit close() gives back at
 once. A collection can also come after the reader thread ended (seen in a benchmark: a
 client from an earlier daemon's phase collected on a thread of the next): the wake pipe is
 closed then, and a write to its number could land in whatever reused it, so the pipe is
 written and closed under a lock of its own (held for the write or the close, nothing
-else), and a departure that finds it closed closes its inbox itself. Overruns: the ids the RingReader
-reports as gapped reach their inbox as gap notices; the session fetches what it missed
+else), and a departure that finds it closed closes its inbox itself.
+
+Overruns: the ids the RingReader reports as gapped reach their inbox as gap notices; the session fetches what it missed
 over ZeroMQ and calls resume(). Any thread may also pump the reader itself (`pump()`),
 as a session does before it acts on a FINISHED message, whose records the worker wrote
 before the message was sent.
@@ -93,7 +94,7 @@ class SharedRingReader:
         self._inbox_of: dict[int, RingInbox] = {}  # watched request id -> the inbox of its session
         self._num_users = 0
         # Collected taps' (inbox, watched ids), for the reader thread: deque appends and
-        # pops are atomic, so the finalizer that queues one takes no lock.
+        # pops are atomic, so the finalizer that queues one takes no lock but the wake pipe's.
         self._departures: deque[tuple[RingInbox, list[int]]] = deque()
         self._is_stopping = False  # the last user left: the reader thread ends
         # Wakes the reader thread: a departure was queued, or the last user left. Written
